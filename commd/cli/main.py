@@ -1,0 +1,40 @@
+"""The `commd` command: daemon, launch, status, demo."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="commd", description="per-node communication daemon for distributed training")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    from commd.daemon import main as daemon_main
+
+    p = sub.add_parser("daemon", help="run the node daemon for a job (foreground)")
+    daemon_main.add_arguments(p)
+    p.set_defaults(run=daemon_main.run)
+
+    from commd.cli import launch, status
+
+    p = sub.add_parser("launch", help="start the node daemon and N training processes")
+    launch.add_arguments(p)
+    p.set_defaults(run=launch.run)
+
+    p = sub.add_parser("status", help="show a job daemon's clients, queues and latencies")
+    status.add_arguments(p)
+    p.set_defaults(run=status.run)
+
+    p = sub.add_parser("demo", help="train a small DDP model through commd and through Gloo")
+    from commd.cli import demo
+
+    demo.add_arguments(p)
+    p.set_defaults(run=demo.run)
+
+    args = parser.parse_args(argv)
+    return int(args.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

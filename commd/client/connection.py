@@ -1,0 +1,371 @@
+"""The client side of the control protocol: connect, register, submit, complete.
+
+A client uses two DEALER sockets to its node daemon so that no ZeroMQ socket
+is ever shared between threads: the *request* socket (any caller thread,
+under a lock) carries the handshake, registrations and op submissions; the
+*reply* socket belongs to a receiver thread that completes handles as the
+daemon answers, watches the daemon's pid and fails every pending op promptly
+if the daemon disappears.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import zmq
+
+from commd.client.errors import (
+    CommdError,
+    CommTimeoutError,
+    ConnectError,
+    DaemonDiedError,
+    RequestError,
+    from_reply,
+)
+from commd.client.handle import Handle
+from commd.kernels.reduce import DTYPE_NAMES, TORCH_DTYPES
+from commd.memory.arena import Arena, Segment
+from commd.protocol import schema as s
+from commd.runtime import JobPaths, env_int, pid_alive
+
+log = logging.getLogger("commd.client")
+
+DEFAULT_ARENA_BYTES = 64 << 20
+#: Extra time a client grants the daemon beyond an op's own timeout before
+#: it gives up on an answer (the daemon normally reports the timeout itself).
+ANSWER_GRACE_S = 10.0
+RECEIVER_POLL_MS = 100
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise RequestError(f"dtype {dtype} is not supported by commd") from None
+
+
+class Client:
+    """One process's connection to its node daemon."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        local_rank: int = 0,
+        job: str | None = None,
+        secret: str | None = None,
+        arena_bytes: int | None = None,
+        op_timeout: float | None = None,
+        connect_timeout: float = 30.0,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside [0, {world_size})")
+        self.rank = rank
+        self.world_size = world_size
+        self.local_rank = local_rank
+        self.paths = JobPaths.for_job(job)
+        self.secret = secret if secret is not None else self.paths.read_secret()
+        size = arena_bytes if arena_bytes is not None else env_int(
+            "COMMD_ARENA_BYTES", DEFAULT_ARENA_BYTES, 1 << 16, 1 << 40
+        )
+        token = uuid.uuid4().hex[:12]
+        self.arena = Arena(f"commd-{self.paths.job}-r{rank}-{os.getpid()}-{token}", size)
+        self.arena.on_new_segment = self._register_segment
+        self.op_timeout = op_timeout
+        self._ids = itertools.count(1)
+        self._seq: dict[str, int] = {}
+        self._groups: dict[str, list[int]] = {}
+        self._pending: dict[int, Handle] = {}
+        self._pending_lock = threading.Lock()
+        self._send_lock = threading.RLock()
+        self._broken: CommdError | None = None
+        self._closed = False
+        self._ctx = zmq.Context.instance()
+        self._req = self._ctx.socket(zmq.DEALER)
+        self._rep = self._ctx.socket(zmq.DEALER)
+        for sock in (self._req, self._rep):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+        self._connect(connect_timeout)
+
+    # ---- connection ---------------------------------------------------
+    def _connect(self, timeout: float) -> None:
+        if not self.paths.socket.exists():
+            raise ConnectError(
+                f"no commd daemon for job {self.paths.job!r}: {self.paths.socket} does not exist"
+            )
+        self.arena.new_segment(self.arena.segment_bytes)
+        self._req.connect(self.paths.endpoint)
+        self._rep.connect(self.paths.endpoint)
+        first = self.arena.segments[0]
+        welcome = self._request(
+            {
+                "t": s.HELLO, "job": self.paths.job, "secret": self.secret, "rank": self.rank,
+                "local_rank": self.local_rank, "world_size": self.world_size, "pid": os.getpid(),
+                "segments": [{"seg": first.seg_id, "name": first.name, "size": first.size}],
+            },
+            timeout,
+        )
+        first.unlink()  # the daemon has it mapped now; nothing is left behind in /dev/shm
+        self.client_id = welcome["client_id"]
+        self.daemon_pid = welcome["daemon_pid"]
+        if self.op_timeout is None:
+            self.op_timeout = float(welcome["op_timeout"])
+        self._rep.send(s.encode({"t": "attach", "client_id": self.client_id, "secret": self.secret}))
+        if not self._rep.poll(int(timeout * 1000)):
+            raise ConnectError("daemon did not acknowledge the reply channel")
+        ack = s.decode(self._rep.recv())
+        if ack.get("t") != s.ACK:
+            raise from_reply(ack.get("code", ""), ack.get("message", "attach refused"))
+        self._receiver = threading.Thread(target=self._receive_loop, name="commd-client-rx", daemon=True)
+        self._receiver.start()
+
+    def _request(self, message: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
+        """Synchronous request/reply on the request socket."""
+        with self._send_lock:
+            self._check_usable()
+            self._req.send(s.encode(message))
+            deadline = time.monotonic() + timeout
+            while not self._req.poll(RECEIVER_POLL_MS):
+                if not self._daemon_alive():
+                    raise DaemonDiedError(f"commd daemon (job {self.paths.job!r}) died")
+                if time.monotonic() > deadline:
+                    raise ConnectError(f"commd daemon did not answer a '{message['t']}' request in {timeout:.0f}s")
+            reply = s.decode(self._req.recv())
+        if reply.get("t") == s.ERROR:
+            raise from_reply(reply.get("code", ""), reply.get("message", "request refused"))
+        return reply
+
+    def _daemon_alive(self) -> bool:
+        pid = getattr(self, "daemon_pid", None)
+        return True if pid is None else pid_alive(pid)
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise type(self._broken)(str(self._broken))
+        if self._closed:
+            raise CommdError("commd client is closed")
+
+    def _register_segment(self, segment: Segment) -> None:
+        self._request({"t": s.SEGMENT, "seg": segment.seg_id, "name": segment.name, "size": segment.size})
+        segment.unlink()
+
+    def register_group(self, name: str, ranks: list[int]) -> None:
+        """Tell the daemon about a group (all members must register the same ranks)."""
+        self._request({"t": s.GROUP, "name": name, "ranks": list(ranks)})
+        self._groups[name] = list(ranks)
+        self._seq.setdefault(name, 0)
+
+    def group_rank(self, group: str) -> int:
+        return self._groups[group].index(self.rank)
+
+    def close(self) -> None:
+        """Leave the job: fail nothing, tell the daemon, release the arena."""
+        if self._closed:
+            return
+        if self._broken is None:
+            try:
+                self._request({"t": s.BYE}, timeout=5.0)
+            except CommdError:
+                pass
+        self._closed = True
+        self._broken = self._broken or CommdError("commd client is closed")
+        self._receiver.join(timeout=2)
+        self._req.close()
+        self._rep.close()
+
+    # ---- receiver thread ----------------------------------------------
+    def _receive_loop(self) -> None:
+        sock = self._rep
+        while not self._closed:
+            try:
+                if sock.poll(RECEIVER_POLL_MS):
+                    while True:
+                        try:
+                            frame = sock.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._on_reply(frame)
+                    continue
+            except zmq.ZMQError:
+                if self._closed:
+                    return
+                raise
+            self._check_deadlines()
+
+    def _on_reply(self, frame: bytes) -> None:
+        try:
+            reply = s.decode(frame)
+        except s.ProtocolError as exc:
+            log.error("bad reply from the daemon: %s", exc)
+            return
+        op_id = reply.get("id", -1)
+        with self._pending_lock:
+            handle = self._pending.pop(op_id, None)
+        if handle is None:
+            if reply.get("t") == s.ERROR:
+                log.error("commd daemon: %s", reply.get("message"))
+            return
+        if reply.get("t") == s.DONE:
+            handle._complete(reply)
+        else:
+            handle._fail(from_reply(reply.get("code", ""), reply.get("message", "op failed")))
+
+    def _check_deadlines(self) -> None:
+        if not self._pending:
+            return
+        if not self._daemon_alive():
+            self._broken = DaemonDiedError(
+                f"commd daemon (pid {self.daemon_pid}, job {self.paths.job!r}) died"
+            )
+            self._fail_all(self._broken)
+            return
+        now = time.monotonic()
+        with self._pending_lock:
+            late = [h for h in self._pending.values() if h.deadline < now]
+            for h in late:
+                del self._pending[h.op_id]
+        for h in late:
+            h._fail(CommTimeoutError(f"{h.description}: no answer from the commd daemon in time"))
+
+    def _fail_all(self, error: CommdError) -> None:
+        with self._pending_lock:
+            handles = list(self._pending.values())
+            self._pending.clear()
+        for h in handles:
+            h._fail(type(error)(f"{h.description}: {error}"))
+
+    # ---- buffers ------------------------------------------------------
+    def empty(self, shape: tuple[int, ...] | list[int] | int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A tensor in this client's shared arena: collectives on it are zero-copy."""
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        block = self.arena.allocate(nbytes)
+        flat = torch.frombuffer(block.array, dtype=torch.uint8, count=max(nbytes, 1))[:nbytes]
+        return flat.view(dtype).view(shape)
+
+    def in_arena(self, tensor: torch.Tensor) -> bool:
+        return (
+            tensor.device.type == "cpu"
+            and tensor.is_contiguous()
+            and self.arena.locate(tensor.data_ptr(), tensor.numel() * tensor.element_size()) is not None
+        )
+
+    def _plan(
+        self, tensor: torch.Tensor, role: str, finishers: list, keep: list
+    ) -> dict[str, Any]:
+        """Reference for one buffer; queue its copy-out in ``finishers`` if staged."""
+        if tensor.device.type != "cpu":
+            staged = tensor.detach().to("cpu")
+            ref = self._plan(staged, role, finishers, keep)
+            if role != "in":
+                finishers.append(lambda _reply: tensor.copy_(staged))
+            return ref
+        nbytes = tensor.numel() * tensor.element_size()
+        if tensor.is_contiguous():
+            found = self.arena.locate(tensor.data_ptr(), nbytes) if nbytes else None
+            if found is not None:
+                segment, offset = found
+                return {"seg": segment.seg_id, "off": offset, "n": nbytes}
+        if nbytes <= s.INLINE_MAX_BYTES:
+            if role != "in":
+                finishers.append(_copy_from_reply(tensor))
+            if role == "out":
+                return {"inline": nbytes}
+            return {"data": _tensor_bytes(tensor)}
+        block = self.arena.allocate(nbytes)
+        staging = torch.frombuffer(block.array, dtype=torch.uint8, count=nbytes).view(tensor.dtype).view(tensor.shape)
+        keep.append(block)
+        if role != "out":
+            staging.copy_(tensor)
+        if role != "in":
+            finishers.append(lambda _reply: tensor.copy_(staging))
+        return {"seg": block.segment.seg_id, "off": block.offset, "n": nbytes}
+
+    # ---- submission ---------------------------------------------------
+    def submit(
+        self,
+        kind: str,
+        group: str,
+        buffers: dict[str, tuple[torch.Tensor, str]] | None = None,
+        dtype: torch.dtype | None = None,
+        result: Any = None,
+        after: Callable[[], None] | None = None,
+        **fields: Any,
+    ) -> Handle:
+        """Submit one op; ``buffers`` maps 'buf'/'in'/'out' to (tensor, role)."""
+        self._check_usable()
+        if group not in self._groups:
+            raise RequestError(f"group {group!r} is not registered")
+        op_id = next(self._ids)
+        message: dict[str, Any] = {"t": s.OP, "id": op_id, "kind": kind, "group": group}
+        if dtype is not None:
+            message["dtype"] = dtype_name(dtype)
+        timeout = float(fields.pop("timeout", None) or self.op_timeout)
+        message["timeout_ms"] = max(1, int(timeout * 1000))
+        message.update({k: v for k, v in fields.items() if v is not None})
+        finishers: list = []
+        keep: list = []
+        for name, (tensor, role) in (buffers or {}).items():
+            message[name] = self._plan(tensor, role, finishers, keep)
+        if after is not None:
+            finishers.append(lambda _reply: after())
+        description = f"{kind} on group '{group}' (rank {self.rank})"
+        handle = Handle(
+            op_id, description, time.monotonic() + timeout + ANSWER_GRACE_S,
+            finish=_chain(finishers) if finishers else None, result=result, keep=keep or None,
+        )
+        with self._send_lock:
+            self._check_usable()
+            if kind in s.COLLECTIVES:
+                message["seq"] = self._seq[group]
+                self._seq[group] += 1
+            frame = s.encode(message)
+            if len(frame) > s.MAX_MESSAGE_BYTES:
+                raise RequestError(f"{description}: control message of {len(frame)} bytes is too large")
+            with self._pending_lock:
+                self._pending[op_id] = handle
+            self._req.send(frame)
+        return handle
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+    flat = tensor.detach().contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return b""
+    return flat.view(torch.uint8).numpy().tobytes()
+
+
+def _copy_from_reply(tensor: torch.Tensor) -> Callable[[dict[str, Any]], None]:
+    def finish(reply: dict[str, Any]) -> None:
+        data = reply.get("data")
+        if data is None:
+            raise CommdError("daemon reply carries no data for an inline output")
+        if len(data):
+            src = torch.frombuffer(bytearray(data), dtype=tensor.dtype).view(tensor.shape)
+            tensor.copy_(src)
+
+    return finish
+
+
+def _chain(finishers: list) -> Callable[[dict[str, Any]], None]:
+    def run(reply: dict[str, Any]) -> None:
+        for finish in finishers:
+            finish(reply)
+
+    return run
+
+
+__all__ = ["Client", "dtype_name", "TORCH_DTYPES"]

@@ -1,0 +1,105 @@
+"""Start the node daemon for a job if none runs yet (first caller wins).
+
+Every local process of a job may call ``ensure_daemon``; a lock file in the
+job's private runtime directory makes exactly one of them start it, and the
+others wait until its control socket answers.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+import time
+
+import zmq
+
+from commd.client.errors import ConnectError
+from commd.protocol import schema as s
+from commd.runtime import JobPaths, pid_alive
+
+SECRET_ENV = "COMMD_SECRET"
+
+
+def ping(paths: JobPaths, timeout: float = 1.0) -> int | None:
+    """The daemon's pid if its control socket answers a ping, else None."""
+    if not paths.socket.exists():
+        return None
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(paths.endpoint)
+        sock.send(s.encode({"t": s.PING}))
+        if not sock.poll(int(timeout * 1000)):
+            return None
+        reply = s.decode(sock.recv())
+        return reply.get("pid") if reply.get("t") == s.ACK else None
+    except (zmq.ZMQError, s.ProtocolError):
+        return None
+    finally:
+        sock.close()
+
+
+def start_daemon(
+    paths: JobPaths,
+    secret: str | None = None,
+    exit_when_idle: bool = True,
+    extra_args: list[str] | None = None,
+    timeout: float = 60.0,
+) -> subprocess.Popen:
+    """Spawn a daemon process for ``paths.job`` and wait until it answers."""
+    env = dict(os.environ)
+    if secret is not None:
+        env[SECRET_ENV] = secret
+    command = [sys.executable, "-m", "commd", "daemon", "--job", paths.job]
+    if exit_when_idle:
+        command.append("--exit-when-idle")
+    command += extra_args or []
+    paths.ensure()
+    log = open(paths.directory / "daemon.out", "ab")
+    proc = subprocess.Popen(
+        command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+        start_new_session=True, close_fds=True,
+    )
+    log.close()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ConnectError(
+                f"commd daemon for job {paths.job!r} exited with code {proc.returncode} while "
+                f"starting; see {paths.directory / 'daemon.out'}:\n{_tail(paths)}"
+            )
+        if ping(paths, 0.2) == proc.pid:
+            return proc
+        time.sleep(0.02)
+    proc.kill()
+    raise ConnectError(f"commd daemon for job {paths.job!r} did not answer within {timeout:.0f}s")
+
+
+def _tail(paths: JobPaths, lines: int = 20) -> str:
+    try:
+        text = (paths.directory / "daemon.out").read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def ensure_daemon(paths: JobPaths, secret: str | None = None, timeout: float = 60.0) -> int:
+    """Return the pid of the job's daemon, starting one if needed."""
+    paths.ensure()
+    with open(paths.lock_file, "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            pid = paths.daemon_pid()
+            if pid is not None:
+                answered = ping(paths, 2.0)
+                if answered == pid:
+                    return pid
+                # Alive but not answering: it is finishing its shutdown.
+                deadline = time.monotonic() + 15
+                while pid_alive(pid) and time.monotonic() < deadline:
+                    time.sleep(0.02)
+            return start_daemon(paths, secret, timeout=timeout).pid
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

@@ -1,0 +1,145 @@
+"""Runs matched ops among the local ranks, directly on their shared memory.
+
+Every client buffer is a flat torch view of its arena (or of inline bytes),
+so a collective is a handful of kernel calls: an all-reduce of n ranks reduces
+into rank 0's buffer and copies the result into the others; an all-gather is
+n*n slice copies.  Large buffers are cut into cache-sized blocks so that the
+reduce-then-broadcast of a block reads it from cache, not from memory, twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from commd.kernels.reduce import TORCH_DTYPES, reduce_into
+from commd.scheduler.local import ReadyOp
+from commd.scheduler.ops import Submission
+
+#: Elements per block in blocked kernels: 1 MiB of float32, which keeps a
+#: block of every rank in L2/L3 while it is reduced and copied back out.
+BLOCK_BYTES = 1 << 20
+
+Resolve = Callable[[Submission, str], torch.Tensor]
+
+
+def _offsets(counts: list[int]) -> list[int]:
+    out, total = [], 0
+    for c in counts:
+        out.append(total)
+        total += c
+    return out
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def execute(op: ReadyOp, resolve: Resolve) -> None:
+    """Run ``op`` to completion (raises on failure)."""
+    kind = op.kind
+    subs = op.subs
+    first = subs[0]
+    if kind == "barrier":
+        return
+    if kind == "sendrecv":
+        send, recv = subs
+        resolve(recv, "out").copy_(resolve(send, "in"))
+        return
+    if kind == "allreduce":
+        _allreduce([resolve(s, "buf") for s in subs], first.reduce_op, first.scale)
+    elif kind == "reduce":
+        bufs = [resolve(s, "buf") for s in subs]
+        root = first.root
+        ordered = [bufs[root]] + [b for i, b in enumerate(bufs) if i != root]
+        reduce_into(bufs[root], ordered, first.reduce_op, first.scale)
+    elif kind == "broadcast":
+        bufs = [resolve(s, "buf") for s in subs]
+        src = bufs[first.root]
+        for i, buf in enumerate(bufs):
+            if i != first.root and buf.data_ptr() != src.data_ptr():
+                buf.copy_(src)
+    elif kind == "allgather":
+        _allgather(subs, resolve)
+    elif kind == "gather":
+        counts = first.counts
+        offsets = _offsets(counts)
+        out = resolve(subs[first.root], "out")
+        inputs = _inputs_safe_from(subs, resolve, [out])
+        for j, src in enumerate(inputs):
+            out[offsets[j] : offsets[j] + counts[j]].copy_(src)
+    elif kind == "scatter":
+        counts = first.counts
+        offsets = _offsets(counts)
+        src = resolve(subs[first.root], "in")
+        outs = [resolve(s, "out") for s in subs]
+        if any(_overlaps(o, src) for o in outs):
+            src = src.clone()
+        for j, out in enumerate(outs):
+            out.copy_(src[offsets[j] : offsets[j] + counts[j]])
+    elif kind == "reduce_scatter":
+        counts = first.counts
+        offsets = _offsets(counts)
+        inputs = [resolve(s, "in") for s in subs]
+        outs = [resolve(s, "out") for s in subs]
+        for j, out in enumerate(outs):
+            parts = [x[offsets[j] : offsets[j] + counts[j]] for x in inputs]
+            if any(_overlaps(out, x) for x in inputs):
+                tmp = torch.empty_like(out)
+                reduce_into(tmp, parts, first.reduce_op, first.scale)
+                out.copy_(tmp)
+            else:
+                reduce_into(out, parts, first.reduce_op, first.scale)
+    elif kind == "alltoall":
+        _alltoall(subs, resolve)
+    else:  # pragma: no cover - kinds are validated on submission
+        raise ValueError(f"no executor for op kind {kind!r}")
+
+
+def _inputs_safe_from(
+    subs: list[Submission], resolve: Resolve, outputs: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Inputs, cloned where they alias an output that is about to be written."""
+    inputs = [resolve(s, "in") for s in subs]
+    return [x.clone() if any(_overlaps(x, o) for o in outputs) else x for x in inputs]
+
+
+def _allreduce(bufs: list[torch.Tensor], op: str, scale: float) -> None:
+    n = bufs[0].numel()
+    if n == 0:
+        return
+    block = max(1, BLOCK_BYTES // bufs[0].element_size())
+    for start in range(0, n, block):
+        parts = [b[start : start + block] for b in bufs]
+        reduce_into(parts[0], parts, op, scale)
+        for other in parts[1:]:
+            other.copy_(parts[0])
+
+
+def _allgather(subs: list[Submission], resolve: Resolve) -> None:
+    counts = subs[0].counts
+    offsets = _offsets(counts)
+    outs = [resolve(s, "out") for s in subs]
+    inputs = _inputs_safe_from(subs, resolve, outs)
+    for j, src in enumerate(inputs):
+        for out in outs:
+            dst = out[offsets[j] : offsets[j] + counts[j]]
+            if dst.data_ptr() != src.data_ptr():
+                dst.copy_(src)
+
+
+def _alltoall(subs: list[Submission], resolve: Resolve) -> None:
+    outs = [resolve(s, "out") for s in subs]
+    inputs = _inputs_safe_from(subs, resolve, outs)
+    for j, src in enumerate(inputs):
+        send_offsets = _offsets(subs[j].splits_in)
+        for r, out in enumerate(outs):
+            n = subs[j].splits_in[r]
+            recv_at = _offsets(subs[r].splits_out)[j]
+            out[recv_at : recv_at + n].copy_(src[send_offsets[r] : send_offsets[r] + n])
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return TORCH_DTYPES[name]

@@ -1,0 +1,538 @@
+"""The node daemon: control socket, client registry, op dispatch, watchdog.
+
+One event loop (uvloop) owns the ZeroMQ ROUTER socket; nothing else touches
+it.  Matched ops run on one *lane* thread in the order they became ready
+(small ops run inline on the loop when that lane is idle, which keeps the
+order and saves two thread hops).  Completions come back to the loop with
+``call_soon_threadsafe`` and are answered on each client's reply socket.
+
+Every message is validated before it changes any state; a bad message is
+answered with an error and logged, and the daemon carries on serving others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import zmq
+
+from commd.daemon.executor import execute, torch_dtype
+from commd.memory.arena import Segment
+from commd.protocol import schema as s
+from commd.runtime import JobPaths, pid_alive, secrets_equal
+from commd.scheduler.local import LocalScheduler, MatchError, ReadyOp
+from commd.scheduler.ops import Submission, parse_submission
+from commd.scheduler.stats import Stats
+
+log = logging.getLogger("commd.daemon")
+
+#: Ops at most this large run inline on the event loop when the lane is idle.
+INLINE_EXEC_BYTES = 64 * 1024
+WATCHDOG_PERIOD_S = 0.1
+#: zmq drops (and disconnects) frames above this; below it we answer with an error.
+ZMQ_MAX_FRAME = 16 * s.MAX_MESSAGE_BYTES
+
+
+@dataclass
+class DaemonConfig:
+    paths: JobPaths
+    secret: str
+    op_timeout: float = 30.0
+    exit_when_idle: bool = False
+    idle_grace: float = 3.0
+    max_arena_bytes: int = 1 << 40
+
+
+@dataclass
+class ClientRecord:
+    client_id: int
+    identity: bytes
+    reply_identity: bytes | None
+    rank: int
+    local_rank: int
+    world_size: int
+    pid: int
+    connected_at: float = field(default_factory=time.time)
+    segments: dict[int, Segment] = field(default_factory=dict)
+    views: dict[int, torch.Tensor] = field(default_factory=dict)
+    groups: dict[str, int] = field(default_factory=dict)  # group name -> group rank
+
+    @property
+    def arena_bytes(self) -> int:
+        return sum(seg.size for seg in self.segments.values())
+
+
+class Daemon:
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.stats = Stats()
+        self.scheduler = LocalScheduler(self.stats)
+        self.clients: dict[bytes, ClientRecord] = {}
+        self.by_reply: dict[bytes, ClientRecord] = {}
+        self.by_id: dict[int, ClientRecord] = {}
+        self._next_client = 1
+        self._lane: queue.SimpleQueue[ReadyOp | None] = queue.SimpleQueue()
+        self._lane_busy = 0  # ops handed to the lane and not yet completed (loop thread only)
+        self._executing: ReadyOp | None = None
+        self._closing = False
+        self._had_clients = False
+        self._idle_since = time.monotonic()
+        self._stopped: asyncio.Event | None = None  # created in run(), on the loop
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, ZMQ_MAX_FRAME)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+
+    # ---- lifecycle ----------------------------------------------------
+    def bind(self) -> None:
+        paths = self.config.paths.ensure()
+        if paths.socket.exists():
+            paths.socket.unlink()
+        old_umask = os.umask(0o177)
+        try:
+            self.sock.bind(paths.endpoint)
+        finally:
+            os.umask(old_umask)
+        os.chmod(paths.socket, 0o600)
+        paths.write_secret(self.config.secret)
+        paths.pid_file.write_text(str(os.getpid()))
+
+    async def run(self) -> None:
+        """Serve until SIGTERM/SIGINT or, if configured, until the job's last client left."""
+        self.loop = asyncio.get_running_loop()
+        self._stopped = asyncio.Event()
+        self.loop.add_reader(self.sock.getsockopt(zmq.FD), self._on_readable)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self.loop.add_signal_handler(sig, self.shutdown, f"signal {signal.Signals(sig).name}")
+        self._lane_thread = threading.Thread(target=self._lane_main, name="commd-lane-local", daemon=True)
+        self._lane_thread.start()
+        self.loop.call_soon(self._on_readable)
+        watchdog = asyncio.ensure_future(self._watchdog())
+        log.info("daemon for job %s listening on %s", self.config.paths.job, self.config.paths.endpoint)
+        await self._stopped.wait()
+        watchdog.cancel()
+        self._lane.put(None)
+        self._lane_thread.join(timeout=10)
+        self._cleanup()
+
+    def shutdown(self, reason: str = "shutdown requested") -> None:
+        """Stop accepting, fail everything in flight, then stop the loop."""
+        if self._closing:
+            return
+        self._closing = True
+        log.info("shutting down: %s", reason)
+        message = f"daemon shutting down ({reason})"
+        for sub in self.scheduler.drain_all():
+            self._send_error(sub, s.E_SHUTDOWN, message)
+        # Queued ops are failed by the lane as it drains; wait for the running one.
+        self.loop.create_task(self._finish_shutdown())
+
+    async def _finish_shutdown(self) -> None:
+        deadline = time.monotonic() + 10
+        while self._lane_busy and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        self._flush()
+        self._stopped.set()
+
+    def _cleanup(self) -> None:
+        self.loop.remove_reader(self.sock.getsockopt(zmq.FD))
+        self.sock.close(linger=1000)
+        paths = self.config.paths
+        for path in (paths.socket, paths.pid_file, paths.secret_file):
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+        for client in list(self.clients.values()):
+            self._release(client)
+        log.info("daemon stopped")
+
+    # ---- socket I/O (loop thread only) --------------------------------
+    def _on_readable(self) -> None:
+        sock = self.sock
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                break
+            if len(frames) != 2:
+                log.warning("dropping a message of %d frames", len(frames))
+                continue
+            self._dispatch(frames[0], frames[1])
+
+    def _flush(self) -> None:
+        # zmq's FD is edge-triggered: sends may have consumed a read edge.
+        if self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self.loop.call_soon(self._on_readable)
+
+    def _send(self, identity: bytes, message: dict[str, Any]) -> None:
+        try:
+            self.sock.send_multipart([identity, s.encode(message)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.debug("cannot reach client %r: %s", identity, exc)
+
+    def _reply_error(self, identity: bytes, code: str, message: str, op_id: int = -1) -> None:
+        log.warning("error for %r: %s", identity, message)
+        self.stats.error(message)
+        self._send(identity, {"t": s.ERROR, "code": code, "message": message, "id": op_id})
+
+    def _send_error(self, sub: Submission, code: str, message: str) -> None:
+        client = self.by_id.get(sub.client_id)
+        if client is None or client.reply_identity is None:
+            return
+        self._send(client.reply_identity, {"t": s.ERROR, "code": code, "message": message, "id": sub.op_id})
+
+    # ---- dispatch -----------------------------------------------------
+    def _dispatch(self, identity: bytes, frame: bytes) -> None:
+        op_id = -1
+        try:
+            msg = s.decode(frame)
+            op_id = msg.get("id", -1) if isinstance(msg.get("id"), int) else -1
+            kind = msg["t"]
+            if kind == s.OP:
+                self._on_op(identity, msg)
+            elif kind == s.HELLO:
+                self._on_hello(identity, msg)
+            elif kind == "attach":
+                self._on_attach(identity, msg)
+            elif kind == s.GROUP:
+                self._on_group(identity, msg)
+            elif kind == s.SEGMENT:
+                self._on_segment(identity, msg)
+            elif kind == s.STATUS:
+                self._on_status(identity, msg)
+            elif kind == s.BYE:
+                self._on_bye(identity)
+            elif kind == s.PING:
+                self._send(identity, {"t": s.ACK, "pid": os.getpid()})
+            else:
+                raise s.ProtocolError(f"unknown message type {kind!r}")
+        except s.ProtocolError as exc:
+            client = self.clients.get(identity)
+            target = client.reply_identity if client and op_id >= 0 and client.reply_identity else identity
+            self._reply_error(target, exc.code, str(exc), op_id)
+        except Exception as exc:  # never let one bad message stop the daemon
+            log.exception("internal error handling a message")
+            self._reply_error(identity, s.E_INTERNAL, f"internal error: {exc}", op_id)
+        self._flush()
+
+    def _client(self, identity: bytes) -> ClientRecord:
+        client = self.clients.get(identity)
+        if client is None:
+            raise s.ProtocolError("not registered: send 'hello' first", s.E_AUTH)
+        return client
+
+    def _check_secret(self, msg: dict[str, Any]) -> None:
+        secret = msg.get("secret")
+        if not isinstance(secret, str) or not secrets_equal(secret, self.config.secret):
+            raise s.ProtocolError("authentication failed: wrong or missing job secret", s.E_AUTH)
+
+    def _on_hello(self, identity: bytes, msg: dict[str, Any]) -> None:
+        if self._closing:
+            raise s.ProtocolError("daemon shutting down", s.E_SHUTDOWN)
+        self._check_secret(msg)
+        job = s.field(msg, "job", str)
+        if job != self.config.paths.job:
+            raise s.ProtocolError(f"this daemon serves job {self.config.paths.job!r}, not {job!r}", s.E_AUTH)
+        if identity in self.clients:
+            raise s.ProtocolError("already registered on this connection")
+        world_size = s.int_field(msg, "world_size", 1, s.MAX_GROUP_SIZE)
+        rank = s.int_field(msg, "rank", 0, world_size - 1)
+        local_rank = s.int_field(msg, "local_rank", 0, s.MAX_GROUP_SIZE)
+        pid = s.int_field(msg, "pid", 1, 1 << 31)
+        for other in self.clients.values():
+            if other.rank == rank:
+                raise s.ProtocolError(f"rank {rank} is already connected (pid {other.pid})")
+            if other.world_size != world_size:
+                raise s.ProtocolError(
+                    f"world size {world_size} disagrees with rank {other.rank}'s {other.world_size}"
+                )
+        segments = s.field(msg, "segments", list)
+        client = ClientRecord(self._next_client, identity, None, rank, local_rank, world_size, pid)
+        for raw in segments:
+            if not isinstance(raw, dict):
+                raise s.ProtocolError("each entry of 'segments' must be a map")
+            self._attach_segment(client, raw)
+        self._next_client += 1
+        self.clients[identity] = client
+        self.by_id[client.client_id] = client
+        self._had_clients = True
+        log.info("client rank %d (pid %d) connected, arena %d bytes", rank, pid, client.arena_bytes)
+        self._send(
+            identity,
+            {"t": s.WELCOME, "client_id": client.client_id, "daemon_pid": os.getpid(),
+             "op_timeout": self.config.op_timeout},
+        )
+
+    def _attach_segment(self, client: ClientRecord, raw: dict[str, Any]) -> None:
+        seg_id = s.int_field(raw, "seg", 0, 1 << 20)
+        name = s.check_segment_name(s.field(raw, "name", str))
+        size = s.int_field(raw, "size", 1, self.config.max_arena_bytes)
+        if seg_id in client.segments:
+            raise s.ProtocolError(f"segment {seg_id} is already registered")
+        if client.arena_bytes + size > self.config.max_arena_bytes:
+            raise s.ProtocolError(f"arena would exceed {self.config.max_arena_bytes} bytes", s.E_BOUNDS)
+        try:
+            segment = Segment.attach(seg_id, name, size, os.getuid())
+        except (OSError, ValueError) as exc:
+            raise s.ProtocolError(f"cannot map segment {name!r}: {exc}") from None
+        client.segments[seg_id] = segment
+        client.views[seg_id] = torch.frombuffer(segment.mm, dtype=torch.uint8, count=size)
+
+    def _on_attach(self, identity: bytes, msg: dict[str, Any]) -> None:
+        self._check_secret(msg)
+        client = self.by_id.get(s.int_field(msg, "client_id", 0))
+        if client is None:
+            raise s.ProtocolError("attach names an unknown client id", s.E_AUTH)
+        client.reply_identity = identity
+        self.by_reply[identity] = client
+        self._send(identity, {"t": s.ACK})
+
+    def _on_segment(self, identity: bytes, msg: dict[str, Any]) -> None:
+        client = self._client(identity)
+        self._attach_segment(client, msg)
+        self._send(identity, {"t": s.ACK})
+
+    def _on_group(self, identity: bytes, msg: dict[str, Any]) -> None:
+        client = self._client(identity)
+        name = s.check_group_name(s.field(msg, "name", str))
+        ranks = s.field(msg, "ranks", list)
+        if not ranks or len(ranks) > client.world_size:
+            raise s.ProtocolError(f"group '{name}' must have 1 to {client.world_size} ranks")
+        if any(not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < client.world_size for r in ranks):
+            raise s.ProtocolError(f"group '{name}' ranks must be integers in [0, {client.world_size})")
+        if len(set(ranks)) != len(ranks):
+            raise s.ProtocolError(f"group '{name}' lists a rank twice")
+        if client.rank not in ranks:
+            raise s.ProtocolError(f"rank {client.rank} is not a member of group '{name}'")
+        try:
+            self.scheduler.register_group(name, ranks)
+        except ValueError as exc:
+            raise s.ProtocolError(str(exc)) from None
+        client.groups[name] = ranks.index(client.rank)
+        self._send(identity, {"t": s.ACK})
+
+    def _on_bye(self, identity: bytes) -> None:
+        client = self.clients.get(identity)
+        if client is not None:
+            self._drop_client(client, "left the job", notify_peers=False)
+        self._send(identity, {"t": s.ACK})
+
+    def _on_status(self, identity: bytes, msg: dict[str, Any]) -> None:
+        self._check_secret(msg)
+        self._send(identity, {"t": s.STATUS, "status": self.status()})
+
+    # ---- ops ------------------------------------------------------------
+    def _on_op(self, identity: bytes, msg: dict[str, Any]) -> None:
+        client = self._client(identity)
+        if client.reply_identity is None:
+            raise s.ProtocolError("reply channel not attached")
+        if self._closing:
+            raise s.ProtocolError("daemon shutting down", s.E_SHUTDOWN)
+        group_name = s.field(msg, "group", str)
+        group_rank = client.groups.get(group_name)
+        if group_rank is None:
+            raise s.ProtocolError(f"rank {client.rank} has not registered group {group_name!r}")
+        group = self.scheduler.groups[group_name]
+        sub = parse_submission(msg, client.client_id, group_rank, len(group.ranks), self.config.op_timeout)
+        self._check_bounds(client, sub)
+        self.stats.submitted(sub.group, sub.seq)
+        try:
+            ready = self.scheduler.submit(sub)
+        except MatchError as exc:
+            self.stats.error(str(exc))
+            for failed in exc.subs:
+                self._send_error(failed, exc.code, str(exc))
+            return
+        if ready is not None:
+            self._start(ready)
+
+    def _check_bounds(self, client: ClientRecord, sub: Submission) -> None:
+        itemsize = s.ITEMSIZE[sub.dtype]
+        for name, ref in sub.buffers.items():
+            if ref.inline is not None:
+                continue
+            segment = client.segments.get(ref.segment)
+            if segment is None:
+                raise s.ProtocolError(f"buffer '{name}' names unknown segment {ref.segment}", s.E_BOUNDS)
+            if ref.offset + ref.nbytes > segment.size:
+                raise s.ProtocolError(
+                    f"buffer '{name}' [{ref.offset}, {ref.offset + ref.nbytes}) lies outside "
+                    f"segment {ref.segment} of {segment.size} bytes",
+                    s.E_BOUNDS,
+                )
+            if ref.offset % itemsize:
+                raise s.ProtocolError(
+                    f"buffer '{name}' offset {ref.offset} is not aligned to {sub.dtype}", s.E_BOUNDS
+                )
+
+    def _resolve(self, sub: Submission, name: str) -> torch.Tensor:
+        ref = sub.buffers[name]
+        dtype = torch_dtype(sub.dtype)
+        if ref.nbytes == 0:
+            return torch.empty(0, dtype=dtype)
+        if ref.inline is not None:
+            return torch.frombuffer(ref.inline, dtype=dtype)
+        client = self.by_id[sub.client_id]
+        return client.views[ref.segment][ref.offset : ref.offset + ref.nbytes].view(dtype)
+
+    def _start(self, op: ReadyOp) -> None:
+        self.stats.queued(op.group)
+        if self._lane_busy == 0 and op.nbytes <= INLINE_EXEC_BYTES:
+            self.stats.started(op.group)
+            error = self._run(op)
+            self._complete(op, error)
+            return
+        self._lane_busy += 1
+        self._lane.put(op)
+
+    def _run(self, op: ReadyOp) -> str | None:
+        try:
+            execute(op, self._resolve)
+            return None
+        except Exception as exc:
+            log.exception("executing %s failed", op.describe())
+            return f"{op.describe()} failed in the daemon: {exc}"
+
+    def _lane_main(self) -> None:
+        while True:
+            op = self._lane.get()
+            if op is None:
+                return
+            if self._closing:
+                error = "daemon shutting down before the op could run"
+            else:
+                self.loop.call_soon_threadsafe(self.stats.started, op.group)
+                self._executing = op
+                error = self._run(op)
+                self._executing = None
+            try:
+                self.loop.call_soon_threadsafe(self._lane_done, op, error)
+            except RuntimeError:  # loop already closed
+                return
+
+    def _lane_done(self, op: ReadyOp, error: str | None) -> None:
+        self._lane_busy -= 1
+        self._complete(op, error)
+        self._flush()
+
+    def _complete(self, op: ReadyOp, error: str | None) -> None:
+        self.stats.finished(op.group, op.kind, op.nbytes, time.monotonic() - op.first_at, error is None)
+        if error is not None:
+            code = s.E_SHUTDOWN if self._closing else s.E_INTERNAL
+            self.stats.error(error)
+            for sub in op.subs:
+                self._send_error(sub, code, error)
+            return
+        for sub in op.subs:
+            client = self.by_id.get(sub.client_id)
+            if client is None or client.reply_identity is None:
+                continue
+            reply: dict[str, Any] = {"t": s.DONE, "id": sub.op_id}
+            for name in ("buf", "out"):
+                ref = sub.buffers.get(name)
+                if ref is not None and ref.inline is not None:
+                    reply["data"] = bytes(ref.inline)
+            if op.kind == "sendrecv" and sub.kind == "recv":
+                reply["src"] = op.subs[0].group_rank
+            self._send(client.reply_identity, reply)
+
+    # ---- liveness -------------------------------------------------------
+    async def _watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(WATCHDOG_PERIOD_S)
+            try:
+                self._check_clients()
+                for sub, message in self.scheduler.expire(time.monotonic()):
+                    self.stats.error(message)
+                    self._send_error(sub, s.E_TIMEOUT, message)
+                self._check_idle()
+                self._flush()
+            except Exception:
+                log.exception("watchdog failed")
+
+    def _check_clients(self) -> None:
+        for client in list(self.clients.values()):
+            if not pid_alive(client.pid):
+                self._drop_client(client, f"(pid {client.pid}) died", notify_peers=True)
+
+    def _drop_client(self, client: ClientRecord, why: str, notify_peers: bool) -> None:
+        log.info("client rank %d %s", client.rank, why)
+        self.clients.pop(client.identity, None)
+        self.by_id.pop(client.client_id, None)
+        if client.reply_identity is not None:
+            self.by_reply.pop(client.reply_identity, None)
+        if notify_peers:
+            message = f"rank {client.rank} {why}"
+            self.stats.error(message)
+            for sub, text in self.scheduler.rank_died(client.rank, why):
+                self._send_error(sub, s.E_PEER_DIED, text)
+        self._release(client)
+        self.scheduler.forget_client_groups({c.rank for c in self.clients.values()})
+        if not self.clients:
+            self._idle_since = time.monotonic()
+
+    def _release(self, client: ClientRecord) -> None:
+        # Views still used by a running op keep their mapping alive; dropping
+        # the references unmaps each segment once the last view is gone.
+        client.views.clear()
+        for segment in client.segments.values():
+            segment.unlink()
+        client.segments.clear()
+
+    def _check_idle(self) -> None:
+        if (
+            self.config.exit_when_idle
+            and self._had_clients
+            and not self.clients
+            and time.monotonic() - self._idle_since >= self.config.idle_grace
+        ):
+            self.shutdown("the job's last client left")
+
+    # ---- status -----------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        stats = self.stats
+        waiting = self.scheduler.waiting_summary()
+        waiting_by_group: dict[str, int] = {}
+        for row in waiting:
+            waiting_by_group[row["group"]] = waiting_by_group.get(row["group"], 0) + 1
+        return {
+            "job": self.config.paths.job,
+            "pid": os.getpid(),
+            "uptime_s": round(time.time() - stats.started_at, 3),
+            "closing": self._closing,
+            "clients": [
+                {"rank": c.rank, "local_rank": c.local_rank, "pid": c.pid, "arena_bytes": c.arena_bytes}
+                for c in sorted(self.clients.values(), key=lambda c: c.rank)
+            ],
+            "groups": {
+                name: {
+                    "size": g.size,
+                    "next_seq": g.next_seq,
+                    "waiting": waiting_by_group.get(name, 0),
+                    "queued": g.queued,
+                    "executing": g.executing,
+                    "done": g.done,
+                    "failed": g.failed,
+                    "bytes": g.bytes,
+                }
+                for name, g in stats.groups.items()
+            },
+            "ops_done": stats.ops_done,
+            "bytes_moved": stats.bytes_moved,
+            "latency_us": stats.latency_table(),
+            "oldest_waiting": waiting[0] if waiting else None,
+            "last_errors": list(stats.errors),
+        }

@@ -1,0 +1,1 @@
+"""commd.kernels."""

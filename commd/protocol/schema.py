@@ -1,0 +1,210 @@
+"""Wire schema shared by the client library and the daemon.
+
+Every control message is one msgpack map with a protocol version ``v`` and a
+type ``t``.  Both sides import this module so that the field names, the
+limits and the validation live in exactly one place: a message that passes
+``validate_*`` here is safe for the daemon to act on (types, ranges and
+lengths checked), and everything else is answered with a ``ProtocolError``
+naming the offending field.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+
+#: Largest control message the daemon accepts; tensor data travels through
+#: shared memory, so only small inline tensors ever come near this.
+MAX_MESSAGE_BYTES = 1 << 20
+#: Tensors up to this many bytes travel inline in the control message
+#: instead of through the arena: one message beats a copy plus a handle.
+INLINE_MAX_BYTES = 4096
+MAX_GROUP_SIZE = 1 << 16
+MAX_TENSORS_PER_OP = 1024
+MAX_NAME_LEN = 256
+
+# Message types.
+HELLO = "hello"
+WELCOME = "welcome"
+SEGMENT = "segment"
+GROUP = "group"
+OP = "op"
+DONE = "done"
+ERROR = "error"
+STATUS = "status"
+BYE = "bye"
+PING = "ping"
+ACK = "ack"
+
+COLLECTIVES = frozenset(
+    {
+        "allreduce",
+        "reduce",
+        "broadcast",
+        "allgather",
+        "gather",
+        "scatter",
+        "reduce_scatter",
+        "alltoall",
+        "barrier",
+    }
+)
+POINT_TO_POINT = frozenset({"send", "recv"})
+OP_KINDS = COLLECTIVES | POINT_TO_POINT
+
+REDUCE_OPS = frozenset(
+    {"sum", "avg", "product", "min", "max", "band", "bor", "bxor", "premul_sum"}
+)
+DTYPES = frozenset(
+    {
+        "float16",
+        "bfloat16",
+        "float32",
+        "float64",
+        "int8",
+        "uint8",
+        "int16",
+        "int32",
+        "int64",
+        "bool",
+        "complex64",
+        "complex128",
+    }
+)
+ITEMSIZE = {
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float64": 8,
+    "int8": 1,
+    "uint8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "bool": 1,
+    "complex64": 8,
+    "complex128": 16,
+}
+
+# Error codes carried in ERROR replies; the client maps them to exceptions.
+E_PROTOCOL = "protocol"
+E_AUTH = "auth"
+E_VERSION = "version"
+E_BOUNDS = "bounds"
+E_MISMATCH = "mismatch"
+E_PEER_DIED = "peer_died"
+E_TIMEOUT = "timeout"
+E_SHUTDOWN = "shutdown"
+E_INTERNAL = "internal"
+
+_SEGMENT_NAME = re.compile(r"^commd-[A-Za-z0-9_.-]{1,200}$")
+_GROUP_NAME = re.compile(r"^[A-Za-z0-9_.:/-]{1,256}$")
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow the schema; the text names the field."""
+
+    def __init__(self, message: str, code: str = E_PROTOCOL) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    """Serialize one control message (adds the protocol version)."""
+    message.setdefault("v", PROTOCOL_VERSION)
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def decode(frame: bytes) -> dict[str, Any]:
+    """Parse one control message, checking size, shape and version."""
+    if len(frame) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(
+            f"message of {len(frame)} bytes exceeds the limit of {MAX_MESSAGE_BYTES}"
+        )
+    try:
+        message = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"message is not valid msgpack: {exc}") from None
+    if not isinstance(message, dict):
+        raise ProtocolError("message must be a msgpack map")
+    version = message.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"unsupported protocol version {version!r} (daemon speaks {PROTOCOL_VERSION})",
+            E_VERSION,
+        )
+    if not isinstance(message.get("t"), str):
+        raise ProtocolError("field 't' (message type) must be a string")
+    return message
+
+
+def field(msg: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    """Fetch a required field of the given type or raise naming it."""
+    if name not in msg:
+        raise ProtocolError(f"missing field '{name}'")
+    value = msg[name]
+    if kind is int and isinstance(value, bool):
+        raise ProtocolError(f"field '{name}' must be an integer, got bool")
+    if not isinstance(value, kind):
+        raise ProtocolError(
+            f"field '{name}' must be {_kind_name(kind)}, got {type(value).__name__}"
+        )
+    return value
+
+
+def int_field(
+    msg: dict[str, Any], name: str, low: int = 0, high: int = (1 << 62)
+) -> int:
+    """Fetch a required integer field within [low, high]."""
+    value = field(msg, name, int)
+    if not low <= value <= high:
+        raise ProtocolError(f"field '{name}'={value} outside [{low}, {high}]")
+    return value
+
+
+def optional(msg: dict[str, Any], name: str, kind: type, default: Any) -> Any:
+    """Fetch an optional field, checking its type when present."""
+    if msg.get(name) is None:
+        return default
+    return field(msg, name, kind)
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    if isinstance(kind, tuple):
+        return " or ".join(k.__name__ for k in kind)
+    return kind.__name__
+
+
+def check_segment_name(name: str) -> str:
+    """Segment names are file names in /dev/shm; refuse anything path-like."""
+    if not _SEGMENT_NAME.match(name):
+        raise ProtocolError(f"segment name {name!r} is not a valid commd segment name")
+    return name
+
+
+def check_group_name(name: str) -> str:
+    if not _GROUP_NAME.match(name):
+        raise ProtocolError(f"group name {name!r} is not valid")
+    return name
+
+
+def check_dtype(dtype: str) -> str:
+    if dtype not in DTYPES:
+        raise ProtocolError(f"unsupported dtype {dtype!r}; supported: {sorted(DTYPES)}")
+    return dtype
+
+
+def check_reduce_op(op: str) -> str:
+    if op not in REDUCE_OPS:
+        raise ProtocolError(f"unsupported reduce op {op!r}; supported: {sorted(REDUCE_OPS)}")
+    return op
+
+
+def check_kind(kind: str) -> str:
+    if kind not in OP_KINDS:
+        raise ProtocolError(f"unknown op kind {kind!r}; known: {sorted(OP_KINDS)}")
+    return kind

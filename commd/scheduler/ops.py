@@ -1,0 +1,224 @@
+"""What one rank asked for (a Submission) and the checks on it.
+
+``parse_submission`` validates a single client's op message against the
+schema and against the sizes of its own buffers; ``find_mismatch`` compares
+the submissions of all members of a group for the same sequence number, so
+disagreeing ranks get an error naming the fields instead of a hang.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from commd.protocol import schema as s
+
+ROOTED = frozenset({"reduce", "broadcast", "gather", "scatter"})
+REDUCING = frozenset({"allreduce", "reduce", "reduce_scatter"})
+COUNTED = frozenset({"allgather", "gather", "scatter", "reduce_scatter"})
+
+
+@dataclass
+class BufferRef:
+    """A client buffer: a range of one of its segments, or inline bytes."""
+
+    nbytes: int
+    segment: int = -1
+    offset: int = 0
+    inline: bytearray | None = None
+
+
+@dataclass
+class Submission:
+    """One rank's validated request for one op."""
+
+    client_id: int
+    op_id: int
+    group: str
+    group_rank: int
+    group_size: int
+    seq: int
+    kind: str
+    dtype: str
+    count: int = 0
+    reduce_op: str = "sum"
+    root: int = 0
+    peer: int = -1
+    tag: int = 0
+    scale: float = 1.0
+    counts: list[int] | None = None
+    splits_in: list[int] | None = None
+    splits_out: list[int] | None = None
+    buffers: dict[str, BufferRef] = field(default_factory=dict)
+    timeout: float = 30.0
+    submitted_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def nbytes(self) -> int:
+        return max((b.nbytes for b in self.buffers.values()), default=0)
+
+
+def _ref(msg: dict[str, Any], name: str) -> BufferRef | None:
+    raw = msg.get(name)
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise s.ProtocolError(f"buffer '{name}' must be a map")
+    if "data" in raw:
+        data = s.field(raw, "data", bytes)
+        return BufferRef(len(data), inline=bytearray(data))
+    if "inline" in raw:
+        nbytes = s.int_field(raw, "inline", 0, s.MAX_MESSAGE_BYTES)
+        return BufferRef(nbytes, inline=bytearray(nbytes))
+    return BufferRef(
+        nbytes=s.int_field(raw, "n", 0),
+        segment=s.int_field(raw, "seg", 0, 1 << 20),
+        offset=s.int_field(raw, "off", 0),
+    )
+
+
+def _int_list(msg: dict[str, Any], name: str, length: int) -> list[int] | None:
+    raw = msg.get(name)
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or len(raw) != length:
+        raise s.ProtocolError(f"field '{name}' must be a list of {length} integers")
+    for value in raw:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise s.ProtocolError(f"field '{name}' must hold non-negative integers")
+    return raw
+
+
+def parse_submission(
+    msg: dict[str, Any], client_id: int, group_rank: int, group_size: int, default_timeout: float
+) -> Submission:
+    """Build a Submission from an OP message, checking every field and size."""
+    kind = s.check_kind(s.field(msg, "kind", str))
+    dtype = s.check_dtype(s.optional(msg, "dtype", str, "uint8"))
+    timeout_ms = s.optional(msg, "timeout_ms", int, int(default_timeout * 1000))
+    if not 1 <= timeout_ms <= 7 * 24 * 3600 * 1000:
+        raise s.ProtocolError(f"field 'timeout_ms'={timeout_ms} outside [1, one week]")
+    sub = Submission(
+        client_id=client_id,
+        op_id=s.int_field(msg, "id", 0),
+        group=s.check_group_name(s.field(msg, "group", str)),
+        group_rank=group_rank,
+        group_size=group_size,
+        seq=s.int_field(msg, "seq", 0) if kind in s.COLLECTIVES else 0,
+        kind=kind,
+        dtype=dtype,
+        count=s.optional(msg, "count", int, 0),
+        reduce_op=s.check_reduce_op(s.optional(msg, "op", str, "sum")),
+        root=s.optional(msg, "root", int, 0),
+        peer=s.optional(msg, "peer", int, -1),
+        tag=s.optional(msg, "tag", int, 0),
+        scale=float(s.optional(msg, "scale", (int, float), 1.0)),
+        counts=_int_list(msg, "counts", group_size),
+        splits_in=_int_list(msg, "splits_in", group_size),
+        splits_out=_int_list(msg, "splits_out", group_size),
+        timeout=timeout_ms / 1000.0,
+    )
+    for name in ("buf", "in", "out"):
+        ref = _ref(msg, name)
+        if ref is not None:
+            sub.buffers[name] = ref
+    _check_shape(sub)
+    return sub
+
+
+def _need(sub: Submission, name: str, elements: int) -> None:
+    ref = sub.buffers.get(name)
+    if ref is None:
+        raise s.ProtocolError(f"{sub.kind} needs buffer '{name}'")
+    want = elements * s.ITEMSIZE[sub.dtype]
+    if ref.nbytes != want:
+        raise s.ProtocolError(
+            f"{sub.kind} buffer '{name}' holds {ref.nbytes} bytes but "
+            f"{elements} x {sub.dtype} needs {want}"
+        )
+
+
+def _check_shape(sub: Submission) -> None:
+    """Per-kind checks that need only this rank's own message."""
+    kind, me, n = sub.kind, sub.group_rank, sub.group_size
+    if sub.count < 0:
+        raise s.ProtocolError("field 'count' must be non-negative")
+    if kind in ROOTED and not 0 <= sub.root < n:
+        raise s.ProtocolError(f"root {sub.root} is not a rank of a group of size {n}")
+    if kind in COUNTED and sub.counts is None:
+        raise s.ProtocolError(f"{kind} needs field 'counts' (elements per rank)")
+    if kind in ("allreduce", "reduce", "broadcast"):
+        _need(sub, "buf", sub.count)
+    elif kind == "allgather":
+        _need(sub, "in", sub.counts[me])
+        _need(sub, "out", sum(sub.counts))
+    elif kind == "gather":
+        _need(sub, "in", sub.counts[me])
+        if me == sub.root:
+            _need(sub, "out", sum(sub.counts))
+    elif kind == "scatter":
+        _need(sub, "out", sub.counts[me])
+        if me == sub.root:
+            _need(sub, "in", sum(sub.counts))
+    elif kind == "reduce_scatter":
+        _need(sub, "in", sum(sub.counts))
+        _need(sub, "out", sub.counts[me])
+    elif kind == "alltoall":
+        if sub.splits_in is None or sub.splits_out is None:
+            raise s.ProtocolError("alltoall needs fields 'splits_in' and 'splits_out'")
+        _need(sub, "in", sum(sub.splits_in))
+        _need(sub, "out", sum(sub.splits_out))
+    elif kind in ("send", "recv"):
+        if kind == "send" and not 0 <= sub.peer < n:
+            raise s.ProtocolError(f"send destination {sub.peer} is not a rank of a group of size {n}")
+        if kind == "recv" and not -1 <= sub.peer < n:
+            raise s.ProtocolError(f"recv source {sub.peer} is not a rank of a group of size {n}")
+        if sub.peer == me:
+            raise s.ProtocolError(f"rank {me} cannot {kind} to itself")
+        _need(sub, "in" if kind == "send" else "out", sub.count)
+    if kind in REDUCING:
+        from commd.kernels.reduce import UnsupportedReduction, check_supported
+
+        try:
+            check_supported(sub.reduce_op, sub.dtype)
+        except UnsupportedReduction as exc:
+            raise s.ProtocolError(str(exc)) from None
+
+
+def _agreed_fields(kind: str) -> tuple[str, ...]:
+    fields: tuple[str, ...] = ("kind",)
+    if kind == "barrier":
+        return fields
+    fields += ("dtype",)
+    if kind in ("allreduce", "reduce", "broadcast"):
+        fields += ("count",)
+    if kind in COUNTED:
+        fields += ("counts",)
+    if kind in REDUCING:
+        fields += ("reduce_op", "scale")
+    if kind in ROOTED:
+        fields += ("root",)
+    return fields
+
+
+def find_mismatch(subs: list[Submission]) -> str | None:
+    """Describe how the members' submissions disagree, or None if they agree."""
+    problems = []
+    first = subs[0]
+    for name in _agreed_fields(first.kind) if all(x.kind == first.kind for x in subs) else ("kind",):
+        values: dict[str, list[int]] = {}
+        for sub in subs:
+            values.setdefault(repr(getattr(sub, name)), []).append(sub.group_rank)
+        if len(values) > 1:
+            parts = ", ".join(f"ranks {ranks} {value}" for value, ranks in values.items())
+            problems.append(f"'{name}' differs: {parts}")
+    if not problems and first.kind == "alltoall":
+        for a in subs:
+            for b in subs:
+                if a.splits_in[b.group_rank] != b.splits_out[a.group_rank]:
+                    problems.append(
+                        f"rank {a.group_rank} sends {a.splits_in[b.group_rank]} elements to "
+                        f"rank {b.group_rank}, which expects {b.splits_out[a.group_rank]}"
+                    )
+    return "; ".join(problems) if problems else None

@@ -1,0 +1,85 @@
+"""Counters behind `commd status`: per-group stages, bytes, latencies, errors."""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+LATENCY_WINDOW = 2048
+
+
+@dataclass
+class GroupStats:
+    size: int
+    next_seq: int = 0
+    queued: int = 0
+    executing: int = 0
+    done: int = 0
+    failed: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class Stats:
+    started_at: float = field(default_factory=time.time)
+    groups: dict[str, GroupStats] = field(default_factory=dict)
+    latencies: dict[str, collections.deque] = field(default_factory=dict)
+    errors: collections.deque = field(default_factory=lambda: collections.deque(maxlen=20))
+    ops_done: int = 0
+    bytes_moved: int = 0
+
+    def group_added(self, name: str, size: int) -> None:
+        self.groups.setdefault(name, GroupStats(size))
+
+    def group_removed(self, name: str) -> None:
+        self.groups.pop(name, None)
+
+    def submitted(self, group: str, seq: int) -> None:
+        stats = self.groups.get(group)
+        if stats is not None and seq >= stats.next_seq:
+            stats.next_seq = seq + 1
+
+    def queued(self, group: str) -> None:
+        if group in self.groups:
+            self.groups[group].queued += 1
+
+    def started(self, group: str) -> None:
+        if group in self.groups:
+            stats = self.groups[group]
+            stats.queued -= 1
+            stats.executing += 1
+
+    def finished(self, group: str, kind: str, nbytes: int, seconds: float, ok: bool) -> None:
+        stats = self.groups.get(group)
+        if stats is not None:
+            stats.executing -= 1
+            if ok:
+                stats.done += 1
+                stats.bytes += nbytes
+            else:
+                stats.failed += 1
+        if ok:
+            self.ops_done += 1
+            self.bytes_moved += nbytes
+            self.latencies.setdefault(kind, collections.deque(maxlen=LATENCY_WINDOW)).append(seconds)
+
+    def error(self, message: str) -> None:
+        self.errors.append({"time": time.time(), "message": message})
+
+    def latency_table(self) -> dict[str, dict[str, float]]:
+        table = {}
+        for kind, samples in self.latencies.items():
+            if not samples:
+                continue
+            arr = np.fromiter(samples, dtype=np.float64) * 1e6
+            p50, p90, p99 = np.percentile(arr, [50, 90, 99])
+            table[kind] = {
+                "count": len(arr),
+                "p50_us": round(float(p50), 1),
+                "p90_us": round(float(p90), 1),
+                "p99_us": round(float(p99), 1),
+            }
+        return table

@@ -1,0 +1,425 @@
+"""The torch.distributed backend "commd": a ProcessGroup that submits to the node daemon.
+
+``import commd`` (or torch's backend autoloading through the ``torch.backends``
+entry point) registers it, after which ``dist.init_process_group("commd")``
+works with any init method.  The first group created in a process
+bootstraps: ranks agree on a job name and secret through the group's store,
+the first local process starts the node daemon, and every process connects
+its client.  Later groups (``new_group``) reuse that client.
+
+List-shaped torch ops (``all_gather`` into a list, ``scatter`` from a list...)
+are flattened into one contiguous buffer on submission and split back on
+completion, so the daemon only ever sees flat buffers.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import threading
+import uuid
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+from commd.client import ops
+from commd.client.connection import Client
+from commd.client.errors import CommdError, ConnectError
+from commd.client.handle import Handle
+from commd.client.spawn import ensure_daemon
+from commd.runtime import JobPaths, new_secret
+
+BACKEND_NAME = "commd"
+_STORE_PREFIX = "commd/"
+
+_client: Client | None = None
+_client_lock = threading.Lock()
+_group_generations: dict[str, int] = {}
+
+_REDUCE_OPS = [
+    (dist.ReduceOp.SUM, "sum"),
+    (dist.ReduceOp.AVG, "avg"),
+    (dist.ReduceOp.PRODUCT, "product"),
+    (dist.ReduceOp.MIN, "min"),
+    (dist.ReduceOp.MAX, "max"),
+    (dist.ReduceOp.BAND, "band"),
+    (dist.ReduceOp.BOR, "bor"),
+    (dist.ReduceOp.BXOR, "bxor"),
+]
+
+
+def current_client() -> Client:
+    """The process's connected client (after ``init_process_group("commd")``)."""
+    if _client is None:
+        raise CommdError("no commd client: call dist.init_process_group('commd') first")
+    return _client
+
+
+def _reduce_op(op: Any) -> str:
+    for torch_op, name in _REDUCE_OPS:
+        if op == torch_op:
+            return name
+    raise ValueError(f"reduce op {op} is not supported by the commd backend")
+
+
+class CommdWork(dist._Work):
+    """torch Work over a commd Handle (or several, completed together)."""
+
+    def __init__(self, handles: list[Handle], result: Any) -> None:
+        super().__init__()
+        self._handles = handles
+        self._result = result
+        self._future: Future | None = None
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        limit = None
+        if timeout is not None and timeout != timedelta(0):
+            limit = timeout.total_seconds()
+        for handle in self._handles:
+            handle.wait(limit)
+        return True
+
+    def is_completed(self) -> bool:
+        return all(h.is_completed() for h in self._handles)
+
+    def is_success(self) -> bool:
+        return self.is_completed() and all(h.exception() is None for h in self._handles)
+
+    def exception(self) -> BaseException | None:
+        for handle in self._handles:
+            if handle.exception() is not None:
+                return handle.exception()
+        return None
+
+    def result(self) -> Any:
+        self.wait()
+        return self._result
+
+    def _source_rank(self) -> int:
+        self.wait()
+        src = self._handles[-1].src
+        return -1 if src is None else src
+
+    def get_future(self) -> Future:
+        if self._future is None:
+            futures = [h.get_future() for h in self._handles]
+            if len(futures) == 1:
+                self._future = futures[0].then(lambda _f: self._result)
+            else:
+                self._future = torch.futures.collect_all(futures).then(
+                    lambda all_done: ([f.value() for f in all_done.value()], self._result)[1]
+                )
+        return self._future
+
+
+def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    if len(tensors) == 1:
+        return tensors[0].reshape(-1) if tensors[0].is_contiguous() else tensors[0].contiguous().reshape(-1)
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _unflatten_into(flat: torch.Tensor, outputs: list[torch.Tensor]) -> None:
+    offset = 0
+    for out in outputs:
+        n = out.numel()
+        out.copy_(flat[offset : offset + n].view(out.shape))
+        offset += n
+
+
+class ProcessGroupCommd(dist.ProcessGroup):
+    """A torch ProcessGroup whose ops run in the commd node daemon."""
+
+    def __init__(self, client: Client, name: str, rank: int, size: int, timeout: timedelta) -> None:
+        super().__init__(rank, size)
+        self._client = client
+        self._name = name
+        self._timeout = timeout.total_seconds() if timeout else None
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return BACKEND_NAME
+
+    @property
+    def commd_group(self) -> str:
+        return self._name
+
+    def _kw(self) -> dict[str, Any]:
+        return {"group": self._name, "timeout": self._timeout}
+
+    def _work(self, handles: Handle | list[Handle], result: Any) -> CommdWork:
+        return CommdWork(handles if isinstance(handles, list) else [handles], result)
+
+    # ---- reductions ---------------------------------------------------
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> CommdWork:
+        op = _reduce_op(opts.reduceOp) if opts is not None else "sum"
+        handles = [ops.all_reduce(self._client, t, op, **self._kw()) for t in tensors]
+        return self._work(handles, tensors)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> CommdWork:
+        op = _reduce_op(opts.reduceOp) if opts is not None else "sum"
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        handles = []
+        for group in by_dtype.values():
+            flat = _flatten(group)
+            handle = self._client.submit(
+                "allreduce", self._name, {"buf": (flat, "inout")}, flat.dtype,
+                after=lambda flat=flat, group=group: _unflatten_into(flat, group),
+                count=flat.numel(), op=op, timeout=self._timeout,
+            )
+            handles.append(handle)
+        return self._work(handles, tensors)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> CommdWork:
+        op = _reduce_op(opts.reduceOp)
+        handle = ops.reduce(self._client, tensors[0], opts.rootRank, op, **self._kw())
+        return self._work(handle, tensors)
+
+    def reduce_scatter(
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any
+    ) -> CommdWork:
+        out, parts = outputs[0], inputs[0]
+        counts = [p.numel() for p in parts]
+        if counts[self.rank()] != out.numel():
+            raise ValueError(
+                f"reduce_scatter: output holds {out.numel()} elements, input part {self.rank()} {counts[self.rank()]}"
+            )
+        handle = ops.reduce_scatter(
+            self._client, out, _flatten(parts), _reduce_op(opts.reduceOp), counts, **self._kw()
+        )
+        return self._work(handle, outputs)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> CommdWork:
+        if input.numel() != output.numel() * self.size():
+            raise ValueError(
+                f"reduce_scatter_tensor: input holds {input.numel()} elements, expected "
+                f"{self.size()} x {output.numel()}"
+            )
+        handle = ops.reduce_scatter(
+            self._client, output, input, _reduce_op(opts.reduceOp), None, **self._kw()
+        )
+        return self._work(handle, output)
+
+    def reduce_scatter_single_coalesced(self, outputs: list, inputs: list, opts: Any) -> CommdWork:
+        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+        return self._work([h for w in works for h in w._handles], outputs)
+
+    # ---- data movement --------------------------------------------------
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> CommdWork:
+        handles = [ops.broadcast(self._client, t, opts.rootRank, **self._kw()) for t in tensors]
+        return self._work(handles, tensors)
+
+    def allgather(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> CommdWork:
+        outs, inp = outputs[0], inputs[0]
+        if len(outs) != self.size():
+            raise ValueError(f"all_gather needs {self.size()} output tensors, got {len(outs)}")
+        counts = [o.numel() for o in outs]
+        flat = torch.empty(sum(counts), dtype=inp.dtype)
+        handle = self._client.submit(
+            "allgather", self._name, {"in": (inp, "in"), "out": (flat, "out")}, inp.dtype,
+            result=outputs, after=lambda: _unflatten_into(flat, outs), counts=counts,
+            timeout=self._timeout,
+        )
+        return self._work(handle, outputs)
+
+    def allgather_coalesced(self, outputs: list, inputs: list, opts: Any = None) -> CommdWork:
+        handles = []
+        for out_list, inp in zip(outputs, inputs, strict=True):
+            handles += self.allgather([out_list], [inp], opts)._handles
+        return self._work(handles, outputs)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> CommdWork:
+        if output.numel() != input.numel() * self.size():
+            raise ValueError(
+                f"all_gather_into_tensor: output holds {output.numel()} elements, expected "
+                f"{self.size()} x {input.numel()}"
+            )
+        handle = ops.all_gather(self._client, output, input, None, **self._kw())
+        return self._work(handle, output)
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs: list, inputs: list, opts: Any = None) -> CommdWork:
+        handles = []
+        for out, inp in zip(outputs, inputs, strict=True):
+            handles += self.all_gather_single(out, inp, opts)._handles
+        return self._work(handles, outputs)
+
+    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> CommdWork:
+        inp, root = inputs[0], opts.rootRank
+        if self.rank() == root:
+            outs = outputs[0]
+            counts = [o.numel() for o in outs]
+            flat = torch.empty(sum(counts), dtype=inp.dtype)
+            handle = self._client.submit(
+                "gather", self._name, {"in": (inp, "in"), "out": (flat, "out")}, inp.dtype,
+                result=outputs, after=lambda: _unflatten_into(flat, outs), counts=counts,
+                root=root, timeout=self._timeout,
+            )
+        else:
+            counts = [inp.numel()] * self.size()
+            handle = ops.gather(self._client, None, inp, root, counts, **self._kw())
+        return self._work(handle, outputs)
+
+    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> CommdWork:
+        out, root = outputs[0], opts.rootRank
+        if self.rank() == root:
+            parts = inputs[0]
+            counts = [p.numel() for p in parts]
+            handle = ops.scatter(self._client, out, _flatten(parts), root, counts, **self._kw())
+        else:
+            handle = ops.scatter(self._client, out, None, root, [out.numel()] * self.size(), **self._kw())
+        return self._work(handle, outputs)
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> CommdWork:
+        flat_out = torch.empty(sum(o.numel() for o in outputs), dtype=inputs[0].dtype)
+        handle = self._client.submit(
+            "alltoall", self._name, {"in": (_flatten(inputs), "in"), "out": (flat_out, "out")},
+            inputs[0].dtype, result=outputs, after=lambda: _unflatten_into(flat_out, outputs),
+            splits_in=[t.numel() for t in inputs], splits_out=[o.numel() for o in outputs],
+            timeout=self._timeout,
+        )
+        return self._work(handle, outputs)
+
+    def all_to_all_single(
+        self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
+        input_split_sizes: list[int], opts: Any = None,
+    ) -> CommdWork:
+        n = self.size()
+        in_row = input.numel() // input.shape[0] if input.dim() and input.shape[0] else 0
+        out_row = output.numel() // output.shape[0] if output.dim() and output.shape[0] else 0
+        in_rows = list(input_split_sizes) or [input.shape[0] // n] * n if input.dim() else [0] * n
+        out_rows = list(output_split_sizes) or [output.shape[0] // n] * n if output.dim() else [0] * n
+        if not input_split_sizes and input.dim() and input.shape[0] % n:
+            raise ValueError(f"all_to_all_single: input dim 0 ({input.shape[0]}) not divisible by {n}")
+        if not output_split_sizes and output.dim() and output.shape[0] % n:
+            raise ValueError(f"all_to_all_single: output dim 0 ({output.shape[0]}) not divisible by {n}")
+        if input.dim() == 0 or output.dim() == 0:
+            in_rows, out_rows, in_row, out_row = [input.numel() // n] * n, [output.numel() // n] * n, 1, 1
+        handle = ops.all_to_all(
+            self._client, output, input, [r * in_row for r in in_rows], [r * out_row for r in out_rows],
+            **self._kw(),
+        )
+        return self._work(handle, output)
+
+    alltoall_base = all_to_all_single
+
+    # ---- point to point ---------------------------------------------------
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> CommdWork:
+        handle = ops.send(self._client, tensors[0], dst, tag, **self._kw())
+        return self._work(handle, tensors)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> CommdWork:
+        handle = ops.recv(self._client, tensors[0], src, tag, **self._kw())
+        return self._work(handle, tensors)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> CommdWork:
+        return self.recv(tensors, -1, tag)
+
+    def barrier(self, opts: Any = None) -> CommdWork:
+        return self._work(ops.barrier(self._client, **self._kw()), None)
+
+    def shutdown(self) -> None:
+        """Called by destroy_process_group; the process's client stays for other groups."""
+
+    def __repr__(self) -> str:
+        return f"ProcessGroupCommd(group={self._name!r}, rank={self.rank()}, size={self.size()})"
+
+
+# ---- bootstrap -------------------------------------------------------------
+def _agree(store: dist.Store, rank: int, key: str, make: Any) -> str:
+    """Rank 0 proposes a value through the store; everyone returns the agreed one."""
+    full = _STORE_PREFIX + key
+    if rank == 0:
+        store.set(full, make())
+    return store.get(full).decode()
+
+
+def _local_rank(store: dist.Store, rank: int, size: int) -> int:
+    """Publish our host; fail clearly if the group spans several hosts."""
+    host = os.environ.get("COMMD_NODE") or socket.gethostname()
+    store.set(f"{_STORE_PREFIX}host/{rank}", host)
+    hosts = [store.get(f"{_STORE_PREFIX}host/{r}").decode() for r in range(size)]
+    if len(set(hosts)) > 1:
+        raise ConnectError(
+            f"this commd build runs single-node jobs; ranks are on hosts {sorted(set(hosts))}"
+        )
+    env_local = os.environ.get("LOCAL_RANK")
+    return int(env_local) if env_local and env_local.isdigit() else rank
+
+
+def _bootstrap(store: dist.Store, rank: int, size: int, timeout: timedelta) -> Client:
+    """Connect this process to its node daemon for the job the store defines."""
+    global _client
+    launched_job = os.environ.get("COMMD_JOB")
+    if launched_job and JobPaths.for_job(launched_job).daemon_pid() is not None:
+        job, secret = launched_job, None  # started by `commd launch`: the secret is in the job dir
+    else:
+        job = _agree(store, rank, "job", lambda: f"job-{uuid.uuid4().hex[:16]}")
+        secret = _agree(store, rank, "secret", new_secret)
+    local_rank = _local_rank(store, rank, size)
+    with _client_lock:
+        if _client is not None:
+            if _client.paths.job == job and _client.rank == rank and not _client._closed:
+                return _client
+            _client.close()
+            _client = None
+        paths = JobPaths.for_job(job)
+        if secret is not None:
+            ensure_daemon(paths, secret)
+        _client = Client(
+            rank, size, local_rank=local_rank, job=job, secret=secret,
+            op_timeout=timeout.total_seconds() if timeout else None,
+        )
+        return _client
+
+
+def _create(dist_opts: Any, backend_opts: Any) -> ProcessGroupCommd:
+    store = dist_opts.store
+    rank, size = dist_opts.group_rank, dist_opts.group_size
+    timeout = dist_opts.timeout
+    global_ranks = list(dist_opts.global_ranks_in_group or range(size))
+    if not dist.is_initialized() or _client is None:
+        client = _bootstrap(store, rank, size, timeout)
+    else:
+        client = _client
+    base = str(dist_opts.group_id or "default")
+    generation = _group_generations.get(base, 0)
+    _group_generations[base] = generation + 1
+    name = f"g{base}.{generation}".replace(" ", "_")[:200]
+    client.register_group(name, global_ranks)
+    return ProcessGroupCommd(client, name, rank, size, timeout)
+
+
+def _close_client() -> None:
+    global _client
+    if _client is not None:
+        try:
+            _client.close()
+        finally:
+            _client = None
+
+
+_registered = False
+
+
+def register_backend() -> None:
+    """Register "commd" with torch.distributed (idempotent)."""
+    global _registered
+    if _registered or BACKEND_NAME.upper() in dist.Backend._plugins:
+        _registered = True
+        return
+    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
+    atexit.register(_close_client)
+    _registered = True
+
+
+def autoload() -> None:
+    """Entry point for torch's backend autoloading (the `torch.backends` group)."""
+    register_backend()

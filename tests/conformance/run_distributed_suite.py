@@ -1,0 +1,784 @@
+#!/usr/bin/env python
+"""Run PyTorch's own ``DistributedTest`` suite against a c10d backend.
+
+The suite lives in the torch wheel
+(``torch.testing._internal.distributed.distributed_test``).  PyTorch drives it
+from ``test/distributed/test_distributed_spawn.py``, which is not shipped, so
+this script rebuilds that driver: a ``TestDistBackendWithSpawn(TestDistBackend,
+DistributedTest._DistTestBase)`` class whose ``setUp`` spawns ``WORLD_SIZE``
+rank processes per test.
+
+Usage::
+
+    python tests/conformance/run_distributed_suite.py --backend gloo --subset full \
+        --json out.json
+    python tests/conformance/run_distributed_suite.py --backend commd --subset fast \
+        --compare tests/conformance/gloo_baseline.json
+
+How it is put together (and why):
+
+* The orchestrator (``main``) never imports the suite itself.  It starts a
+  *worker* (this same file with ``--worker``) that runs pytest in-process on
+  this file.  pytest imports this file as a module; with the worker env var set
+  the module-level code registers the backend and defines the test class.
+  Spawned rank processes unpickle ``TestDistBackendWithSpawn._run`` by module
+  name, so they import this module again and get the same preparation
+  (``import commd``, ``DistTestCases`` feature sets) before the suite module is
+  imported -- the suite evaluates its skip decorators at import time.
+* Time is bounded at three levels: the suite's own join timeout
+  (``DISTRIBUTED_TESTS_DEFAULT_TIMEOUT``), a per-test pytest-timeout (signal
+  method, so a hang fails only that test and ``tearDown`` still terminates the
+  ranks), and an orchestrator watchdog that kills the worker's whole process
+  group if even that does not fire, records the test as failed, and restarts a
+  worker on the remaining tests.
+* The worker streams one JSON line per test start/result, so a killed worker
+  never loses results already obtained.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+HERE = Path(__file__).resolve().parent
+BUILTIN_BACKENDS = frozenset({"gloo", "nccl", "mpi", "ucc"})
+WORLD_SIZE = 2
+
+# Environment variables through which the orchestrator configures workers (and,
+# by inheritance, the rank processes the suite spawns).
+_ENV_WORKER = "COMMD_CONFORMANCE_WORKER"
+_ENV_PLUGIN_MODULE = "COMMD_CONFORMANCE_PLUGIN_MODULE"
+
+# Extra seconds on top of the suite's own join timeout before pytest-timeout
+# fires (spawning two ranks, traceback collection and tearDown need time), and
+# on top of that before the orchestrator watchdog kills the worker.
+PYTEST_TIMEOUT_GRACE_S = 45
+WATCHDOG_GRACE_S = 60
+# A worker must report its first test within this many seconds of starting.
+WORKER_STARTUP_LIMIT_S = 300
+MESSAGE_LIMIT = 4000
+
+# Curated "fast" subset: regexes matched (``re.fullmatch``) against test method
+# names.  Covers the core collectives, p2p, barrier, subgroups and basic DDP.
+# Patterns for collectives that the suite only exercises on other backends
+# (CPU all_to_all is MPI-only, reduce_scatter is NCCL-only, batch_isend_irecv
+# on CPU is gated on BACKEND == "gloo") are kept on purpose: they cost nothing
+# (decorator skips spawn no process) and show up as skipped, which documents
+# the coverage gap.
+FAST_PATTERNS: tuple[str, ...] = (
+    # Sanity: backend name plumbing, rank/size, groups.
+    r"test_get_backend",
+    r"test_Backend_enum_class",
+    r"test_get_rank_size_group",
+    r"test_destroy_group",
+    # all_reduce / all_reduce_coalesced.
+    r"test_all_reduce_sum",
+    r"test_all_reduce_max",
+    r"test_all_reduce_product",
+    r"test_all_reduce_sum_async",
+    r"test_all_reduce_sum_complex",
+    r"test_all_reduce_full_group_sum",
+    r"test_all_reduce_coalesced_sum",
+    # reduce.
+    r"test_reduce_sum",
+    r"test_reduce_full_group_max",
+    # broadcast.
+    r"test_broadcast",
+    r"test_broadcast_full_group",
+    # all_gather / gather / scatter (+ object variants and argument checks).
+    r"test_all_gather",
+    r"test_all_gather_coalesced_simple",
+    r"test_all_gather_object_subgroup",
+    r"test_gather",
+    r"test_gather_checks",
+    r"test_scatter",
+    r"test_scatter_checks",
+    # reduce_scatter / all_to_all: not run on CPU backends by the suite.
+    r"test_reduce_scatter.*",
+    r"test_all_to_all.*",
+    # Point-to-point.
+    r"test_send_recv",
+    r"test_send_recv_with_tag",
+    r"test_send_recv_any_source",
+    r"test_isend",
+    r"test_irecv",
+    r"test_batch_isend_irecv_gloo.*",
+    # Barrier.
+    r"test_barrier",
+    r"test_barrier_full_group",
+    # Subgroups created with new_group / new_subgroups.
+    r"test_new_subgroups_.*",
+    # Basic DistributedDataParallel on CPU.
+    r"test_DistributedDataParallelCPU",
+    r"test_ddp_hook_parity_allreduce",
+)
+
+
+# --------------------------------------------------------------------------
+# Shared helpers (worker and rank processes)
+# --------------------------------------------------------------------------
+
+
+def _ensure_expecttest() -> None:
+    """Provide a tiny ``expecttest`` stand-in when the real package is absent.
+
+    ``torch.testing._internal.common_utils`` imports ``expecttest`` only to use
+    ``expecttest.TestCase`` as a base class and read ``expecttest.ACCEPT``; the
+    distributed suite never calls the inline-expectation asserts.  Installing
+    ``expecttest`` is still preferred (it is a PyTorch test dependency).
+    """
+    try:
+        importlib.import_module("expecttest")
+    except ImportError:
+        import unittest
+
+        stub = types.ModuleType("expecttest")
+        stub.TestCase = unittest.TestCase  # type: ignore[attr-defined]
+        stub.ACCEPT = False  # type: ignore[attr-defined]
+        sys.modules["expecttest"] = stub
+        print(
+            "run_distributed_suite: 'expecttest' not installed; using a stub",
+            file=sys.stderr,
+        )
+
+
+def _prepare_backend(backend: str, plugin_module: str | None) -> list[str]:
+    """Register a plugin backend and make the suite treat it like gloo.
+
+    Must run before ``distributed_test`` is imported: the suite reads
+    ``DistTestCases`` inside decorators evaluated at class-definition time.
+    Returns the ``DistTestCases.backend_feature`` keys the backend was added to.
+    """
+    if backend in BUILTIN_BACKENDS:
+        return []
+    if plugin_module:
+        # Importing the plugin registers it via dist.Backend.register_backend.
+        importlib.import_module(plugin_module)
+    from torch.testing._internal.common_distributed import DistTestCases
+
+    features = DistTestCases.backend_feature
+    added = ["plugin"]
+    features["plugin"].add(backend)
+    for name, members in features.items():
+        if "gloo" in members and backend not in members:
+            members.add(backend)
+            added.append(name)
+    return added
+
+
+def _build_suite_class() -> type:
+    """Define the spawn-driven test class exactly as test_distributed_spawn does."""
+    from torch.testing._internal.distributed.distributed_test import (
+        DistributedTest,
+        TestDistBackend,
+    )
+
+    class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
+        """One test method per suite test; every test spawns WORLD_SIZE ranks."""
+
+        def setUp(self) -> None:
+            super().setUp()
+            self._spawn_processes()
+
+    # Rank processes locate the class by qualified name when unpickling.
+    TestDistBackendWithSpawn.__qualname__ = TestDistBackendWithSpawn.__name__
+    return TestDistBackendWithSpawn
+
+
+if os.environ.get(_ENV_WORKER) == "1":
+    # Runs in the worker (as imported by pytest) and in every rank process.
+    _ensure_expecttest()
+    _prepare_backend(os.environ["BACKEND"], os.environ.get(_ENV_PLUGIN_MODULE))
+    TestDistBackendWithSpawn = _build_suite_class()
+
+
+# --------------------------------------------------------------------------
+# Worker: pytest in-process, streaming JSON lines
+# --------------------------------------------------------------------------
+
+
+class _EventRecorder:
+    """pytest plugin that streams collection, test starts and outcomes as JSON lines."""
+
+    def __init__(self, events_path: Path, selection: set[str] | None) -> None:
+        self._fh: TextIO = events_path.open("a", buffering=1, encoding="utf-8")
+        self._selection = selection
+        self._phases: dict[str, list[Any]] = {}
+        # Tests carrying a unittest skip decorator that is already decided at
+        # import time (e.g. ``BACKEND != "gloo"``): they never spawn ranks.
+        self._static_skip: set[str] = set()
+
+    def _emit(self, **event: Any) -> None:
+        self._fh.write(json.dumps(event) + "\n")
+        self._fh.flush()
+
+    def pytest_collection_modifyitems(self, config: Any, items: list[Any]) -> None:
+        """Keep only selected tests and give each a signal-based time limit."""
+        import pytest
+        from torch.testing._internal.common_distributed import get_timeout
+
+        if self._selection is not None:
+            keep = [item for item in items if item.name in self._selection]
+            dropped = [item for item in items if item.name not in self._selection]
+            if dropped:
+                config.hook.pytest_deselected(items=dropped)
+            items[:] = keep
+        for item in items:
+            if getattr(item.obj, "__unittest_skip__", False):
+                self._static_skip.add(item.name)
+            limit = get_timeout(item.name) + PYTEST_TIMEOUT_GRACE_S
+            item.add_marker(pytest.mark.timeout(limit, method="signal"))
+
+    def pytest_collection_finish(self, session: Any) -> None:
+        """Publish the names that will run (after -k and selection)."""
+        self._emit(event="collected", tests=[item.name for item in session.items])
+
+    def pytest_runtest_logstart(self, nodeid: str, location: Any) -> None:
+        """Tell the watchdog which test is now running and for how long it may."""
+        name = nodeid.rsplit("::", 1)[-1]
+        from torch.testing._internal.common_distributed import get_timeout
+
+        limit = get_timeout(name) + PYTEST_TIMEOUT_GRACE_S
+        self._emit(event="start", test=name, limit_s=limit, time=time.time())
+
+    def pytest_runtest_logreport(self, report: Any) -> None:
+        """Fold setup/call/teardown reports into a single outcome per test."""
+        name = report.nodeid.rsplit("::", 1)[-1]
+        self._phases.setdefault(name, []).append(report)
+        if report.when != "teardown":
+            return
+        phases = self._phases.pop(name)
+        outcome = "passed"
+        message = ""
+        for rep in phases:
+            if rep.failed:
+                outcome = "failed"
+                message = _report_text(rep)
+                break
+            if rep.skipped and outcome == "passed":
+                outcome = "skipped"
+                message = _skip_reason(rep)
+        duration = sum(rep.duration for rep in phases)
+        self._emit(
+            event="result",
+            test=name,
+            outcome=outcome,
+            duration_s=round(duration, 3),
+            message=message,
+            static_skip=outcome == "skipped" and name in self._static_skip,
+        )
+
+
+def _report_text(report: Any) -> str:
+    """Failure text: traceback tail plus captured stderr tail (rank tracebacks)."""
+    text = report.longreprtext or ""
+    captured = getattr(report, "capstderr", "") or ""
+    if captured:
+        text += "\n--- captured stderr (tail) ---\n" + captured[-MESSAGE_LIMIT // 2 :]
+    return text[-MESSAGE_LIMIT:]
+
+
+def _skip_reason(report: Any) -> str:
+    """Extract the human-readable skip reason from a pytest report."""
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    return str(longrepr)[-MESSAGE_LIMIT:]
+
+
+def _worker_main(args: argparse.Namespace) -> int:
+    """Run pytest on this file inside the worker process."""
+    import pytest
+
+    selection: set[str] | None = None
+    if args.worker_selection:
+        selection = set(json.loads(Path(args.worker_selection).read_text()))
+    recorder = _EventRecorder(Path(args.worker_events), selection)
+    pytest_args = [
+        str(Path(__file__).resolve()),
+        # Isolate from the project's pytest config, conftest files and cache.
+        "-c",
+        os.devnull,
+        "--rootdir",
+        str(HERE),
+        "--noconftest",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        "-rN",
+        "--tb=short",
+    ]
+    if args.worker_collect_only:
+        pytest_args.append("--collect-only")
+    if args.k:
+        pytest_args += ["-k", args.k]
+    return int(pytest.main(pytest_args, plugins=[recorder]))
+
+
+# --------------------------------------------------------------------------
+# Orchestrator
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class SuiteResult:
+    """Outcome of one suite test."""
+
+    outcome: str
+    duration_s: float
+    message: str = ""
+    # Skipped by a decorator evaluated when the suite was imported (typically
+    # a backend-name check), as opposed to a skip decided inside the ranks.
+    static_skip: bool = False
+
+
+def _result_from_event(event: dict[str, Any]) -> SuiteResult:
+    """Build a SuiteResult from a worker "result" event."""
+    return SuiteResult(
+        outcome=event["outcome"],
+        duration_s=event["duration_s"],
+        message=event["message"],
+        static_skip=bool(event.get("static_skip", False)),
+    )
+
+
+class RunnerError(RuntimeError):
+    """The run could not make progress (e.g. the worker cannot even start)."""
+
+
+def _free_port() -> int:
+    """Ask the kernel for a currently free TCP port for MASTER_PORT."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _worker_env(args: argparse.Namespace, temp_root: Path) -> dict[str, str]:
+    """Environment the suite expects (see TestDistBackend / run_test.py)."""
+    env = dict(os.environ)
+    temp_dir = temp_root / "suite_tmp"
+    for sub in ("barrier", "test_dir", "init_dir"):
+        (temp_dir / sub).mkdir(parents=True, exist_ok=True)
+    env.update(
+        {
+            _ENV_WORKER: "1",
+            "BACKEND": args.backend,
+            "WORLD_SIZE": str(WORLD_SIZE),
+            # setUp() replaces TEMP_DIR/INIT_METHOD per test; the initial values
+            # matter for import-time checks (a file:// INIT_METHOD enables
+            # test_barrier_timeout_global).
+            "TEMP_DIR": str(temp_dir),
+            "INIT_METHOD": f"file://{temp_dir / 'init_dir' / 'shared_init_file'}",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(_free_port()),
+            "DISTRIBUTED_TESTS_DEFAULT_TIMEOUT": str(args.per_test_timeout),
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONDONTWRITEBYTECODE": "1",
+            # Installed packages can register torch device-backend entry points
+            # that `import torch` loads implicitly; a broken one would take down
+            # every rank process.  Plugins are imported explicitly instead.
+            "TORCH_DEVICE_BACKEND_AUTOLOAD": "0",
+        }
+    )
+    if args.plugin_module:
+        env[_ENV_PLUGIN_MODULE] = args.plugin_module
+    else:
+        env.pop(_ENV_PLUGIN_MODULE, None)
+    return env
+
+
+def _read_events(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
+    """Read complete JSON lines appended since ``offset``."""
+    if not path.exists():
+        return [], offset
+    with path.open("rb") as fh:
+        fh.seek(offset)
+        data = fh.read()
+    end = data.rfind(b"\n")
+    if end < 0:
+        return [], offset
+    lines = data[: end + 1].decode("utf-8").splitlines()
+    return [json.loads(line) for line in lines if line.strip()], offset + end + 1
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """Kill the worker and every rank process it spawned (same session)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=30)
+
+
+class Orchestrator:
+    """Starts workers, watches them, and restarts after hangs or crashes."""
+
+    def __init__(self, args: argparse.Namespace, temp_root: Path) -> None:
+        self.args = args
+        self.temp_root = temp_root
+        self.env = _worker_env(args, temp_root)
+        self.results: dict[str, SuiteResult] = {}
+        self._worker_no = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def kill_worker(self) -> None:
+        """Kill the running worker (if any) with all its rank processes."""
+        if self._proc is not None and self._proc.poll() is None:
+            _kill_group(self._proc)
+        self._proc = None
+
+    def _start_worker(
+        self, *, collect_only: bool, selection: list[str] | None
+    ) -> tuple[subprocess.Popen[bytes], Path, Path]:
+        self._worker_no += 1
+        tag = f"worker{self._worker_no:03d}"
+        events = self.temp_root / f"{tag}.jsonl"
+        log = self.temp_root / f"{tag}.log"
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--worker",
+            "--backend",
+            self.args.backend,
+            "--worker-events",
+            str(events),
+        ]
+        if collect_only:
+            cmd.append("--worker-collect-only")
+            if self.args.k:
+                cmd += ["-k", self.args.k]
+        if selection is not None:
+            sel_path = self.temp_root / f"{tag}.selection.json"
+            sel_path.write_text(json.dumps(selection))
+            cmd += ["--worker-selection", str(sel_path)]
+        with log.open("wb") as log_fh:
+            proc = subprocess.Popen(
+                cmd,
+                env=self.env,
+                stdout=log_fh,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        self._proc = proc
+        return proc, events, log
+
+    def collect(self) -> list[str]:
+        """Names of all suite tests matching -k (import-time view of the worker)."""
+        proc, events_path, log = self._start_worker(collect_only=True, selection=None)
+        try:
+            proc.wait(timeout=WORKER_STARTUP_LIMIT_S)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            raise RunnerError(f"collection timed out; see {log}") from None
+        events, _ = _read_events(events_path, 0)
+        for event in events:
+            if event["event"] == "collected":
+                return list(event["tests"])
+        tail = log.read_text(errors="replace")[-MESSAGE_LIMIT:]
+        raise RunnerError(f"collection failed (rc={proc.returncode}):\n{tail}")
+
+    def run(self, names: list[str]) -> None:
+        """Run ``names``, restarting the worker whenever it hangs or dies."""
+        remaining = [n for n in names if n not in self.results]
+        while remaining:
+            progressed = self._run_batch(remaining)
+            remaining = [n for n in remaining if n not in self.results]
+            if remaining and not progressed:
+                for name in remaining:
+                    self._record(
+                        name,
+                        SuiteResult("failed", 0.0, "not run: worker made no progress"),
+                    )
+                raise RunnerError("worker made no progress; see logs in " + str(self.temp_root))
+
+    def _record(self, name: str, result: SuiteResult) -> None:
+        self.results[name] = result
+        line = f"{result.outcome.upper():8s} {name} ({result.duration_s:.1f}s)"
+        if result.outcome == "failed":
+            line += f"  -- {_headline(result.message)[:160]}"
+        print(line, flush=True)
+
+    def _run_batch(self, names: list[str]) -> bool:
+        """One worker lifetime; returns whether any test got a result."""
+        proc, events_path, log = self._start_worker(collect_only=False, selection=names)
+        offset = 0
+        current: str | None = None
+        current_start = 0.0
+        current_limit = 0.0
+        started_at = time.monotonic()
+        got_result = False
+        while True:
+            events, offset = _read_events(events_path, offset)
+            for event in events:
+                if event["event"] == "start":
+                    current = event["test"]
+                    current_start = time.monotonic()
+                    current_limit = float(event["limit_s"]) + WATCHDOG_GRACE_S
+                elif event["event"] == "result":
+                    self._record(event["test"], _result_from_event(event))
+                    got_result = True
+                    current = None
+            rc = proc.poll()
+            if rc is not None:
+                # Drain anything written between the last read and exit.
+                events, offset = _read_events(events_path, offset)
+                for event in events:
+                    if event["event"] == "result":
+                        self._record(event["test"], _result_from_event(event))
+                        got_result = True
+                        if event["test"] == current:
+                            current = None
+                if current is not None:
+                    tail = log.read_text(errors="replace")[-MESSAGE_LIMIT:]
+                    self._record(
+                        current,
+                        SuiteResult(
+                            "failed",
+                            round(time.monotonic() - current_start, 3),
+                            f"worker process died (exit code {rc}) during this test\n{tail}",
+                        ),
+                    )
+                    got_result = True
+                return got_result
+            now = time.monotonic()
+            if current is not None and now - current_start > current_limit:
+                _kill_group(proc)
+                self._record(
+                    current,
+                    SuiteResult(
+                        "failed",
+                        round(now - current_start, 3),
+                        f"hung: no result after {current_limit:.0f}s; "
+                        "runner watchdog killed the worker and its rank processes",
+                    ),
+                )
+                return True
+            if current is None and not got_result and now - started_at > WORKER_STARTUP_LIMIT_S:
+                _kill_group(proc)
+                return False
+            time.sleep(0.2)
+
+
+def _headline(message: str) -> str:
+    """Most informative single line of a failure/skip message.
+
+    pytest marks exception lines with ``E``; otherwise take the first line.
+    """
+    lines = [ln.strip() for ln in message.splitlines() if ln.strip()]
+    for ln in lines:
+        if ln.startswith("E "):
+            return ln[1:].strip()
+    return lines[0] if lines else ""
+
+
+def select_tests(names: list[str], subset: str) -> list[str]:
+    """Apply the --subset filter to collected names, keeping suite order."""
+    if subset == "full":
+        return names
+    patterns = [re.compile(p) for p in FAST_PATTERNS]
+    return [n for n in names if any(p.fullmatch(n) for p in patterns)]
+
+
+def counts_of(results: dict[str, SuiteResult]) -> dict[str, int]:
+    """passed/failed/skipped totals."""
+    counts = {"passed": 0, "failed": 0, "skipped": 0}
+    for result in results.values():
+        counts[result.outcome] = counts.get(result.outcome, 0) + 1
+    return counts
+
+
+@dataclass
+class Comparison:
+    """Baseline-passing tests that did not pass in this run, by kind."""
+
+    regressions: list[str]  # failed, or skipped inside the ranks
+    gated: list[str]  # skipped by an import-time backend check (e.g. BACKEND != "gloo")
+    not_run: list[str]  # outside this run's selection (--subset / -k)
+
+
+def compare_with_baseline(results: dict[str, SuiteResult], baseline_path: Path) -> Comparison:
+    """Find baseline-passing tests (e.g. gloo's) that failed or skipped here."""
+    baseline = json.loads(baseline_path.read_text())
+    passing = baseline.get("passed_tests")
+    if passing is None:
+        passing = [n for n, r in baseline.get("tests", {}).items() if r["outcome"] == "passed"]
+    comparison = Comparison([], [], [])
+    for name in passing:
+        result = results.get(name)
+        if result is None:
+            comparison.not_run.append(name)
+            continue
+        if result.outcome == "passed":
+            continue
+        line = f"{result.outcome.upper():8s} {name}  -- {_headline(result.message)[:200]}"
+        if result.static_skip:
+            comparison.gated.append(line)
+        else:
+            comparison.regressions.append(line)
+    return comparison
+
+
+def _torch_version() -> str:
+    """Version of the torch wheel whose suite is being run (without importing it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Run torch's DistributedTest suite (WORLD_SIZE=2) against a backend."
+    )
+    parser.add_argument("--backend", required=True, help="gloo, commd, or another plugin")
+    parser.add_argument("--subset", choices=("fast", "full"), default="full")
+    parser.add_argument("-k", default=None, help="pytest -k expression on test names")
+    parser.add_argument("--json", type=Path, default=None, help="write per-test results here")
+    parser.add_argument(
+        "--per-test-timeout",
+        type=int,
+        default=180,
+        help="seconds a test may take (suite overrides such as test_ddp_uneven_inputs=400 "
+        "still apply); a hung test fails and the run goes on",
+    )
+    parser.add_argument("--compare", type=Path, default=None, help="baseline JSON (e.g. gloo_baseline.json)")
+    parser.add_argument(
+        "--plugin-module",
+        default=None,
+        help="module to import to register a plugin backend (default: the backend name "
+        "for non-builtin backends)",
+    )
+    parser.add_argument("--keep-logs", action="store_true", help="keep worker logs even if all tests pass")
+    # Internal: worker mode.
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-events", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-selection", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-collect-only", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.backend = args.backend.lower()
+    if args.plugin_module is None and args.backend not in BUILTIN_BACKENDS:
+        args.plugin_module = args.backend
+    return args
+
+
+def _check_plugin_importable(args: argparse.Namespace, env: dict[str, str]) -> None:
+    """Fail fast, in the orchestrator, if the plugin backend cannot be imported."""
+    if not args.plugin_module:
+        return
+    proc = subprocess.run(
+        [sys.executable, "-c", f"import {args.plugin_module}"],
+        env={k: v for k, v in env.items() if k != _ENV_WORKER},
+        capture_output=True,
+        text=True,
+        timeout=WORKER_STARTUP_LIMIT_S,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise RunnerError(
+            f"cannot import plugin module {args.plugin_module!r}:\n{proc.stderr[-MESSAGE_LIMIT:]}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Orchestrate a run.
+
+    Exit status 0 only if no test failed and, with --compare, every
+    baseline-passing test in the selection passed or was gated by the suite.
+    """
+    args = _parse_args(argv)
+    if args.worker:
+        return _worker_main(args)
+    # `timeout` and CI cancellations send SIGTERM: treat it like Ctrl-C so that
+    # workers are killed and partial results are still reported.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+    started = time.monotonic()
+    temp_root = Path(tempfile.mkdtemp(prefix=f"dist_suite_{args.backend}_"))
+    orch = Orchestrator(args, temp_root)
+    error: str | None = None
+    try:
+        _check_plugin_importable(args, orch.env)
+        names = select_tests(orch.collect(), args.subset)
+        print(
+            f"Running {len(names)} tests of torch {_torch_version()} DistributedTest "
+            f"with backend={args.backend} world_size={WORLD_SIZE} subset={args.subset}",
+            flush=True,
+        )
+        orch.run(names)
+    except RunnerError as exc:
+        error = str(exc)
+        print(f"ERROR: {error}", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        error = "interrupted"
+    finally:
+        orch.kill_worker()
+    wall = time.monotonic() - started
+
+    counts = counts_of(orch.results)
+    comparison: Comparison | None = None
+    if args.compare is not None:
+        comparison = compare_with_baseline(orch.results, args.compare)
+        print(f"\nCompared with {args.compare} (tests that passed there):")
+        for line in comparison.regressions:
+            print(f"  {line}")
+        for line in comparison.gated:
+            print(f"  {line}  [gated by the suite on backend name]")
+        print(
+            f"  {len(comparison.regressions)} failed or skipped at run time, "
+            f"{len(comparison.gated)} skipped by import-time backend checks, "
+            f"{len(comparison.not_run)} not in this selection"
+        )
+
+    if args.json is not None:
+        payload: dict[str, Any] = {
+            "backend": args.backend,
+            "subset": args.subset,
+            "k": args.k,
+            "world_size": WORLD_SIZE,
+            "torch_version": _torch_version(),
+            "python": platform.python_version(),
+            "cpu_count": os.cpu_count(),
+            "per_test_timeout_s": args.per_test_timeout,
+            "wall_time_s": round(wall, 1),
+            "counts": counts,
+            "error": error,
+            "passed_tests": sorted(n for n, r in orch.results.items() if r.outcome == "passed"),
+            "tests": {n: asdict(r) for n, r in sorted(orch.results.items())},
+        }
+        if comparison is not None:
+            payload["compare"] = {"baseline": str(args.compare), **asdict(comparison)}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(payload, indent=1) + "\n")
+
+    failed = counts["failed"] > 0 or error is not None
+    if comparison is not None and comparison.regressions:
+        failed = True
+    if failed or args.keep_logs:
+        print(f"worker logs: {temp_root}")
+    else:
+        shutil.rmtree(temp_root, ignore_errors=True)
+    print(f"wall time {wall:.1f}s")
+    print(f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
