@@ -1,10 +1,305 @@
-"""commd launch (placeholder)."""
+"""`commd launch`: start the node daemon, then N training processes (torchrun-style).
+
+The launcher owns the daemon (started first, with ``exit_when_idle=False``,
+stopped last) so workers never race to start one, and it owns the workers:
+signals are forwarded to them, and the first worker that fails takes the
+others down with it so a job never hangs on a dead peer.  Workers see the
+same environment torchrun gives them (RANK, LOCAL_RANK, WORLD_SIZE,
+LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, GROUP_RANK...) plus COMMD_JOB,
+which makes ``init_process_group("commd")`` use the launcher's daemon.
+"""
+
+from __future__ import annotations
+
 import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+
+from commd.client.errors import ConnectError
+from commd.client.spawn import SECRET_ENV, ping, start_daemon
+from commd.runtime import ConfigError, JobPaths, check_job, new_secret, pid_alive
+
+POLL_S = 0.05
+DEFAULT_GRACE_S = 10.0
+DAEMON_START_TIMEOUT_S = 60.0
+DAEMON_STOP_TIMEOUT_S = 20.0
+
+
+class LaunchError(Exception):
+    """The launch cannot go ahead (bad arguments, daemon would not start)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pass
+    parser.add_argument(
+        "--nproc-per-node", "--nproc_per_node", dest="nproc", type=int, default=1, metavar="N",
+        help="number of worker processes on this node (default 1)",
+    )
+    parser.add_argument("--job", help="job name (default: a fresh unique name); an already running "
+                        "daemon for this job is reused and left running")
+    parser.add_argument("--master-addr", "--master_addr", dest="master_addr", default="127.0.0.1",
+                        help="MASTER_ADDR for the workers (default 127.0.0.1)")
+    parser.add_argument("--master-port", "--master_port", dest="master_port", type=int, default=None,
+                        help="MASTER_PORT for the workers (default: a free port)")
+    parser.add_argument("--op-timeout", type=float, default=None,
+                        help="seconds an op may wait for its peers (passed to the daemon)")
+    parser.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
+                        help="seconds workers get after SIGTERM before SIGKILL (default 10)")
+    parser.add_argument("-m", "--module", action="store_true",
+                        help="treat the script as a module name and run it with `python -m`")
+    parser.add_argument("script", help="training script (or module with -m)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
+def _free_port(addr: str) -> int:
+    """A port the OS says is free now (torchrun does the same; racy but good enough)."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((addr, 0))
+        except OSError:
+            sock.bind(("", 0))
+        return int(sock.getsockname()[1])
+
+
+def _validate(args: argparse.Namespace) -> None:
+    if args.nproc < 1:
+        raise LaunchError(f"--nproc-per-node must be at least 1, got {args.nproc}")
+    if args.nproc > 4096:
+        raise LaunchError(f"--nproc-per-node {args.nproc} is implausibly large (max 4096)")
+    if args.master_port is not None and not 1 <= args.master_port <= 65535:
+        raise LaunchError(f"--master-port must lie in [1, 65535], got {args.master_port}")
+    if not args.master_addr:
+        raise LaunchError("--master-addr must not be empty")
+    if args.op_timeout is not None and not 0.001 <= args.op_timeout <= 7 * 24 * 3600:
+        raise LaunchError(f"--op-timeout {args.op_timeout} must lie in [0.001, 604800] seconds")
+    if args.grace < 0:
+        raise LaunchError("--grace must be non-negative")
+    if args.module:
+        if not all(part.isidentifier() for part in args.script.split(".")):
+            raise LaunchError(f"-m: {args.script!r} is not a module name")
+    else:
+        script = Path(args.script)
+        if not script.exists():
+            raise LaunchError(f"script {args.script!r} does not exist")
+        if not script.is_file():
+            raise LaunchError(f"script {args.script!r} is not a file")
+    if args.job is not None:
+        try:
+            check_job(args.job)
+        except ConfigError as exc:
+            raise LaunchError(str(exc)) from None
+
+
+def worker_env(
+    base: dict[str, str], rank: int, nproc: int, job: str, master_addr: str, master_port: int
+) -> dict[str, str]:
+    """The environment torchrun would give local rank ``rank`` of a one-node job, plus COMMD_JOB."""
+    env = dict(base)
+    env.pop(SECRET_ENV, None)  # workers read the secret from the private job dir
+    env.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+        GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc),
+        ROLE_NAME="default", MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), COMMD_JOB=job,
+    )
+    if nproc > 1 and "OMP_NUM_THREADS" not in base:
+        # Same default as torchrun: N workers each using every core thrash the machine.
+        env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+@dataclass
+class Worker:
+    rank: int
+    proc: subprocess.Popen
+
+    @property
+    def code(self) -> int | None:
+        return self.proc.poll()
+
+
+def exit_code(returncode: int) -> int:
+    """A shell-style exit status: 128+N for a worker killed by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+def stop_process(proc: subprocess.Popen, grace: float, sig: int = signal.SIGTERM) -> int:
+    """Send ``sig``, wait up to ``grace`` seconds, then SIGKILL; returns the exit code."""
+    if proc.poll() is None:
+        try:
+            proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    try:
+        return proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:  # pragma: no cover - unkillable (D state)
+        return -signal.SIGKILL
+
+
+def stop_daemon(proc: subprocess.Popen, timeout: float = DAEMON_STOP_TIMEOUT_S) -> int:
+    """SIGTERM the launcher-owned daemon and wait (bounded) for its clean shutdown."""
+    return stop_process(proc, timeout)
+
+
+def stop_workers(workers: list[Worker], grace: float, sig: int | None = signal.SIGTERM) -> None:
+    """Signal every live worker at once (unless ``sig`` is None: already signalled),
+    then give them ``grace`` seconds together before SIGKILL."""
+    for w in workers:
+        if sig is not None and w.proc.poll() is None:
+            try:
+                w.proc.send_signal(sig)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace
+    for w in workers:
+        try:
+            w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for w in workers:
+        if w.proc.poll() is None:
+            print(f"commd launch: rank {w.rank} (pid {w.proc.pid}) ignored SIGTERM for {grace:g}s; killing it",
+                  file=sys.stderr)
+            w.proc.kill()
+    for w in workers:
+        try:
+            w.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # pragma: no cover - unkillable (D state)
+            pass
+
+
+@dataclass
+class _Signals:
+    """Signals received while workers run; handlers only record and forward."""
+
+    workers: list[Worker] = field(default_factory=list)
+    received: list[int] = field(default_factory=list)
+
+    def handler(self, signum: int, _frame: FrameType | None) -> None:
+        self.received.append(signum)
+        # A second signal means "now": escalate to SIGKILL.
+        sig = signal.SIGKILL if len(self.received) > 1 else signum
+        for w in self.workers:
+            if w.proc.poll() is None:
+                try:
+                    os.kill(w.proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+
+def _start_workers(args: argparse.Namespace, job: str, port: int, sigs: _Signals) -> None:
+    target = ["-m", args.script] if args.module else [args.script]
+    for rank in range(args.nproc):
+        env = worker_env(dict(os.environ), rank, args.nproc, job, args.master_addr, port)
+        # Own session per worker (as torchrun): a terminal Ctrl-C reaches them
+        # once, through our forwarding, not twice.
+        proc = subprocess.Popen(
+            [sys.executable, *target, *args.script_args], env=env, start_new_session=True,
+        )
+        sigs.workers.append(Worker(rank, proc))
+
+
+def _supervise(workers: list[Worker], sigs: _Signals, grace: float, daemon: subprocess.Popen | None) -> int:
+    """Wait for all workers; on the first failure stop the rest. Returns the launcher's exit code."""
+    daemon_reported = False
+    while True:
+        if sigs.received:
+            stop_workers(workers, grace, None)  # the handler forwarded the signal already
+            signum = sigs.received[0]
+            print(f"commd launch: stopped the workers on {signal.Signals(signum).name}", file=sys.stderr)
+            return 128 + signum
+        failed = [w for w in workers if w.code not in (None, 0)]
+        if failed:
+            first = failed[0]
+            code = first.proc.returncode
+            rest = [w for w in workers if w.code is None]
+            note = f"; stopping {len(rest)} other worker(s)" if rest else ""
+            print(f"commd launch: rank {first.rank} (pid {first.proc.pid}) {describe_exit(code)}{note}",
+                  file=sys.stderr)
+            stop_workers(rest, grace)
+            return exit_code(code)
+        if all(w.code == 0 for w in workers):
+            return 0
+        if daemon is not None and not daemon_reported and daemon.poll() is not None:
+            daemon_reported = True
+            print(f"commd launch: the commd daemon {describe_exit(daemon.returncode)} while workers run; "
+                  "their collectives will fail", file=sys.stderr)
+        time.sleep(POLL_S)
 
 
 def run(args: argparse.Namespace) -> int:
-    return 0
+    try:
+        _validate(args)
+        job = args.job or f"launch-{uuid.uuid4().hex[:12]}"
+        paths = JobPaths.for_job(job)
+        port = args.master_port if args.master_port is not None else _free_port(args.master_addr)
+    except (LaunchError, ConfigError) as exc:
+        print(f"commd launch: {exc}", file=sys.stderr)
+        return 2
+
+    daemon: subprocess.Popen | None = None
+    existing = paths.daemon_pid()
+    if existing is not None and ping(paths, 2.0) == existing:
+        if args.job is None:  # pragma: no cover - a fresh uuid name cannot collide
+            print(f"commd launch: job {job!r} unexpectedly has a daemon", file=sys.stderr)
+            return 1
+        print(f"commd launch: using the running daemon of job {job!r} (pid {existing}); "
+              "it is left running afterwards", file=sys.stderr)
+        if args.op_timeout is not None:
+            print("commd launch: --op-timeout ignored: the daemon is already running", file=sys.stderr)
+    else:
+        extra = ["--op-timeout", repr(args.op_timeout)] if args.op_timeout is not None else []
+        try:
+            daemon = start_daemon(paths, new_secret(), exit_when_idle=False, extra_args=extra,
+                                  timeout=DAEMON_START_TIMEOUT_S)
+        except (ConnectError, ConfigError, OSError) as exc:
+            print(f"commd launch: cannot start the commd daemon: {exc}", file=sys.stderr)
+            return 1
+
+    sigs = _Signals()
+    previous = {sig: signal.signal(sig, sigs.handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    code = 1
+    try:
+        _start_workers(args, job, port, sigs)
+        code = _supervise(sigs.workers, sigs, args.grace, daemon)
+    except OSError as exc:
+        print(f"commd launch: cannot start the workers: {exc}", file=sys.stderr)
+        code = 1
+    finally:
+        # Whatever happened above, no worker may outlive the launcher.
+        stop_workers(sigs.workers, args.grace)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if daemon is not None:
+            daemon_code = stop_daemon(daemon)
+            if daemon_code != 0:
+                print(f"commd launch: the commd daemon {describe_exit(daemon_code)}; "
+                      f"see {paths.log_file}", file=sys.stderr)
+            elif code == 0 and args.job is None and not pid_alive(daemon.pid):
+                # A clean run under a throwaway name leaves nothing behind.
+                shutil.rmtree(paths.directory, ignore_errors=True)
+    if code != 0 and daemon is not None:
+        print(f"commd launch: daemon logs for job {job!r} are in {paths.directory}", file=sys.stderr)
+    return code

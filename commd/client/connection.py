@@ -85,6 +85,8 @@ class Client:
         self._groups: dict[str, list[int]] = {}
         self._pending: dict[int, Handle] = {}
         self._pending_lock = threading.Lock()
+        self._rx_lock = threading.Lock()
+        self._in_flight = threading.Event()
         self._send_lock = threading.RLock()
         self._broken: CommdError | None = None
         self._closed = False
@@ -120,14 +122,19 @@ class Client:
         self.daemon_pid = welcome["daemon_pid"]
         if self.op_timeout is None:
             self.op_timeout = float(welcome["op_timeout"])
+        # CUDA tensors go by IPC handle when the daemon can open them, else via host memory.
+        self._cuda = None
+        if welcome.get("cuda") and torch.cuda.is_available() and env_int("COMMD_CUDA_IPC", 1, 0, 1):
+            from commd.client.cuda_ipc import CudaExporter
+
+            self._cuda = CudaExporter()
         self._rep.send(s.encode({"t": "attach", "client_id": self.client_id, "secret": self.secret}))
         if not self._rep.poll(int(timeout * 1000)):
             raise ConnectError("daemon did not acknowledge the reply channel")
         ack = s.decode(self._rep.recv())
         if ack.get("t") != s.ACK:
             raise from_reply(ack.get("code", ""), ack.get("message", "attach refused"))
-        self._receiver = threading.Thread(target=self._receive_loop, name="commd-client-rx", daemon=True)
-        self._receiver.start()
+        self._receiver: threading.Thread | None = None
 
     def _request(self, message: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
         """Synchronous request/reply on the request socket."""
@@ -179,28 +186,78 @@ class Client:
                 pass
         self._closed = True
         self._broken = self._broken or CommdError("commd client is closed")
-        self._receiver.join(timeout=2)
-        self._req.close()
-        self._rep.close()
+        if self._receiver is not None:
+            self._receiver.join(timeout=2)
+        with self._rx_lock:
+            self._req.close()
+            self._rep.close()
 
-    # ---- receiver thread ----------------------------------------------
-    def _receive_loop(self) -> None:
+    # ---- receiving ------------------------------------------------------
+    # Replies are received by whoever needs them: a thread blocked in
+    # Handle.wait() pumps the reply socket itself (no thread hop on the
+    # latency-critical path); a background thread, started the first time a
+    # Future is requested, pumps it when nobody waits.  The reply socket is
+    # only ever touched under ``_rx_lock``.
+
+    def pump(self, timeout_s: float) -> None:
+        """Receive and dispatch replies for up to ``timeout_s`` (caller holds no lock)."""
+        with self._rx_lock:
+            self._pump_locked(timeout_s)
+
+    def _pump_locked(self, timeout_s: float) -> None:
         sock = self._rep
-        while not self._closed:
-            try:
-                if sock.poll(RECEIVER_POLL_MS):
-                    while True:
-                        try:
-                            frame = sock.recv(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        self._on_reply(frame)
-                    continue
-            except zmq.ZMQError:
-                if self._closed:
+        try:
+            if sock.poll(max(0, int(timeout_s * 1000))):
+                while True:
+                    try:
+                        frame = sock.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._on_reply(frame)
+                return
+        except zmq.ZMQError:
+            if self._closed:
+                return
+            raise
+        self._check_deadlines()
+
+    def wait_for(self, handle: Handle, timeout: float | None) -> None:
+        """Block until ``handle`` completes or ``timeout`` passes, receiving replies meanwhile."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not handle._event.is_set():
+            slice_s = RECEIVER_POLL_MS / 1000
+            if deadline is not None:
+                slice_s = min(slice_s, deadline - time.monotonic())
+                if slice_s <= 0:
                     return
-                raise
-            self._check_deadlines()
+            if self._closed:
+                handle._event.wait(slice_s)
+            elif self._rx_lock.acquire(blocking=False):
+                try:
+                    if not handle._event.is_set():
+                        self._pump_locked(slice_s)
+                finally:
+                    self._rx_lock.release()
+            else:
+                handle._event.wait(min(slice_s, 0.001))
+
+    def start_receiver(self) -> None:
+        """Run a background receiver so futures complete without anyone waiting."""
+        with self._send_lock:
+            if self._receiver is None and not self._closed:
+                self._receiver = threading.Thread(target=self._receive_loop, name="commd-client-rx", daemon=True)
+                self._receiver.start()
+
+    def _receive_loop(self) -> None:
+        while not self._closed:
+            if self._pending:
+                self.pump(RECEIVER_POLL_MS / 1000)
+                continue
+            # Nothing in flight: sleep until submit() signals (re-check after
+            # clearing so a submission between the check and the clear is seen).
+            self._in_flight.clear()
+            if not self._pending:
+                self._in_flight.wait(RECEIVER_POLL_MS / 1000)
 
     def _on_reply(self, frame: bytes) -> None:
         try:
@@ -267,6 +324,8 @@ class Client:
         self, tensor: torch.Tensor, role: str, finishers: list, keep: list
     ) -> dict[str, Any]:
         """Reference for one buffer; queue its copy-out in ``finishers`` if staged."""
+        if tensor.device.type == "cuda" and self._cuda is not None and tensor.is_contiguous():
+            return self._cuda.export(tensor)
         if tensor.device.type != "cpu":
             staged = tensor.detach().to("cpu")
             ref = self._plan(staged, role, finishers, keep)
@@ -324,7 +383,7 @@ class Client:
             finishers.append(lambda _reply: after())
         description = f"{kind} on group '{group}' (rank {self.rank})"
         handle = Handle(
-            op_id, description, time.monotonic() + timeout + ANSWER_GRACE_S,
+            self, op_id, description, time.monotonic() + timeout + ANSWER_GRACE_S,
             finish=_chain(finishers) if finishers else None, result=result, keep=keep or None,
         )
         with self._send_lock:
@@ -338,6 +397,7 @@ class Client:
             with self._pending_lock:
                 self._pending[op_id] = handle
             self._req.send(frame)
+        self._in_flight.set()
         return handle
 
 

@@ -16,12 +16,13 @@ class Handle:
     """Completion of one op.  Thread-safe; completed by the client's receiver thread."""
 
     __slots__ = (
-        "op_id", "description", "deadline", "_event", "_error", "_finish", "_result",
+        "client", "op_id", "description", "deadline", "_event", "_error", "_finish", "_result",
         "_future", "_lock", "_keep", "src",
     )
 
     def __init__(
         self,
+        client: Any,
         op_id: int,
         description: str,
         deadline: float,
@@ -29,6 +30,7 @@ class Handle:
         result: Any = None,
         keep: Any = None,
     ) -> None:
+        self.client = client  # pumps replies while we wait (see Client.wait_for)
         self.op_id = op_id
         self.description = description
         self.deadline = deadline
@@ -78,8 +80,8 @@ class Handle:
     def wait(self, timeout: float | None = None) -> Any:
         """Block until done; raise the op's error, or CommTimeoutError after ``timeout`` s."""
         if not self._event.is_set():
-            limit = None if timeout is None else max(0.0, timeout)
-            if not self._event.wait(limit):
+            self.client.wait_for(self, None if timeout is None else max(0.0, timeout))
+            if not self._event.is_set():
                 raise CommTimeoutError(f"{self.description} not completed after {timeout:.3f}s")
         if self._error is not None:
             raise self._error
@@ -87,6 +89,7 @@ class Handle:
 
     def get_future(self) -> torch.futures.Future:
         """A torch Future completed with the op's result (or its error)."""
+        self.client.start_receiver()
         with self._lock:
             if self._future is None:
                 self._future = torch.futures.Future()

@@ -22,10 +22,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import zmq
 
-from commd.daemon.executor import execute, torch_dtype
+from commd.daemon.cuda import CudaImporter
+from commd.daemon.executor import execute, execute_small, torch_dtype
+from commd.kernels.small import NUMPY_DTYPES
 from commd.memory.arena import Segment
 from commd.protocol import schema as s
 from commd.runtime import JobPaths, pid_alive, secrets_equal
@@ -76,6 +79,7 @@ class Daemon:
         self.config = config
         self.stats = Stats()
         self.scheduler = LocalScheduler(self.stats)
+        self.cuda = CudaImporter()
         self.clients: dict[bytes, ClientRecord] = {}
         self.by_reply: dict[bytes, ClientRecord] = {}
         self.by_id: dict[int, ClientRecord] = {}
@@ -226,7 +230,6 @@ class Daemon:
         except Exception as exc:  # never let one bad message stop the daemon
             log.exception("internal error handling a message")
             self._reply_error(identity, s.E_INTERNAL, f"internal error: {exc}", op_id)
-        self._flush()
 
     def _client(self, identity: bytes) -> ClientRecord:
         client = self.clients.get(identity)
@@ -273,7 +276,7 @@ class Daemon:
         self._send(
             identity,
             {"t": s.WELCOME, "client_id": client.client_id, "daemon_pid": os.getpid(),
-             "op_timeout": self.config.op_timeout},
+             "op_timeout": self.config.op_timeout, "cuda": self.cuda.available()},
         )
 
     def _attach_segment(self, client: ClientRecord, raw: dict[str, Any]) -> None:
@@ -364,6 +367,9 @@ class Daemon:
         for name, ref in sub.buffers.items():
             if ref.inline is not None:
                 continue
+            if ref.cuda is not None:
+                self.cuda.check(ref.cuda, ref.offset, ref.nbytes)
+                continue
             segment = client.segments.get(ref.segment)
             if segment is None:
                 raise s.ProtocolError(f"buffer '{name}' names unknown segment {ref.segment}", s.E_BOUNDS)
@@ -385,8 +391,18 @@ class Daemon:
             return torch.empty(0, dtype=dtype)
         if ref.inline is not None:
             return torch.frombuffer(ref.inline, dtype=dtype)
+        if ref.cuda is not None:
+            return self.cuda.tensor(sub.client_id, ref.cuda, ref.offset, ref.nbytes, dtype)
         client = self.by_id[sub.client_id]
         return client.views[ref.segment][ref.offset : ref.offset + ref.nbytes].view(dtype)
+
+    def _resolve_array(self, sub: Submission, name: str) -> np.ndarray:
+        ref = sub.buffers[name]
+        dtype = NUMPY_DTYPES[sub.dtype]
+        if ref.inline is not None:
+            return np.frombuffer(ref.inline, dtype=dtype)
+        segment = self.by_id[sub.client_id].segments[ref.segment]
+        return segment.array[ref.offset : ref.offset + ref.nbytes].view(dtype)
 
     def _start(self, op: ReadyOp) -> None:
         self.stats.queued(op.group)
@@ -400,7 +416,13 @@ class Daemon:
 
     def _run(self, op: ReadyOp) -> str | None:
         try:
-            execute(op, self._resolve)
+            cuda_refs = [b.cuda for sub in op.subs for b in sub.buffers.values() if b.cuda is not None]
+            if cuda_refs:
+                with torch.cuda.stream(self.cuda.stream(cuda_refs[0].device)):
+                    execute(op, self._resolve)
+                self.cuda.synchronize()  # results are visible to the clients when we answer
+            elif not execute_small(op, self._resolve_array):
+                execute(op, self._resolve)
             return None
         except Exception as exc:
             log.exception("executing %s failed", op.describe())
@@ -488,6 +510,7 @@ class Daemon:
         # Views still used by a running op keep their mapping alive; dropping
         # the references unmaps each segment once the last view is gone.
         client.views.clear()
+        self.cuda.forget_client(client.client_id)
         for segment in client.segments.values():
             segment.unlink()
         client.segments.clear()

@@ -50,6 +50,8 @@ def check_supported(op: str, dtype: str) -> None:
 
 
 def _accumulate(acc: torch.Tensor, other: torch.Tensor, op: str) -> None:
+    if other.device != acc.device:  # ranks on different GPUs (or host and GPU)
+        other = other.to(acc.device, non_blocking=True)
     if acc.dtype == torch.bool:
         if op in ("sum", "max", "bor"):
             torch.logical_or(acc, other, out=acc)
@@ -104,6 +106,10 @@ def reduce_into(
 
 def reduce_pair_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, op: str) -> None:
     """out = a op b in one pass when torch has an out= kernel (avoids a copy)."""
+    if a.device != out.device:
+        a = a.to(out.device, non_blocking=True)
+    if b.device != out.device:
+        b = b.to(out.device, non_blocking=True)
     if out.dtype != torch.bool and op in ("sum", "avg", "premul_sum"):
         torch.add(a, b, out=out)
     elif out.dtype != torch.bool and op == "product":

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from commd.protocol import schema as s
+from commd.protocol.cuda import CudaRef
 
 ROOTED = frozenset({"reduce", "broadcast", "gather", "scatter"})
 REDUCING = frozenset({"allreduce", "reduce", "reduce_scatter"})
@@ -27,6 +28,7 @@ class BufferRef:
     segment: int = -1
     offset: int = 0
     inline: bytearray | None = None
+    cuda: CudaRef | None = None
 
 
 @dataclass
@@ -68,6 +70,11 @@ def _ref(msg: dict[str, Any], name: str) -> BufferRef | None:
     if "data" in raw:
         data = s.field(raw, "data", bytes)
         return BufferRef(len(data), inline=bytearray(data))
+    if "cuda" in raw:
+        cuda = s.field(raw, "cuda", dict)
+        return BufferRef(
+            nbytes=s.int_field(raw, "n", 0), offset=s.int_field(raw, "off", 0), cuda=CudaRef(cuda)
+        )
     if "inline" in raw:
         nbytes = s.int_field(raw, "inline", 0, s.MAX_MESSAGE_BYTES)
         return BufferRef(nbytes, inline=bytearray(nbytes))

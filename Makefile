@@ -1,0 +1,43 @@
+# The README's two commands: `make demo` and `make test`.  Both create the
+# virtual environment on first use.  torch==2.13.0 is installed first and on
+# its own so that pip takes the CPU build instead of pulling a CUDA one.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test test-all conformance conformance-full bench lint clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: venv
+	$(VENV)/bin/commd demo
+
+test: venv
+	$(PY) -m pytest -q -m "not slow"
+
+test-all: venv
+	$(PY) -m pytest -q
+
+conformance: venv
+	$(PY) tests/conformance/run_distributed_suite.py --backend commd --subset fast
+
+conformance-full: venv
+	$(PY) tests/conformance/run_distributed_suite.py --backend commd --subset full \
+		--compare tests/conformance/gloo_baseline.json
+
+bench: venv
+	$(PY) benchmarks/allreduce.py
+
+lint: venv
+	$(VENV)/bin/ruff check commd tests benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -1,0 +1,70 @@
+"""The daemon's side of the GPU data path: open clients' CUDA IPC handles once.
+
+Each (client, allocation) is opened on first use and cached for the client's
+lifetime, as are the clients' interprocess events; ops run on one daemon
+stream per device, which first waits on the client's event, and the daemon
+synchronizes that stream before it answers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from commd.protocol import schema as s
+from commd.protocol.cuda import CudaRef
+
+
+class CudaImporter:
+    """Opens and caches CUDA IPC storages and events for the daemon."""
+
+    def __init__(self) -> None:
+        self._storages: dict[tuple[int, bytes, int], torch.UntypedStorage] = {}
+        self._events: dict[tuple[int, bytes], torch.cuda.Event] = {}
+        self._streams: dict[int, torch.cuda.Stream] = {}
+
+    @staticmethod
+    def available() -> bool:
+        return torch.cuda.is_available()
+
+    def check(self, ref: CudaRef, offset: int, nbytes: int) -> None:
+        if not self.available():
+            raise s.ProtocolError("this daemon has no CUDA device: send host tensors", s.E_BOUNDS)
+        if ref.device >= torch.cuda.device_count():
+            raise s.ProtocolError(f"CUDA device {ref.device} does not exist on this node", s.E_BOUNDS)
+        if offset + nbytes > ref.size:
+            raise s.ProtocolError(
+                f"CUDA buffer [{offset}, {offset + nbytes}) lies outside its allocation of {ref.size} bytes",
+                s.E_BOUNDS,
+            )
+
+    def tensor(self, client_id: int, ref: CudaRef, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        key = (client_id, ref.handle, ref.offset)
+        storage = self._storages.get(key)
+        if storage is None:
+            storage = torch.UntypedStorage._new_shared_cuda(
+                ref.device, ref.handle, ref.size, ref.offset, ref.ref_handle or None, ref.ref_offset, None, False,
+            )
+            self._storages[key] = storage
+        event_key = (client_id, ref.event)
+        event = self._events.get(event_key)
+        if event is None:
+            event = self._events[event_key] = torch.cuda.Event.from_ipc_handle(ref.device, ref.event)
+        self.stream(ref.device).wait_event(event)
+        flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{ref.device}").set_(storage)
+        return flat[offset : offset + nbytes].view(dtype)
+
+    def stream(self, device: int) -> torch.cuda.Stream:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        return stream
+
+    def synchronize(self) -> None:
+        for stream in self._streams.values():
+            stream.synchronize()
+
+    def forget_client(self, client_id: int) -> None:
+        for key in [k for k in self._storages if k[0] == client_id]:
+            del self._storages[key]
+        for key in [k for k in self._events if k[0] == client_id]:
+            del self._events[key]
