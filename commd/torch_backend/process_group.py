@@ -341,11 +341,11 @@ def _agree(store: dist.Store, rank: int, key: str, make: Any) -> str:
     return store.get(full).decode()
 
 
-def _local_rank(store: dist.Store, rank: int, size: int) -> int:
+def _local_rank(store: dist.Store, rank: int, size: int, round_: int) -> int:
     """Publish our host; fail clearly if the group spans several hosts."""
     host = os.environ.get("COMMD_NODE") or socket.gethostname()
-    store.set(f"{_STORE_PREFIX}host/{rank}", host)
-    hosts = [store.get(f"{_STORE_PREFIX}host/{r}").decode() for r in range(size)]
+    store.set(f"{_STORE_PREFIX}host.{round_}/{rank}", host)
+    hosts = [store.get(f"{_STORE_PREFIX}host.{round_}/{r}").decode() for r in range(size)]
     if len(set(hosts)) > 1:
         raise ConnectError(
             f"this commd build runs single-node jobs; ranks are on hosts {sorted(set(hosts))}"
@@ -354,16 +354,26 @@ def _local_rank(store: dist.Store, rank: int, size: int) -> int:
     return int(env_local) if env_local and env_local.isdigit() else rank
 
 
+_bootstraps = 0
+
+
 def _bootstrap(store: dist.Store, rank: int, size: int, timeout: timedelta) -> Client:
-    """Connect this process to its node daemon for the job the store defines."""
-    global _client
+    """Connect this process to its node daemon for the job the store defines.
+
+    Keys carry the count of earlier bootstraps in this process, so a job that
+    destroys and re-creates its default group over the same store never reads
+    the previous round's values (every rank bootstraps equally often).
+    """
+    global _client, _bootstraps
+    round_ = _bootstraps
+    _bootstraps += 1
     launched_job = os.environ.get("COMMD_JOB")
     if launched_job and JobPaths.for_job(launched_job).daemon_pid() is not None:
         job, secret = launched_job, None  # started by `commd launch`: the secret is in the job dir
     else:
-        job = _agree(store, rank, "job", lambda: f"job-{uuid.uuid4().hex[:16]}")
-        secret = _agree(store, rank, "secret", new_secret)
-    local_rank = _local_rank(store, rank, size)
+        job = _agree(store, rank, f"job.{round_}", lambda: f"job-{uuid.uuid4().hex[:16]}")
+        secret = _agree(store, rank, f"secret.{round_}", new_secret)
+    local_rank = _local_rank(store, rank, size, round_)
     with _client_lock:
         if _client is not None:
             if _client.paths.job == job and _client.rank == rank and not _client._closed:
