@@ -26,7 +26,7 @@ from types import FrameType
 
 from commd.client.errors import ConnectError
 from commd.client.spawn import SECRET_ENV, ping, start_daemon
-from commd.runtime import ConfigError, JobPaths, check_job, new_secret, pid_alive
+from commd.runtime import ConfigError, JobPaths, check_job, new_secret
 
 POLL_S = 0.05
 DEFAULT_GRACE_S = 10.0
@@ -212,6 +212,8 @@ class _Signals:
 def _start_workers(args: argparse.Namespace, job: str, port: int, sigs: _Signals) -> None:
     target = ["-m", args.script] if args.module else [args.script]
     for rank in range(args.nproc):
+        if sigs.received:
+            return
         env = worker_env(dict(os.environ), rank, args.nproc, job, args.master_addr, port)
         # Own session per worker (as torchrun): a terminal Ctrl-C reaches them
         # once, through our forwarding, not twice.
@@ -249,6 +251,25 @@ def _supervise(workers: list[Worker], sigs: _Signals, grace: float, daemon: subp
         time.sleep(POLL_S)
 
 
+def _start_or_reuse_daemon(args: argparse.Namespace, paths: JobPaths) -> subprocess.Popen | None:
+    """Start the job's daemon (owned by us), or None to reuse one that already answers."""
+    existing = paths.daemon_pid()
+    if existing is not None and ping(paths, 2.0) == existing:
+        if args.job is None:  # pragma: no cover - a fresh uuid name cannot collide
+            raise LaunchError(f"job {paths.job!r} unexpectedly has a daemon")
+        print(f"commd launch: using the running daemon of job {paths.job!r} (pid {existing}); "
+              "it is left running afterwards", file=sys.stderr)
+        if args.op_timeout is not None:
+            print("commd launch: --op-timeout ignored: the daemon is already running", file=sys.stderr)
+        return None
+    extra = ["--op-timeout", repr(args.op_timeout)] if args.op_timeout is not None else []
+    try:
+        return start_daemon(paths, new_secret(), exit_when_idle=False, extra_args=extra,
+                            timeout=DAEMON_START_TIMEOUT_S)
+    except (ConnectError, ConfigError, OSError) as exc:
+        raise LaunchError(f"cannot start the commd daemon: {exc}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         _validate(args)
@@ -259,47 +280,35 @@ def run(args: argparse.Namespace) -> int:
         print(f"commd launch: {exc}", file=sys.stderr)
         return 2
 
-    daemon: subprocess.Popen | None = None
-    existing = paths.daemon_pid()
-    if existing is not None and ping(paths, 2.0) == existing:
-        if args.job is None:  # pragma: no cover - a fresh uuid name cannot collide
-            print(f"commd launch: job {job!r} unexpectedly has a daemon", file=sys.stderr)
-            return 1
-        print(f"commd launch: using the running daemon of job {job!r} (pid {existing}); "
-              "it is left running afterwards", file=sys.stderr)
-        if args.op_timeout is not None:
-            print("commd launch: --op-timeout ignored: the daemon is already running", file=sys.stderr)
-    else:
-        extra = ["--op-timeout", repr(args.op_timeout)] if args.op_timeout is not None else []
-        try:
-            daemon = start_daemon(paths, new_secret(), exit_when_idle=False, extra_args=extra,
-                                  timeout=DAEMON_START_TIMEOUT_S)
-        except (ConnectError, ConfigError, OSError) as exc:
-            print(f"commd launch: cannot start the commd daemon: {exc}", file=sys.stderr)
-            return 1
-
+    # Handlers go in before the daemon starts: a signal during the start is
+    # recorded and acted on once start_daemon returns (it is bounded), so the
+    # daemon is never orphaned by a KeyboardInterrupt.
     sigs = _Signals()
     previous = {sig: signal.signal(sig, sigs.handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    daemon: subprocess.Popen | None = None
     code = 1
     try:
-        _start_workers(args, job, port, sigs)
+        daemon = _start_or_reuse_daemon(args, paths)
+        if not sigs.received:
+            _start_workers(args, job, port, sigs)
         code = _supervise(sigs.workers, sigs, args.grace, daemon)
+    except LaunchError as exc:
+        print(f"commd launch: {exc}", file=sys.stderr)
     except OSError as exc:
         print(f"commd launch: cannot start the workers: {exc}", file=sys.stderr)
-        code = 1
     finally:
         # Whatever happened above, no worker may outlive the launcher.
         stop_workers(sigs.workers, args.grace)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         if daemon is not None:
             daemon_code = stop_daemon(daemon)
             if daemon_code != 0:
                 print(f"commd launch: the commd daemon {describe_exit(daemon_code)}; "
                       f"see {paths.log_file}", file=sys.stderr)
-            elif code == 0 and args.job is None and not pid_alive(daemon.pid):
+            elif code == 0 and args.job is None:
                 # A clean run under a throwaway name leaves nothing behind.
                 shutil.rmtree(paths.directory, ignore_errors=True)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if code != 0 and daemon is not None:
         print(f"commd launch: daemon logs for job {job!r} are in {paths.directory}", file=sys.stderr)
     return code

@@ -1,10 +1,264 @@
-"""commd status (placeholder)."""
+"""`commd status`: show a job daemon's clients, queues, latencies and errors.
+
+Asks the daemon over its control socket (a STATUS request carrying the job
+secret, read from the private job directory, so only the job's owner can
+look) and prints either a table for people or stable JSON for scripts.
+``format_status`` is shared with ``commd demo``.
+"""
+
+from __future__ import annotations
+
 import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from commd.protocol import schema as s
+from commd.runtime import JOB_NAME, ConfigError, JobPaths, runtime_root
+
+DEFAULT_TIMEOUT_S = 5.0
+
+
+class StatusError(Exception):
+    """The status cannot be had: no daemon, several to choose from, no answer."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pass
+    parser.add_argument("--job", help="job name (default: $COMMD_JOB, else the only job with a live daemon)")
+    parser.add_argument("--json", action="store_true", help="print the status map as JSON (sorted keys)")
+    parser.add_argument(
+        "--watch", nargs="?", type=float, const=1.0, default=None, metavar="SECONDS",
+        help="refresh every SECONDS (default 1) until Ctrl-C",
+    )
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                        help=f"seconds to wait for the daemon's answer (default {DEFAULT_TIMEOUT_S:g})")
 
 
+# ---- finding and asking the daemon ------------------------------------------
+def live_jobs(root: Path | None = None) -> list[tuple[str, int]]:
+    """(job, daemon pid) for every job directory under the runtime root with a live daemon."""
+    root = root if root is not None else runtime_root()
+    try:
+        entries = sorted(root.iterdir())
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return []
+    found = []
+    for entry in entries:
+        if not entry.is_dir() or not JOB_NAME.match(entry.name):
+            continue
+        pid = JobPaths(entry.name, entry).daemon_pid()
+        if pid is not None:
+            found.append((entry.name, pid))
+    return found
+
+
+def resolve_job(job: str | None, env_job: str | None) -> JobPaths:
+    """The job to ask: --job, else $COMMD_JOB, else the only job with a live daemon."""
+    name = job or env_job
+    if name:
+        return JobPaths.for_job(name)
+    root = runtime_root()
+    jobs = live_jobs(root)
+    if not jobs:
+        raise StatusError(f"no running commd daemon found under {root}; start a job with "
+                          "`commd launch`, or name one with --job (set COMMD_RUNTIME_DIR if it "
+                          "uses another runtime directory)")
+    if len(jobs) > 1:
+        listing = "\n".join(f"  {name}  (daemon pid {pid})" for name, pid in jobs)
+        raise StatusError(f"several jobs have a running daemon under {root}; choose one with --job:\n{listing}")
+    return JobPaths.for_job(jobs[0][0])
+
+
+def query_status(paths: JobPaths, timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+    """Ask the job's daemon for its status map (raises StatusError with a readable reason)."""
+    if not paths.socket.exists():
+        raise StatusError(f"no daemon for job {paths.job!r}: {paths.socket} does not exist")
+    try:
+        secret = paths.read_secret()
+    except ConfigError as exc:
+        raise StatusError(str(exc)) from None
+    except PermissionError:
+        raise StatusError(f"cannot read {paths.secret_file}: the job belongs to another user") from None
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(paths.endpoint)
+        sock.send(s.encode({"t": s.STATUS, "secret": secret}))
+        if not sock.poll(int(timeout * 1000)):
+            pid = paths.daemon_pid()
+            why = f"pid {pid} is alive but busy or stuck" if pid else "it is not running"
+            raise StatusError(f"the daemon of job {paths.job!r} did not answer within {timeout:g}s ({why})")
+        reply = s.decode(sock.recv())
+    except (zmq.ZMQError, s.ProtocolError) as exc:
+        raise StatusError(f"cannot talk to the daemon of job {paths.job!r}: {exc}") from None
+    finally:
+        sock.close()
+    if reply.get("t") == s.ERROR:
+        raise StatusError(f"the daemon of job {paths.job!r} refused: {reply.get('message')}")
+    status = reply.get("status")
+    if reply.get("t") != s.STATUS or not isinstance(status, dict):
+        raise StatusError(f"unexpected reply from the daemon of job {paths.job!r}: {reply.get('t')!r}")
+    return status
+
+
+# ---- formatting ---------------------------------------------------------------
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB' (binary units, as memory sizes are)."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def human_seconds(seconds: float) -> str:
+    """Short durations in s, longer ones as 1h02m03s."""
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    total = int(seconds)
+    hours, rest = divmod(total, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
+
+
+def human_us(us: float) -> str:
+    if us < 1000:
+        return f"{us:.0f}us"
+    if us < 1_000_000:
+        return f"{us / 1000:.2f}ms"
+    return f"{us / 1e6:.2f}s"
+
+
+def _table(headers: list[str], rows: list[list[str]], left: int = 1) -> list[str]:
+    """Columns padded to width; the first ``left`` columns left-aligned, numbers right-aligned."""
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows, strict=True)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(
+            str(c).ljust(w) if i < left else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ).rstrip()
+
+    return ["  " + line(headers)] + ["  " + line(r) for r in rows]
+
+
+def format_status(status: dict[str, Any]) -> str:
+    """The status map as a table for people (what `commd status` prints)."""
+    out: list[str] = []
+    head = (
+        f"job {status.get('job')}   daemon pid {status.get('pid')}   "
+        f"uptime {human_seconds(float(status.get('uptime_s', 0)))}   "
+        f"ops done {status.get('ops_done', 0):,}   moved {human_bytes(status.get('bytes_moved', 0))}"
+    )
+    if status.get("closing"):
+        head += "   [SHUTTING DOWN]"
+    out.append(head)
+
+    clients = status.get("clients") or []
+    out.append("")
+    out.append(f"clients ({len(clients)})")
+    if clients:
+        out += _table(
+            ["rank", "local", "pid", "arena"],
+            [[str(c.get("rank")), str(c.get("local_rank")), str(c.get("pid")), human_bytes(c.get("arena_bytes", 0))]
+             for c in clients],
+            left=0,
+        )
+    else:
+        out.append("  (none connected)")
+
+    groups = status.get("groups") or {}
+    out.append("")
+    out.append(f"groups ({len(groups)})")
+    if groups:
+        keys = ["size", "next_seq", "waiting", "queued", "executing", "done", "failed"]
+        out += _table(
+            ["group", "size", "next seq", "waiting", "queued", "executing", "done", "failed", "bytes"],
+            [[name] + [f"{g.get(k, 0):,}" for k in keys] + [human_bytes(g.get("bytes", 0))]
+             for name, g in sorted(groups.items())],
+        )
+    else:
+        out.append("  (none registered)")
+
+    latency = status.get("latency_us") or {}
+    out.append("")
+    out.append("op latency (submit of the first rank to completion)")
+    if latency:
+        out += _table(
+            ["op", "count", "p50", "p90", "p99"],
+            [[kind, f"{row.get('count', 0):,}", human_us(row.get("p50_us", 0)), human_us(row.get("p90_us", 0)),
+              human_us(row.get("p99_us", 0))] for kind, row in sorted(latency.items())],
+        )
+    else:
+        out.append("  (no op completed yet)")
+
+    oldest = status.get("oldest_waiting")
+    out.append("")
+    if oldest:
+        seq = "" if oldest.get("seq") is None else f" seq {oldest['seq']}"
+        missing = ", ".join(str(r) for r in oldest.get("missing_ranks") or []) or "none"
+        out.append(
+            f"oldest waiting op: {oldest.get('kind')} in group {oldest.get('group')}{seq}, waiting "
+            f"{human_seconds(float(oldest.get('waiting_s', 0)))}; ranks not submitted yet: {missing}"
+        )
+    else:
+        out.append("oldest waiting op: none")
+
+    errors = status.get("last_errors") or []
+    out.append("")
+    out.append(f"last errors ({len(errors)})")
+    if errors:
+        for err in errors[-10:]:
+            stamp = time.strftime("%H:%M:%S", time.localtime(float(err.get("time", 0))))
+            out.append(f"  {stamp}  {err.get('message')}")
+    else:
+        out.append("  (none)")
+    return "\n".join(out)
+
+
+def to_json(status: dict[str, Any], indent: int | None = 2) -> str:
+    """Stable JSON: sorted keys, so diffs and scripts see a fixed order."""
+    return json.dumps(status, sort_keys=True, indent=indent)
+
+
+# ---- command --------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
-    return 0
+    if args.timeout <= 0:
+        print("commd status: --timeout must be positive", file=sys.stderr)
+        return 2
+    if args.watch is not None and args.watch <= 0:
+        print("commd status: --watch needs a positive number of seconds", file=sys.stderr)
+        return 2
+    try:
+        paths = resolve_job(args.job, os.environ.get("COMMD_JOB"))
+    except (StatusError, ConfigError) as exc:
+        print(f"commd status: {exc}", file=sys.stderr)
+        return 1
+    clear = args.watch is not None and not args.json and sys.stdout.isatty()
+    try:
+        while True:
+            try:
+                status = query_status(paths, args.timeout)
+            except StatusError as exc:
+                print(f"commd status: {exc}", file=sys.stderr)
+                return 1
+            if args.json:
+                # Under --watch, one JSON document per line (JSON Lines).
+                text = to_json(status, None if args.watch is not None else 2)
+            else:
+                text = format_status(status)
+            if clear:
+                sys.stdout.write("\x1b[H\x1b[2J")
+            print(text, flush=True)
+            if args.watch is None:
+                return 0
+            if not args.json and not clear:
+                print(flush=True)
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0

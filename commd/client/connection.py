@@ -10,6 +10,7 @@ if the daemon disappears.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
 import os
@@ -19,6 +20,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import msgpack
+import numpy as np
 import torch
 import zmq
 
@@ -86,6 +89,7 @@ class Client:
         self._pending: dict[int, Handle] = {}
         self._pending_lock = threading.Lock()
         self._rx_lock = threading.Lock()
+        self._rcvtimeo = -1
         self._in_flight = threading.Event()
         self._send_lock = threading.RLock()
         self._broken: CommdError | None = None
@@ -206,40 +210,44 @@ class Client:
 
     def _pump_locked(self, timeout_s: float) -> None:
         sock = self._rep
+        ms = max(0, int(timeout_s * 1000))
         try:
-            if sock.poll(max(0, int(timeout_s * 1000))):
-                while True:
-                    try:
-                        frame = sock.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._on_reply(frame)
+            if ms != self._rcvtimeo:
+                sock.setsockopt(zmq.RCVTIMEO, ms)
+                self._rcvtimeo = ms
+            try:
+                frame = sock.recv()
+            except zmq.Again:
+                self._check_deadlines()
                 return
+            self._on_reply(frame)
+            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self._on_reply(sock.recv(zmq.NOBLOCK))
         except zmq.ZMQError:
             if self._closed:
                 return
             raise
-        self._check_deadlines()
 
     def wait_for(self, handle: Handle, timeout: float | None) -> None:
         """Block until ``handle`` completes or ``timeout`` passes, receiving replies meanwhile."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not handle._event.is_set():
+        while not handle._done:
             slice_s = RECEIVER_POLL_MS / 1000
             if deadline is not None:
                 slice_s = min(slice_s, deadline - time.monotonic())
                 if slice_s <= 0:
                     return
             if self._closed:
-                handle._event.wait(slice_s)
+                handle._block(slice_s)
             elif self._rx_lock.acquire(blocking=False):
                 try:
-                    if not handle._event.is_set():
+                    if not handle._done:
                         self._pump_locked(slice_s)
                 finally:
                     self._rx_lock.release()
             else:
-                handle._event.wait(min(slice_s, 0.001))
+                # Another thread is receiving; it completes us, or we take over shortly.
+                handle._block(min(slice_s, 0.001))
 
     def start_receiver(self) -> None:
         """Run a background receiver so futures complete without anyone waiting."""
@@ -348,9 +356,9 @@ class Client:
         staging = torch.frombuffer(block.array, dtype=torch.uint8, count=nbytes).view(tensor.dtype).view(tensor.shape)
         keep.append(block)
         if role != "out":
-            staging.copy_(tensor)
+            copy_tensor(staging, tensor)
         if role != "in":
-            finishers.append(lambda _reply: tensor.copy_(staging))
+            finishers.append(lambda _reply: copy_tensor(tensor, staging))
         return {"seg": block.segment.seg_id, "off": block.offset, "n": nbytes}
 
     # ---- submission ---------------------------------------------------
@@ -365,57 +373,92 @@ class Client:
         **fields: Any,
     ) -> Handle:
         """Submit one op; ``buffers`` maps 'buf'/'in'/'out' to (tensor, role)."""
-        self._check_usable()
-        if group not in self._groups:
+        if self._broken is not None or self._closed:
+            self._check_usable()
+        if group not in self._seq:
             raise RequestError(f"group {group!r} is not registered")
         op_id = next(self._ids)
-        message: dict[str, Any] = {"t": s.OP, "id": op_id, "kind": kind, "group": group}
+        timeout = fields.pop("timeout", None) or self.op_timeout
+        message: dict[str, Any] = {
+            "v": s.PROTOCOL_VERSION, "t": s.OP, "id": op_id, "kind": kind, "group": group,
+            "timeout_ms": max(1, int(timeout * 1000)),
+        }
         if dtype is not None:
             message["dtype"] = dtype_name(dtype)
-        timeout = float(fields.pop("timeout", None) or self.op_timeout)
-        message["timeout_ms"] = max(1, int(timeout * 1000))
-        message.update({k: v for k, v in fields.items() if v is not None})
+        for key, value in fields.items():
+            if value is not None:
+                message[key] = value
         finishers: list = []
         keep: list = []
-        for name, (tensor, role) in (buffers or {}).items():
-            message[name] = self._plan(tensor, role, finishers, keep)
+        if buffers:
+            for name, (tensor, role) in buffers.items():
+                message[name] = self._plan(tensor, role, finishers, keep)
         if after is not None:
             finishers.append(lambda _reply: after())
-        description = f"{kind} on group '{group}' (rank {self.rank})"
+        finish = None
+        if finishers:
+            finish = finishers[0] if len(finishers) == 1 else _chain(finishers)
         handle = Handle(
-            self, op_id, description, time.monotonic() + timeout + ANSWER_GRACE_S,
-            finish=_chain(finishers) if finishers else None, result=result, keep=keep or None,
+            self, op_id, kind, group, time.monotonic() + timeout + ANSWER_GRACE_S,
+            finish=finish, result=result, keep=keep or None,
         )
         with self._send_lock:
-            self._check_usable()
+            if self._broken is not None or self._closed:
+                self._check_usable()
             if kind in s.COLLECTIVES:
                 message["seq"] = self._seq[group]
                 self._seq[group] += 1
-            frame = s.encode(message)
+            frame = msgpack.packb(message, use_bin_type=True)
             if len(frame) > s.MAX_MESSAGE_BYTES:
-                raise RequestError(f"{description}: control message of {len(frame)} bytes is too large")
+                raise RequestError(f"{handle.description}: control message of {len(frame)} bytes is too large")
             with self._pending_lock:
                 self._pending[op_id] = handle
             self._req.send(frame)
-        self._in_flight.set()
+        if self._receiver is not None:
+            self._in_flight.set()
         return handle
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> bytes:
-    flat = tensor.detach().contiguous().reshape(-1)
-    if flat.numel() == 0:
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
         return b""
-    return flat.view(torch.uint8).numpy().tobytes()
+    if tensor.is_contiguous():
+        return ctypes.string_at(tensor.data_ptr(), nbytes)
+    return ctypes.string_at(tensor.contiguous().data_ptr(), nbytes)
+
+
+def _byte_view(tensor: torch.Tensor) -> np.ndarray:
+    """The bytes of a contiguous CPU tensor as a NumPy array (any dtype, bfloat16 too)."""
+    return tensor.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+def copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst <- src for same-shape CPU tensors.
+
+    Contiguous pairs are copied with NumPy (one plain memcpy on the calling
+    thread): torch's copy_ may fan out to its thread pool, which stalls when
+    the node's cores are shared by several ranks and the daemon.
+    """
+    if dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype and dst.numel():
+        np.copyto(_byte_view(dst), _byte_view(src))
+    else:
+        dst.copy_(src)
 
 
 def _copy_from_reply(tensor: torch.Tensor) -> Callable[[dict[str, Any]], None]:
+    nbytes = tensor.numel() * tensor.element_size()
+
     def finish(reply: dict[str, Any]) -> None:
         data = reply.get("data")
-        if data is None:
-            raise CommdError("daemon reply carries no data for an inline output")
-        if len(data):
-            src = torch.frombuffer(bytearray(data), dtype=tensor.dtype).view(tensor.shape)
-            tensor.copy_(src)
+        if data is None or len(data) != nbytes:
+            raise CommdError(f"daemon reply carries {0 if data is None else len(data)} bytes, expected {nbytes}")
+        if not nbytes:
+            return
+        if tensor.is_contiguous():
+            ctypes.memmove(tensor.data_ptr(), data, nbytes)
+        else:
+            tensor.copy_(torch.frombuffer(bytearray(data), dtype=tensor.dtype).view(tensor.shape))
 
     return finish
 

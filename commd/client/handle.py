@@ -1,9 +1,13 @@
-"""Async handles for submitted ops: wait with a timeout, poll, or use a torch Future."""
+"""Async handles for submitted ops: wait with a timeout, poll, or use a torch Future.
+
+A handle is on the latency-critical path of every op, so it is kept lean:
+no lock or event of its own unless a second thread actually blocks on it
+(one lock shared by all handles guards that rare hand-over).
+"""
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -11,20 +15,23 @@ import torch
 
 from commd.client.errors import CommdError, CommTimeoutError
 
+_STATE_LOCK = threading.Lock()
+
 
 class Handle:
-    """Completion of one op.  Thread-safe; completed by the client's receiver thread."""
+    """Completion of one op; completed by whichever thread receives its reply."""
 
     __slots__ = (
-        "client", "op_id", "description", "deadline", "_event", "_error", "_finish", "_result",
-        "_future", "_lock", "_keep", "src",
+        "client", "op_id", "kind", "group", "deadline", "_done", "_event", "_error", "_finish",
+        "_result", "_future", "_keep", "src",
     )
 
     def __init__(
         self,
         client: Any,
         op_id: int,
-        description: str,
+        kind: str,
+        group: str,
         deadline: float,
         finish: Callable[[dict[str, Any]], None] | None = None,
         result: Any = None,
@@ -32,18 +39,23 @@ class Handle:
     ) -> None:
         self.client = client  # pumps replies while we wait (see Client.wait_for)
         self.op_id = op_id
-        self.description = description
+        self.kind = kind
+        self.group = group
         self.deadline = deadline
-        self._event = threading.Event()
+        self._done = False
+        self._event: threading.Event | None = None
         self._error: CommdError | None = None
         self._finish = finish
         self._result = result
         self._future: torch.futures.Future | None = None
-        self._lock = threading.Lock()
         self._keep = keep  # staging buffers that must outlive the op
         self.src: int | None = None
 
-    # ---- completion (receiver thread) --------------------------------
+    @property
+    def description(self) -> str:
+        return f"{self.kind} on group '{self.group}' (rank {self.client.rank})"
+
+    # ---- completion ----------------------------------------------------
     def _complete(self, reply: dict[str, Any]) -> None:
         try:
             if self._finish is not None:
@@ -53,35 +65,49 @@ class Handle:
             return
         self.src = reply.get("src")
         self._keep = None
-        with self._lock:
-            self._event.set()
-            future = self._future
-        if future is not None:
-            future.set_result(self._result)
+        self._settle(None)
 
     def _fail(self, error: CommdError) -> None:
-        with self._lock:
-            if self._event.is_set():
+        self._keep = None
+        self._settle(error)
+
+    def _settle(self, error: CommdError | None) -> None:
+        with _STATE_LOCK:
+            if self._done:
                 return
             self._error = error
-            self._keep = None
-            self._event.set()
-            future = self._future
+            self._done = True
+            event, future = self._event, self._future
+        if event is not None:
+            event.set()
         if future is not None:
-            future.set_exception(error)
+            if error is None:
+                future.set_result(self._result)
+            else:
+                future.set_exception(error)
+
+    def _block(self, timeout: float) -> None:
+        """Sleep until completed by another thread, at most ``timeout`` seconds."""
+        with _STATE_LOCK:
+            if self._done:
+                return
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        event.wait(timeout)
 
     # ---- user side ----------------------------------------------------
     def is_completed(self) -> bool:
-        return self._event.is_set()
+        return self._done
 
     def exception(self) -> CommdError | None:
-        return self._error if self._event.is_set() else None
+        return self._error if self._done else None
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until done; raise the op's error, or CommTimeoutError after ``timeout`` s."""
-        if not self._event.is_set():
+        if not self._done:
             self.client.wait_for(self, None if timeout is None else max(0.0, timeout))
-            if not self._event.is_set():
+            if not self._done:
                 raise CommTimeoutError(f"{self.description} not completed after {timeout:.3f}s")
         if self._error is not None:
             raise self._error
@@ -90,15 +116,12 @@ class Handle:
     def get_future(self) -> torch.futures.Future:
         """A torch Future completed with the op's result (or its error)."""
         self.client.start_receiver()
-        with self._lock:
+        with _STATE_LOCK:
             if self._future is None:
                 self._future = torch.futures.Future()
-                if self._event.is_set():
+                if self._done:
                     if self._error is not None:
                         self._future.set_exception(self._error)
                     else:
                         self._future.set_result(self._result)
             return self._future
-
-    def remaining(self) -> float:
-        return self.deadline - time.monotonic()

@@ -41,9 +41,11 @@ class ReadyOp:
     first_at: float
     ready_at: float = field(default_factory=time.monotonic)
 
-    @property
-    def nbytes(self) -> int:
-        return max(sub.nbytes for sub in self.subs)
+    nbytes: int = -1
+
+    def __post_init__(self) -> None:
+        if self.nbytes < 0:
+            self.nbytes = max(sub.nbytes for sub in self.subs)
 
     def describe(self) -> str:
         if self.kind in ("send", "recv"):
@@ -114,7 +116,10 @@ class LocalScheduler:
         del group.pending[sub.seq]
         subs = [waiting[r] for r in range(len(group.ranks))]
         first_at = min(x.submitted_at for x in subs)
-        problem = find_mismatch(subs)
+        signature = subs[0].signature
+        problem = None
+        if any(x.signature != signature for x in subs) or subs[0].kind == "alltoall":
+            problem = find_mismatch(subs)
         if problem is not None:
             message = (
                 f"mismatched collective #{sub.seq} on group '{group.name}': {problem}"
