@@ -134,6 +134,7 @@ class JobPaths:
 
     def write_secret(self, secret: str) -> None:
         fd = os.open(self.secret_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
         with os.fdopen(fd, "w") as f:
             f.write(secret)
 

@@ -101,7 +101,15 @@ class Client:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
-        self._connect(connect_timeout)
+        try:
+            self._connect(connect_timeout)
+        except BaseException:
+            for segment in self.arena.segments:
+                segment.unlink()
+            self._closed = True
+            self._req.close()
+            self._rep.close()
+            raise
 
     # ---- connection ---------------------------------------------------
     def _connect(self, timeout: float) -> None:
@@ -190,6 +198,7 @@ class Client:
                 pass
         self._closed = True
         self._broken = self._broken or CommdError("commd client is closed")
+        self._fail_all(CommdError("client closed while the op was pending"))
         if self._receiver is not None:
             self._receiver.join(timeout=2)
         with self._rx_lock:
@@ -345,6 +354,7 @@ class Client:
             found = self.arena.locate(tensor.data_ptr(), nbytes) if nbytes else None
             if found is not None:
                 segment, offset = found
+                keep.append(tensor)  # its block must not be reused while the op is pending
                 return {"seg": segment.seg_id, "off": offset, "n": nbytes}
         if nbytes <= s.INLINE_MAX_BYTES:
             if role != "in":
@@ -423,9 +433,8 @@ def _tensor_bytes(tensor: torch.Tensor) -> bytes:
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
         return b""
-    if tensor.is_contiguous():
-        return ctypes.string_at(tensor.data_ptr(), nbytes)
-    return ctypes.string_at(tensor.contiguous().data_ptr(), nbytes)
+    contiguous = tensor if tensor.is_contiguous() else tensor.contiguous()  # keep it alive while read
+    return ctypes.string_at(contiguous.data_ptr(), nbytes)
 
 
 def _byte_view(tensor: torch.Tensor) -> np.ndarray:

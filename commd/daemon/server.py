@@ -262,10 +262,14 @@ class Daemon:
                 )
         segments = s.field(msg, "segments", list)
         client = ClientRecord(self._next_client, identity, None, rank, local_rank, world_size, pid)
-        for raw in segments:
-            if not isinstance(raw, dict):
-                raise s.ProtocolError("each entry of 'segments' must be a map")
-            self._attach_segment(client, raw)
+        try:
+            for raw in segments:
+                if not isinstance(raw, dict):
+                    raise s.ProtocolError("each entry of 'segments' must be a map")
+                self._attach_segment(client, raw)
+        except s.ProtocolError:
+            self._release(client)
+            raise
         self._next_client += 1
         self.clients[identity] = client
         self.by_id[client.client_id] = client
@@ -328,7 +332,7 @@ class Daemon:
     def _on_bye(self, identity: bytes) -> None:
         client = self.clients.get(identity)
         if client is not None:
-            self._drop_client(client, "left the job", notify_peers=False)
+            self._drop_client(client, "left the job", notify_peers=True)
         self._send(identity, {"t": s.ACK})
 
     def _on_status(self, identity: bytes, msg: dict[str, Any]) -> None:

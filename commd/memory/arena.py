@@ -10,6 +10,7 @@ segment file right after the daemon has mapped it, so nothing is left in
 from __future__ import annotations
 
 import bisect
+import collections
 import mmap
 import os
 import stat
@@ -161,12 +162,16 @@ class Arena:
         self.segments: list[Segment] = []
         self._free: list[FreeList] = []
         self._lock = threading.Lock()
+        # Frees arrive from finalizers, i.e. from the garbage collector, which
+        # may run inside allocate() while it holds the lock: they are queued
+        # here (deque appends are atomic) and applied under the lock later.
+        self._pending_frees: collections.deque[tuple[int, int, int]] = collections.deque()
         self.on_new_segment = None  # type: ignore[var-annotated]
 
     def new_segment(self, size: int) -> Segment:
-        seg_id = len(self.segments)
-        segment = Segment.create(seg_id, f"{self.prefix}-s{seg_id}", size)
         with self._lock:
+            seg_id = len(self.segments)
+            segment = Segment.create(seg_id, f"{self.prefix}-s{seg_id}", size)
             self.segments.append(segment)
             self._free.append(FreeList(size))
         return segment
@@ -174,6 +179,7 @@ class Arena:
     def allocate(self, nbytes: int) -> Block:
         """Allocate ``nbytes`` in some segment, creating one if none has room."""
         with self._lock:
+            self._apply_frees()
             for segment, free in zip(self.segments, self._free, strict=True):
                 offset = free.allocate(nbytes)
                 if offset is not None:
@@ -196,9 +202,13 @@ class Arena:
         return Block(segment, offset, nbytes, view)
 
     def _release(self, seg_id: int, offset: int, nbytes: int) -> None:
-        with self._lock:
-            if seg_id < len(self._free):
-                self._free[seg_id].free(offset, nbytes)
+        self._pending_frees.append((seg_id, offset, nbytes))
+
+    def _apply_frees(self) -> None:
+        """Return queued blocks to their free lists (caller holds the lock)."""
+        while self._pending_frees:
+            seg_id, offset, nbytes = self._pending_frees.popleft()
+            self._free[seg_id].free(offset, nbytes)
 
     def locate(self, address: int, nbytes: int) -> tuple[Segment, int] | None:
         """Return (segment, offset) if [address, address+nbytes) lies in the arena."""
@@ -209,6 +219,7 @@ class Arena:
 
     def bytes_in_use(self) -> int:
         with self._lock:
+            self._apply_frees()
             return sum(f.used for f in self._free)
 
     def total_bytes(self) -> int:

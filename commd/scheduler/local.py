@@ -101,7 +101,8 @@ class LocalScheduler:
 
     def _submit_collective(self, group: Group, sub: Submission) -> ReadyOp | None:
         if sub.seq in group.failed:
-            raise MatchError(group.failed[sub.seq], "mismatch", [sub])
+            message, code = group.failed[sub.seq]
+            raise MatchError(message, code, [sub])
         waiting = group.pending.setdefault(sub.seq, {})
         if sub.group_rank in waiting:
             raise MatchError(
@@ -124,12 +125,12 @@ class LocalScheduler:
             message = (
                 f"mismatched collective #{sub.seq} on group '{group.name}': {problem}"
             )
-            self._remember_failure(group, sub.seq, message)
+            self._remember_failure(group, sub.seq, message, "mismatch")
             raise MatchError(message, "mismatch", subs)
         return ReadyOp(sub.kind, group.name, sub.seq, subs, first_at)
 
-    def _remember_failure(self, group: Group, seq: int, message: str) -> None:
-        group.failed[seq] = message
+    def _remember_failure(self, group: Group, seq: int, message: str, code: str) -> None:
+        group.failed[seq] = (message, code)
         while len(group.failed) > 1024:
             group.failed.popitem(last=False)
 
@@ -229,7 +230,7 @@ class LocalScheduler:
                     f"{[group.ranks[r] for r in missing]}) to submit it"
                 )
                 del group.pending[seq]
-                self._remember_failure(group, seq, message)
+                self._remember_failure(group, seq, message, "timeout")
                 expired.extend((sub, message) for sub in waiting.values())
             stale = self._drop_p2p(group.name, lambda sub: now - sub.submitted_at >= sub.timeout)
             for sub in stale:

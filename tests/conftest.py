@@ -1,0 +1,80 @@
+"""Fixtures giving each test its own runtime dir, job, daemon and workers, always cleaned up."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import DaemonProcess, Workers, new_job
+
+
+@pytest.fixture
+def runtime_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private COMMD_RUNTIME_DIR (short: ipc socket paths are limited to ~107 bytes)."""
+    path = tmp_path_factory.mktemp("rt")
+    monkeypatch.setenv("COMMD_RUNTIME_DIR", str(path))
+    monkeypatch.delenv("COMMD_JOB", raising=False)
+    monkeypatch.delenv("COMMD_SECRET", raising=False)
+    return path
+
+
+@pytest.fixture
+def job() -> str:
+    return new_job()
+
+
+@pytest.fixture
+def start_daemon(runtime_dir: Path, job: str) -> Iterator[Callable[..., DaemonProcess]]:
+    """Factory: start this test's daemon (not yet waited for); killed at teardown."""
+    started: list[DaemonProcess] = []
+
+    def start(op_timeout: float = 20.0, extra: list[str] | None = None) -> DaemonProcess:
+        daemon = DaemonProcess.start(runtime_dir, job, op_timeout, extra)
+        started.append(daemon)
+        return daemon
+
+    yield start
+    for daemon in started:
+        daemon.stop()
+        print(f"--- daemon {daemon.job} log tail ---\n{daemon.log_tail()}")
+
+
+@pytest.fixture
+def daemon(start_daemon: Callable[..., DaemonProcess]) -> DaemonProcess:
+    """A ready daemon with the default op timeout."""
+    return start_daemon().wait_ready()
+
+
+@pytest.fixture
+def start_workers(runtime_dir: Path, job: str) -> Iterator[Callable[..., Workers]]:
+    """Factory: start worker processes for this test's job; killed at teardown."""
+    started: list[Workers] = []
+
+    def start(target: Callable[..., Any], world_size: int, *args: Any, ranks: list[int] | None = None) -> Workers:
+        workers = Workers(target, world_size, job, runtime_dir, args, ranks)
+        started.append(workers)
+        return workers.start()
+
+    yield start
+    for workers in started:
+        workers.close()
+
+
+@pytest.fixture
+def connect(job: str) -> Iterator[Callable[..., Any]]:
+    """Factory: an in-process Client of this test's job with 'world' registered; closed at teardown."""
+    from commd.client import Client
+
+    clients: list[Any] = []
+
+    def make(rank: int, world_size: int, **kwargs: Any) -> Any:
+        client = Client(rank, world_size, job=job, connect_timeout=20.0, **kwargs)
+        clients.append(client)
+        client.register_group("world", list(range(world_size)))
+        return client
+
+    yield make
+    for client in clients:
+        client.close()
