@@ -18,6 +18,7 @@ from pathlib import Path
 JOB_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 DEFAULT_JOB = "default"
 SOCKET_NAME = "control.sock"
+OPS_SOCKET_NAME = "ops.sock"
 SECRET_NAME = "secret"
 PID_NAME = "daemon.pid"
 LOG_NAME = "daemon.log"
@@ -103,6 +104,10 @@ class JobPaths:
     @property
     def socket(self) -> Path:
         return self.directory / SOCKET_NAME
+
+    @property
+    def ops_socket(self) -> Path:
+        return self.directory / OPS_SOCKET_NAME
 
     @property
     def endpoint(self) -> str:

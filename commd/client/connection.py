@@ -14,6 +14,8 @@ import ctypes
 import itertools
 import logging
 import os
+import select
+import socket
 import threading
 import time
 import uuid
@@ -30,6 +32,7 @@ from commd.client.errors import (
     CommTimeoutError,
     ConnectError,
     DaemonDiedError,
+    DaemonShutdownError,
     RequestError,
     from_reply,
 )
@@ -46,6 +49,8 @@ DEFAULT_ARENA_BYTES = 64 << 20
 #: it gives up on an answer (the daemon normally reports the timeout itself).
 ANSWER_GRACE_S = 10.0
 RECEIVER_POLL_MS = 100
+OPS_BUFFER_BYTES = 4 << 20
+OPS_RECV_BYTES = s.MAX_MESSAGE_BYTES + (64 << 10)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -89,18 +94,17 @@ class Client:
         self._pending: dict[int, Handle] = {}
         self._pending_lock = threading.Lock()
         self._rx_lock = threading.Lock()
-        self._rcvtimeo = -1
         self._in_flight = threading.Event()
         self._send_lock = threading.RLock()
         self._broken: CommdError | None = None
+        self._shutdown_seen = False
         self._closed = False
         self._ctx = zmq.Context.instance()
         self._req = self._ctx.socket(zmq.DEALER)
-        self._rep = self._ctx.socket(zmq.DEALER)
-        for sock in (self._req, self._rep):
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
+        self._req.setsockopt(zmq.LINGER, 0)
+        self._ops = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            self._ops.setsockopt(socket.SOL_SOCKET, option, OPS_BUFFER_BYTES)
         try:
             self._connect(connect_timeout)
         except BaseException:
@@ -108,7 +112,7 @@ class Client:
                 segment.unlink()
             self._closed = True
             self._req.close()
-            self._rep.close()
+            self._ops.close()
             raise
 
     # ---- connection ---------------------------------------------------
@@ -119,7 +123,6 @@ class Client:
             )
         self.arena.new_segment(self.arena.segment_bytes)
         self._req.connect(self.paths.endpoint)
-        self._rep.connect(self.paths.endpoint)
         first = self.arena.segments[0]
         welcome = self._request(
             {
@@ -140,10 +143,17 @@ class Client:
             from commd.client.cuda_ipc import CudaExporter
 
             self._cuda = CudaExporter()
-        self._rep.send(s.encode({"t": "attach", "client_id": self.client_id, "secret": self.secret}))
-        if not self._rep.poll(int(timeout * 1000)):
-            raise ConnectError("daemon did not acknowledge the reply channel")
-        ack = s.decode(self._rep.recv())
+        # Ops and their replies travel on the op channel (see commd/daemon/opchannel.py).
+        try:
+            self._ops.settimeout(timeout)
+            self._ops.connect(str(self.paths.ops_socket))
+            self._ops.send(s.encode({"t": "attach", "client_id": self.client_id, "secret": self.secret}))
+            ack = s.decode(self._ops.recv(OPS_RECV_BYTES))
+            self._ops.settimeout(0.0)
+            self._ops_poll = select.poll()
+            self._ops_poll.register(self._ops.fileno(), select.POLLIN)
+        except (OSError, s.ProtocolError) as exc:
+            raise ConnectError(f"cannot open the op channel {self.paths.ops_socket}: {exc}") from None
         if ack.get("t") != s.ACK:
             raise from_reply(ack.get("code", ""), ack.get("message", "attach refused"))
         self._receiver: threading.Thread | None = None
@@ -203,7 +213,7 @@ class Client:
             self._receiver.join(timeout=2)
         with self._rx_lock:
             self._req.close()
-            self._rep.close()
+            self._ops.close()
 
     # ---- receiving ------------------------------------------------------
     # Replies are received by whoever needs them: a thread blocked in
@@ -218,24 +228,48 @@ class Client:
             self._pump_locked(timeout_s)
 
     def _pump_locked(self, timeout_s: float) -> None:
-        sock = self._rep
-        ms = max(0, int(timeout_s * 1000))
+        # The op socket is non-blocking: wait with poll(), then drain.
+        sock = self._ops
         try:
-            if ms != self._rcvtimeo:
-                sock.setsockopt(zmq.RCVTIMEO, ms)
-                self._rcvtimeo = ms
-            try:
-                frame = sock.recv()
-            except zmq.Again:
+            if not self._ops_poll.poll(max(0, int(timeout_s * 1000))):
                 self._check_deadlines()
                 return
-            self._on_reply(frame)
-            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                self._on_reply(sock.recv(zmq.NOBLOCK))
-        except zmq.ZMQError:
-            if self._closed:
+            while True:
+                try:
+                    frame = sock.recv(OPS_RECV_BYTES)
+                except (BlockingIOError, InterruptedError):
+                    return
+                if not frame:
+                    self._daemon_gone("closed the op channel")
+                    return
+                self._on_reply(frame)
+        except (OSError, ValueError) as exc:
+            if not self._closed:
+                self._daemon_gone(f"op channel failed: {exc}")
+
+    def _daemon_gone(self, why: str) -> None:
+        if self._broken is not None:
+            return
+        if self._shutdown_seen:
+            self._broken = DaemonShutdownError(f"commd daemon (job {self.paths.job!r}) shut down")
+        else:
+            self._broken = DaemonDiedError(f"commd daemon (pid {self.daemon_pid}, job {self.paths.job!r}) died: {why}")
+        self._fail_all(self._broken)
+
+    def _send_op(self, frame: bytes, deadline: float) -> None:
+        """Send one op message (caller holds the send lock); never blocks past ``deadline``."""
+        while True:
+            try:
+                self._ops.send(frame)
                 return
-            raise
+            except (BlockingIOError, InterruptedError):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise CommTimeoutError("the commd daemon is not reading ops (op channel full)") from None
+                select.select([], [self._ops], [], min(remaining, 0.1))
+            except OSError as exc:
+                self._daemon_gone(f"op channel failed: {exc}")
+                raise self._broken from None
 
     def wait_for(self, handle: Handle, timeout: float | None) -> None:
         """Block until ``handle`` completes or ``timeout`` passes, receiving replies meanwhile."""
@@ -287,7 +321,10 @@ class Client:
             handle = self._pending.pop(op_id, None)
         if handle is None:
             if reply.get("t") == s.ERROR:
-                log.error("commd daemon: %s", reply.get("message"))
+                if reply.get("code") == s.E_SHUTDOWN:
+                    self._shutdown_seen = True
+                else:
+                    log.error("commd daemon: %s", reply.get("message"))
             return
         if reply.get("t") == s.DONE:
             handle._complete(reply)
@@ -423,7 +460,12 @@ class Client:
                 raise RequestError(f"{handle.description}: control message of {len(frame)} bytes is too large")
             with self._pending_lock:
                 self._pending[op_id] = handle
-            self._req.send(frame)
+            try:
+                self._send_op(frame, handle.deadline)
+            except BaseException:
+                with self._pending_lock:
+                    self._pending.pop(op_id, None)
+                raise
         if self._receiver is not None:
             self._in_flight.set()
         return handle

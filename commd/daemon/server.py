@@ -28,6 +28,7 @@ import zmq
 
 from commd.daemon.cuda import CudaImporter
 from commd.daemon.executor import execute, execute_small, torch_dtype
+from commd.daemon.opchannel import OpConnection, OpListener
 from commd.kernels.small import NUMPY_DTYPES
 from commd.memory.arena import Segment
 from commd.protocol import schema as s
@@ -68,6 +69,7 @@ class ClientRecord:
     segments: dict[int, Segment] = field(default_factory=dict)
     views: dict[int, torch.Tensor] = field(default_factory=dict)
     groups: dict[str, int] = field(default_factory=dict)  # group name -> group rank
+    op_channel: OpConnection | None = None
 
     @property
     def arena_bytes(self) -> int:
@@ -118,6 +120,9 @@ class Daemon:
         self.loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
         self.loop.add_reader(self.sock.getsockopt(zmq.FD), self._on_readable)
+        self.ops = OpListener(
+            self.config.paths.ops_socket, self.loop, self._on_channel_message, self._on_channel_closed
+        )
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.loop.add_signal_handler(sig, self.shutdown, f"signal {signal.Signals(sig).name}")
         self._lane_thread = threading.Thread(target=self._lane_main, name="commd-lane-local", daemon=True)
@@ -151,6 +156,11 @@ class Daemon:
         self._stopped.set()
 
     def _cleanup(self) -> None:
+        notice = s.encode({"t": s.ERROR, "code": s.E_SHUTDOWN, "message": "daemon shutting down", "id": -1})
+        for client in self.clients.values():
+            if client.op_channel is not None:
+                client.op_channel.send(notice)  # tells the client the close that follows is orderly
+        self.ops.close()
         self.loop.remove_reader(self.sock.getsockopt(zmq.FD))
         self.sock.close(linger=1000)
         paths = self.config.paths
@@ -190,11 +200,61 @@ class Daemon:
         self.stats.error(message)
         self._send(identity, {"t": s.ERROR, "code": code, "message": message, "id": op_id})
 
+    def _reply(self, client: ClientRecord, message: dict[str, Any]) -> None:
+        """Answer an op on the client's op channel (or its ZeroMQ reply socket)."""
+        if client.op_channel is not None:
+            client.op_channel.send(s.encode(message))
+        elif client.reply_identity is not None:
+            self._send(client.reply_identity, message)
+
     def _send_error(self, sub: Submission, code: str, message: str) -> None:
         client = self.by_id.get(sub.client_id)
-        if client is None or client.reply_identity is None:
+        if client is not None:
+            self._reply(client, {"t": s.ERROR, "code": code, "message": message, "id": sub.op_id})
+
+    # ---- op channel -----------------------------------------------------
+    def _on_channel_message(self, channel: OpConnection, frame: bytes) -> None:
+        op_id = -1
+        try:
+            msg = s.decode(frame)
+            op_id = msg["id"] if type(msg.get("id")) is int else -1
+            if channel.client is None:
+                self._attach_channel(channel, msg)
+            elif msg["t"] == s.OP:
+                self._on_op(channel.client.identity, msg)
+            else:
+                raise s.ProtocolError(f"only ops travel on the op channel, not {msg['t']!r}")
+        except s.ProtocolError as exc:
+            self.stats.error(str(exc))
+            log.warning("op channel error: %s", exc)
+            channel.send(s.encode({"t": s.ERROR, "code": exc.code, "message": str(exc), "id": op_id}))
+        except Exception as exc:  # never let one bad message stop the daemon
+            log.exception("internal error handling an op")
+            channel.send(s.encode({"t": s.ERROR, "code": s.E_INTERNAL, "message": f"internal error: {exc}", "id": op_id}))
+
+    def _attach_channel(self, channel: OpConnection, msg: dict[str, Any]) -> None:
+        if msg["t"] != "attach":
+            raise s.ProtocolError("op channel: send 'attach' first", s.E_AUTH)
+        self._check_secret(msg)
+        client = self.by_id.get(s.int_field(msg, "client_id", 0))
+        if client is None:
+            raise s.ProtocolError("attach names an unknown client id", s.E_AUTH)
+        if client.op_channel is not None:
+            raise s.ProtocolError(f"client {client.client_id} already has an op channel")
+        channel.client = client
+        client.op_channel = channel
+        channel.send(s.encode({"t": s.ACK}))
+
+    def _on_channel_closed(self, channel: OpConnection) -> None:
+        client = channel.client
+        if client is None or self.by_id.get(client.client_id) is not client:
             return
-        self._send(client.reply_identity, {"t": s.ERROR, "code": code, "message": message, "id": sub.op_id})
+        client.op_channel = None
+        if pid_alive(client.pid):
+            self._drop_client(client, f"(pid {client.pid}) closed its op channel", notify_peers=True)
+        else:
+            self._drop_client(client, f"(pid {client.pid}) died", notify_peers=True)
+        self._flush()
 
     # ---- dispatch -----------------------------------------------------
     def _dispatch(self, identity: bytes, frame: bytes) -> None:
@@ -342,7 +402,7 @@ class Daemon:
     # ---- ops ------------------------------------------------------------
     def _on_op(self, identity: bytes, msg: dict[str, Any]) -> None:
         client = self._client(identity)
-        if client.reply_identity is None:
+        if client.reply_identity is None and client.op_channel is None:
             raise s.ProtocolError("reply channel not attached")
         if self._closing:
             raise s.ProtocolError("daemon shutting down", s.E_SHUTDOWN)
@@ -462,7 +522,7 @@ class Daemon:
             return
         for sub in op.subs:
             client = self.by_id.get(sub.client_id)
-            if client is None or client.reply_identity is None:
+            if client is None:
                 continue
             reply: dict[str, Any] = {"t": s.DONE, "id": sub.op_id}
             for name in ("buf", "out"):
@@ -471,7 +531,7 @@ class Daemon:
                     reply["data"] = bytes(ref.inline)
             if op.kind == "sendrecv" and sub.kind == "recv":
                 reply["src"] = op.subs[0].group_rank
-            self._send(client.reply_identity, reply)
+            self._reply(client, reply)
 
     # ---- liveness -------------------------------------------------------
     async def _watchdog(self) -> None:
@@ -498,6 +558,9 @@ class Daemon:
         self.by_id.pop(client.client_id, None)
         if client.reply_identity is not None:
             self.by_reply.pop(client.reply_identity, None)
+        if client.op_channel is not None:
+            client.op_channel.close()
+            client.op_channel = None
         if notify_peers:
             message = f"rank {client.rank} {why}"
             self.stats.error(message)

@@ -1,0 +1,159 @@
+"""The op channel: a Unix SEQPACKET socket per client for submissions and replies.
+
+Control traffic (handshake, registrations, status, bye) stays on the ZeroMQ
+socket.  Ops — the per-step hot path — travel as the same msgpack messages
+over a SEQPACKET connection instead: ZeroMQ hands every message to an I/O
+thread on each side, which on a node whose cores are shared by the ranks and
+the daemon costs about two extra wake-ups per message (measured: the
+round trip of a tiny op dropped from ~60 us to ~20 us in a lean prototype).
+SEQPACKET keeps message boundaries, and the kernel tells us the peer's uid
+(checked) and when a client process dies (its socket closes).
+
+A connection is useless until it sends an ATTACH naming a registered client
+id and the job secret.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import socket
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from commd.protocol import schema as s
+
+log = logging.getLogger("commd.daemon")
+
+SOCKET_BUFFER_BYTES = 4 << 20
+
+
+class OpConnection:
+    """One client's op channel, with a queue for replies the kernel could not take yet."""
+
+    def __init__(self, sock: socket.socket, loop: Any) -> None:
+        self.sock = sock
+        self.loop = loop
+        self.client: Any = None
+        self._backlog: collections.deque[bytes] = collections.deque()
+        self.closed = False
+
+    def send(self, frame: bytes) -> None:
+        if self.closed:
+            return
+        if self._backlog:
+            self._backlog.append(frame)
+            return
+        try:
+            self.sock.send(frame)
+        except BlockingIOError:
+            self._backlog.append(frame)
+            self.loop.add_writer(self.sock.fileno(), self._drain)
+        except OSError as exc:
+            log.debug("op channel send failed: %s", exc)
+
+    def _drain(self) -> None:
+        while self._backlog:
+            try:
+                self.sock.send(self._backlog[0])
+            except BlockingIOError:
+                return
+            except OSError:
+                self._backlog.clear()
+                break
+            self._backlog.popleft()
+        self.loop.remove_writer(self.sock.fileno())
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        fd = self.sock.fileno()
+        self.loop.remove_reader(fd)
+        if self._backlog:
+            self.loop.remove_writer(fd)
+        self.sock.close()
+
+
+class OpListener:
+    """Accepts op-channel connections and feeds their messages to the daemon."""
+
+    def __init__(
+        self,
+        path: Path,
+        loop: Any,
+        on_message: Callable[[OpConnection, bytes], None],
+        on_closed: Callable[[OpConnection], None],
+    ) -> None:
+        self.path = path
+        self.loop = loop
+        self.on_message = on_message
+        self.on_closed = on_closed
+        self.connections: set[OpConnection] = set()
+        if path.exists():
+            path.unlink()
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        old_umask = os.umask(0o177)
+        try:
+            self.sock.bind(str(path))
+        finally:
+            os.umask(old_umask)
+        os.chmod(path, 0o600)
+        self.sock.listen(256)
+        self.sock.setblocking(False)
+        loop.add_reader(self.sock.fileno(), self._accept)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                log.warning("op channel accept failed: %s", exc)
+                return
+            uid = _peer_uid(conn)
+            if uid != os.getuid():
+                log.warning("refusing an op channel from uid %s", uid)
+                conn.close()
+                continue
+            conn.setblocking(False)
+            for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+                conn.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+            channel = OpConnection(conn, self.loop)
+            self.connections.add(channel)
+            self.loop.add_reader(conn.fileno(), self._readable, channel)
+
+    def _readable(self, channel: OpConnection) -> None:
+        while not channel.closed:
+            try:
+                frame = channel.sock.recv(s.MAX_MESSAGE_BYTES + 1)
+            except BlockingIOError:
+                return
+            except OSError:
+                frame = b""
+            if not frame:
+                self.connections.discard(channel)
+                channel.close()
+                self.on_closed(channel)
+                return
+            self.on_message(channel, frame)
+
+    def close(self) -> None:
+        for channel in list(self.connections):
+            channel.close()
+        self.connections.clear()
+        self.loop.remove_reader(self.sock.fileno())
+        self.sock.close()
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def _peer_uid(conn: socket.socket) -> int:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
