@@ -33,6 +33,8 @@ DDP_BUCKET_BYTES = 25 * 1024 * 1024
 IN_FEATURES = 256
 #: Losses of the two runs that differ by more than this (relative) are a bug.
 LOSS_RTOL = 1e-3
+#: How long finished commd workers stay connected for the status snapshot.
+STATUS_WAIT_S = 15.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -121,8 +123,13 @@ def _bench_allreduce(nbytes: int, iters: int, arena: bool) -> float:
     return float(t.item())
 
 
-def _worker(rank: int, cfg: RunConfig) -> None:
-    """One rank of one backend's run; rank 0 writes the results as JSON."""
+def _worker(rank: int, cfg: RunConfig, ready: Any, release: Any) -> None:
+    """One rank of one backend's run; rank 0 writes the results as JSON.
+
+    For commd, once every rank is done rank 0 sets ``ready`` and all ranks
+    stay connected until the parent has taken the daemon's status and set
+    ``release`` (bounded), so the snapshot shows the clients and no stray op.
+    """
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -156,27 +163,21 @@ def _worker(rank: int, cfg: RunConfig) -> None:
         bench = {"regular": _bench_allreduce(bench_bytes, cfg.bench_iters, arena=False)}
         if cfg.backend == "commd":
             bench["arena"] = _bench_allreduce(bench_bytes, cfg.bench_iters, arena=True)
-        status = None
-        if cfg.backend == "commd":
-            dist.barrier()  # every rank is done and still connected
-            if rank == 0:
-                from commd.runtime import JobPaths
-
-                try:
-                    status = query_status(JobPaths.for_job(cfg.job), timeout=5.0)
-                except StatusError as exc:
-                    status = {"error": str(exc)}
-            dist.barrier()
         if rank == 0:
             result = {
                 "backend": cfg.backend, "losses": losses, "step_times": step_times,
                 "params": sum(p.numel() for p in model.parameters()), "grad_bytes": grad_bytes,
-                "bench_bytes": bench_bytes, "bench": bench, "status": status,
+                "bench_bytes": bench_bytes, "bench": bench,
             }
             path = Path(cfg.result_dir) / f"{cfg.backend}.json"
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(result))
             tmp.rename(path)
+        if ready is not None:
+            dist.barrier()  # every rank is done, still connected, nothing in flight
+            if rank == 0:
+                ready.set()
+            release.wait(STATUS_WAIT_S)
     finally:
         dist.destroy_process_group()
     if cfg.backend == "commd":
@@ -192,14 +193,29 @@ def _worker(rank: int, cfg: RunConfig) -> None:
 
 
 # ---- parent side -------------------------------------------------------------------
-def _run_workers(cfg: RunConfig, deadline_s: float) -> str | None:
-    """Spawn the ranks of one run and wait (bounded); returns an error text or None."""
+def _run_workers(cfg: RunConfig, deadline_s: float, snapshot: dict[str, Any]) -> str | None:
+    """Spawn the ranks of one run and wait (bounded); returns an error text or None.
+
+    For commd, ``snapshot["status"]`` receives the daemon's status, taken
+    while the finished workers are still connected.
+    """
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(_worker, args=(cfg,), nprocs=cfg.nproc, join=False, start_method="spawn")
+    spawn = mp.get_context("spawn")
+    ready, release = (spawn.Event(), spawn.Event()) if cfg.backend == "commd" else (None, None)
+    ctx = mp.start_processes(_worker, args=(cfg, ready, release), nprocs=cfg.nproc, join=False,
+                             start_method="spawn")
     deadline = time.monotonic() + deadline_s
     try:
-        while not ctx.join(timeout=0.2):
+        while not ctx.join(timeout=0.1):
+            if ready is not None and ready.is_set() and not release.is_set():
+                from commd.runtime import JobPaths
+
+                try:
+                    snapshot["status"] = query_status(JobPaths.for_job(cfg.job), timeout=5.0)
+                except StatusError as exc:
+                    snapshot["status"] = {"error": str(exc)}
+                release.set()
             if time.monotonic() > deadline:
                 return f"{cfg.backend} run did not finish within {deadline_s:g}s; killed its workers"
     except Exception as exc:  # ProcessRaisedException / ProcessExitedException
@@ -228,13 +244,16 @@ def _run_backend(cfg: RunConfig, deadline_s: float) -> dict[str, Any] | str:
             daemon = start_daemon(paths, new_secret(), exit_when_idle=False,
                                   extra_args=["--op-timeout", repr(cfg.op_timeout)],
                                   timeout=min(60.0, deadline_s))
-        error = _run_workers(cfg, deadline_s)
+        snapshot: dict[str, Any] = {}
+        error = _run_workers(cfg, deadline_s, snapshot)
         if error:
             return error
         path = Path(cfg.result_dir) / f"{cfg.backend}.json"
         if not path.exists():
             return f"{cfg.backend} run wrote no results"
-        return json.loads(path.read_text())
+        result = json.loads(path.read_text())
+        result["status"] = snapshot.get("status")
+        return result
     except Exception as exc:
         return f"{cfg.backend} run failed: {exc}"
     finally:
