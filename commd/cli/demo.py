@@ -242,7 +242,7 @@ def _run_backend(cfg: RunConfig, deadline_s: float) -> dict[str, Any] | str:
 
             paths = JobPaths.for_job(cfg.job)
             daemon = start_daemon(paths, new_secret(), exit_when_idle=False,
-                                  extra_args=["--op-timeout", repr(cfg.op_timeout)],
+                                  extra_args=["--op-timeout", repr(cfg.op_timeout), "--owner-pid", str(os.getpid())],
                                   timeout=min(60.0, deadline_s))
         snapshot: dict[str, Any] = {}
         error = _run_workers(cfg, deadline_s, snapshot)

@@ -263,6 +263,7 @@ def _start_or_reuse_daemon(args: argparse.Namespace, paths: JobPaths) -> subproc
             print("commd launch: --op-timeout ignored: the daemon is already running", file=sys.stderr)
         return None
     extra = ["--op-timeout", repr(args.op_timeout)] if args.op_timeout is not None else []
+    extra += ["--owner-pid", str(os.getpid())]  # never outlive the launcher, even if it is killed
     try:
         return start_daemon(paths, new_secret(), exit_when_idle=False, extra_args=extra,
                             timeout=DAEMON_START_TIMEOUT_S)

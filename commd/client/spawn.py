@@ -57,7 +57,7 @@ def start_daemon(
         command.append("--exit-when-idle")
     command += extra_args or []
     paths.ensure()
-    log = open(paths.directory / "daemon.out", "ab")
+    log = open(paths.log_file, "ab")  # the daemon logs to stderr
     proc = subprocess.Popen(
         command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
         start_new_session=True, close_fds=True,
@@ -68,7 +68,7 @@ def start_daemon(
         if proc.poll() is not None:
             raise ConnectError(
                 f"commd daemon for job {paths.job!r} exited with code {proc.returncode} while "
-                f"starting; see {paths.directory / 'daemon.out'}:\n{_tail(paths)}"
+                f"starting; see {paths.log_file}:\n{_tail(paths)}"
             )
         if ping(paths, 0.2) == proc.pid:
             return proc
@@ -79,7 +79,7 @@ def start_daemon(
 
 def _tail(paths: JobPaths, lines: int = 20) -> str:
     try:
-        text = (paths.directory / "daemon.out").read_text(errors="replace")
+        text = paths.log_file.read_text(errors="replace")
     except OSError:
         return ""
     return "\n".join(text.splitlines()[-lines:])

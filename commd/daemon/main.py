@@ -25,6 +25,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="exit once the job's last client has left (used when auto-started)",
     )
     parser.add_argument("--idle-grace", type=float, default=3.0, help="seconds idle before --exit-when-idle exits")
+    parser.add_argument(
+        "--owner-pid", type=int, default=None,
+        help="exit (as on SIGTERM) when this process dies, e.g. the launcher that started us",
+    )
+    parser.add_argument("--log-file", default=None, help="also append the log to this file")
     parser.add_argument("--log-level", default=os.environ.get("COMMD_LOG_LEVEL", "INFO"))
 
 
@@ -39,16 +44,19 @@ def run(args: argparse.Namespace) -> int:
         threads = env_int("COMMD_KERNEL_THREADS", 1, 1, 1024)
         if args.idle_grace < 0:
             raise ConfigError("--idle-grace must be non-negative")
+        if args.owner_pid is not None and args.owner_pid <= 0:
+            raise ConfigError(f"--owner-pid {args.owner_pid} is not a process id")
         level = getattr(logging, str(args.log_level).upper(), None)
         if not isinstance(level, int):
             raise ConfigError(f"unknown log level {args.log_level!r}")
     except ConfigError as exc:
         print(f"commd daemon: {exc}", file=sys.stderr)
         return 2
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if args.log_file:
+        handlers.append(logging.FileHandler(args.log_file))
     logging.basicConfig(
-        level=level,
-        format="%(asctime)s commd-daemon[%(process)d] %(levelname)s %(message)s",
-        handlers=[logging.StreamHandler(sys.stderr), logging.FileHandler(paths.log_file)],
+        level=level, format="%(asctime)s commd-daemon[%(process)d] %(levelname)s %(message)s", handlers=handlers,
     )
     existing = paths.daemon_pid()
     if existing is not None and existing != os.getpid():
@@ -65,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(threads)
     config = DaemonConfig(
         paths=paths, secret=secret, op_timeout=op_timeout,
-        exit_when_idle=args.exit_when_idle, idle_grace=args.idle_grace,
+        exit_when_idle=args.exit_when_idle, idle_grace=args.idle_grace, owner_pid=args.owner_pid,
     )
     daemon = Daemon(config)
     daemon.bind()

@@ -53,6 +53,7 @@ class DaemonConfig:
     op_timeout: float = 30.0
     exit_when_idle: bool = False
     idle_grace: float = 3.0
+    owner_pid: int | None = None
     max_arena_bytes: int = 1 << 40
 
 
@@ -581,6 +582,9 @@ class Daemon:
         client.segments.clear()
 
     def _check_idle(self) -> None:
+        if self.config.owner_pid is not None and not pid_alive(self.config.owner_pid):
+            self.shutdown(f"its owner (pid {self.config.owner_pid}) is gone")
+            return
         if (
             self.config.exit_when_idle
             and self._had_clients
