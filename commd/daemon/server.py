@@ -222,7 +222,7 @@ class Daemon:
             if channel.client is None:
                 self._attach_channel(channel, msg)
             elif msg["t"] == s.OP:
-                self._on_op(channel.client.identity, msg)
+                self._on_client_op(channel.client, msg)
             else:
                 raise s.ProtocolError(f"only ops travel on the op channel, not {msg['t']!r}")
         except s.ProtocolError as exc:
@@ -402,7 +402,9 @@ class Daemon:
 
     # ---- ops ------------------------------------------------------------
     def _on_op(self, identity: bytes, msg: dict[str, Any]) -> None:
-        client = self._client(identity)
+        self._on_client_op(self._client(identity), msg)
+
+    def _on_client_op(self, client: ClientRecord, msg: dict[str, Any]) -> None:
         if client.reply_identity is None and client.op_channel is None:
             raise s.ProtocolError("reply channel not attached")
         if self._closing:
@@ -468,20 +470,20 @@ class Daemon:
         return segment.array[ref.offset : ref.offset + ref.nbytes].view(dtype)
 
     def _start(self, op: ReadyOp) -> None:
-        self.stats.queued(op.group)
         if self._lane_busy == 0 and op.nbytes <= INLINE_EXEC_BYTES:
-            self.stats.started(op.group)
+            self.stats.started(op.group, queued=False)
             error = self._run(op)
             self._complete(op, error)
             return
+        self.stats.queued(op.group)
         self._lane_busy += 1
         self._lane.put(op)
 
     def _run(self, op: ReadyOp) -> str | None:
         try:
-            cuda_refs = [b.cuda for sub in op.subs for b in sub.buffers.values() if b.cuda is not None]
-            if cuda_refs:
-                with torch.cuda.stream(self.cuda.stream(cuda_refs[0].device)):
+            if op.on_gpu:
+                device = next(b.cuda.device for x in op.subs for b in x.buffers.values() if b.cuda is not None)
+                with torch.cuda.stream(self.cuda.stream(device)):
                     execute(op, self._resolve)
                 self.cuda.synchronize()  # results are visible to the clients when we answer
             elif not execute_small(op, self._resolve_array):

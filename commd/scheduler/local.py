@@ -42,10 +42,12 @@ class ReadyOp:
     ready_at: float = field(default_factory=time.monotonic)
 
     nbytes: int = -1
+    on_gpu: bool = False
 
     def __post_init__(self) -> None:
         if self.nbytes < 0:
             self.nbytes = max(sub.nbytes for sub in self.subs)
+        self.on_gpu = any(sub.on_gpu for sub in self.subs)
 
     def describe(self) -> str:
         if self.kind in ("send", "recv"):

@@ -57,6 +57,7 @@ class Submission:
     timeout: float = 30.0
     submitted_at: float = field(default_factory=time.monotonic)
     nbytes: int = 0
+    on_gpu: bool = False
     #: The fields every member must agree on, for a cheap equality check.
     signature: tuple = ()
 
@@ -171,6 +172,8 @@ def parse_submission(
                 sub.buffers[name] = ref
                 if ref.nbytes > sub.nbytes:
                     sub.nbytes = ref.nbytes
+                if ref.cuda is not None:
+                    sub.on_gpu = True
     _check_shape(sub)
     sub.signature = tuple([getattr(sub, name) for name in _agreed_fields(kind)])
     return sub

@@ -46,10 +46,11 @@ class Stats:
         if group in self.groups:
             self.groups[group].queued += 1
 
-    def started(self, group: str) -> None:
-        if group in self.groups:
-            stats = self.groups[group]
-            stats.queued -= 1
+    def started(self, group: str, queued: bool = True) -> None:
+        stats = self.groups.get(group)
+        if stats is not None:
+            if queued:
+                stats.queued -= 1
             stats.executing += 1
 
     def finished(self, group: str, kind: str, nbytes: int, seconds: float, ok: bool) -> None:
@@ -64,7 +65,10 @@ class Stats:
         if ok:
             self.ops_done += 1
             self.bytes_moved += nbytes
-            self.latencies.setdefault(kind, collections.deque(maxlen=LATENCY_WINDOW)).append(seconds)
+            window = self.latencies.get(kind)
+            if window is None:
+                window = self.latencies[kind] = collections.deque(maxlen=LATENCY_WINDOW)
+            window.append(seconds)
 
     def error(self, message: str) -> None:
         self.errors.append({"time": time.time(), "message": message})
