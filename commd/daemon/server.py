@@ -42,6 +42,9 @@ log = logging.getLogger("commd.daemon")
 #: Ops at most this large run inline on the event loop when the lane is idle.
 INLINE_EXEC_BYTES = 64 * 1024
 WATCHDOG_PERIOD_S = 0.1
+#: After a client's op channel closes, how long to wait for its pid to vanish
+#: before reporting it as disconnected rather than dead.
+DISCONNECT_VERDICT_S = 1.0
 #: zmq drops (and disconnects) frames above this; below it we answer with an error.
 ZMQ_MAX_FRAME = 16 * s.MAX_MESSAGE_BYTES
 
@@ -251,10 +254,19 @@ class Daemon:
         if client is None or self.by_id.get(client.client_id) is not client:
             return
         client.op_channel = None
-        if pid_alive(client.pid):
+        self._judge_disconnect(client, time.monotonic() + DISCONNECT_VERDICT_S)
+
+    def _judge_disconnect(self, client: ClientRecord, deadline: float) -> None:
+        """A closed op channel usually means the process is dying: give it a moment to be gone."""
+        if self.by_id.get(client.client_id) is not client:
+            return
+        if not pid_alive(client.pid):
+            self._drop_client(client, f"(pid {client.pid}) died", notify_peers=True)
+        elif time.monotonic() >= deadline:
             self._drop_client(client, f"(pid {client.pid}) closed its op channel", notify_peers=True)
         else:
-            self._drop_client(client, f"(pid {client.pid}) died", notify_peers=True)
+            self.loop.call_later(0.01, self._judge_disconnect, client, deadline)
+            return
         self._flush()
 
     # ---- dispatch -----------------------------------------------------
