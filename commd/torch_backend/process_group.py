@@ -133,14 +133,26 @@ def _unflatten_into(flat: torch.Tensor, outputs: list[torch.Tensor]) -> None:
 class ProcessGroupCommd(dist.ProcessGroup):
     """A torch ProcessGroup whose ops run in the commd node daemon."""
 
-    def __init__(self, client: Client, name: str, rank: int, size: int, timeout: timedelta) -> None:
+    def __init__(
+        self, client: Client, name: str, rank: int, size: int, timeout: timedelta, torch_name: str
+    ) -> None:
         super().__init__(rank, size)
         self._client = client
         self._name = name
+        self._torch_name = torch_name
         self._timeout = timeout.total_seconds() if timeout else None
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return BACKEND_NAME
+
+    def _set_group_name(self, name: str) -> None:
+        self._torch_name = name
+        super()._set_group_name(name)
+
+    @property
+    def group_name(self) -> str:
+        """torch's name of this group (destroy_process_group looks it up)."""
+        return self._torch_name
 
     @property
     def commd_group(self) -> str:
@@ -229,9 +241,14 @@ class ProcessGroupCommd(dist.ProcessGroup):
         return self._work(handle, outputs)
 
     def allgather_coalesced(self, outputs: list, inputs: list, opts: Any = None) -> CommdWork:
+        """``outputs[r][i]`` receives rank r's ``inputs[i]``."""
+        if len(outputs) != self.size() or any(len(per_rank) != len(inputs) for per_rank in outputs):
+            raise ValueError(
+                f"all_gather_coalesced needs {self.size()} output lists of {len(inputs)} tensors"
+            )
         handles = []
-        for out_list, inp in zip(outputs, inputs, strict=True):
-            handles += self.allgather([out_list], [inp], opts)._handles
+        for i, inp in enumerate(inputs):
+            handles += self.allgather([[per_rank[i] for per_rank in outputs]], [inp], opts)._handles
         return self._work(handles, outputs)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> CommdWork:
@@ -404,7 +421,7 @@ def _create(dist_opts: Any, backend_opts: Any) -> ProcessGroupCommd:
     _group_generations[base] = generation + 1
     name = f"g{base}.{generation}".replace(" ", "_")[:200]
     client.register_group(name, global_ranks)
-    return ProcessGroupCommd(client, name, rank, size, timeout)
+    return ProcessGroupCommd(client, name, rank, size, timeout, base)
 
 
 def _close_client() -> None:
