@@ -9,6 +9,8 @@ reduce-then-broadcast of a block reads it from cache, not from memory, twice.
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 from collections.abc import Callable
 
 import numpy as np
@@ -16,6 +18,7 @@ import torch
 
 from commd.kernels import small
 from commd.kernels.reduce import TORCH_DTYPES, reduce_into
+from commd.runtime import env_int
 from commd.scheduler.local import ReadyOp
 from commd.scheduler.ops import Submission
 
@@ -139,11 +142,41 @@ def _allreduce(bufs: list[torch.Tensor], op: str, scale: float) -> None:
     if n == 0:
         return
     block = max(1, BLOCK_BYTES // bufs[0].element_size())
-    for start in range(0, n, block):
+    starts = range(0, n, block)
+    workers = kernel_pool_size()
+    if workers > 1 and n * bufs[0].element_size() >= PARALLEL_MIN_BYTES:
+        # While an all-reduce runs, its ranks only wait: their cores are free for
+        # the daemon.  Each worker takes a contiguous share of the blocks (torch
+        # kernels release the GIL; one intra-op thread each, so nothing stalls).
+        shares = [starts[i::workers] for i in range(workers)]
+        list(_kernel_pool().map(lambda share: _allreduce_blocks(bufs, share, block, op, scale), shares))
+    else:
+        _allreduce_blocks(bufs, starts, block, op, scale)
+
+
+def _allreduce_blocks(bufs: list[torch.Tensor], starts: range, block: int, op: str, scale: float) -> None:
+    for start in starts:
         parts = [b[start : start + block] for b in bufs]
         reduce_into(parts[0], parts, op, scale)
         for other in parts[1:]:
             other.copy_(parts[0])
+
+
+#: Buffers at least this large are reduced by several daemon threads.
+PARALLEL_MIN_BYTES = 4 << 20
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def kernel_pool_size() -> int:
+    """Daemon threads for large kernels: $COMMD_KERNEL_WORKERS, default the core count (max 4)."""
+    return env_int("COMMD_KERNEL_WORKERS", min(4, os.cpu_count() or 1), 1, 64)
+
+
+def _kernel_pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = concurrent.futures.ThreadPoolExecutor(kernel_pool_size(), thread_name_prefix="commd-kernel")
+    return _pool
 
 
 def _allgather(subs: list[Submission], resolve: Resolve) -> None:
