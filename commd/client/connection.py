@@ -1,11 +1,10 @@
 """The client side of the control protocol: connect, register, submit, complete.
 
-A client uses two DEALER sockets to its node daemon so that no ZeroMQ socket
-is ever shared between threads: the *request* socket (any caller thread,
-under a lock) carries the handshake, registrations and op submissions; the
-*reply* socket belongs to a receiver thread that completes handles as the
-daemon answers, watches the daemon's pid and fails every pending op promptly
-if the daemon disappears.
+A client has two connections to its node daemon: a ZeroMQ DEALER socket for
+control requests (handshake, registrations, status, bye; synchronous, under a
+lock) and the op channel (a Unix SEQPACKET socket) for op submissions and
+their replies.  Whoever waits reads the op channel; a dead daemon is noticed
+at once (the channel closes) or by its pid, and fails every pending op.
 """
 
 from __future__ import annotations
@@ -217,10 +216,10 @@ class Client:
 
     # ---- receiving ------------------------------------------------------
     # Replies are received by whoever needs them: a thread blocked in
-    # Handle.wait() pumps the reply socket itself (no thread hop on the
+    # Handle.wait() reads the op channel itself (no thread hop on the
     # latency-critical path); a background thread, started the first time a
-    # Future is requested, pumps it when nobody waits.  The reply socket is
-    # only ever touched under ``_rx_lock``.
+    # Future is requested, reads it when nobody waits.  Only one thread at a
+    # time receives, under ``_rx_lock``; sends go under ``_send_lock``.
 
     def pump(self, timeout_s: float) -> None:
         """Receive and dispatch replies for up to ``timeout_s`` (caller holds no lock)."""

@@ -87,7 +87,6 @@ class Daemon:
         self.scheduler = LocalScheduler(self.stats)
         self.cuda = CudaImporter()
         self.clients: dict[bytes, ClientRecord] = {}
-        self.by_reply: dict[bytes, ClientRecord] = {}
         self.by_id: dict[int, ClientRecord] = {}
         self._next_client = 1
         self._lane: queue.SimpleQueue[ReadyOp | None] = queue.SimpleQueue()
@@ -375,7 +374,6 @@ class Daemon:
         if client is None:
             raise s.ProtocolError("attach names an unknown client id", s.E_AUTH)
         client.reply_identity = identity
-        self.by_reply[identity] = client
         self._send(identity, {"t": s.ACK})
 
     def _on_segment(self, identity: bytes, msg: dict[str, Any]) -> None:
@@ -571,8 +569,6 @@ class Daemon:
         log.info("client rank %d %s", client.rank, why)
         self.clients.pop(client.identity, None)
         self.by_id.pop(client.client_id, None)
-        if client.reply_identity is not None:
-            self.by_reply.pop(client.reply_identity, None)
         if client.op_channel is not None:
             client.op_channel.close()
             client.op_channel = None
