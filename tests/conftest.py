@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from helpers import DaemonProcess, Workers, new_job
+from simhosts import sim_hosts  # noqa: F401 - fixture for tests with simulated hosts
 
 
 @pytest.fixture

@@ -193,6 +193,9 @@ class WorkerContext:
 
         paths = job_paths(Path(self.runtime_dir), self.job)
         wait_until(lambda: ping(paths, 0.2), DAEMON_START_S, "the daemon to answer")
+        nodes = os.environ.get("COMMD_TEST_NODES")
+        if nodes and "nodes" not in kwargs:
+            kwargs["nodes"] = nodes.split(",")
         client = Client(self.rank, self.world_size, job=self.job, **kwargs)
         client.register_group("world", list(range(self.world_size)))
         for name, ranks in (groups or {}).items():
@@ -201,11 +204,26 @@ class WorkerContext:
         return client
 
 
+def enter_netns(name: str) -> None:
+    """Move this (single-threaded) process into network namespace ``name`` (a simulated host)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    clone_newnet = 0x40000000
+    with open(f"/var/run/netns/{name}") as ns:
+        if libc.setns(ns.fileno(), clone_newnet) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into {name} failed")
+
+
 def _child_main(
     conn: Any, rank: int, world_size: int, job: str, runtime_dir: str,
-    target: Callable[..., Any], args: tuple[Any, ...],
+    target: Callable[..., Any], args: tuple[Any, ...], env: dict[str, str] | None = None,
+    netns: str | None = None,
 ) -> None:
     """Entry point of every worker: set the environment, run the target, report."""
+    if netns:
+        enter_netns(netns)
+    os.environ.update(env or {})
     os.environ["COMMD_RUNTIME_DIR"] = runtime_dir
     os.environ.pop("COMMD_JOB", None)
     ctx = WorkerContext(rank, world_size, job, runtime_dir, conn)
@@ -232,6 +250,8 @@ class Workers:
     runtime_dir: Path
     args: tuple[Any, ...] = ()
     ranks: list[int] | None = None
+    env: dict[str, str] | None = None
+    netns: str | None = None
     procs: dict[int, Any] = field(default_factory=dict)
     conns: dict[int, Any] = field(default_factory=dict)
     events: dict[tuple[int, str], Any] = field(default_factory=dict)
@@ -243,7 +263,8 @@ class Workers:
             parent, child = ctx.Pipe(duplex=True)
             proc = ctx.Process(
                 target=_child_main,
-                args=(child, rank, self.world_size, self.job, str(self.runtime_dir), self.target, self.args),
+                args=(child, rank, self.world_size, self.job, str(self.runtime_dir), self.target, self.args,
+                      self.env, self.netns),
                 name=f"commd-test-rank{rank}", daemon=True,
             )
             proc.start()

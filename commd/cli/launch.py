@@ -21,8 +21,10 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from commd.client.errors import ConnectError
 from commd.client.spawn import SECRET_ENV, ping, start_daemon
@@ -31,6 +33,8 @@ from commd.runtime import ConfigError, JobPaths, check_job, new_secret
 POLL_S = 0.05
 DEFAULT_GRACE_S = 10.0
 DAEMON_START_TIMEOUT_S = 60.0
+#: A multi-node daemon waits in its rendezvous until every node's daemon started.
+MULTI_NODE_START_TIMEOUT_S = 300.0
 DAEMON_STOP_TIMEOUT_S = 20.0
 
 
@@ -43,6 +47,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--nproc-per-node", "--nproc_per_node", dest="nproc", type=int, default=1, metavar="N",
         help="number of worker processes on this node (default 1)",
     )
+    parser.add_argument("--nnodes", type=int, default=1, help="number of nodes in the job (default 1)")
+    parser.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=0,
+                        help="this node's rank in [0, nnodes) (default 0)")
+    parser.add_argument("--master", default=None, metavar="ADDR:PORT",
+                        help="node 0's address and a free port: node 0's launcher hosts the job's store "
+                             "there; needed when --nnodes > 1 (sets --master-addr/--master-port)")
+    parser.add_argument("--node-name", default=None,
+                        help="this node's name (default: $COMMD_NODE, else the hostname)")
     parser.add_argument("--job", help="job name (default: a fresh unique name); an already running "
                         "daemon for this job is reused and left running")
     parser.add_argument("--master-addr", "--master_addr", dest="master_addr", default="127.0.0.1",
@@ -74,6 +86,20 @@ def _free_port(addr: str) -> int:
 def _validate(args: argparse.Namespace) -> None:
     if args.nproc < 1:
         raise LaunchError(f"--nproc-per-node must be at least 1, got {args.nproc}")
+    if not 1 <= args.nnodes <= 4096:
+        raise LaunchError(f"--nnodes must lie in [1, 4096], got {args.nnodes}")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise LaunchError(f"--node-rank {args.node_rank} must lie in [0, {args.nnodes})")
+    if args.master is not None:
+        from commd.fabric.rendezvous import parse_host_port
+
+        try:
+            args.master_addr, args.master_port = parse_host_port(args.master, "--master")
+        except ValueError as exc:
+            raise LaunchError(str(exc)) from None
+    elif args.nnodes > 1:
+        raise LaunchError("--nnodes > 1 needs --master ADDR:PORT (node 0's address and a free port)")
+    args.node_name = args.node_name or os.environ.get("COMMD_NODE") or socket.gethostname()
     if args.nproc > 4096:
         raise LaunchError(f"--nproc-per-node {args.nproc} is implausibly large (max 4096)")
     if args.master_port is not None and not 1 <= args.master_port <= 65535:
@@ -101,16 +127,24 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 def worker_env(
-    base: dict[str, str], rank: int, nproc: int, job: str, master_addr: str, master_port: int
+    base: dict[str, str], rank: int, nproc: int, job: str, master_addr: str, master_port: int,
+    node_rank: int = 0, nnodes: int = 1, node_name: str | None = None,
 ) -> dict[str, str]:
-    """The environment torchrun would give local rank ``rank`` of a one-node job, plus COMMD_JOB."""
+    """The environment torchrun gives local rank ``rank`` of node ``node_rank``, plus COMMD_JOB."""
     env = dict(base)
     env.pop(SECRET_ENV, None)  # workers read the secret from the private job dir
+    world = nproc * nnodes
+    global_rank = node_rank * nproc + rank
     env.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-        GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc),
-        ROLE_NAME="default", MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), COMMD_JOB=job,
+        RANK=str(global_rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(nproc),
+        GROUP_RANK=str(node_rank), GROUP_WORLD_SIZE=str(nnodes), ROLE_RANK=str(global_rank),
+        ROLE_WORLD_SIZE=str(world), ROLE_NAME="default", MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
+        COMMD_JOB=job,
     )
+    if node_name is not None:
+        env["COMMD_NODE"] = node_name
+    if nnodes > 1:
+        env["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # the launcher hosts the store, as torchrun's agent does
     if nproc > 1 and "OMP_NUM_THREADS" not in base:
         # Same default as torchrun: N workers each using every core thrash the machine.
         env["OMP_NUM_THREADS"] = "1"
@@ -214,7 +248,8 @@ def _start_workers(args: argparse.Namespace, job: str, port: int, sigs: _Signals
     for rank in range(args.nproc):
         if sigs.received:
             return
-        env = worker_env(dict(os.environ), rank, args.nproc, job, args.master_addr, port)
+        env = worker_env(dict(os.environ), rank, args.nproc, job, args.master_addr, port,
+                         args.node_rank, args.nnodes, args.node_name)
         # Own session per worker (as torchrun): a terminal Ctrl-C reaches them
         # once, through our forwarding, not twice.
         proc = subprocess.Popen(
@@ -251,7 +286,35 @@ def _supervise(workers: list[Worker], sigs: _Signals, grace: float, daemon: subp
         time.sleep(POLL_S)
 
 
-def _start_or_reuse_daemon(args: argparse.Namespace, paths: JobPaths) -> subprocess.Popen | None:
+def _host_or_join_store(args: argparse.Namespace, job: str | None) -> tuple[Any, str, str]:
+    """Multi-node: node 0 hosts the job's TCPStore (as torchrun's agent) and publishes the job name
+    and secret there; the other launchers read them.  Returns (store, job, secret)."""
+    from torch.distributed import TCPStore
+
+    is_host = args.node_rank == 0
+    try:
+        store = TCPStore(args.master_addr, args.master_port, None, is_host,
+                         timedelta(seconds=MULTI_NODE_START_TIMEOUT_S), wait_for_workers=False)
+    except Exception as exc:
+        role = "host" if is_host else "reach"
+        raise LaunchError(f"cannot {role} the job's store at {args.master_addr}:{args.master_port}: {exc}") from None
+    if is_host:
+        job = job or f"launch-{uuid.uuid4().hex[:12]}"
+        store.set("commd/launch/job", job)
+        store.set("commd/launch/secret", new_secret())
+    try:
+        agreed = store.get("commd/launch/job").decode()
+        secret = store.get("commd/launch/secret").decode()
+    except Exception as exc:
+        raise LaunchError(f"node 0's launcher did not publish the job within the timeout: {exc}") from None
+    if job is not None and job != agreed:
+        raise LaunchError(f"--job {job!r} differs from node 0's job {agreed!r}")
+    return store, agreed, secret
+
+
+def _start_or_reuse_daemon(
+    args: argparse.Namespace, paths: JobPaths, secret: str | None = None
+) -> subprocess.Popen | None:
     """Start the job's daemon (owned by us), or None to reuse one that already answers."""
     existing = paths.daemon_pid()
     if existing is not None and ping(paths, 2.0) == existing:
@@ -264,19 +327,29 @@ def _start_or_reuse_daemon(args: argparse.Namespace, paths: JobPaths) -> subproc
         return None
     extra = ["--op-timeout", repr(args.op_timeout)] if args.op_timeout is not None else []
     extra += ["--owner-pid", str(os.getpid())]  # never outlive the launcher, even if it is killed
+    extra += ["--node-name", args.node_name]
+    timeout = DAEMON_START_TIMEOUT_S
+    if args.nnodes > 1:
+        extra += ["--nnodes", str(args.nnodes), "--node-rank", str(args.node_rank),
+                  "--rendezvous", f"{args.master_addr}:{args.master_port}", "--join-store"]
+        timeout = MULTI_NODE_START_TIMEOUT_S
     try:
-        return start_daemon(paths, new_secret(), exit_when_idle=False, extra_args=extra,
-                            timeout=DAEMON_START_TIMEOUT_S)
+        return start_daemon(paths, secret or new_secret(), exit_when_idle=False, extra_args=extra,
+                            timeout=timeout)
     except (ConnectError, ConfigError, OSError) as exc:
         raise LaunchError(f"cannot start the commd daemon: {exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:
+    store = secret = None
     try:
         _validate(args)
-        job = args.job or f"launch-{uuid.uuid4().hex[:12]}"
-        paths = JobPaths.for_job(job)
         port = args.master_port if args.master_port is not None else _free_port(args.master_addr)
+        if args.nnodes > 1:
+            store, job, secret = _host_or_join_store(args, args.job)
+        else:
+            job = args.job or f"launch-{uuid.uuid4().hex[:12]}"
+        paths = JobPaths.for_job(job)
     except (LaunchError, ConfigError) as exc:
         print(f"commd launch: {exc}", file=sys.stderr)
         return 2
@@ -289,7 +362,7 @@ def run(args: argparse.Namespace) -> int:
     daemon: subprocess.Popen | None = None
     code = 1
     try:
-        daemon = _start_or_reuse_daemon(args, paths)
+        daemon = _start_or_reuse_daemon(args, paths, secret)
         if not sigs.received:
             _start_workers(args, job, port, sigs)
         code = _supervise(sigs.workers, sigs, args.grace, daemon)

@@ -159,6 +159,31 @@ def format_status(status: dict[str, Any]) -> str:
         head += "   [SHUTTING DOWN]"
     out.append(head)
 
+    fabric = status.get("fabric")
+    if fabric:
+        out.append("")
+        role = "coordinator" if fabric.get("coordinator") else "member"
+        median = fabric.get("negotiation_us_median")
+        out.append(
+            f"fabric: node {fabric.get('node')} ({status.get('node')}, {role}) of {len(fabric.get('nodes') or [])}; "
+            f"lanes {', '.join(fabric.get('lanes') or [])}; reported {fabric.get('reported', 0):,} ops "
+            f"({fabric.get('fast_path', 0):,} on the cached fast path); negotiation median "
+            f"{human_us(median) if median is not None else '-'}"
+        )
+        if fabric.get("broken"):
+            out.append(f"  BROKEN: {fabric['broken']}")
+        out += _table(
+            ["node", "name", "address", "state", "heard"],
+            [[str(n.get("rank")), n.get("name", ""), n.get("ip", ""), "up" if n.get("alive") else "DEAD",
+              f"{n.get('heard_s_ago', 0):.1f}s ago"] for n in fabric.get("nodes") or []],
+            left=4,
+        )
+        lane_ops = fabric.get("lane_ops") or {}
+        if lane_ops:
+            out.append("  ops per lane: " + ", ".join(
+                f"{lane} {row.get('ops', 0):,} ({human_bytes(row.get('bytes', 0))})"
+                for lane, row in sorted(lane_ops.items())))
+
     clients = status.get("clients") or []
     out.append("")
     out.append(f"clients ({len(clients)})")
@@ -208,6 +233,20 @@ def format_status(status: dict[str, Any]) -> str:
         )
     else:
         out.append("oldest waiting op: none")
+
+    stalls = status.get("stalls") or []
+    out.append("")
+    out.append(f"stalled ops ({len(stalls)})")
+    if stalls:
+        out += _table(
+            ["group", "seq", "op", "waiting", "ranks not submitted", "nodes"],
+            [[str(r.get("group")), str(r.get("seq")), str(r.get("kind")), human_seconds(float(r.get("waiting_s", 0))),
+              ", ".join(str(x) for x in r.get("missing_ranks") or []) or "-",
+              ", ".join(str(x) for x in r.get("missing_nodes") or []) or "local"] for r in stalls],
+            left=3,
+        )
+    else:
+        out.append("  (none)")
 
     errors = status.get("last_errors") or []
     out.append("")

@@ -72,9 +72,14 @@ class Client:
         arena_bytes: int | None = None,
         op_timeout: float | None = None,
         connect_timeout: float = 30.0,
+        nodes: list[str] | None = None,
     ) -> None:
+        """``nodes``: the node name of every rank (needed when the job spans several nodes)."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside [0, {world_size})")
+        if nodes is not None and (len(nodes) != world_size or not all(isinstance(n, str) and n for n in nodes)):
+            raise ValueError(f"nodes must give a node name for each of the {world_size} ranks")
+        self.nodes = list(nodes) if nodes is not None else None
         self.rank = rank
         self.world_size = world_size
         self.local_rank = local_rank
@@ -128,6 +133,7 @@ class Client:
                 "t": s.HELLO, "job": self.paths.job, "secret": self.secret, "rank": self.rank,
                 "local_rank": self.local_rank, "world_size": self.world_size, "pid": os.getpid(),
                 "segments": [{"seg": first.seg_id, "name": first.name, "size": first.size}],
+                **({"nodes": self.nodes} if self.nodes is not None else {}),
             },
             timeout,
         )

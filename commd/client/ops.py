@@ -1,6 +1,8 @@
 """Every op as a call on flat tensors: what the torch backend and direct users submit.
 
-Each function returns a Handle (wait / is_completed / get_future).  Sizes are
+Each function returns a Handle (wait / is_completed / get_future).  ``lane``
+asks for one inter-node lane ("tcp", "gloo", "mpi", "nccl") for an op whose
+group spans nodes; by default the daemons' rules and defaults choose.  Sizes are
 counted in elements; tensors may live in the client's arena (zero-copy) or
 anywhere else (staged or inlined by the client transparently).
 """
@@ -16,80 +18,80 @@ WORLD = "world"
 
 
 def all_reduce(client: Client, tensor: torch.Tensor, op: str = "sum", group: str = WORLD,
-               scale: float | None = None, timeout: float | None = None) -> Handle:
+               scale: float | None = None, timeout: float | None = None, lane: str | None = None) -> Handle:
     return client.submit("allreduce", group, {"buf": (tensor, "inout")}, tensor.dtype,
-                         result=tensor, count=tensor.numel(), op=op, scale=scale, timeout=timeout)
+                         result=tensor, count=tensor.numel(), op=op, scale=scale, timeout=timeout, lane=lane)
 
 
 def reduce(client: Client, tensor: torch.Tensor, root: int, op: str = "sum", group: str = WORLD,
-           scale: float | None = None, timeout: float | None = None) -> Handle:
+           scale: float | None = None, timeout: float | None = None, lane: str | None = None) -> Handle:
     return client.submit("reduce", group, {"buf": (tensor, "inout")}, tensor.dtype, result=tensor,
-                         count=tensor.numel(), op=op, root=root, scale=scale, timeout=timeout)
+                         count=tensor.numel(), op=op, root=root, scale=scale, timeout=timeout, lane=lane)
 
 
 def broadcast(client: Client, tensor: torch.Tensor, root: int, group: str = WORLD,
-              timeout: float | None = None) -> Handle:
+              timeout: float | None = None, lane: str | None = None) -> Handle:
     role = "in" if client.group_rank(group) == root else "out"
     return client.submit("broadcast", group, {"buf": (tensor, role)},
-                         tensor.dtype, result=tensor, count=tensor.numel(), root=root, timeout=timeout)
+                         tensor.dtype, result=tensor, count=tensor.numel(), root=root, timeout=timeout, lane=lane)
 
 
 def all_gather(client: Client, output: torch.Tensor, input: torch.Tensor, counts: list[int] | None = None,
-               group: str = WORLD, timeout: float | None = None) -> Handle:
+               group: str = WORLD, timeout: float | None = None, lane: str | None = None) -> Handle:
     """output = concatenation of every rank's input (``counts``: elements per rank)."""
     counts = counts or [input.numel()] * len(client._groups[group])
     return client.submit("allgather", group, {"in": (input, "in"), "out": (output, "out")}, input.dtype,
-                         result=output, counts=counts, timeout=timeout)
+                         result=output, counts=counts, timeout=timeout, lane=lane)
 
 
 def gather(client: Client, output: torch.Tensor | None, input: torch.Tensor, root: int,
-           counts: list[int] | None = None, group: str = WORLD, timeout: float | None = None) -> Handle:
+           counts: list[int] | None = None, group: str = WORLD, timeout: float | None = None, lane: str | None = None) -> Handle:
     counts = counts or [input.numel()] * len(client._groups[group])
     buffers = {"in": (input, "in")}
     if output is not None:
         buffers["out"] = (output, "out")
     return client.submit("gather", group, buffers, input.dtype, result=output, counts=counts,
-                         root=root, timeout=timeout)
+                         root=root, timeout=timeout, lane=lane)
 
 
 def scatter(client: Client, output: torch.Tensor, input: torch.Tensor | None, root: int,
-            counts: list[int] | None = None, group: str = WORLD, timeout: float | None = None) -> Handle:
+            counts: list[int] | None = None, group: str = WORLD, timeout: float | None = None, lane: str | None = None) -> Handle:
     counts = counts or [output.numel()] * len(client._groups[group])
     buffers = {"out": (output, "out")}
     if input is not None:
         buffers["in"] = (input, "in")
     return client.submit("scatter", group, buffers, output.dtype, result=output, counts=counts,
-                         root=root, timeout=timeout)
+                         root=root, timeout=timeout, lane=lane)
 
 
 def reduce_scatter(client: Client, output: torch.Tensor, input: torch.Tensor, op: str = "sum",
                    counts: list[int] | None = None, group: str = WORLD, scale: float | None = None,
-                   timeout: float | None = None) -> Handle:
+                   timeout: float | None = None, lane: str | None = None) -> Handle:
     counts = counts or [output.numel()] * len(client._groups[group])
     return client.submit("reduce_scatter", group, {"in": (input, "in"), "out": (output, "out")},
-                         input.dtype, result=output, counts=counts, op=op, scale=scale, timeout=timeout)
+                         input.dtype, result=output, counts=counts, op=op, scale=scale, timeout=timeout, lane=lane)
 
 
 def all_to_all(client: Client, output: torch.Tensor, input: torch.Tensor, splits_in: list[int],
-               splits_out: list[int], group: str = WORLD, timeout: float | None = None) -> Handle:
+               splits_out: list[int], group: str = WORLD, timeout: float | None = None, lane: str | None = None) -> Handle:
     """Rank r sends input[offsets_in[j] : +splits_in[j]] to rank j (elements)."""
     return client.submit("alltoall", group, {"in": (input, "in"), "out": (output, "out")}, input.dtype,
                          result=output, splits_in=list(splits_in), splits_out=list(splits_out),
-                         timeout=timeout)
+                         timeout=timeout, lane=lane)
 
 
 def send(client: Client, tensor: torch.Tensor, dst: int, tag: int = 0, group: str = WORLD,
-         timeout: float | None = None) -> Handle:
+         timeout: float | None = None, lane: str | None = None) -> Handle:
     return client.submit("send", group, {"in": (tensor, "in")}, tensor.dtype, count=tensor.numel(),
-                         peer=dst, tag=tag, timeout=timeout)
+                         peer=dst, tag=tag, timeout=timeout, lane=lane)
 
 
 def recv(client: Client, tensor: torch.Tensor, src: int = -1, tag: int = 0, group: str = WORLD,
-         timeout: float | None = None) -> Handle:
+         timeout: float | None = None, lane: str | None = None) -> Handle:
     """Receive into ``tensor``; ``src=-1`` takes any source (``handle.src`` tells which)."""
     return client.submit("recv", group, {"out": (tensor, "out")}, tensor.dtype, result=tensor,
-                         count=tensor.numel(), peer=src, tag=tag, timeout=timeout)
+                         count=tensor.numel(), peer=src, tag=tag, timeout=timeout, lane=lane)
 
 
-def barrier(client: Client, group: str = WORLD, timeout: float | None = None) -> Handle:
-    return client.submit("barrier", group, timeout=timeout)
+def barrier(client: Client, group: str = WORLD, timeout: float | None = None, lane: str | None = None) -> Handle:
+    return client.submit("barrier", group, timeout=timeout, lane=lane)

@@ -85,7 +85,9 @@ def _tail(paths: JobPaths, lines: int = 20) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def ensure_daemon(paths: JobPaths, secret: str | None = None, timeout: float = 60.0) -> int:
+def ensure_daemon(
+    paths: JobPaths, secret: str | None = None, timeout: float = 60.0, extra_args: list[str] | None = None
+) -> int:
     """Return the pid of the job's daemon, starting one if needed."""
     paths.ensure()
     with open(paths.lock_file, "a+") as lock:
@@ -100,6 +102,6 @@ def ensure_daemon(paths: JobPaths, secret: str | None = None, timeout: float = 6
                 deadline = time.monotonic() + 15
                 while pid_alive(pid) and time.monotonic() < deadline:
                     time.sleep(0.02)
-            return start_daemon(paths, secret, timeout=timeout).pid
+            return start_daemon(paths, secret, extra_args=extra_args, timeout=timeout).pid
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)

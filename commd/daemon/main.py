@@ -6,10 +6,16 @@ import argparse
 import asyncio
 import logging
 import os
+import re
+import socket
 import sys
 
 from commd.daemon.server import Daemon, DaemonConfig
+from commd.fabric.rendezvous import FabricSpec, parse_host_port
 from commd.runtime import ConfigError, JobPaths, env_float, env_int, new_secret
+from commd.scheduler.selection import SchedulerConfig, load_config
+
+NODE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 SECRET_ENV = "COMMD_SECRET"
 
@@ -29,6 +35,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--owner-pid", type=int, default=None,
         help="exit (as on SIGTERM) when this process dies, e.g. the launcher that started us",
     )
+    fabric = parser.add_argument_group("multi-node fabric (one daemon per node)")
+    fabric.add_argument("--nnodes", type=int, default=None, help="number of nodes (daemons) in the job")
+    fabric.add_argument("--node-rank", type=int, default=None, help="this node's rank in [0, nnodes)")
+    fabric.add_argument("--rendezvous", default=None, metavar="HOST:PORT",
+                        help="TCPStore for the daemons' rendezvous; node 0 hosts it unless --join-store")
+    fabric.add_argument("--join-store", action="store_true",
+                        help="the store at --rendezvous already exists (the training job's): only connect")
+    fabric.add_argument("--node-name", default=None,
+                        help="this node's name (default: $COMMD_NODE, else the hostname); unique per node")
+    fabric.add_argument("--advertise", default=None, metavar="IP",
+                        help="address other daemons reach this one at (default: the route to the rendezvous)")
+    fabric.add_argument("--mpi", action="store_true",
+                        help="form the fabric from the MPI world (implied when started by mpiexec with >1 rank)")
+    fabric.add_argument("--rendezvous-timeout", type=float, default=None,
+                        help="seconds to wait for every node (default: $COMMD_RENDEZVOUS_TIMEOUT or 300)")
+    fabric.add_argument("--peer-timeout", type=float, default=None,
+                        help="seconds of silence before a peer daemon counts as dead (default: "
+                             "$COMMD_PEER_TIMEOUT or 10)")
+    parser.add_argument("--config", default=None,
+                        help="TOML file: [scheduler] settings and [[rules]] lane rules (default: $COMMD_CONFIG)")
     parser.add_argument("--log-file", default=None, help="also append the log to this file")
     parser.add_argument("--log-level", default=os.environ.get("COMMD_LOG_LEVEL", "INFO"))
 
@@ -49,6 +75,19 @@ def run(args: argparse.Namespace) -> int:
         level = getattr(logging, str(args.log_level).upper(), None)
         if not isinstance(level, int):
             raise ConfigError(f"unknown log level {args.log_level!r}")
+        node_name = args.node_name or os.environ.get("COMMD_NODE") or socket.gethostname()
+        if not NODE_NAME.match(node_name):
+            raise ConfigError(f"node name {node_name!r} is invalid: use 1-64 letters, digits, '_', '.', '-'")
+        config_path = args.config or os.environ.get("COMMD_CONFIG")
+        try:
+            scheduler = load_config(config_path) if config_path else SchedulerConfig()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        spec = _fabric_spec(args, node_name, op_timeout)
+        peer_timeout = args.peer_timeout if args.peer_timeout is not None else env_float(
+            "COMMD_PEER_TIMEOUT", 10.0, 0.5, 3600)
+        if not 0.5 <= peer_timeout <= 3600:
+            raise ConfigError(f"--peer-timeout {peer_timeout} must lie in [0.5, 3600] seconds")
     except ConfigError as exc:
         print(f"commd daemon: {exc}", file=sys.stderr)
         return 2
@@ -64,16 +103,30 @@ def run(args: argparse.Namespace) -> int:
         return 1
     # The secret comes from the environment when a launcher agreed on it
     # (never from argv: argv is world-readable in /proc).
-    secret = os.environ.pop(SECRET_ENV, None) or new_secret()
+    given_secret = os.environ.pop(SECRET_ENV, None)
+    secret = given_secret or new_secret()
     # One kernel thread by default: the node's cores are shared with the ranks,
     # and torch's thread pool stalls on every parallel section when they are
     # oversubscribed (measured: 64 MiB add+copy 33 ms with 1 thread, >1 s with 2).
     import torch
 
     torch.set_num_threads(threads)
+    fabric = None
+    if spec is not None:
+        from commd.fabric.rendezvous import FabricError, establish
+
+        try:
+            fabric = establish(spec, paths.job, given_secret, scheduler)
+        except FabricError as exc:
+            logging.getLogger("commd.daemon").error("cannot form the fabric: %s", exc)
+            print(f"commd daemon: cannot form the fabric: {exc}", file=sys.stderr)
+            return 1
+        secret = fabric.secret
+        scheduler = fabric.config or scheduler
     config = DaemonConfig(
         paths=paths, secret=secret, op_timeout=op_timeout,
         exit_when_idle=args.exit_when_idle, idle_grace=args.idle_grace, owner_pid=args.owner_pid,
+        node_name=node_name, scheduler=scheduler, fabric=fabric, peer_timeout=peer_timeout,
     )
     daemon = Daemon(config)
     daemon.bind()
@@ -86,6 +139,47 @@ def run(args: argparse.Namespace) -> int:
     with runner:
         runner.run(daemon.run())
     return 0
+
+
+def _fabric_spec(args: argparse.Namespace, node_name: str, op_timeout: float) -> FabricSpec | None:
+    """None for a single-node daemon; else what the rendezvous needs (validated)."""
+    from commd.lanes.mpi import mpi_world_size_from_env
+
+    mpi_size = mpi_world_size_from_env()
+    use_mpi = args.mpi or (mpi_size is not None and mpi_size > 1)
+    if not use_mpi and args.rendezvous is None:
+        if args.nnodes not in (None, 1):
+            raise ConfigError("--nnodes > 1 needs --rendezvous HOST:PORT (or a start by mpiexec)")
+        return None
+    if args.nnodes is not None and not 1 <= args.nnodes <= 4096:
+        raise ConfigError(f"--nnodes must lie in [1, 4096], got {args.nnodes}")
+    if not use_mpi:
+        if args.nnodes is None or args.node_rank is None:
+            raise ConfigError("--rendezvous needs --nnodes and --node-rank")
+        if not 0 <= args.node_rank < args.nnodes:
+            raise ConfigError(f"--node-rank {args.node_rank} must lie in [0, {args.nnodes})")
+        if args.nnodes == 1:
+            return None
+    rendezvous = None
+    if args.rendezvous is not None:
+        try:
+            rendezvous = parse_host_port(args.rendezvous, "--rendezvous")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    timeout = args.rendezvous_timeout if args.rendezvous_timeout is not None else env_float(
+        "COMMD_RENDEZVOUS_TIMEOUT", 300.0, 1.0, 86400)
+    if not 1.0 <= timeout <= 86400:
+        raise ConfigError(f"--rendezvous-timeout {timeout} must lie in [1, 86400] seconds")
+    if args.advertise is not None:
+        try:
+            socket.inet_aton(args.advertise)
+        except OSError:
+            raise ConfigError(f"--advertise {args.advertise!r} is not an IPv4 address") from None
+    return FabricSpec(
+        nnodes=args.nnodes, node_rank=args.node_rank, node_name=node_name, rendezvous=rendezvous,
+        join_store=args.join_store, use_mpi=use_mpi, advertise=args.advertise, timeout=timeout,
+        op_timeout=op_timeout,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

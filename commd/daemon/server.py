@@ -20,7 +20,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -28,6 +28,7 @@ import zmq
 
 from commd.daemon.cuda import CudaImporter
 from commd.daemon.executor import execute, execute_small, torch_dtype
+from commd.daemon.hierarchy import GroupPlan
 from commd.daemon.opchannel import OpConnection, OpListener
 from commd.kernels.small import NUMPY_DTYPES
 from commd.memory.arena import Segment
@@ -35,7 +36,12 @@ from commd.protocol import schema as s
 from commd.runtime import JobPaths, pid_alive, secrets_equal
 from commd.scheduler.local import LocalScheduler, MatchError, ReadyOp
 from commd.scheduler.ops import Submission, parse_submission
+from commd.scheduler.selection import SchedulerConfig
 from commd.scheduler.stats import Stats
+
+if TYPE_CHECKING:
+    from commd.daemon.fabric_node import FabricNode
+    from commd.fabric.rendezvous import Fabric
 
 log = logging.getLogger("commd.daemon")
 
@@ -58,6 +64,10 @@ class DaemonConfig:
     idle_grace: float = 3.0
     owner_pid: int | None = None
     max_arena_bytes: int = 1 << 40
+    node_name: str = "localhost"
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    fabric: Fabric | None = None
+    peer_timeout: float = 10.0
 
 
 @dataclass
@@ -96,6 +106,12 @@ class Daemon:
         self._had_clients = False
         self._idle_since = time.monotonic()
         self._stopped: asyncio.Event | None = None  # created in run(), on the loop
+        #: Node rank of every global rank of the job (from the clients' hello); None until known.
+        self.placement: list[int] | None = None
+        self.plans: dict[str, GroupPlan] = {}
+        self.fabric_node: FabricNode | None = None
+        self._stall_warned: set[tuple[str, int]] = set()
+        self._last_stall_scan = 0.0
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
@@ -131,12 +147,19 @@ class Daemon:
         self._lane_thread = threading.Thread(target=self._lane_main, name="commd-lane-local", daemon=True)
         self._lane_thread.start()
         self.loop.call_soon(self._on_readable)
+        if self.config.fabric is not None:
+            from commd.daemon.fabric_node import FabricNode
+
+            self.fabric_node = FabricNode(self, self.config.fabric, self.config.peer_timeout)
+            self.fabric_node.start(self.loop)
         watchdog = asyncio.ensure_future(self._watchdog())
         log.info("daemon for job %s listening on %s", self.config.paths.job, self.config.paths.endpoint)
         await self._stopped.wait()
         watchdog.cancel()
         self._lane.put(None)
         self._lane_thread.join(timeout=10)
+        if self.fabric_node is not None:
+            self.fabric_node.close()
         self._cleanup()
 
     def shutdown(self, reason: str = "shutdown requested") -> None:
@@ -211,6 +234,10 @@ class Daemon:
             self._send(client.reply_identity, message)
 
     def _send_error(self, sub: Submission, code: str, message: str) -> None:
+        if sub.origin >= 0:  # a send forwarded from another node: the error goes back there
+            if self.fabric_node is not None:
+                self.fabric_node.fail_remote(sub, code, message)
+            return
         client = self.by_id.get(sub.client_id)
         if client is not None:
             self._reply(client, {"t": s.ERROR, "code": code, "message": message, "id": sub.op_id})
@@ -332,6 +359,7 @@ class Daemon:
                 raise s.ProtocolError(
                     f"world size {world_size} disagrees with rank {other.rank}'s {other.world_size}"
                 )
+        placement = self._check_placement(msg, rank, world_size)
         segments = s.field(msg, "segments", list)
         client = ClientRecord(self._next_client, identity, None, rank, local_rank, world_size, pid)
         try:
@@ -343,6 +371,7 @@ class Daemon:
             self._release(client)
             raise
         self._next_client += 1
+        self.placement = placement
         self.clients[identity] = client
         self.by_id[client.client_id] = client
         self._had_clients = True
@@ -352,6 +381,35 @@ class Daemon:
             {"t": s.WELCOME, "client_id": client.client_id, "daemon_pid": os.getpid(),
              "op_timeout": self.config.op_timeout, "cuda": self.cuda.available()},
         )
+
+    def _check_placement(self, msg: dict[str, Any], rank: int, world_size: int) -> list[int]:
+        """The node of every rank, from the hello's 'nodes' (node names); all clients must agree."""
+        fabric = self.config.fabric
+        names = msg.get("nodes")
+        me = fabric.node_rank if fabric is not None else 0
+        if names is None:
+            if fabric is not None:
+                raise s.ProtocolError(
+                    f"this daemon is node {me} ('{self.config.node_name}') of a {fabric.nnodes}-node fabric: "
+                    "the hello must say where every rank runs (field 'nodes': one node name per rank)"
+                )
+            placement = [0] * world_size
+        else:
+            if not isinstance(names, list) or len(names) != world_size or not all(isinstance(n, str) for n in names):
+                raise s.ProtocolError(f"field 'nodes' must list {world_size} node names (one per rank)")
+            known = fabric.node_of_name() if fabric is not None else {self.config.node_name: 0}
+            unknown = sorted(set(names) - set(known))
+            if unknown:
+                raise s.ProtocolError(f"field 'nodes' names nodes {unknown} that are not in the fabric {sorted(known)}")
+            placement = [known[n] for n in names]
+            if placement[rank] != me:
+                raise s.ProtocolError(
+                    f"rank {rank} is placed on node '{names[rank]}' but connected to the daemon of "
+                    f"'{self.config.node_name}'"
+                )
+        if self.placement is not None and self.clients and placement != self.placement:
+            raise s.ProtocolError("field 'nodes' disagrees with the placement the job's other ranks sent")
+        return placement
 
     def _attach_segment(self, client: ClientRecord, raw: dict[str, Any]) -> None:
         seg_id = s.int_field(raw, "seg", 0, 1 << 20)
@@ -393,12 +451,17 @@ class Daemon:
             raise s.ProtocolError(f"group '{name}' lists a rank twice")
         if client.rank not in ranks:
             raise s.ProtocolError(f"rank {client.rank} is not a member of group '{name}'")
+        me = self.config.fabric.node_rank if self.config.fabric is not None else 0
+        plan = GroupPlan(name, tuple(ranks), tuple(self.placement[r] for r in ranks), me)
         try:
-            self.scheduler.register_group(name, ranks)
+            self.scheduler.register_group(name, ranks, plan.local)
         except ValueError as exc:
             raise s.ProtocolError(str(exc)) from None
+        self.plans[name] = plan
         client.groups[name] = ranks.index(client.rank)
         self._send(identity, {"t": s.ACK})
+        if self.fabric_node is not None:
+            self.fabric_node.group_registered(name)
 
     def _on_bye(self, identity: bytes) -> None:
         client = self.clients.get(identity)
@@ -427,6 +490,11 @@ class Daemon:
         sub = parse_submission(msg, client.client_id, group_rank, len(group.ranks), self.config.op_timeout)
         self._check_bounds(client, sub)
         self.stats.submitted(sub.group, sub.seq)
+        plan = self.plans.get(group_name)
+        multi_node = plan is not None and plan.multi_node and self.fabric_node is not None
+        if multi_node and sub.kind == "send" and plan.node_of[sub.peer] != plan.me:
+            self.fabric_node.forward_send(sub, plan)
+            return
         try:
             ready = self.scheduler.submit(sub)
         except MatchError as exc:
@@ -434,7 +502,15 @@ class Daemon:
             for failed in exc.subs:
                 self._send_error(failed, exc.code, str(exc))
             return
-        if ready is not None:
+        if ready is None:
+            return
+        if not multi_node:
+            self._start(ready)
+        elif ready.kind != "sendrecv":
+            self.fabric_node.negotiate(ready, plan)
+        elif ready.subs[0].origin >= 0:
+            self.fabric_node.matched(ready)
+        else:
             self._start(ready)
 
     def _check_bounds(self, client: ClientRecord, sub: Submission) -> None:
@@ -525,10 +601,10 @@ class Daemon:
         self._complete(op, error)
         self._flush()
 
-    def _complete(self, op: ReadyOp, error: str | None) -> None:
+    def _complete(self, op: ReadyOp, error: str | None, code: str | None = None) -> None:
         self.stats.finished(op.group, op.kind, op.nbytes, time.monotonic() - op.first_at, error is None)
         if error is not None:
-            code = s.E_SHUTDOWN if self._closing else s.E_INTERNAL
+            code = s.E_SHUTDOWN if self._closing else (code or s.E_INTERNAL)
             self.stats.error(error)
             for sub in op.subs:
                 self._send_error(sub, code, error)
@@ -552,9 +628,13 @@ class Daemon:
             await asyncio.sleep(WATCHDOG_PERIOD_S)
             try:
                 self._check_clients()
-                for sub, message in self.scheduler.expire(time.monotonic()):
+                now = time.monotonic()
+                for sub, message in self.scheduler.expire(now):
                     self.stats.error(message)
                     self._send_error(sub, s.E_TIMEOUT, message)
+                if self.fabric_node is not None:
+                    self.fabric_node.tick(now)
+                self._inspect_stalls(now)
                 self._check_idle()
                 self._flush()
             except Exception:
@@ -577,10 +657,38 @@ class Daemon:
             self.stats.error(message)
             for sub, text in self.scheduler.rank_died(client.rank, why):
                 self._send_error(sub, s.E_PEER_DIED, text)
+            if self.fabric_node is not None:
+                self.fabric_node.rank_died(client.rank, why)
         self._release(client)
         self.scheduler.forget_client_groups({c.rank for c in self.clients.values()})
         if not self.clients:
             self._idle_since = time.monotonic()
+
+    def remote_rank_died(self, rank: int, why: str) -> None:
+        """A rank on another node died: fail what waits for it here."""
+        message = f"rank {rank} {why}"
+        self.stats.error(message)
+        for sub, text in self.scheduler.rank_died(rank, why):
+            self._send_error(sub, s.E_PEER_DIED, text)
+
+    def _inspect_stalls(self, now: float) -> None:
+        """Log ops waiting longer than the stall threshold (once each); optionally shut down."""
+        if now - self._last_stall_scan < 1.0:
+            return
+        self._last_stall_scan = now
+        config = self.config.scheduler
+        for row in self.scheduler.waiting_summary():
+            if row["waiting_s"] < config.stall_warning_s or row["seq"] is None:
+                continue
+            key = (row["group"], row["seq"])
+            if key not in self._stall_warned:
+                self._stall_warned.add(key)
+                log.warning("stalled: %s #%s on group '%s' has waited %.0fs for ranks %s to submit it",
+                            row["kind"], row["seq"], row["group"], row["waiting_s"], row["missing_ranks"])
+            if config.stall_shutdown_s and row["waiting_s"] >= config.stall_shutdown_s and self.fabric_node is None:
+                self.shutdown(f"{row['kind']} #{row['seq']} on group '{row['group']}' stalled for "
+                              f"{row['waiting_s']:.0f}s waiting for ranks {row['missing_ranks']}")
+                return
 
     def _release(self, client: ClientRecord) -> None:
         # Views still used by a running op keep their mapping alive; dropping
@@ -636,5 +744,15 @@ class Daemon:
             "bytes_moved": stats.bytes_moved,
             "latency_us": stats.latency_table(),
             "oldest_waiting": waiting[0] if waiting else None,
+            "stalls": self._stalls(waiting),
+            "node": self.config.node_name,
+            "fabric": self.fabric_node.status() if self.fabric_node is not None else None,
             "last_errors": list(stats.errors),
         }
+
+    def _stalls(self, waiting: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        threshold = self.config.scheduler.stall_warning_s
+        rows = [dict(r, missing_nodes=[]) for r in waiting if r["waiting_s"] >= threshold]
+        if self.fabric_node is not None:
+            rows += [r for r in self.fabric_node.fabric_stalls]
+        return rows

@@ -59,6 +59,7 @@ class ReadyOp:
 class Group:
     name: str
     ranks: list[int]  # global ranks, index = group rank
+    local: list[int] = field(default_factory=list)  # group ranks served by this daemon
     pending: dict[int, dict[int, Submission]] = field(default_factory=dict)
     failed: collections.OrderedDict = field(default_factory=collections.OrderedDict)
     next_seq: int = 0  # lowest sequence number not yet seen ready or failed
@@ -75,10 +76,11 @@ class LocalScheduler:
         self.stats = stats
 
     # ---- groups -------------------------------------------------------
-    def register_group(self, name: str, ranks: list[int]) -> Group:
+    def register_group(self, name: str, ranks: list[int], local: list[int] | None = None) -> Group:
+        """``local``: the group ranks on this node (default: all); matching waits for those only."""
         group = self.groups.get(name)
         if group is None:
-            group = self.groups[name] = Group(name, list(ranks))
+            group = self.groups[name] = Group(name, list(ranks), list(local if local is not None else range(len(ranks))))
             self.stats.group_added(name, len(ranks))
         elif group.ranks != list(ranks):
             raise ValueError(
@@ -114,10 +116,10 @@ class LocalScheduler:
                 [sub],
             )
         waiting[sub.group_rank] = sub
-        if len(waiting) < len(group.ranks):
+        if len(waiting) < len(group.local):
             return None
         del group.pending[sub.seq]
-        subs = [waiting[r] for r in range(len(group.ranks))]
+        subs = [waiting[r] for r in group.local]
         first_at = min(x.submitted_at for x in subs)
         signature = subs[0].signature
         problem = None
@@ -224,7 +226,7 @@ class LocalScheduler:
                 timeout = min(x.timeout for x in waiting.values())
                 if now - oldest < timeout:
                     continue
-                missing = sorted(set(range(len(group.ranks))) - set(waiting))
+                missing = sorted(set(group.local) - set(waiting))
                 first = next(iter(waiting.values()))
                 message = (
                     f"{first.kind} #{seq} on group '{group.name}' timed out after {timeout:.1f}s "
@@ -273,7 +275,7 @@ class LocalScheduler:
         for group in self.groups.values():
             for seq, waiting in group.pending.items():
                 first = next(iter(waiting.values()))
-                missing = sorted(set(range(len(group.ranks))) - set(waiting))
+                missing = sorted(set(group.local) - set(waiting))
                 rows.append(
                     {
                         "group": group.name,

@@ -15,6 +15,7 @@ from typing import Any
 
 from commd.protocol import schema as s
 from commd.protocol.cuda import CudaRef
+from commd.scheduler.selection import LANE_NAMES
 
 ROOTED = frozenset({"reduce", "broadcast", "gather", "scatter"})
 REDUCING = frozenset({"allreduce", "reduce", "reduce_scatter"})
@@ -58,6 +59,10 @@ class Submission:
     submitted_at: float = field(default_factory=time.monotonic)
     nbytes: int = 0
     on_gpu: bool = False
+    #: Lane hint ("" = let the scheduler choose); part of the agreed fields.
+    lane: str = ""
+    #: For a send forwarded from another node: that node (the sender is not a local client).
+    origin: int = -1
     #: The fields every member must agree on, for a cheap equality check.
     signature: tuple = ()
 
@@ -164,7 +169,10 @@ def parse_submission(
         splits_in=_int_list(msg, "splits_in", group_size),
         splits_out=_int_list(msg, "splits_out", group_size),
         timeout=_int(msg, "timeout_ms", int(default_timeout * 1000), 1, _MAX_TIMEOUT_MS) / 1000.0,
+        lane=_str(msg, "lane", ""),
     )
+    if sub.lane and sub.lane not in LANE_NAMES:
+        raise s.ProtocolError(f"unknown lane {sub.lane!r}; known: {list(LANE_NAMES)}")
     for name in ("buf", "in", "out"):
         if name in msg:
             ref = _ref(msg, name)
@@ -240,7 +248,7 @@ def _check_shape(sub: Submission) -> None:
 
 @functools.cache
 def _agreed_fields(kind: str) -> tuple[str, ...]:
-    fields: tuple[str, ...] = ("kind",)
+    fields: tuple[str, ...] = ("kind", "lane")
     if kind == "barrier":
         return fields
     fields += ("dtype",)
@@ -253,6 +261,11 @@ def _agreed_fields(kind: str) -> tuple[str, ...]:
     if kind in ROOTED:
         fields += ("root",)
     return fields
+
+
+def agreed_values(sub: Submission) -> dict[str, Any]:
+    """The fields the members of a collective must agree on, by name (for cross-node checks)."""
+    return {name: getattr(sub, name) for name in _agreed_fields(sub.kind) if name != "kind"}
 
 
 def find_mismatch(subs: list[Submission]) -> str | None:

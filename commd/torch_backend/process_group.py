@@ -35,6 +35,8 @@ from commd.runtime import JobPaths, new_secret
 
 BACKEND_NAME = "commd"
 _STORE_PREFIX = "commd/"
+#: How long an auto-started multi-node daemon may wait for the other nodes' daemons.
+_RENDEZVOUS_S = 300.0
 
 _client: Client | None = None
 _client_lock = threading.Lock()
@@ -130,17 +132,34 @@ def _unflatten_into(flat: torch.Tensor, outputs: list[torch.Tensor]) -> None:
         offset += n
 
 
+class Options:
+    """``pg_options`` for ``init_process_group("commd", pg_options=...)`` / ``new_group``.
+
+    ``lane``: the inter-node lane for this group's ops ("tcp", "gloo", "mpi",
+    "nccl"); None lets the daemons' rules decide per op.
+    """
+
+    def __init__(self, lane: str | None = None) -> None:
+        from commd.scheduler.selection import LANE_NAMES
+
+        if lane is not None and lane not in LANE_NAMES:
+            raise ValueError(f"unknown lane {lane!r}; known: {list(LANE_NAMES)}")
+        self.lane = lane
+
+
 class ProcessGroupCommd(dist.ProcessGroup):
     """A torch ProcessGroup whose ops run in the commd node daemon."""
 
     def __init__(
-        self, client: Client, name: str, rank: int, size: int, timeout: timedelta, torch_name: str
+        self, client: Client, name: str, rank: int, size: int, timeout: timedelta, torch_name: str,
+        lane: str | None = None,
     ) -> None:
         super().__init__(rank, size)
         self._client = client
         self._name = name
         self._torch_name = torch_name
         self._timeout = timeout.total_seconds() if timeout else None
+        self._lane = lane
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return BACKEND_NAME
@@ -159,7 +178,7 @@ class ProcessGroupCommd(dist.ProcessGroup):
         return self._name
 
     def _kw(self) -> dict[str, Any]:
-        return {"group": self._name, "timeout": self._timeout}
+        return {"group": self._name, "timeout": self._timeout, "lane": self._lane}
 
     def _work(self, handles: Handle | list[Handle], result: Any) -> CommdWork:
         return CommdWork(handles if isinstance(handles, list) else [handles], result)
@@ -358,17 +377,34 @@ def _agree(store: dist.Store, rank: int, key: str, make: Any) -> str:
     return store.get(full).decode()
 
 
-def _local_rank(store: dist.Store, rank: int, size: int, round_: int) -> int:
-    """Publish our host; fail clearly if the group spans several hosts."""
-    host = os.environ.get("COMMD_NODE") or socket.gethostname()
-    store.set(f"{_STORE_PREFIX}host.{round_}/{rank}", host)
-    hosts = [store.get(f"{_STORE_PREFIX}host.{round_}/{r}").decode() for r in range(size)]
-    if len(set(hosts)) > 1:
-        raise ConnectError(
-            f"this commd build runs single-node jobs; ranks are on hosts {sorted(set(hosts))}"
-        )
+def node_name() -> str:
+    return os.environ.get("COMMD_NODE") or socket.gethostname()
+
+
+def _placement(store: dist.Store, rank: int, size: int, round_: int) -> list[str]:
+    """Every rank's node name, through the store."""
+    store.set(f"{_STORE_PREFIX}host.{round_}/{rank}", node_name())
+    return [store.get(f"{_STORE_PREFIX}host.{round_}/{r}").decode() for r in range(size)]
+
+
+def _local_rank(nodes: list[str], rank: int) -> int:
     env_local = os.environ.get("LOCAL_RANK")
-    return int(env_local) if env_local and env_local.isdigit() else rank
+    if env_local and env_local.isdigit():
+        return int(env_local)
+    return [r for r, n in enumerate(nodes) if n == nodes[rank]].index(rank)
+
+
+def _fabric_args(nodes: list[str], rank: int) -> list[str]:
+    """Daemon flags for an auto-started daemon of a multi-node job: rendezvous on the job's store."""
+    names = list(dict.fromkeys(nodes))  # node ranks in order of their first rank
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        raise ConnectError(
+            f"this job spans nodes {names}: starting commd daemons needs MASTER_ADDR and MASTER_PORT "
+            "(torchrun / env://) or `commd launch --nnodes`"
+        )
+    return ["--nnodes", str(len(names)), "--node-rank", str(names.index(nodes[rank])),
+            "--rendezvous", f"{addr}:{port}", "--join-store", "--node-name", nodes[rank]]
 
 
 _bootstraps = 0
@@ -390,7 +426,9 @@ def _bootstrap(store: dist.Store, rank: int, size: int, timeout: timedelta) -> C
     else:
         job = _agree(store, rank, f"job.{round_}", lambda: f"job-{uuid.uuid4().hex[:16]}")
         secret = _agree(store, rank, f"secret.{round_}", new_secret)
-    local_rank = _local_rank(store, rank, size, round_)
+    nodes = _placement(store, rank, size, round_)
+    local_rank = _local_rank(nodes, rank)
+    multi_node = len(set(nodes)) > 1
     with _client_lock:
         if _client is not None:
             if _client.paths.job == job and _client.rank == rank and not _client._closed:
@@ -399,10 +437,14 @@ def _bootstrap(store: dist.Store, rank: int, size: int, timeout: timedelta) -> C
             _client = None
         paths = JobPaths.for_job(job)
         if secret is not None:
-            ensure_daemon(paths, secret)
+            if multi_node:
+                ensure_daemon(paths, secret, extra_args=_fabric_args(nodes, rank), timeout=_RENDEZVOUS_S)
+            else:
+                ensure_daemon(paths, secret)
         _client = Client(
             rank, size, local_rank=local_rank, job=job, secret=secret,
             op_timeout=timeout.total_seconds() if timeout else None,
+            nodes=nodes if multi_node else None,
         )
         return _client
 
@@ -421,7 +463,8 @@ def _create(dist_opts: Any, backend_opts: Any) -> ProcessGroupCommd:
     _group_generations[base] = generation + 1
     name = f"g{base}.{generation}".replace(" ", "_")[:200]
     client.register_group(name, global_ranks)
-    return ProcessGroupCommd(client, name, rank, size, timeout, base)
+    lane = getattr(backend_opts, "lane", None) if isinstance(backend_opts, Options) else None
+    return ProcessGroupCommd(client, name, rank, size, timeout, base, lane)
 
 
 def _close_client() -> None:

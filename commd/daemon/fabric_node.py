@@ -1,0 +1,554 @@
+"""A daemon's part in the fabric: negotiation, release, lanes, cross-node send/recv.
+
+Flow of a collective whose group spans nodes (see ARCHITECTURE.md):
+
+1. the local scheduler matched it among this node's ranks → ``negotiate``
+   reports it to the coordinator (full, or only its cache id on the fast path);
+2. the coordinator's release (``go``) arrives in global order and the op is
+   queued on its lane's executor thread, in that order;
+3. the executor waits for the group's previous released op (program order, as
+   on a CUDA stream), runs local phase → lane → local phase, and posts the
+   completion back to the loop, which answers the local ranks.
+
+A send to a rank on another node is forwarded (through the coordinator) to
+the receiver's daemon, matched there FIFO like a local send, then ordered by
+the coordinator like a collective of two nodes.
+
+Reports and releases are coalesced per event-loop turn, so a burst of ops
+costs one control message each way.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import random
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from commd.daemon.hierarchy import GroupPlan, run, run_p2p, scratch_like
+from commd.fabric.rendezvous import Fabric
+from commd.lanes.base import LaneError
+from commd.protocol import schema as s
+from commd.runtime import env_float, env_int
+from commd.scheduler.coordinator import Coordinator, Outbox
+from commd.scheduler.local import MatchError, ReadyOp
+from commd.scheduler.ops import Submission, agreed_values
+from commd.scheduler.selection import executor_key
+
+if TYPE_CHECKING:
+    from commd.daemon.server import Daemon
+
+log = logging.getLogger("commd.fabric")
+
+HEARTBEAT_S = 0.5
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, list | tuple):
+        return tuple(_frozen(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+    return value
+
+
+class FabricNode:
+    def __init__(self, daemon: Daemon, fabric: Fabric, peer_timeout: float) -> None:
+        self.daemon = daemon
+        self.fabric = fabric
+        self.me = fabric.node_rank
+        self.peer_timeout = peer_timeout
+        self.coordinator = (
+            Coordinator(fabric.nnodes, fabric.config, fabric.lanes) if fabric.is_coordinator else None
+        )
+        self.node_of_identity = dict(fabric.identities)
+        self.identity_of_node = {n: i for i, n in fabric.identities.items()}
+        self.negotiating: dict[tuple[str, int], tuple[ReadyOp, GroupPlan, tuple]] = {}
+        self.neg_cache: dict[tuple, int] = {}
+        self.remote_sends: dict[int, tuple[Submission, GroupPlan]] = {}  # our sends waiting at a receiver
+        self.remote_matched: dict[tuple[int, int], tuple[ReadyOp, GroupPlan]] = {}  # (src node, key) -> op
+        self.early_sends: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
+        self._send_keys = 0
+        self._up: list[dict[str, Any]] = []
+        self._flush_scheduled = False
+        self._executors: dict[str, queue.SimpleQueue] = {}
+        self._threads: list[threading.Thread] = []
+        self._group_tail: dict[str, threading.Event] = {}
+        self.dead: dict[int, str] = {}
+        self.broken: str | None = None
+        now = time.monotonic()
+        self.last_heard = {n.rank: now for n in fabric.nodes}
+        self._last_beat = 0.0
+        self.fabric_stalls: list[dict[str, Any]] = []
+        self._warned: set[tuple[str, int]] = set()
+        self.negotiation_us: collections.deque[float] = collections.deque(maxlen=4096)
+        self.lane_stats: dict[str, dict[str, int]] = collections.defaultdict(lambda: {"ops": 0, "bytes": 0})
+        self.reported = 0
+        self.reported_cached = 0
+        self.released = 0
+        self.sched_ns = 0  # CPU time in negotiate + release on this node
+        self.coord_ns = 0  # CPU time the coordinator spent on reports (node 0)
+        self.coord_items = 0
+        #: Testing knob: random delays before lane ops (the deadlock stress test sets it).
+        self.chaos_delay_s = env_float("COMMD_CHAOS_DELAY_MS", 0.0, 0.0, 10_000.0) / 1000
+        self.chaos_seed = env_int("COMMD_CHAOS_SEED", 0)
+
+    # ---- plumbing -------------------------------------------------------------
+    def start(self, loop: Any) -> None:
+        self.loop = loop
+        loop.add_reader(self.fabric.ctl.getsockopt(zmq.FD), self._on_readable)
+        loop.call_soon(self._on_readable)
+
+    def close(self) -> None:
+        try:
+            self.loop.remove_reader(self.fabric.ctl.getsockopt(zmq.FD))
+        except Exception:  # loop already closed
+            pass
+        for q in self._executors.values():
+            q.put(None)
+        for thread in self._threads:
+            thread.join(timeout=5)
+        for lane in self.fabric.lanes.values():
+            try:
+                lane.close()
+            except Exception:
+                log.exception("closing a lane failed")
+        self.fabric.ctl.close(linger=500)
+
+    def _up_send(self, item: dict[str, Any]) -> None:
+        """Queue an item for the coordinator; one message per loop turn."""
+        self._up.append(item)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self.loop.call_soon(self._flush_up)
+
+    def _flush_up(self) -> None:
+        self._flush_scheduled = False
+        items, self._up = self._up, []
+        if not items:
+            return
+        if self.coordinator is not None:
+            self._coordinate(self.me, items)
+        else:
+            self._send_ctl(None, {"t": "batch", "items": items})
+
+    def _send_ctl(self, identity: bytes | None, message: dict[str, Any]) -> None:
+        frames = [s.encode(message)] if identity is None else [identity, s.encode(message)]
+        try:
+            self.fabric.ctl.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning("control message not sent: %s", exc)
+        if self.fabric.ctl.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self.loop.call_soon(self._on_readable)
+
+    def _on_readable(self) -> None:
+        ctl = self.fabric.ctl
+        while ctl.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            frames = ctl.recv_multipart(zmq.NOBLOCK)
+            try:
+                if self.coordinator is not None:
+                    node = self.node_of_identity.get(frames[0]) if len(frames) == 2 else None
+                    if node is None:
+                        log.warning("control channel: dropped a message from an unauthenticated peer")
+                        continue
+                    self.last_heard[node] = time.monotonic()
+                    msg = s.decode(frames[1])
+                    self._coordinate(node, msg["items"] if msg["t"] == "batch" else [msg])
+                else:
+                    self.last_heard[0] = time.monotonic()
+                    msg = s.decode(frames[-1])
+                    self._on_down(msg["items"] if msg["t"] == "batch" else [msg])
+            except Exception:
+                log.exception("control channel: bad message dropped")
+        self.daemon._flush()
+
+    # ---- coordinator side -------------------------------------------------------
+    def _coordinate(self, node: int, items: list[dict[str, Any]]) -> None:
+        coord = self.coordinator
+        out = Outbox()
+        ready = [item for item in items if item["t"] == "ready"]
+        if ready:
+            started = time.perf_counter_ns()
+            coord.report(node, ready, out)
+            self.coord_ns += time.perf_counter_ns() - started
+            self.coord_items += len(ready)
+        for item in items:
+            kind = item["t"]
+            if kind == "p2p_send":
+                coord.p2p_send(node, item, out)
+            elif kind == "p2p_match":
+                coord.p2p_match(node, item, out)
+            elif kind == "p2p_fail":
+                coord.p2p_fail(node, item, out)
+            elif kind == "rank_died":
+                coord.rank_died(node, item["rank"], item["why"], out)
+            elif kind == "hb":
+                coord.partial[node] = {(g, q): missing for g, q, missing in item.get("stalled", [])}
+        self._dispatch(out)
+
+    def _dispatch(self, out: Outbox) -> None:
+        for node, items in out.messages.items():
+            if node == self.me:
+                self._on_down(items)
+            elif node in self.identity_of_node and node not in self.dead:
+                self._send_ctl(self.identity_of_node[node], {"t": "batch", "items": items})
+
+    # ---- member side: what the coordinator tells us -------------------------------
+    def _on_down(self, items: list[dict[str, Any]]) -> None:
+        for item in items:
+            kind = item["t"]
+            if kind == "go":
+                self._released(item)
+            elif kind == "fail":
+                entry = self.negotiating.pop((item["g"], item["s"]), None)
+                if entry is not None:
+                    self._fail_op(entry[0], item["code"], item["m"])
+            elif kind == "remote_send":
+                self._remote_send(item)
+            elif kind == "p2p_go":
+                self._p2p_released(item)
+            elif kind == "p2p_fail":
+                self._p2p_failed(item)
+            elif kind == "node_dead":
+                self._node_dead(item["node"], item["why"])
+            elif kind == "rank_died":
+                self.daemon.remote_rank_died(item["rank"], item["why"])
+            elif kind == "hb":
+                self.fabric_stalls = item.get("stalls", [])
+            elif kind == "shutdown":
+                self.daemon.shutdown(item.get("why", "the coordinator shut the fabric down"))
+
+    # ---- collectives -----------------------------------------------------------
+    def negotiate(self, op: ReadyOp, plan: GroupPlan) -> None:
+        started = time.perf_counter_ns()
+        self._negotiate(op, plan)
+        self.sched_ns += time.perf_counter_ns() - started
+
+    def _negotiate(self, op: ReadyOp, plan: GroupPlan) -> None:
+        problem = self._unreachable(plan.nodes)
+        if problem is not None:
+            self._fail_op(op, s.E_PEER_DIED, f"{op.describe()} cannot run: {problem}")
+            return
+        first = op.subs[0]
+        item: dict[str, Any] = {
+            "t": "ready", "g": op.group, "s": op.seq, "k": op.kind, "sig": agreed_values(first),
+            "ranks": list(plan.ranks), "pl": list(plan.node_of), "n": list(plan.nodes),
+            "mine": [x.group_rank for x in op.subs], "nb": op.nbytes, "to": max(x.timeout for x in op.subs),
+        }
+        if op.kind == "alltoall":
+            item["a2a"] = [[x.group_rank, x.splits_in, x.splits_out] for x in op.subs]
+        key = _frozen({k: v for k, v in item.items() if k != "s"})
+        self.negotiating[(op.group, op.seq)] = (op, plan, key)
+        self.reported += 1
+        cid = self.neg_cache.get(key)
+        if cid is not None:
+            self.reported_cached += 1
+            item = {"t": "ready", "g": op.group, "s": op.seq, "c": cid}
+        self._up_send(item)
+
+    def _released(self, item: dict[str, Any]) -> None:
+        started = time.perf_counter_ns()
+        self._release(item)
+        self.sched_ns += time.perf_counter_ns() - started
+
+    def _release(self, item: dict[str, Any]) -> None:
+        entry = self.negotiating.pop((item["g"], item["s"]), None)
+        if entry is None:
+            log.warning("release of unknown op #%s on group '%s' ignored", item["s"], item["g"])
+            return
+        op, plan, key = entry
+        if "c" in item:
+            self.neg_cache[key] = item["c"]
+        self.negotiation_us.append((time.monotonic() - op.ready_at) * 1e6)
+        self.released += 1
+        lane_name = item["l"]
+        timeout = max(x.timeout for x in op.subs)
+        resolve = self._resolver()
+
+        def work() -> None:
+            run(op, plan, self.fabric.lanes[lane_name], resolve, timeout)
+
+        self._enqueue(lane_name, op.on_gpu, op.group, work, lambda error, code: self._done(op, error, code),
+                      op.nbytes)
+
+    def _enqueue(self, lane_name: str, on_gpu: bool, group: str, work: Callable[[], None],
+                 done: Callable[[str | None, str], None], nbytes: int) -> None:
+        prev = self._group_tail.get(group)
+        finished = threading.Event()
+        self._group_tail[group] = finished
+        stats = self.lane_stats[lane_name]
+        stats["ops"] += 1
+        stats["bytes"] += nbytes
+        self._executor(executor_key(lane_name, on_gpu)).put((prev, finished, work, done))
+
+    def _executor(self, key: str) -> queue.SimpleQueue:
+        q = self._executors.get(key)
+        if q is None:
+            q = self._executors[key] = queue.SimpleQueue()
+            thread = threading.Thread(target=self._executor_main, args=(q,), name=f"commd-lane-{key}", daemon=True)
+            self._threads.append(thread)
+            thread.start()
+        return q
+
+    def _executor_main(self, q: queue.SimpleQueue) -> None:
+        chaos = random.Random(self.chaos_seed + threading.get_ident()) if self.chaos_delay_s else None
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            prev, finished, work, done = item
+            if prev is not None:
+                prev.wait()  # the group's previous op (earlier in the global order) finishes first
+            if chaos is not None and chaos.random() < 0.3:
+                time.sleep(chaos.random() * self.chaos_delay_s)
+            error, code = None, s.E_INTERNAL
+            try:
+                if self.daemon._closing:
+                    error, code = "daemon shutting down before the op could run", s.E_SHUTDOWN
+                else:
+                    work()
+            except LaneError as exc:
+                error, code = str(exc), exc.code
+            except Exception as exc:
+                log.exception("inter-node op failed")
+                error = f"inter-node phase failed: {exc}"
+            finished.set()
+            try:
+                self.loop.call_soon_threadsafe(done, error, code)
+            except RuntimeError:
+                return
+
+    def _resolver(self) -> Callable[[Submission, str], Any]:
+        daemon = self.daemon
+
+        def resolve(sub: Submission, name: str) -> Any:
+            try:
+                return daemon._resolve(sub, name)
+            except KeyError:  # the rank died after release: keep the lanes in step
+                return scratch_like(sub, name)
+
+        return resolve
+
+    def _done(self, op: ReadyOp, error: str | None, code: str) -> None:
+        if error is not None:
+            error = f"{op.describe()} failed between nodes: {error}"
+        self.daemon._complete(op, error, code)
+        self.daemon._flush()
+
+    def _fail_op(self, op: ReadyOp, code: str, message: str) -> None:
+        self.daemon.stats.error(message)
+        for sub in op.subs:
+            self.daemon._send_error(sub, code, message)
+
+    # ---- point to point ---------------------------------------------------------
+    def forward_send(self, sub: Submission, plan: GroupPlan) -> None:
+        dst_node = plan.node_of[sub.peer]
+        problem = self._unreachable((self.me, dst_node))
+        if problem is not None:
+            self.daemon._send_error(sub, s.E_PEER_DIED, f"send to group rank {sub.peer} cannot run: {problem}")
+            return
+        self._send_keys += 1
+        key = self._send_keys
+        self.remote_sends[key] = (sub, plan)
+        self._up_send({
+            "t": "p2p_send", "key": key, "dn": dst_node, "g": sub.group, "src": sub.group_rank, "dst": sub.peer,
+            "tag": sub.tag, "dtype": sub.dtype, "count": sub.count, "nb": sub.nbytes, "to": sub.timeout,
+            "h": sub.lane or None,
+        })
+
+    def _remote_send(self, item: dict[str, Any]) -> None:
+        group = self.daemon.scheduler.groups.get(item["g"])
+        if group is None:  # no local rank registered the group yet
+            item["arrived"] = time.monotonic()
+            self.early_sends[item["g"]].append(item)
+            return
+        sub = Submission(
+            client_id=-1, op_id=item["key"], group=item["g"], group_rank=item["src"], group_size=len(group.ranks),
+            seq=0, kind="send", dtype=item["dtype"], count=item["count"], peer=item["dst"], tag=item["tag"],
+            timeout=item["to"], nbytes=item["nb"], origin=item["sn"], lane=item.get("h") or "",
+        )
+        try:
+            ready = self.daemon.scheduler.submit(sub)
+        except MatchError as exc:
+            self.daemon.stats.error(str(exc))
+            for failed in exc.subs:
+                self.daemon._send_error(failed, exc.code, str(exc))
+            return
+        if ready is not None:
+            self.matched(ready)
+
+    def group_registered(self, name: str) -> None:
+        for item in self.early_sends.pop(name, []):
+            self._remote_send(item)
+
+    def matched(self, op: ReadyOp) -> None:
+        """A forwarded send met its local recv: ask the coordinator to order the transfer."""
+        send, recv = op.subs
+        self.remote_matched[(send.origin, send.op_id)] = (op, None)
+        self._up_send({"t": "p2p_match", "sn": send.origin, "key": send.op_id})
+
+    def fail_remote(self, sub: Submission, code: str, message: str) -> None:
+        """An error for a forwarded send: goes back to the sender's node."""
+        self._up_send({"t": "p2p_fail", "sn": sub.origin, "key": sub.op_id, "code": code, "m": message})
+
+    def _p2p_released(self, item: dict[str, Any]) -> None:
+        lane_name, peer = item["l"], item["peer"]
+        resolve = self._resolver()
+        if item["role"] == "send":
+            entry = self.remote_sends.pop(item["key"], None)
+            if entry is None:
+                return
+            sub, _plan = entry
+            op = ReadyOp("sendrecv", sub.group, 0, [sub], sub.submitted_at)
+            timeout = sub.timeout
+
+            def work() -> None:
+                run_p2p("send", sub, peer, self.fabric.lanes[lane_name], resolve, timeout)
+        else:
+            entry = self.remote_matched.pop((item["sn"], item["key"]), None)
+            if entry is None:
+                return
+            op = entry[0]
+            send, recv = op.subs
+            timeout = recv.timeout
+
+            def work() -> None:
+                run_p2p("recv", recv, peer, self.fabric.lanes[lane_name], resolve, timeout)
+
+        self._enqueue(lane_name, op.on_gpu, op.group, work, lambda error, code: self._done(op, error, code),
+                      op.nbytes)
+
+    def _p2p_failed(self, item: dict[str, Any]) -> None:
+        if "sn" in item and (item["sn"], item["key"]) in self.remote_matched:
+            op, _ = self.remote_matched.pop((item["sn"], item["key"]))
+            self._fail_op(op, item["code"], item["m"])
+            return
+        entry = self.remote_sends.pop(item["key"], None)
+        if entry is not None:
+            self.daemon._send_error(entry[0], item["code"], item["m"])
+
+    # ---- failures ---------------------------------------------------------------
+    def _unreachable(self, nodes: tuple[int, ...]) -> str | None:
+        if self.broken is not None:
+            return self.broken
+        for node in nodes:
+            if node in self.dead:
+                return f"node {node} ({self.fabric.nodes[node].name}) {self.dead[node]}"
+        return None
+
+    def _node_dead(self, node: int, why: str) -> None:
+        if node in self.dead:
+            return
+        self.dead[node] = why
+        message = f"node {node} ({self.fabric.nodes[node].name}) {why}"
+        log.error("fabric: %s", message)
+        for key, (op, plan, _) in list(self.negotiating.items()):
+            if node in plan.nodes:
+                del self.negotiating[key]
+                self._fail_op(op, s.E_PEER_DIED, f"{op.describe()} cannot run: {message}")
+        for key, (sub, plan) in list(self.remote_sends.items()):
+            if plan.node_of[sub.peer] == node:
+                del self.remote_sends[key]
+                self.daemon._send_error(sub, s.E_PEER_DIED, f"send to group rank {sub.peer}: {message}")
+
+    def _coordinator_lost(self, why: str) -> None:
+        if self.broken is not None:
+            return
+        self.broken = f"the coordinator (node 0, {self.fabric.nodes[0].name}) {why}"
+        log.error("fabric: %s; multi-node ops fail from now on", self.broken)
+        for _key, (op, _plan, _) in list(self.negotiating.items()):
+            self._fail_op(op, s.E_PEER_DIED, f"{op.describe()} cannot run: {self.broken}")
+        self.negotiating.clear()
+        for sub, _plan in self.remote_sends.values():
+            self.daemon._send_error(sub, s.E_PEER_DIED, f"send cannot run: {self.broken}")
+        self.remote_sends.clear()
+
+    def rank_died(self, rank: int, why: str) -> None:
+        self._up_send({"t": "rank_died", "rank": rank, "why": why})
+
+    # ---- periodic ---------------------------------------------------------------
+    def tick(self, now: float) -> None:
+        for name, items in list(self.early_sends.items()):
+            keep = []
+            for item in items:
+                if now - item["arrived"] >= item["to"]:
+                    self._up_send({"t": "p2p_fail", "sn": item["sn"], "key": item["key"], "code": s.E_TIMEOUT,
+                                   "m": f"send to group rank {item['dst']} on group '{name}' timed out: no rank "
+                                        f"on node {self.me} registered the group"})
+                else:
+                    keep.append(item)
+            if keep:
+                self.early_sends[name] = keep
+            else:
+                del self.early_sends[name]
+        config = self.fabric.config
+        if self.coordinator is not None:
+            out = Outbox()
+            self.coordinator.expire(now, out)
+            for node in range(1, self.fabric.nnodes):
+                if node not in self.dead and now - self.last_heard[node] > self.peer_timeout:
+                    self.coordinator.node_dead(node, f"has not been heard from for {self.peer_timeout:.0f}s", out)
+            self._dispatch(out)
+        elif self.broken is None and now - self.last_heard[0] > self.peer_timeout:
+            self._coordinator_lost(f"has not been heard from for {self.peer_timeout:.0f}s")
+        if now - self._last_beat < HEARTBEAT_S:
+            return
+        self._last_beat = now
+        if self.coordinator is not None:
+            rows = self.coordinator.stalls(now, config.stall_warning_s)
+            self.fabric_stalls = rows
+            for row in rows:
+                key = (row["group"], row["seq"])
+                if key not in self._warned:
+                    self._warned.add(key)
+                    log.warning("stalled: %s #%s on group '%s' has waited %.0fs for ranks %s (nodes %s)",
+                                row["kind"], row["seq"], row["group"], row["waiting_s"], row["missing_ranks"],
+                                row["missing_nodes"])
+                if config.stall_shutdown_s and row["waiting_s"] >= config.stall_shutdown_s:
+                    why = (f"{row['kind']} #{row['seq']} on group '{row['group']}' stalled for "
+                           f"{row['waiting_s']:.0f}s waiting for ranks {row['missing_ranks']}")
+                    out = Outbox()
+                    for node in range(self.fabric.nnodes):
+                        out.add(node, {"t": "shutdown", "why": why})
+                    self._dispatch(out)
+                    return
+            out = Outbox()
+            for node in range(1, self.fabric.nnodes):
+                out.add(node, {"t": "hb", "stalls": rows})
+            self._dispatch(out)
+        else:
+            stalled = [[r["group"], r["seq"], r["missing_ranks"]] for r in self.daemon.scheduler.waiting_summary()
+                       if r["seq"] is not None and r["waiting_s"] >= 1.0]
+            self._up_send({"t": "hb", "stalled": stalled})
+
+    # ---- status -----------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        now = time.monotonic()
+        timings = list(self.negotiation_us)
+        return {
+            "node": self.me,
+            "nodes": [
+                {"rank": n.rank, "name": n.name, "ip": n.ip, "alive": n.rank not in self.dead,
+                 "heard_s_ago": round(now - self.last_heard[n.rank], 1) if n.rank != self.me else 0.0}
+                for n in self.fabric.nodes
+            ],
+            "coordinator": self.coordinator is not None,
+            "lanes": sorted(self.fabric.lanes),
+            "broken": self.broken,
+            "negotiating": len(self.negotiating),
+            "reported": self.reported,
+            "fast_path": self.reported_cached,
+            "negotiation_us_median": round(statistics.median(timings), 1) if timings else None,
+            "scheduling_us_per_op": round(self.sched_ns / 1000 / self.released, 1) if self.released else None,
+            "coordinator_us_per_report": (
+                round(self.coord_ns / 1000 / self.coord_items, 1) if self.coord_items else None
+            ),
+            "lane_ops": {name: dict(v) for name, v in self.lane_stats.items()},
+            "stalls": self.fabric_stalls,
+        }

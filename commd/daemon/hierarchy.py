@@ -1,0 +1,295 @@
+"""Hierarchical execution of an op that spans nodes: local phase, lane phase, local phase.
+
+The daemon holds every local rank's buffer (shared memory), so each op is:
+the node's ranks → one buffer (a reduction or a packing copy), one call on
+the chosen lane among the daemons of the op's nodes, then that buffer →
+every local rank's buffer.  Only the nodes that host members of the group
+take part; ranks keep their group-rank order whatever the placement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from commd.kernels.reduce import TORCH_DTYPES, reduce_into
+from commd.lanes.base import Lane
+from commd.protocol import schema as s
+from commd.scheduler.local import ReadyOp
+from commd.scheduler.ops import Submission
+from commd.scheduler.selection import lane_reduce_op
+
+Resolve = Callable[[Submission, str], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """Where a group's ranks live: ``node_of[g]`` is the node of group rank g."""
+
+    name: str
+    ranks: tuple[int, ...]  # global rank per group rank
+    node_of: tuple[int, ...]
+    me: int
+
+    @property
+    def nodes(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.node_of)))
+
+    def members(self, node: int) -> list[int]:
+        return [g for g, n in enumerate(self.node_of) if n == node]
+
+    @property
+    def local(self) -> list[int]:
+        return self.members(self.me)
+
+    @property
+    def multi_node(self) -> bool:
+        return any(n != self.me for n in self.node_of)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype != torch.uint8 else t
+
+
+def _offsets(counts: list[int]) -> list[int]:
+    out, total = [], 0
+    for c in counts:
+        out.append(total)
+        total += c
+    return out
+
+
+class _Staging:
+    """GPU buffers go through host copies: lanes move host memory."""
+
+    def __init__(self, resolve: Resolve) -> None:
+        self.resolve = resolve
+        self.writeback: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __call__(self, sub: Submission, name: str) -> torch.Tensor:
+        t = self.resolve(sub, name)
+        if t.is_cuda:
+            host = t.cpu()
+            if name in ("buf", "out"):
+                self.writeback.append((t, host))
+            return host
+        return t
+
+    def finish(self) -> None:
+        for device_tensor, host in self.writeback:
+            device_tensor.copy_(host)
+        if self.writeback:
+            torch.cuda.synchronize()
+
+
+def run(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeout: float) -> None:
+    """Execute one released multi-node collective; ``op.subs`` are the local ranks', in group-rank order."""
+    staging = _Staging(resolve)
+    _RUNNERS[op.kind](op, plan, lane, staging, timeout)
+    staging.finish()
+
+
+def _allreduce(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeout: float) -> None:
+    first = op.subs[0]
+    bufs = [resolve(x, "buf") for x in op.subs]
+    local_op = "sum" if first.reduce_op == "avg" else first.reduce_op
+    acc = bufs[0]
+    if len(bufs) > 1 or first.reduce_op == "premul_sum":
+        reduce_into(acc, bufs, local_op, first.scale)
+    lane.allreduce(plan.nodes, acc, lane_reduce_op(first.reduce_op), timeout)
+    if first.reduce_op == "avg":
+        acc.div_(len(plan.ranks))
+    for other in bufs[1:]:
+        other.copy_(acc)
+
+
+def _reduce(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeout: float) -> None:
+    first = op.subs[0]
+    bufs = [resolve(x, "buf") for x in op.subs]
+    scratch = torch.empty_like(bufs[0])
+    local_op = "sum" if first.reduce_op == "avg" else first.reduce_op
+    reduce_into(scratch, bufs, local_op, first.scale)
+    lane.allreduce(plan.nodes, scratch, lane_reduce_op(first.reduce_op), timeout)
+    if first.reduce_op == "avg":
+        scratch.div_(len(plan.ranks))
+    for sub, buf in zip(op.subs, bufs, strict=True):
+        if sub.group_rank == first.root:
+            buf.copy_(scratch)
+
+
+def _broadcast(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeout: float) -> None:
+    first = op.subs[0]
+    bufs = [resolve(x, "buf") for x in op.subs]
+    root_node = plan.node_of[first.root]
+    if root_node == plan.me:
+        src = next(b for x, b in zip(op.subs, bufs, strict=True) if x.group_rank == first.root)
+    else:
+        src = bufs[0]
+    lane.broadcast(plan.nodes, _bytes(src), root_node, timeout)
+    for buf in bufs:
+        if buf.data_ptr() != src.data_ptr():
+            buf.copy_(src)
+
+
+def _node_bytes(plan: GroupPlan, counts: list[int], itemsize: int) -> list[int]:
+    return [sum(counts[g] for g in plan.members(n)) * itemsize for n in plan.nodes]
+
+
+def _allgather(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeout: float) -> None:
+    first = op.subs[0]
+    itemsize = s.ITEMSIZE[first.dtype]
+    counts = first.counts
+    offsets = _offsets([c * itemsize for c in counts])
+    mine = torch.cat([_bytes(resolve(x, "in")) for x in op.subs]) if op.subs else torch.empty(0, dtype=torch.uint8)
+    outs = [_bytes(resolve(x, "out")) for x in op.subs]
+    sizes = _node_bytes(plan, counts, itemsize)
+    order = [g for n in plan.nodes for g in plan.members(n)]
+    if order == list(range(len(counts))):  # node-major placement: the gathered layout is the output
+        lane.allgatherv(plan.nodes, mine, outs[0], sizes, timeout)
+    else:
+        gathered = torch.empty(sum(sizes), dtype=torch.uint8)
+        lane.allgatherv(plan.nodes, mine, gathered, sizes, timeout)
+        at = 0
+        for g in order:
+            n = counts[g] * itemsize
+            outs[0][offsets[g] : offsets[g] + n].copy_(gathered[at : at + n])
+            at += n
+    for out in outs[1:]:
+        out.copy_(outs[0])
+
+
+def _gather(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeout: float) -> None:
+    first = op.subs[0]
+    itemsize = s.ITEMSIZE[first.dtype]
+    counts = first.counts
+    root_node = plan.node_of[first.root]
+    root_at = plan.nodes.index(root_node)
+    mine = torch.cat([_bytes(resolve(x, "in")) for x in op.subs])
+    in_sizes = [0] * len(plan.nodes)
+    in_sizes[root_at] = mine.numel()
+    out_sizes = _node_bytes(plan, counts, itemsize) if root_node == plan.me else [0] * len(plan.nodes)
+    gathered = torch.empty(sum(out_sizes), dtype=torch.uint8)
+    lane.alltoallv(plan.nodes, mine, in_sizes, gathered, out_sizes, timeout)
+    if root_node != plan.me:
+        return
+    root = next(x for x in op.subs if x.group_rank == first.root)
+    out = _bytes(resolve(root, "out"))
+    offsets = _offsets([c * itemsize for c in counts])
+    at = 0
+    for n in plan.nodes:
+        for g in plan.members(n):
+            size = counts[g] * itemsize
+            out[offsets[g] : offsets[g] + size].copy_(gathered[at : at + size])
+            at += size
+
+
+def _scatter(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeout: float) -> None:
+    first = op.subs[0]
+    itemsize = s.ITEMSIZE[first.dtype]
+    counts = first.counts
+    offsets = _offsets([c * itemsize for c in counts])
+    root_node = plan.node_of[first.root]
+    root_at = plan.nodes.index(root_node)
+    if root_node == plan.me:
+        root = next(x for x in op.subs if x.group_rank == first.root)
+        src = _bytes(resolve(root, "in"))
+        packed = torch.cat([src[offsets[g] : offsets[g] + counts[g] * itemsize]
+                            for n in plan.nodes for g in plan.members(n)])
+        in_sizes = _node_bytes(plan, counts, itemsize)
+    else:
+        packed = torch.empty(0, dtype=torch.uint8)
+        in_sizes = [0] * len(plan.nodes)
+    out_sizes = [0] * len(plan.nodes)
+    out_sizes[root_at] = sum(counts[g] for g in plan.local) * itemsize
+    received = torch.empty(out_sizes[root_at], dtype=torch.uint8)
+    lane.alltoallv(plan.nodes, packed, in_sizes, received, out_sizes, timeout)
+    at = 0
+    for sub in op.subs:
+        size = counts[sub.group_rank] * itemsize
+        _bytes(resolve(sub, "out")).copy_(received[at : at + size])
+        at += size
+
+
+def _reduce_scatter(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeout: float) -> None:
+    first = op.subs[0]
+    counts = first.counts
+    offsets = _offsets(counts)
+    inputs = [resolve(x, "in") for x in op.subs]
+    scratch = torch.empty_like(inputs[0])
+    local_op = "sum" if first.reduce_op == "avg" else first.reduce_op
+    reduce_into(scratch, inputs, local_op, first.scale)
+    lane.allreduce(plan.nodes, scratch, lane_reduce_op(first.reduce_op), timeout)
+    if first.reduce_op == "avg":
+        scratch.div_(len(plan.ranks))
+    for sub in op.subs:
+        g = sub.group_rank
+        resolve(sub, "out").copy_(scratch[offsets[g] : offsets[g] + counts[g]])
+
+
+def _alltoall(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeout: float) -> None:
+    itemsize = s.ITEMSIZE[op.subs[0].dtype]
+    inputs = [_bytes(resolve(x, "in")) for x in op.subs]
+    outs = [_bytes(resolve(x, "out")) for x in op.subs]
+    send_off = [_offsets(x.splits_in) for x in op.subs]
+    recv_off = [_offsets(x.splits_out) for x in op.subs]
+    blocks: list[torch.Tensor] = []
+    in_sizes = []
+    for n in plan.nodes:
+        size = 0
+        for i, sub in enumerate(op.subs):
+            for j in plan.members(n):
+                start, length = send_off[i][j] * itemsize, sub.splits_in[j] * itemsize
+                blocks.append(inputs[i][start : start + length])
+                size += length
+        in_sizes.append(size)
+    packed = torch.cat(blocks) if blocks else torch.empty(0, dtype=torch.uint8)
+    out_sizes = [
+        sum(sub.splits_out[j] for j in plan.members(n) for sub in op.subs) * itemsize for n in plan.nodes
+    ]
+    received = torch.empty(sum(out_sizes), dtype=torch.uint8)
+    lane.alltoallv(plan.nodes, packed, in_sizes, received, out_sizes, timeout)
+    at = 0
+    for n in plan.nodes:
+        for j in plan.members(n):
+            for i, sub in enumerate(op.subs):
+                length = sub.splits_out[j] * itemsize
+                start = recv_off[i][j] * itemsize
+                outs[i][start : start + length].copy_(received[at : at + length])
+                at += length
+
+
+def _barrier(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeout: float) -> None:
+    lane.barrier(plan.nodes, timeout)
+
+
+_RUNNERS = {
+    "allreduce": _allreduce,
+    "reduce": _reduce,
+    "broadcast": _broadcast,
+    "allgather": _allgather,
+    "gather": _gather,
+    "scatter": _scatter,
+    "reduce_scatter": _reduce_scatter,
+    "alltoall": _alltoall,
+    "barrier": _barrier,
+}
+
+
+def run_p2p(role: str, sub: Submission, peer: int, lane: Lane, resolve: Resolve, timeout: float) -> None:
+    """One side of a send/recv between ranks on different nodes."""
+    staging = _Staging(resolve)
+    if role == "send":
+        lane.send(peer, _bytes(staging(sub, "in")), timeout)
+    else:
+        lane.recv(peer, _bytes(staging(sub, "out")), timeout)
+    staging.finish()
+
+
+def scratch_like(sub: Submission, name: str) -> torch.Tensor:
+    """A stand-in buffer for a rank that died after its op was released (lanes must stay in step)."""
+    ref = sub.buffers.get(name)
+    nbytes = ref.nbytes if ref is not None else 0
+    itemsize = s.ITEMSIZE[sub.dtype]
+    return torch.zeros(nbytes // itemsize, dtype=TORCH_DTYPES[sub.dtype])

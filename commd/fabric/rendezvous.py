@@ -1,0 +1,344 @@
+"""Form the fabric: find the other daemons, agree on a secret, connect lanes and control.
+
+Two ways in, as clusters start daemons:
+
+* a TCPStore (``--rendezvous HOST:PORT``): node 0 hosts it, or every daemon
+  joins one that already exists (the training job's, with ``--join-store``);
+* MPI (``mpiexec -n K commd daemon``): the daemons' MPI world is the fabric
+  and the MPI lane gets a real communicator.
+
+Control traffic (negotiation, status, errors) then runs on commd's own
+channel: ZeroMQ over TCP from every daemon to the coordinator (node 0),
+opened with a challenge/response on the job secret, so a process that
+reaches the port but lacks the secret is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+import secrets as pysecrets
+import socket
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import zmq
+
+from commd.lanes.base import Lane
+from commd.protocol import schema as s
+from commd.runtime import new_secret
+from commd.scheduler.selection import SchedulerConfig, config_from_wire
+
+log = logging.getLogger("commd.fabric")
+
+FABRIC_VERSION = 1
+
+
+class FabricError(RuntimeError):
+    """The fabric could not be formed; the text says which node or step failed."""
+
+
+@dataclass
+class FabricSpec:
+    nnodes: int | None
+    node_rank: int | None
+    node_name: str
+    rendezvous: tuple[str, int] | None = None
+    join_store: bool = False
+    use_mpi: bool = False
+    advertise: str | None = None
+    timeout: float = 300.0
+    op_timeout: float = 30.0
+
+
+@dataclass
+class NodeInfo:
+    rank: int
+    name: str
+    ip: str
+    tcp_port: int
+    ctl_port: int
+    lanes: list[str]
+    pid: int
+
+
+@dataclass
+class Fabric:
+    """What a daemon knows about its fabric once it is formed."""
+
+    node_rank: int
+    nodes: list[NodeInfo]
+    secret: str
+    lanes: dict[str, Lane]
+    ctl: zmq.Socket
+    config: SchedulerConfig | None  # the coordinator's (members learn it at join)
+    identities: dict[bytes, int] = field(default_factory=dict)  # coordinator: routing id -> node
+    keep: list[Any] = field(default_factory=list)  # stores / communicators the lanes use
+
+    @property
+    def nnodes(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.node_rank == 0
+
+    def node_of_name(self) -> dict[str, int]:
+        return {n.name: n.rank for n in self.nodes}
+
+
+def parse_host_port(text: str, what: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{what} {text!r} must be HOST:PORT with a port in [1, 65535]")
+    return host.strip("[]"), int(port)
+
+
+def _route_ip(host: str) -> str:
+    """The local address the kernel would use to reach ``host`` (no packet is sent)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((socket.gethostbyname(host), 9))
+            return probe.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def _mac(secret: str, *parts: object) -> str:
+    text = "/".join(str(p) for p in parts)
+    return hmac.new(secret.encode(), text.encode(), hashlib.sha256).hexdigest()
+
+
+def establish(spec: FabricSpec, job: str, secret: str | None, config: SchedulerConfig) -> Fabric:
+    """Run the whole rendezvous; raises FabricError with a precise reason."""
+    deadline = time.monotonic() + spec.timeout
+    keep: list[Any] = []
+    comm = None
+    store = None
+    if spec.use_mpi:
+        from commd.lanes.mpi import init_mpi
+
+        comm = init_mpi()
+        nnodes, rank = comm.Get_size(), comm.Get_rank()
+        if spec.nnodes not in (None, nnodes) or spec.node_rank not in (None, rank):
+            raise FabricError(
+                f"--nnodes/--node-rank ({spec.nnodes}, {spec.node_rank}) disagree with the MPI world "
+                f"(size {nnodes}, rank {rank})"
+            )
+        secret = comm.bcast((secret or new_secret()) if rank == 0 else None, root=0)
+        ip = spec.advertise or _route_ip(socket.gethostname())
+    else:
+        if spec.rendezvous is None or spec.nnodes is None or spec.node_rank is None:
+            raise FabricError("a multi-node daemon needs --nnodes, --node-rank and --rendezvous (or mpiexec)")
+        nnodes, rank = spec.nnodes, spec.node_rank
+        host, port = spec.rendezvous
+        store = _open_store(host, port, rank == 0 and not spec.join_store, deadline)
+        keep.append(store)
+        secret = _agree_secret(store, rank, secret)
+        ip = spec.advertise or _route_ip(host)
+
+    from commd.lanes.tcp import TcpLane
+
+    tcp = TcpLane(rank, nnodes, secret, ip)
+    ctx = zmq.Context.instance()
+    ctl = ctx.socket(zmq.ROUTER if rank == 0 else zmq.DEALER)
+    ctl.setsockopt(zmq.LINGER, 1000)
+    ctl.setsockopt(zmq.MAXMSGSIZE, 16 * s.MAX_MESSAGE_BYTES)
+    ctl_port = 0
+    if rank == 0:
+        ctl.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        ctl_port = ctl.bind_to_random_port(f"tcp://{ip}")
+    my_lanes = ["tcp", "gloo"] + (["mpi"] if comm is not None and nnodes > 1 else [])
+    from commd.lanes.nccl import nccl_unavailable
+
+    if nccl_unavailable() is None:
+        my_lanes.append("nccl")
+    info = NodeInfo(rank, spec.node_name, ip, tcp.endpoint[1], ctl_port, my_lanes, os.getpid())
+    raw = json.dumps({"v": FABRIC_VERSION, **info.__dict__})
+    if comm is not None:
+        infos_raw = comm.allgather(raw)
+    else:
+        store.set(f"node/{rank}", raw)
+        infos_raw = [_store_get(store, f"node/{r}", deadline, f"node {r} to join the rendezvous") for r in range(nnodes)]
+    nodes = _check_nodes([json.loads(x) for x in infos_raw], nnodes)
+    common = [lane for lane in ("tcp", "gloo", "mpi", "nccl") if all(lane in n.lanes for n in nodes)]
+    log.info("fabric: node %d/%d '%s' at %s; nodes %s; lanes %s", rank, nnodes, spec.node_name, ip,
+             [n.name for n in nodes], common)
+
+    gloo_store = store
+    if comm is not None:  # no TCPStore given: node 0 hosts one for Gloo/NCCL, announced over MPI
+        from torch.distributed import TCPStore
+
+        if rank == 0:
+            hosted = TCPStore(ip, 0, None, True, timedelta(seconds=max(1.0, deadline - time.monotonic())),
+                              wait_for_workers=False)
+            port = comm.bcast(hosted.port, root=0)
+            gloo_store = hosted
+        else:
+            port = comm.bcast(None, root=0)
+            gloo_store = _open_store(nodes[0].ip, port, False, deadline)
+        keep.append(gloo_store)
+        keep.append(comm)
+
+    # The control channel first: a node with the wrong secret learns it from the coordinator.
+    fabric = Fabric(rank, nodes, secret, {}, ctl, config if rank == 0 else None, keep=keep)
+    if rank == 0:
+        _accept_members(fabric, job, deadline, config)
+    else:
+        _join_coordinator(fabric, job, deadline)
+    try:
+        tcp.connect([(n.ip, n.tcp_port) for n in nodes], max(0.1, deadline - time.monotonic()))
+    except Exception as exc:
+        raise FabricError(f"tcp lane: {exc}") from None
+    lanes: dict[str, Lane] = {"tcp": tcp}
+    from torch.distributed import PrefixStore
+
+    from commd.lanes.gloo import GlooLane
+
+    lanes["gloo"] = GlooLane(PrefixStore("gloo/", gloo_store), rank, nnodes, ip, spec.op_timeout)
+    if "mpi" in common:
+        from commd.lanes.mpi import MpiLane
+
+        lanes["mpi"] = MpiLane(comm)
+    if "nccl" in common:
+        import torch
+
+        from commd.lanes.nccl import NcclLane
+
+        device = int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count())
+        lanes["nccl"] = NcclLane(PrefixStore("nccl/", gloo_store), rank, nnodes, device, spec.op_timeout)
+    fabric.lanes = {name: lane for name, lane in lanes.items() if name in common}
+    return fabric
+
+
+def _open_store(host: str, port: int, is_master: bool, deadline: float) -> Any:
+    from torch.distributed import TCPStore
+
+    remaining = max(1.0, deadline - time.monotonic())
+    try:
+        return TCPStore(host, port, None, is_master, timedelta(seconds=remaining), wait_for_workers=False)
+    except Exception as exc:
+        role = "host" if is_master else "reach"
+        raise FabricError(f"cannot {role} the rendezvous store at {host}:{port}: {exc}") from None
+
+
+def _store_get(store: Any, key: str, deadline: float, what: str) -> str:
+    remaining = deadline - time.monotonic()
+    try:
+        store.wait([key], timedelta(seconds=max(0.1, remaining)))
+        return store.get(key).decode()
+    except Exception:
+        raise FabricError(f"timed out waiting for {what}") from None
+
+
+def _agree_secret(store: Any, rank: int, secret: str | None) -> str:
+    """Use the cluster's secret if every node was given one, else node 0's, published in the store."""
+    if rank == 0:
+        if secret:
+            store.set("secret_mode", "given")
+            return secret
+        secret = new_secret()
+        store.set("secret", secret)
+        store.set("secret_mode", "published")
+        return secret
+    mode = _store_get(store, "secret_mode", time.monotonic() + 600, "node 0 to start")
+    if mode == "given":
+        if not secret:
+            raise FabricError("node 0 was given the job secret (COMMD_SECRET) but this node was not")
+        return secret
+    return secret or store.get("secret").decode()
+
+
+def _check_nodes(raw: list[dict[str, Any]], nnodes: int) -> list[NodeInfo]:
+    nodes = []
+    for i, item in enumerate(raw):
+        if item.get("v") != FABRIC_VERSION:
+            raise FabricError(f"node {i} speaks fabric version {item.get('v')}, this daemon {FABRIC_VERSION}")
+        item = {k: v for k, v in item.items() if k != "v"}
+        nodes.append(NodeInfo(**item))
+        if nodes[-1].rank != i:
+            raise FabricError(f"rendezvous slot {i} holds node rank {nodes[-1].rank}")
+    names: dict[str, int] = {}
+    for node in nodes:
+        if node.name in names:
+            raise FabricError(
+                f"nodes {names[node.name]} and {node.rank} both call themselves '{node.name}': give each "
+                "daemon a distinct --node-name (or COMMD_NODE)"
+            )
+        names[node.name] = node.rank
+    if len(nodes) != nnodes:
+        raise FabricError(f"expected {nnodes} nodes, found {len(nodes)}")
+    return nodes
+
+
+def _accept_members(fabric: Fabric, job: str, deadline: float, config: SchedulerConfig) -> None:
+    """Coordinator: challenge every member; admit only those proving the secret."""
+    ctl = fabric.ctl
+    nonces: dict[bytes, tuple[int, str]] = {}
+    while len(fabric.identities) < fabric.nnodes - 1:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not ctl.poll(int(remaining * 1000)):
+            missing = sorted(set(range(1, fabric.nnodes)) - set(fabric.identities.values()))
+            raise FabricError(f"nodes {missing} never joined the coordinator's control channel")
+        identity, frame = _recv(ctl)
+        if identity is None:
+            continue
+        try:
+            msg = s.decode(frame)
+            node = s.int_field(msg, "node", 1, fabric.nnodes - 1)
+            if msg["t"] == "join":
+                nonce = pysecrets.token_hex(16)
+                nonces[identity] = (node, nonce)
+                ctl.send_multipart([identity, s.encode({"t": "challenge", "nonce": nonce})])
+            elif msg["t"] == "proof" and identity in nonces and nonces[identity][0] == node:
+                expected = _mac(fabric.secret, "commd-join", job, node, nonces.pop(identity)[1])
+                proof = s.field(msg, "mac", str)
+                if not hmac.compare_digest(proof, expected):
+                    log.warning("node %d failed authentication (wrong job secret)", node)
+                    ctl.send_multipart([identity, s.encode({"t": "rejected", "why": "wrong job secret"})])
+                    continue
+                if node in fabric.identities.values():
+                    raise s.ProtocolError(f"node {node} joined twice")
+                fabric.identities[identity] = node
+                ctl.send_multipart([identity, s.encode({"t": "welcome", "config": config.to_wire()})])
+            else:
+                raise s.ProtocolError(f"unexpected {msg['t']!r} during the join")
+        except (s.ProtocolError, KeyError) as exc:
+            log.warning("control channel: refused a peer: %s", exc)
+
+
+def _recv(sock: zmq.Socket) -> tuple[bytes | None, bytes]:
+    frames = sock.recv_multipart()
+    if len(frames) != 2:
+        return None, b""
+    return frames[0], frames[1]
+
+
+def _join_coordinator(fabric: Fabric, job: str, deadline: float) -> None:
+    ctl = fabric.ctl
+    coordinator = fabric.nodes[0]
+    ctl.setsockopt(zmq.IDENTITY, f"node{fabric.node_rank}-{os.getpid()}".encode())
+    ctl.connect(f"tcp://{coordinator.ip}:{coordinator.ctl_port}")
+
+    def ask(message: dict[str, Any], want: str) -> dict[str, Any]:
+        ctl.send(s.encode(message))
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not ctl.poll(int(remaining * 1000)):
+            raise FabricError(f"coordinator at {coordinator.ip}:{coordinator.ctl_port} did not answer the join")
+        reply = s.decode(ctl.recv())
+        if reply["t"] == "rejected":
+            raise FabricError(f"the coordinator refused this node: {reply.get('why')}")
+        if reply["t"] != want:
+            raise FabricError(f"unexpected {reply['t']!r} from the coordinator during the join")
+        return reply
+
+    challenge = ask({"t": "join", "node": fabric.node_rank}, "challenge")
+    nonce = s.field(challenge, "nonce", str)
+    welcome = ask({"t": "proof", "node": fabric.node_rank,
+                   "mac": _mac(fabric.secret, "commd-join", job, fabric.node_rank, nonce)}, "welcome")
+    fabric.config = config_from_wire(welcome["config"])

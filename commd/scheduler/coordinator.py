@@ -1,0 +1,304 @@
+"""The fabric's coordinator: agree on multi-node ops and release one global order.
+
+Runs in node 0's daemon and does no I/O: daemons *report* ops whose local
+ranks are all ready; when every node of the op's group has reported, the
+coordinator checks that they agree (kind, dtype, count, reduce op, root,
+membership...), gives the op the next number of the global order, chooses
+its lane and *releases* it to those nodes.  Each daemon hands released ops
+to its lanes in the order they arrive — one coordinator, one FIFO channel per
+daemon — so every lane sees its ops in the same global order on every node.
+
+Fast path (Horovod's response cache): the first time a pattern is agreed it
+gets a cache id that travels in the release; a daemon that sees the same
+pattern again reports only ``(group, seq, cache id)``.  When every node sends
+the same id the coordinator skips the comparison and the lane choice.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from commd.protocol import schema as s
+from commd.scheduler.selection import LaneCapability, SchedulerConfig, SelectionError, choose_lane
+
+#: Cache ids handed out at most (a job has a few hundred distinct op patterns).
+MAX_CACHE_ENTRIES = 1 << 16
+
+
+@dataclass
+class Pending:
+    group: str
+    seq: int
+    nodes: tuple[int, ...]
+    entries: dict[int, dict[str, Any]] = field(default_factory=dict)  # node -> full entry
+    cids: dict[int, int] = field(default_factory=dict)  # node -> cache id it sent
+    first_at: float = field(default_factory=time.monotonic)
+    timeout: float = 30.0
+
+
+@dataclass
+class Outbox:
+    """What the coordinator wants sent: per node, release items and failures, in order."""
+
+    messages: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+
+    def add(self, node: int, item: dict[str, Any]) -> None:
+        self.messages.setdefault(node, []).append(item)
+
+
+def _ranks_at(entry: dict[str, Any]) -> list[int]:
+    return entry["mine"]
+
+
+class Coordinator:
+    def __init__(self, nnodes: int, config: SchedulerConfig, lanes: dict[str, LaneCapability]) -> None:
+        self.nnodes = nnodes
+        self.config = config
+        self.lanes = lanes
+        self.order = 0
+        self.pending: dict[tuple[str, int], Pending] = {}
+        self.cache: dict[int, tuple[dict[int, dict[str, Any]], str]] = {}
+        self.dead: dict[int, str] = {}  # node -> why
+        self.p2p: dict[tuple[int, int], tuple[int, int, dict[str, Any]]] = {}  # key -> (src node, dst node, msg)
+        self.partial: dict[int, dict[tuple[str, int], list[int]]] = {}  # node -> (g, s) -> missing global ranks
+        self.released = 0
+        self.fast_path_hits = 0
+
+    # ---- collectives --------------------------------------------------------
+    def report(self, node: int, items: list[dict[str, Any]], out: Outbox) -> None:
+        """Take one node's ready ops; may complete and release some."""
+        for item in items:
+            key = (item["g"], item["s"])
+            cid = item.get("c")
+            if cid is not None:
+                cached = self.cache.get(cid)
+                if cached is None or node not in cached[0]:
+                    out.add(node, {"t": "fail", "g": key[0], "s": key[1], "code": s.E_PROTOCOL,
+                                   "m": f"unknown negotiation cache id {cid}"})
+                    continue
+                entry = cached[0][node]
+            else:
+                entry = item
+            pending = self.pending.get(key)
+            if pending is None:
+                nodes = tuple(entry["n"])
+                pending = self.pending[key] = Pending(key[0], key[1], nodes, timeout=entry["to"])
+                dead = [n for n in nodes if n in self.dead]
+                if dead:
+                    self._fail(pending, out, s.E_PEER_DIED,
+                               f"{entry['k']} #{key[1]} on group '{key[0]}' cannot run: node {dead[0]} "
+                               f"{self.dead[dead[0]]}", extra=[node])
+                    continue
+            if node in pending.entries:
+                out.add(node, {"t": "fail", "g": key[0], "s": key[1], "code": s.E_PROTOCOL,
+                               "m": f"node {node} reported #{key[1]} of group '{key[0]}' twice"})
+                continue
+            pending.entries[node] = entry
+            if cid is not None:
+                pending.cids[node] = cid
+            pending.timeout = min(pending.timeout, entry["to"])
+            if node not in pending.nodes:
+                self._complete_mismatch(pending, out, extra=[node])
+                continue
+            if len(pending.entries) == len(pending.nodes):
+                self._complete(pending, out)
+
+    def _complete(self, pending: Pending, out: Outbox) -> None:
+        del self.pending[(pending.group, pending.seq)]
+        cids = set(pending.cids.values())
+        lane: str | None = None
+        cid: int | None = None
+        if len(pending.cids) == len(pending.nodes) and len(cids) == 1:
+            cid = cids.pop()
+            lane = self.cache[cid][1]
+            self.fast_path_hits += 1
+        else:
+            problem = self._mismatch(pending)
+            if problem is not None:
+                message = f"mismatched collective #{pending.seq} on group '{pending.group}': {problem}"
+                for node in pending.nodes:
+                    out.add(node, {"t": "fail", "g": pending.group, "s": pending.seq, "code": s.E_MISMATCH,
+                                   "m": message})
+                return
+            first = pending.entries[pending.nodes[0]]
+            sig = first["sig"]
+            nbytes = max(e["nb"] for e in pending.entries.values())  # buffers differ per rank (gather...)
+            try:
+                lane = choose_lane(
+                    first["k"], sig.get("dtype", "uint8"), sig.get("reduce_op"), nbytes, pending.nodes,
+                    len(first["pl"]), sig.get("lane") or None, self.config, self.lanes,
+                )
+            except SelectionError as exc:
+                for node in pending.nodes:
+                    out.add(node, {"t": "fail", "g": pending.group, "s": pending.seq, "code": s.E_PROTOCOL,
+                                   "m": str(exc)})
+                return
+            if len(self.cache) < MAX_CACHE_ENTRIES:
+                cid = len(self.cache) + 1
+                self.cache[cid] = (dict(pending.entries), lane)
+        self.order += 1
+        self.released += 1
+        for node in pending.nodes:
+            item: dict[str, Any] = {"t": "go", "g": pending.group, "s": pending.seq, "o": self.order, "l": lane}
+            if cid is not None and pending.cids.get(node) != cid:
+                item["c"] = cid
+            out.add(node, item)
+
+    def _complete_mismatch(self, pending: Pending, out: Outbox, extra: list[int]) -> None:
+        problem = self._mismatch(pending) or "nodes disagree on the group's members"
+        message = f"mismatched collective #{pending.seq} on group '{pending.group}': {problem}"
+        self._fail(pending, out, s.E_MISMATCH, message, extra)
+
+    def _fail(self, pending: Pending, out: Outbox, code: str, message: str, extra: list[int] | None = None) -> None:
+        self.pending.pop((pending.group, pending.seq), None)
+        targets = set(pending.entries) | set(extra or [])
+        for node in sorted(targets):
+            if node not in self.dead:
+                out.add(node, {"t": "fail", "g": pending.group, "s": pending.seq, "code": code, "m": message})
+
+    def _mismatch(self, pending: Pending) -> str | None:
+        """Describe how the nodes' reports disagree (fields and group ranks), or None."""
+        entries = pending.entries
+        problems: list[str] = []
+
+        def compare(label: str, get: Any) -> None:
+            values: dict[str, list[int]] = {}
+            for entry in entries.values():
+                values.setdefault(repr(get(entry)), []).extend(_ranks_at(entry))
+            if len(values) > 1:
+                parts = ", ".join(f"ranks {sorted(r)} {v}" for v, r in values.items())
+                problems.append(f"'{label}' differs: {parts}")
+
+        compare("kind", lambda e: e["k"])
+        if problems:
+            return "; ".join(problems)
+        compare("group members", lambda e: e["ranks"])
+        compare("placement", lambda e: e["pl"])
+        names = sorted({name for e in entries.values() for name in e["sig"]})
+        for name in names:
+            compare(name, lambda e, name=name: e["sig"].get(name))
+        if not problems and entries and next(iter(entries.values()))["k"] == "alltoall":
+            splits: dict[int, tuple[list[int], list[int]]] = {}
+            for entry in entries.values():
+                for grank, sin, sout in entry["a2a"]:
+                    splits[grank] = (sin, sout)
+            for a, (sin, _) in sorted(splits.items()):
+                for b, (_, sout) in sorted(splits.items()):
+                    if sin[b] != sout[a]:
+                        problems.append(f"rank {a} sends {sin[b]} elements to rank {b}, which expects {sout[a]}")
+        return "; ".join(problems) if problems else None
+
+    # ---- point to point ------------------------------------------------------
+    def p2p_send(self, node: int, item: dict[str, Any], out: Outbox) -> None:
+        """A send whose receiver lives on another node: forward it there."""
+        dst = item["dn"]
+        key = (node, item["key"])
+        if dst in self.dead or not 0 <= dst < self.nnodes:
+            out.add(node, {"t": "p2p_fail", "key": item["key"], "code": s.E_PEER_DIED,
+                           "m": f"send to group rank {item['dst']}: its node {dst} {self.dead.get(dst, 'is unknown')}"})
+            return
+        self.p2p[key] = (node, dst, item)
+        forwarded = dict(item)
+        forwarded["t"] = "remote_send"
+        forwarded["sn"] = node
+        out.add(dst, forwarded)
+
+    def p2p_match(self, node: int, item: dict[str, Any], out: Outbox) -> None:
+        """The receiver matched a forwarded send: order the transfer on both nodes."""
+        key = (item["sn"], item["key"])
+        route = self.p2p.pop(key, None)
+        if route is None:
+            return
+        src, dst, send = route
+        try:
+            lane = choose_lane("sendrecv", "uint8", None, send["nb"], tuple(sorted((src, dst))), 2,
+                               send.get("h"), self.config, self.lanes)
+        except SelectionError as exc:
+            for target, k in ((src, item["key"]), (dst, item["key"])):
+                out.add(target, {"t": "p2p_fail", "key": k, "sn": src, "code": s.E_PROTOCOL, "m": str(exc)})
+            return
+        self.order += 1
+        self.released += 1
+        out.add(src, {"t": "p2p_go", "key": item["key"], "o": self.order, "l": lane, "role": "send", "peer": dst})
+        out.add(dst, {"t": "p2p_go", "key": item["key"], "sn": src, "o": self.order, "l": lane, "role": "recv",
+                      "peer": src})
+
+    def p2p_fail(self, node: int, item: dict[str, Any], out: Outbox) -> None:
+        """The receiver failed a forwarded send (mismatch, timeout): tell the sender."""
+        key = (item["sn"], item["key"])
+        route = self.p2p.pop(key, None)
+        if route is not None:
+            out.add(route[0], {"t": "p2p_fail", "key": item["key"], "code": item["code"], "m": item["m"]})
+
+    # ---- failures ------------------------------------------------------------
+    def node_dead(self, node: int, why: str, out: Outbox) -> None:
+        if node in self.dead:
+            return
+        self.dead[node] = why
+        for pending in list(self.pending.values()):
+            if node in pending.nodes:
+                self._fail(pending, out, s.E_PEER_DIED,
+                           f"#{pending.seq} on group '{pending.group}' cannot run: node {node} {why}")
+        for key, (src, dst, _item) in list(self.p2p.items()):
+            if node in (src, dst):
+                del self.p2p[key]
+                if src != node:
+                    out.add(src, {"t": "p2p_fail", "key": key[1], "code": s.E_PEER_DIED,
+                                  "m": f"send to node {dst}: that node {why}"})
+        for other in range(self.nnodes):
+            if other != node and other not in self.dead:
+                out.add(other, {"t": "node_dead", "node": node, "why": why})
+
+    def rank_died(self, node: int, rank: int, why: str, out: Outbox) -> None:
+        for pending in list(self.pending.values()):
+            first = next(iter(pending.entries.values()), None)
+            if first is not None and rank in first["ranks"]:
+                self._fail(pending, out, s.E_PEER_DIED,
+                           f"#{pending.seq} on group '{pending.group}' cannot run: rank {rank} {why}")
+        for other in range(self.nnodes):
+            if other != node and other not in self.dead:
+                out.add(other, {"t": "rank_died", "rank": rank, "why": why})
+
+    def expire(self, now: float, out: Outbox) -> None:
+        """Fail negotiations some node never joined within the op timeout."""
+        for pending in list(self.pending.values()):
+            if now - pending.first_at < pending.timeout:
+                continue
+            missing = [n for n in pending.nodes if n not in pending.entries]
+            ranks = self._missing_ranks(pending, missing)
+            first = next(iter(pending.entries.values()))
+            self._fail(
+                pending, out, s.E_TIMEOUT,
+                f"{first['k']} #{pending.seq} on group '{pending.group}' timed out after {pending.timeout:.1f}s "
+                f"waiting for nodes {missing} (ranks {ranks} have not submitted it)",
+            )
+
+    # ---- stalls --------------------------------------------------------------
+    def _missing_ranks(self, pending: Pending, missing_nodes: list[int]) -> list[int]:
+        first = next(iter(pending.entries.values()))
+        ranks: list[int] = []
+        for node in missing_nodes:
+            partial = self.partial.get(node, {}).get((pending.group, pending.seq))
+            if partial is not None:
+                ranks.extend(partial)
+            else:
+                ranks.extend(r for r, n in zip(first["ranks"], first["pl"], strict=True) if n == node)
+        return sorted(ranks)
+
+    def stalls(self, now: float, threshold: float) -> list[dict[str, Any]]:
+        """Negotiations waiting longer than ``threshold``, with the nodes and ranks holding them up."""
+        rows = []
+        for pending in self.pending.values():
+            waited = now - pending.first_at
+            if waited < threshold:
+                continue
+            missing = [n for n in pending.nodes if n not in pending.entries]
+            first = next(iter(pending.entries.values()))
+            rows.append({
+                "group": pending.group, "seq": pending.seq, "kind": first["k"], "waiting_s": round(waited, 3),
+                "missing_nodes": missing, "missing_ranks": self._missing_ranks(pending, missing),
+            })
+        rows.sort(key=lambda r: -r["waiting_s"])
+        return rows

@@ -1,0 +1,212 @@
+"""Which lane runs an op: hint, then config rules, then the default.
+
+``choose_lane`` is a pure function of the op's description, the rules and
+the lanes' own ``can_run`` answers, so any daemon computing it for the same
+op gets the same lane; in a fabric the coordinator computes it once and the
+decision travels in the release message.  The same module maps each op kind
+to the lane primitive it needs and holds the exclusion rule for lanes that
+must not run at the same time on one device.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from commd.protocol import schema as s
+
+#: Every lane name a rule or hint may name.
+LANE_NAMES = ("tcp", "gloo", "mpi", "nccl")
+DEFAULT_LANE = "tcp"
+
+#: The lane primitive each op kind's inter-node phase uses.
+PRIMITIVE_FOR_KIND = {
+    "allreduce": "allreduce",
+    "reduce": "allreduce",
+    "reduce_scatter": "allreduce",
+    "broadcast": "broadcast",
+    "allgather": "allgatherv",
+    "gather": "alltoallv",
+    "scatter": "alltoallv",
+    "alltoall": "alltoallv",
+    "barrier": "barrier",
+    "send": "send",
+    "recv": "send",
+    "sendrecv": "send",
+}
+
+#: Reduce ops the daemon rewrites to ``sum`` before a lane sees them.
+_LANE_OP = {"avg": "sum", "premul_sum": "sum"}
+
+#: Lanes that share one device and must never run concurrently (NCCL's user guide:
+#: NCCL and CUDA-aware MPI on the same GPU can deadlock).  Ops on these lanes that
+#: touch a GPU go to one shared executor, so they run one at a time in global order.
+EXCLUSIVE_GPU_LANES = frozenset({"nccl", "mpi"})
+
+
+class LaneCapability(Protocol):
+    def can_run(self, primitive: str, dtype: str, reduce_op: str | None, nodes: tuple[int, ...]) -> str | None: ...
+
+
+class SelectionError(ValueError):
+    """No lane can run the op as asked (names the lane and the reason)."""
+
+
+def lane_reduce_op(reduce_op: str) -> str:
+    return _LANE_OP.get(reduce_op, reduce_op)
+
+
+def executor_key(lane: str, on_gpu: bool) -> str:
+    """The executor thread an op runs on: the exclusion rule in one place."""
+    if on_gpu and lane in EXCLUSIVE_GPU_LANES:
+        return "gpu-exclusive"
+    return lane
+
+
+@dataclass(frozen=True)
+class LaneRule:
+    """``kind`` ('*' for any), byte range [min_bytes, max_bytes], group-size range → ``lane``."""
+
+    lane: str
+    kind: str = "*"
+    min_bytes: int = 0
+    max_bytes: int = 1 << 62
+    min_group: int = 1
+    max_group: int = s.MAX_GROUP_SIZE
+
+    def matches(self, kind: str, nbytes: int, group_size: int) -> bool:
+        if self.kind != "*" and self.kind != kind and not (self.kind == "send" and kind == "sendrecv"):
+            return False
+        return self.min_bytes <= nbytes <= self.max_bytes and self.min_group <= group_size <= self.max_group
+
+
+@dataclass
+class SchedulerConfig:
+    """The daemon's `[scheduler]` settings and lane rules (from a TOML file)."""
+
+    default_lane: str = DEFAULT_LANE
+    rules: list[LaneRule] = field(default_factory=list)
+    stall_warning_s: float = 60.0
+    stall_shutdown_s: float = 0.0  # 0: never
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "default_lane": self.default_lane,
+            "rules": [[r.lane, r.kind, r.min_bytes, r.max_bytes, r.min_group, r.max_group] for r in self.rules],
+            "stall_warning_s": self.stall_warning_s,
+            "stall_shutdown_s": self.stall_shutdown_s,
+        }
+
+
+def choose_lane(
+    kind: str,
+    dtype: str,
+    reduce_op: str | None,
+    nbytes: int,
+    nodes: tuple[int, ...],
+    group_size: int,
+    hint: str | None,
+    config: SchedulerConfig,
+    lanes: dict[str, LaneCapability],
+) -> str:
+    """The lane for one op; raises SelectionError if a hint cannot be honoured."""
+    primitive = PRIMITIVE_FOR_KIND[kind]
+    op = lane_reduce_op(reduce_op) if primitive == "allreduce" and reduce_op else None
+    prim_dtype = dtype if primitive in ("allreduce",) else "uint8"
+
+    def why_not(name: str) -> str | None:
+        lane = lanes.get(name)
+        if lane is None:
+            return f"lane '{name}' is not available in this fabric (available: {sorted(lanes)})"
+        return lane.can_run(primitive, prim_dtype, op, nodes)
+
+    if hint:
+        reason = why_not(hint)
+        if reason is not None:
+            raise SelectionError(f"{kind} asked for lane '{hint}', which cannot run it: {reason}")
+        return hint
+    for rule in config.rules:
+        if rule.matches(kind, nbytes, group_size) and why_not(rule.lane) is None:
+            return rule.lane
+    for name in (config.default_lane, *LANE_NAMES):
+        if why_not(name) is None:
+            return name
+    raise SelectionError(f"no lane can run {kind} of {dtype}" + (f" with {reduce_op}" if reduce_op else ""))
+
+
+def _number(table: dict[str, Any], key: str, where: str, default: float, low: float = 0.0) -> float:
+    value = table.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < low:
+        raise ValueError(f"{where}: '{key}' must be a number >= {low}, got {value!r}")
+    return float(value)
+
+
+def _int(table: dict[str, Any], key: str, where: str, default: int) -> int:
+    value = table.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{where}: '{key}' must be a non-negative integer, got {value!r}")
+    return value
+
+
+def parse_config(data: dict[str, Any], where: str = "config") -> SchedulerConfig:
+    """Validate a config mapping (the TOML file's contents); errors name the key."""
+    unknown = set(data) - {"scheduler", "rules"}
+    if unknown:
+        raise ValueError(f"{where}: unknown section(s) {sorted(unknown)}; known: scheduler, rules")
+    sched = data.get("scheduler", {})
+    if not isinstance(sched, dict):
+        raise ValueError(f"{where}: [scheduler] must be a table")
+    unknown = set(sched) - {"default_lane", "stall_warning_s", "stall_shutdown_s"}
+    if unknown:
+        raise ValueError(f"{where}: unknown [scheduler] key(s) {sorted(unknown)}")
+    config = SchedulerConfig()
+    lane = sched.get("default_lane", DEFAULT_LANE)
+    if lane not in LANE_NAMES:
+        raise ValueError(f"{where}: [scheduler] default_lane {lane!r} is not one of {list(LANE_NAMES)}")
+    config.default_lane = lane
+    config.stall_warning_s = _number(sched, "stall_warning_s", f"{where} [scheduler]", 60.0, 0.001)
+    config.stall_shutdown_s = _number(sched, "stall_shutdown_s", f"{where} [scheduler]", 0.0)
+    rules = data.get("rules", [])
+    if not isinstance(rules, list):
+        raise ValueError(f"{where}: 'rules' must be an array of tables ([[rules]])")
+    for i, raw in enumerate(rules):
+        at = f"{where} rules[{i}]"
+        if not isinstance(raw, dict):
+            raise ValueError(f"{at}: must be a table")
+        unknown = set(raw) - {"lane", "kind", "min_bytes", "max_bytes", "min_group", "max_group"}
+        if unknown:
+            raise ValueError(f"{at}: unknown key(s) {sorted(unknown)}")
+        if raw.get("lane") not in LANE_NAMES:
+            raise ValueError(f"{at}: 'lane' must be one of {list(LANE_NAMES)}, got {raw.get('lane')!r}")
+        kind = raw.get("kind", "*")
+        if kind != "*" and kind not in s.OP_KINDS:
+            raise ValueError(f"{at}: 'kind' {kind!r} is not '*' or one of {sorted(s.OP_KINDS)}")
+        rule = LaneRule(
+            lane=raw["lane"], kind=kind,
+            min_bytes=_int(raw, "min_bytes", at, 0), max_bytes=_int(raw, "max_bytes", at, 1 << 62),
+            min_group=_int(raw, "min_group", at, 1), max_group=_int(raw, "max_group", at, s.MAX_GROUP_SIZE),
+        )
+        if rule.min_bytes > rule.max_bytes or rule.min_group > rule.max_group:
+            raise ValueError(f"{at}: empty range (min above max)")
+        config.rules.append(rule)
+    if config.stall_shutdown_s and config.stall_shutdown_s <= config.stall_warning_s:
+        raise ValueError(f"{where}: stall_shutdown_s must exceed stall_warning_s (or be 0 to disable)")
+    return config
+
+
+def load_config(path: str | Path) -> SchedulerConfig:
+    """Read and validate a TOML config file."""
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"cannot read config {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"config {path} is not valid TOML: {exc}") from None
+    return parse_config(data, str(path))
+
+
+def config_from_wire(raw: dict[str, Any]) -> SchedulerConfig:
+    rules = [LaneRule(r[0], r[1], r[2], r[3], r[4], r[5]) for r in raw.get("rules", [])]
+    return SchedulerConfig(raw["default_lane"], rules, raw["stall_warning_s"], raw["stall_shutdown_s"])

@@ -1,0 +1,184 @@
+"""Worker programs for the multi-node tests (spawned processes import this module).
+
+Every rank computes the NumPy reference for every other rank's data itself
+(the data is a function of rank and op), so each check is independent of
+commd.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from commd.client import ops
+
+GROUPS_OF_4 = {"pair": [1, 2], "local1": [2, 3], "mixed": [3, 0, 2]}
+
+
+def data(rank: int, n: int, dtype: Any, salt: int) -> np.ndarray:
+    rng = np.random.default_rng(rank * 7919 + salt)
+    return rng.integers(-20, 20, n).astype(dtype)
+
+
+def _t(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a).copy())
+
+
+def _check(name: str, got: torch.Tensor, want: np.ndarray) -> None:
+    got_np = got.numpy()
+    if got_np.shape != want.shape or not np.array_equal(got_np, want):
+        raise AssertionError(f"{name}: got {got_np[:8]}... want {want[:8]}...")
+
+
+def every_op(ctx: Any, lanes: list[str], sizes: list[int]) -> str:
+    """All op kinds across nodes on each lane, checked against NumPy."""
+    client = ctx.connect(groups=GROUPS_OF_4 if ctx.world_size == 4 else None)
+    me, world = ctx.rank, ctx.world_size
+    all_ranks = list(range(world))
+    salt = 0
+    for lane in lanes:
+        for n in sizes:
+            salt += 1
+            # all_reduce: sum (float32), max (int32), avg (float64)
+            for op, dtype in (("sum", np.float32), ("max", np.int32), ("avg", np.float64)):
+                t = _t(data(me, n, dtype, salt))
+                ops.all_reduce(client, t, op, lane=lane).wait(60)
+                stack = np.stack([data(r, n, dtype, salt) for r in all_ranks])
+                want = {"sum": stack.sum(0), "max": stack.max(0), "avg": stack.mean(0)}[op].astype(dtype)
+                _check(f"{lane} all_reduce {op} n={n}", t, want)
+            # reduce to a root on the other node; other ranks' buffers untouched
+            root = world - 1
+            t = _t(data(me, n, np.float32, salt + 1))
+            ops.reduce(client, t, root, "sum", lane=lane).wait(60)
+            want = np.sum([data(r, n, np.float32, salt + 1) for r in all_ranks], 0).astype(np.float32)
+            _check(f"{lane} reduce n={n}", t, want if me == root else data(me, n, np.float32, salt + 1))
+            # broadcast from a rank on node 1
+            t = _t(data(me, n, np.int64, salt + 2))
+            ops.broadcast(client, t, world // 2, lane=lane).wait(60)
+            _check(f"{lane} broadcast n={n}", t, data(world // 2, n, np.int64, salt + 2))
+            # all_gather / gather / scatter / reduce_scatter with unequal counts
+            counts = [(n // 3) + r for r in all_ranks]
+            inp = _t(data(me, counts[me], np.float32, salt + 3))
+            out = torch.empty(sum(counts), dtype=torch.float32)
+            ops.all_gather(client, out, inp, counts, lane=lane).wait(60)
+            want = np.concatenate([data(r, counts[r], np.float32, salt + 3) for r in all_ranks])
+            _check(f"{lane} all_gather n={n}", out, want)
+            gout = torch.empty(sum(counts), dtype=torch.float32) if me == 1 else None
+            ops.gather(client, gout, inp, 1, counts, lane=lane).wait(60)
+            if me == 1:
+                _check(f"{lane} gather n={n}", gout, want)
+            sin = _t(data(2, sum(counts), np.int32, salt + 4)) if me == 2 else None
+            sout = torch.empty(counts[me], dtype=torch.int32)
+            ops.scatter(client, sout, sin, 2, counts, lane=lane).wait(60)
+            full = data(2, sum(counts), np.int32, salt + 4)
+            start = sum(counts[:me])
+            _check(f"{lane} scatter n={n}", sout, full[start : start + counts[me]])
+            rin = _t(data(me, sum(counts), np.float64, salt + 5))
+            rout = torch.empty(counts[me], dtype=torch.float64)
+            ops.reduce_scatter(client, rout, rin, "sum", counts, lane=lane).wait(60)
+            total = np.sum([data(r, sum(counts), np.float64, salt + 5) for r in all_ranks], 0)
+            _check(f"{lane} reduce_scatter n={n}", rout, total[start : start + counts[me]])
+            # all_to_all with an unequal split matrix
+            split = [[(i + j + n) % 4 + 1 for j in all_ranks] for i in all_ranks]
+            ain = _t(data(me, sum(split[me]), np.int16, salt + 6))
+            splits_out = [split[j][me] for j in all_ranks]
+            aout = torch.empty(sum(splits_out), dtype=torch.int16)
+            ops.all_to_all(client, aout, ain, split[me], splits_out, lane=lane).wait(60)
+            pieces = []
+            for j in all_ranks:
+                src = data(j, sum(split[j]), np.int16, salt + 6)
+                off = sum(split[j][:me])
+                pieces.append(src[off : off + split[j][me]])
+            _check(f"{lane} all_to_all n={n}", aout, np.concatenate(pieces))
+            ops.barrier(client, lane=lane).wait(60)
+            # send/recv across nodes, then any-source
+            if world == 4:
+                buf = _t(data(me, n, np.float32, salt + 7))
+                if me == 0:
+                    ops.send(client, buf, 3, tag=5, lane=lane).wait(60)
+                elif me == 3:
+                    ops.recv(client, buf, 0, tag=5, lane=lane).wait(60)
+                    _check(f"{lane} recv n={n}", buf, data(0, n, np.float32, salt + 7))
+                if me == 2:
+                    ops.send(client, _t(data(2, n, np.float32, salt + 8)), 1, tag=9, lane=lane).wait(60)
+                elif me == 1:
+                    got = torch.empty(n, dtype=torch.float32)
+                    handle = ops.recv(client, got, -1, tag=9, lane=lane)
+                    handle.wait(60)
+                    _check(f"{lane} any-source recv n={n}", got, data(2, n, np.float32, salt + 8))
+                    assert handle.src == 2, handle.src
+                # subgroups: one spanning both nodes, one local to node 1, one with mixed order
+                if me in (1, 2):
+                    t = _t(data(me, n, np.float32, salt + 9))
+                    ops.all_reduce(client, t, "sum", group="pair", lane=lane).wait(60)
+                    _check(f"{lane} pair all_reduce", t, (data(1, n, np.float32, salt + 9)
+                                                          + data(2, n, np.float32, salt + 9)))
+                if me in (2, 3):
+                    t = _t(data(me, n, np.float32, salt + 10))
+                    ops.all_reduce(client, t, "sum", group="local1").wait(60)
+                    _check("local1 all_reduce", t, data(2, n, np.float32, salt + 10) + data(3, n, np.float32, salt + 10))
+                if me in (3, 0, 2):
+                    members = GROUPS_OF_4["mixed"]
+                    mine = _t(data(me, n, np.float32, salt + 11))
+                    out = torch.empty(3 * n, dtype=torch.float32)
+                    ops.all_gather(client, out, mine, group="mixed", lane=lane).wait(60)
+                    _check(f"{lane} mixed all_gather", out,
+                           np.concatenate([data(r, n, np.float32, salt + 11) for r in members]))
+    client.close()
+    return "ok"
+
+
+def mismatch(ctx: Any) -> dict[str, str]:
+    """Ranks on node 1 submit a different count: every rank gets an error naming the field and ranks;
+    the group keeps working afterwards."""
+    from commd.client.errors import MismatchError
+
+    client = ctx.connect()
+    n = 8 if ctx.rank < 2 else 9
+    t = torch.ones(n)
+    try:
+        ops.all_reduce(client, t).wait(60)
+        message = "no error"
+    except MismatchError as exc:
+        message = str(exc)
+    t = torch.ones(4)
+    ops.all_reduce(client, t).wait(60)
+    assert t.tolist() == [4.0] * 4, t
+    client.close()
+    return {"message": message}
+
+
+def stall(ctx: Any) -> str:
+    """Rank 3 withholds its all_reduce until the test says go; the others submit and wait."""
+    client = ctx.connect()
+    t = torch.full((4,), float(ctx.rank))
+    if ctx.rank == 3:
+        ctx.event("ready")
+        ctx.command()
+    handle = ops.all_reduce(client, t)
+    ctx.event("submitted")
+    handle.wait(60)
+    assert t.tolist() == [6.0] * 4, t
+    client.close()
+    return "ok"
+
+
+def hang_on_dead_node(ctx: Any) -> str:
+    """Node 1's daemon is killed while node 0's ranks wait: they get an error, not a hang."""
+    from commd.client.errors import CommdError
+
+    client = ctx.connect()
+    t = torch.ones(4)
+    ops.all_reduce(client, t).wait(60)
+    ctx.event("first-done")
+    if ctx.rank >= 2:
+        ctx.command()  # node 1's ranks wait here until killed
+        return "unreachable"
+    ctx.command()  # proceed once node 1's daemon is gone
+    try:
+        ops.all_reduce(client, t, timeout=60).wait(60)
+        return "no error"
+    except CommdError as exc:
+        return f"{type(exc).__name__}: {exc}"

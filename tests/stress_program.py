@@ -1,0 +1,186 @@
+"""Seeded random programs of ops for the deadlock stress test.
+
+Every rank builds the same program from the seed: a list of ops of every
+kind on random groups (world and random subsets spanning random nodes), with
+random sizes, dtypes, roots and lanes.  Each rank submits its ops
+asynchronously in program order, sleeping at random points (its own seeded
+stream, so ranks drift apart), then waits on its handles in a random order
+and checks every result against a NumPy reference it computes itself.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from commd.client import ops
+
+KINDS = ["allreduce", "reduce", "broadcast", "allgather", "gather", "scatter", "reduce_scatter", "alltoall",
+         "barrier", "sendrecv"]
+DTYPES = [np.float32, np.float64, np.int32, np.int64]
+
+
+@dataclass
+class Op:
+    index: int
+    kind: str
+    group: str
+    members: list[int]
+    n: int
+    dtype: Any
+    lane: str | None
+    root: int = 0
+    reduce_op: str = "sum"
+    counts: list[int] = field(default_factory=list)
+    splits: list[list[int]] = field(default_factory=list)
+    src: int = 0
+    dst: int = 0
+
+
+def make_groups(seed: int, world: int) -> dict[str, list[int]]:
+    rng = random.Random(seed * 31 + 7)
+    groups = {"world": list(range(world))}
+    for i in range(3):
+        size = rng.randint(2, world)
+        members = rng.sample(range(world), size)  # random order: group ranks differ from global ranks
+        groups[f"s{i}"] = members
+    return groups
+
+
+def make_program(seed: int, world: int, lanes: list[str], length: int) -> tuple[dict[str, list[int]], list[Op]]:
+    rng = random.Random(seed)
+    groups = make_groups(seed, world)
+    program = []
+    for i in range(length):
+        kind = rng.choice(KINDS)
+        name = rng.choice(sorted(groups))
+        members = groups[name]
+        k = len(members)
+        n = rng.choice([0, 1, 3, 17, 1000, 20_000, 70_000])
+        dtype = rng.choice(DTYPES)
+        lane = rng.choice([*lanes, None])
+        op = Op(i, kind, name, members, n, dtype, lane, root=rng.randrange(k))
+        if kind in ("allreduce", "reduce", "reduce_scatter"):
+            op.reduce_op = rng.choice(["sum", "max", "min"])
+        if kind in ("allgather", "gather", "scatter", "reduce_scatter"):
+            op.counts = [rng.randint(0, max(1, n // k)) for _ in range(k)]
+        if kind == "alltoall":
+            op.splits = [[rng.randint(0, max(1, n // (k * k))) for _ in range(k)] for _ in range(k)]
+        if kind == "sendrecv":
+            op.src, op.dst = rng.sample(range(k), 2)
+        program.append(op)
+    return groups, program
+
+
+def _data(op: Op, grank: int, n: int) -> np.ndarray:
+    rng = np.random.default_rng(op.index * 1009 + grank)
+    return rng.integers(-9, 9, n).astype(op.dtype)
+
+
+def _reduce(arrays: list[np.ndarray], op: str) -> np.ndarray:
+    stack = np.stack(arrays) if arrays else np.zeros(0)
+    return {"sum": stack.sum(0), "max": stack.max(0), "min": stack.min(0)}[op].astype(arrays[0].dtype)
+
+
+def _submit(client: Any, op: Op, me: int) -> tuple[Any, Any, np.ndarray | None]:
+    """Submit this rank's part of ``op``; returns (handle, output tensor, expected output or None)."""
+    g = op.members.index(me)
+    k = len(op.members)
+    kw = {"group": op.group, "lane": op.lane, "timeout": 120}
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a).copy())  # noqa: E731
+    if op.kind == "allreduce":
+        buf = t(_data(op, g, op.n))
+        want = _reduce([_data(op, r, op.n) for r in range(k)], op.reduce_op)
+        return ops.all_reduce(client, buf, op.reduce_op, **kw), buf, want
+    if op.kind == "reduce":
+        buf = t(_data(op, g, op.n))
+        want = _reduce([_data(op, r, op.n) for r in range(k)], op.reduce_op) if g == op.root else _data(op, g, op.n)
+        return ops.reduce(client, buf, op.root, op.reduce_op, **kw), buf, want
+    if op.kind == "broadcast":
+        buf = t(_data(op, g, op.n))
+        return ops.broadcast(client, buf, op.root, **kw), buf, _data(op, op.root, op.n)
+    if op.kind in ("allgather", "gather"):
+        inp = t(_data(op, g, op.counts[g]))
+        full = np.concatenate([_data(op, r, op.counts[r]) for r in range(k)])
+        if op.kind == "allgather":
+            out = torch.empty(sum(op.counts), dtype=inp.dtype)
+            return ops.all_gather(client, out, inp, op.counts, **kw), out, full
+        out = torch.empty(sum(op.counts), dtype=inp.dtype) if g == op.root else None
+        return ops.gather(client, out, inp, op.root, op.counts, **kw), out, full if g == op.root else None
+    if op.kind == "scatter":
+        src = _data(op, op.root, sum(op.counts))
+        out = torch.empty(op.counts[g], dtype=torch.from_numpy(src).dtype)
+        start = sum(op.counts[:g])
+        inp = t(src) if g == op.root else None
+        return ops.scatter(client, out, inp, op.root, op.counts, **kw), out, src[start : start + op.counts[g]]
+    if op.kind == "reduce_scatter":
+        inp = t(_data(op, g, sum(op.counts)))
+        out = torch.empty(op.counts[g], dtype=inp.dtype)
+        total = _reduce([_data(op, r, sum(op.counts)) for r in range(k)], op.reduce_op)
+        start = sum(op.counts[:g])
+        handle = ops.reduce_scatter(client, out, inp, op.reduce_op, op.counts, **kw)
+        return handle, out, total[start : start + op.counts[g]]
+    if op.kind == "alltoall":
+        inp = t(_data(op, g, sum(op.splits[g])))
+        splits_out = [op.splits[j][g] for j in range(k)]
+        out = torch.empty(sum(splits_out), dtype=inp.dtype)
+        pieces = []
+        for j in range(k):
+            src = _data(op, j, sum(op.splits[j]))
+            off = sum(op.splits[j][:g])
+            pieces.append(src[off : off + op.splits[j][g]])
+        return ops.all_to_all(client, out, inp, op.splits[g], splits_out, **kw), out, np.concatenate(pieces)
+    if op.kind == "barrier":
+        return ops.barrier(client, **kw), None, None
+    # sendrecv: one pair of the group; a unique tag per op
+    if g == op.src:
+        return ops.send(client, t(_data(op, g, op.n)), op.dst, tag=op.index, **kw), None, None
+    if g == op.dst:
+        buf = torch.empty(op.n, dtype=torch.from_numpy(_data(op, 0, 0)).dtype)
+        return ops.recv(client, buf, op.src, tag=op.index, **kw), buf, _data(op, op.src, op.n)
+    return None, None, None
+
+
+def run_programs(ctx: Any, seeds: list[int], lanes: list[str], length: int, max_delay_ms: float) -> list[str]:
+    """Worker: run every seeded program; return one line per program."""
+    lines = []
+    client = None
+    for seed in seeds:
+        groups, program = make_program(seed, ctx.world_size, lanes, length)
+        if client is None:
+            client = ctx.connect()
+        for name, members in groups.items():
+            if name != "world" and ctx.rank in members:
+                client.register_group(f"{name}.{seed}", members)
+        rng = random.Random(seed * 1_000_003 + ctx.rank)
+        pending = []
+        started = time.monotonic()
+        for op in program:
+            if ctx.rank not in op.members:
+                continue
+            if op.group != "world":
+                op.group = f"{op.group}.{seed}"
+            if rng.random() < 0.2:
+                time.sleep(rng.random() * max_delay_ms / 1000)
+            handle, out, want = _submit(client, op, ctx.rank)
+            if handle is not None:
+                pending.append((op, handle, out, want))
+        rng.shuffle(pending)
+        for op, handle, out, want in pending:
+            handle.wait(180)
+            if want is not None:
+                got = out.numpy()
+                if got.shape != want.shape or not np.array_equal(got, want):
+                    raise AssertionError(
+                        f"seed {seed} op {op.index} {op.kind} on {op.group} lane {op.lane} n={op.n}: "
+                        f"got {got[:6]} want {want[:6]}"
+                    )
+        lines.append(f"seed {seed}: {len(pending)} ops ok in {time.monotonic() - started:.1f}s")
+    if client is not None:
+        client.close()
+    return lines

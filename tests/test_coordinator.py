@@ -1,0 +1,171 @@
+"""The coordinator and the lane choice as pure logic (no daemons, no sockets)."""
+
+from __future__ import annotations
+
+import pytest
+
+from commd.scheduler.coordinator import Coordinator, Outbox
+from commd.scheduler.selection import (
+    LaneRule,
+    SchedulerConfig,
+    SelectionError,
+    choose_lane,
+    executor_key,
+    load_config,
+    parse_config,
+)
+
+
+class FakeLane:
+    def __init__(self, refuse: set[str] | None = None) -> None:
+        self.refuse = refuse or set()
+
+    def can_run(self, primitive, dtype, reduce_op, nodes):
+        return f"no {dtype}" if dtype in self.refuse else None
+
+
+LANES = {"tcp": FakeLane(), "gloo": FakeLane({"bool"})}
+
+
+def entry(group="g", seq=0, kind="allreduce", mine=(0, 1), count=4, ranks=(0, 1, 2, 3), pl=(0, 0, 1, 1), **kw):
+    sig = {"lane": "", "dtype": "float32", "count": count, "reduce_op": "sum", "scale": 1.0}
+    sig.update(kw.pop("sig", {}))
+    item = {"t": "ready", "g": group, "s": seq, "k": kind, "sig": sig, "ranks": list(ranks), "pl": list(pl),
+            "n": sorted(set(pl)), "mine": list(mine), "nb": count * 4, "to": 30.0}
+    item.update(kw)
+    return item
+
+
+def test_release_waits_for_every_node_and_numbers_globally() -> None:
+    coord = Coordinator(2, SchedulerConfig(), LANES)
+    out = Outbox()
+    coord.report(0, [entry(seq=0), entry(group="h", seq=0)], out)
+    assert not out.messages  # node 1 has not reported yet
+    coord.report(1, [entry(group="h", seq=0, mine=[2, 3]), entry(seq=0, mine=[2, 3])], out)
+    orders = {(m["g"], m["o"]) for m in out.messages[0]}
+    assert orders == {("h", 1), ("g", 2)}  # released in the order they became complete
+    assert [m["o"] for m in out.messages[0]] == [m["o"] for m in out.messages[1]]
+    assert all(m["l"] == "tcp" for m in out.messages[0])
+
+
+def test_cached_pattern_takes_the_fast_path() -> None:
+    coord = Coordinator(2, SchedulerConfig(), LANES)
+    out = Outbox()
+    coord.report(0, [entry(seq=0)], out)
+    coord.report(1, [entry(seq=0, mine=[2, 3])], out)
+    cid = out.messages[0][0]["c"]
+    assert out.messages[1][0]["c"] == cid
+    out = Outbox()
+    coord.report(0, [{"t": "ready", "g": "g", "s": 1, "c": cid}], out)
+    coord.report(1, [{"t": "ready", "g": "g", "s": 1, "c": cid}], out)
+    assert out.messages[0][0]["t"] == "go" and coord.fast_path_hits == 1
+    # one node cached, the other sends a different pattern: compared in full, mismatch found
+    out = Outbox()
+    coord.report(0, [{"t": "ready", "g": "g", "s": 2, "c": cid}], out)
+    coord.report(1, [entry(seq=2, mine=[2, 3], count=5)], out)
+    assert out.messages[1][0]["t"] == "fail"
+    assert "'count' differs: ranks [0, 1] 4, ranks [2, 3] 5" in out.messages[1][0]["m"]
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [({"kind": "broadcast"}, "'kind'"), ({"ranks": (0, 1, 2)}, "'group members'"),
+     ({"sig": {"dtype": "int32"}}, "'dtype'"), ({"sig": {"reduce_op": "max"}}, "'reduce_op'"),
+     ({"sig": {"lane": "gloo"}}, "'lane'")],
+)
+def test_mismatch_names_field_and_ranks(change, field) -> None:
+    coord = Coordinator(2, SchedulerConfig(), LANES)
+    out = Outbox()
+    coord.report(0, [entry()], out)
+    coord.report(1, [entry(mine=[2, 3], **change)], out)
+    messages = out.messages[0] + out.messages[1]
+    assert all(m["t"] == "fail" and m["code"] == "mismatch" for m in messages)
+    assert field in messages[0]["m"] and "ranks [0, 1]" in messages[0]["m"]
+
+
+def test_alltoall_split_disagreement_is_reported() -> None:
+    coord = Coordinator(2, SchedulerConfig(), LANES)
+    out = Outbox()
+    sig = {"reduce_op": None}
+    coord.report(0, [entry(kind="alltoall", sig=sig, a2a=[[0, [1, 1, 1, 1], [1, 1, 1, 1]],
+                                                          [1, [1, 1, 1, 1], [1, 1, 1, 1]]])], out)
+    coord.report(1, [entry(kind="alltoall", mine=[2, 3], sig=sig, a2a=[[2, [1, 1, 1, 1], [2, 1, 1, 1]],
+                                                                       [3, [1, 1, 1, 1], [1, 1, 1, 1]]])], out)
+    assert "rank 0 sends 1 elements to rank 2, which expects 2" in out.messages[0][0]["m"]
+
+
+def test_timeout_names_missing_nodes_and_ranks() -> None:
+    coord = Coordinator(3, SchedulerConfig(), LANES)
+    out = Outbox()
+    pl = (0, 1, 2)
+    coord.report(0, [entry(ranks=(0, 1, 2), pl=pl, mine=[0], to=1.0)], out)
+    coord.partial[2] = {}
+    rows = coord.stalls(coord.pending[("g", 0)].first_at + 5, 1.0)
+    assert rows[0]["missing_nodes"] == [1, 2] and rows[0]["missing_ranks"] == [1, 2]
+    coord.expire(coord.pending[("g", 0)].first_at + 5, out)
+    assert out.messages[0][0]["code"] == "timeout"
+    assert "nodes [1, 2]" in out.messages[0][0]["m"]
+
+
+def test_dead_node_fails_pending_and_later_reports() -> None:
+    coord = Coordinator(2, SchedulerConfig(), LANES)
+    out = Outbox()
+    coord.report(0, [entry()], out)
+    coord.node_dead(1, "stopped answering", out)
+    assert out.messages[0][0]["code"] == "peer_died"
+    out = Outbox()
+    coord.report(0, [entry(seq=1)], out)
+    assert out.messages[0][0]["t"] == "fail" and "node 1 stopped answering" in out.messages[0][0]["m"]
+
+
+def test_p2p_is_forwarded_then_ordered_on_both_nodes() -> None:
+    coord = Coordinator(2, SchedulerConfig(), LANES)
+    out = Outbox()
+    coord.p2p_send(0, {"t": "p2p_send", "key": 7, "dn": 1, "nb": 16, "dst": 3}, out)
+    assert out.messages[1][0]["t"] == "remote_send" and out.messages[1][0]["sn"] == 0
+    out = Outbox()
+    coord.p2p_match(1, {"t": "p2p_match", "sn": 0, "key": 7}, out)
+    assert out.messages[0][0]["role"] == "send" and out.messages[1][0]["role"] == "recv"
+    assert out.messages[0][0]["o"] == out.messages[1][0]["o"]
+
+
+def test_lane_choice_order_hint_rules_default() -> None:
+    config = SchedulerConfig(rules=[LaneRule("gloo", "allreduce", min_bytes=1024)])
+    args = ("allreduce", "float32", "sum")
+    assert choose_lane(*args, 4096, (0, 1), 4, None, config, LANES) == "gloo"
+    assert choose_lane(*args, 16, (0, 1), 4, None, config, LANES) == "tcp"
+    assert choose_lane(*args, 4096, (0, 1), 4, "tcp", config, LANES) == "tcp"
+    # a rule whose lane cannot run the op is skipped; a hint that cannot is an error
+    assert choose_lane("allreduce", "bool", "max", 4096, (0, 1), 4, None, config, LANES) == "tcp"
+    with pytest.raises(SelectionError, match="lane 'gloo'.*no bool"):
+        choose_lane("allreduce", "bool", "max", 4096, (0, 1), 4, "gloo", config, LANES)
+    with pytest.raises(SelectionError, match="'mpi' is not available"):
+        choose_lane(*args, 16, (0, 1), 4, "mpi", config, LANES)
+
+
+def test_exclusion_rule_serializes_gpu_ops_of_nccl_and_mpi() -> None:
+    assert executor_key("nccl", True) == executor_key("mpi", True) == "gpu-exclusive"
+    assert executor_key("mpi", False) == "mpi" and executor_key("tcp", True) == "tcp"
+
+
+def test_config_file_validation(tmp_path) -> None:
+    good = tmp_path / "ok.toml"
+    good.write_text('[scheduler]\ndefault_lane = "gloo"\nstall_warning_s = 5\n\n'
+                    '[[rules]]\nkind = "allreduce"\nmin_bytes = 1048576\nlane = "tcp"\n')
+    config = load_config(good)
+    assert config.default_lane == "gloo" and config.rules[0].min_bytes == 1 << 20
+    for text, needle in [
+        ('[scheduler]\ndefault_lane = "carrier-pigeon"\n', "default_lane"),
+        ('[[rules]]\nlane = "tcp"\nkind = "allreduce"\nmin_bytes = -1\n', "min_bytes"),
+        ('[[rules]]\nlane = "tcp"\nkind = "fold"\n', "'kind'"),
+        ("[scheduler]\nstall_warning_s = 10\nstall_shutdown_s = 5\n", "stall_shutdown_s"),
+        ("[lanes]\n", "unknown section"),
+        ("not toml ][", "not valid TOML"),
+    ]:
+        bad = tmp_path / "bad.toml"
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=needle):
+            load_config(bad)
+    with pytest.raises(ValueError, match="cannot read"):
+        load_config(tmp_path / "missing.toml")
+    assert parse_config({}).default_lane == "tcp"

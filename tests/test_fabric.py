@@ -1,0 +1,101 @@
+"""Multi-node jobs: daemons on loopback with distinct node names form a fabric.
+
+Each test starts 2 nodes x 2 ranks (daemons + workers as separate processes)
+and checks results against NumPy references computed in the workers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import fabric_workers as fw
+import pytest
+from cluster import Cluster
+from helpers import wait_until
+
+
+@pytest.fixture
+def cluster(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Iterator:
+    made: list[Cluster] = []
+
+    def make(nnodes: int = 2, nproc: int = 2, **kwargs) -> Cluster:
+        monkeypatch.delenv("COMMD_SECRET", raising=False)
+        c = Cluster(tmp_path_factory.mktemp("fab"), nnodes, nproc, **kwargs)
+        made.append(c)
+        return c.start()
+
+    yield make
+    for c in made:
+        c.stop()
+        print(c.logs())
+
+
+def test_every_op_on_tcp_and_gloo_lanes(cluster) -> None:
+    c = cluster()
+    results = c.join(c.start_workers(fw.every_op, ["tcp", "gloo"], [5, 70_000]), timeout=240)
+    assert set(results.values()) == {"ok"}
+    status = c.status(0)
+    fabric = status["fabric"]
+    assert fabric["coordinator"] and [n["name"] for n in fabric["nodes"]] == ["n0", "n1"]
+    assert fabric["lane_ops"]["tcp"]["ops"] > 0 and fabric["lane_ops"]["gloo"]["ops"] > 0
+    # the same collective pattern repeats: later reports take the cached fast path
+    assert c.status(1)["fabric"]["fast_path"] > 0
+
+
+def test_mismatch_across_nodes_names_fields_and_ranks(cluster) -> None:
+    c = cluster()
+    results = c.join(c.start_workers(fw.mismatch))
+    for rank, value in results.items():
+        message = value["message"]
+        assert "'count' differs" in message, (rank, message)
+        assert "ranks [0, 1] 8" in message and "ranks [2, 3] 9" in message, message
+
+
+def test_stall_shows_missing_rank_in_status(cluster, tmp_path: Path) -> None:
+    config = tmp_path / "commd.toml"
+    config.write_text("[scheduler]\nstall_warning_s = 0.5\n")
+    c = cluster(extra=["--config", str(config)])
+    workers = c.start_workers(fw.stall)
+    for w in workers:
+        for rank in w.procs:
+            if rank != 3:
+                w.wait_event(rank, "submitted")
+    workers[1].wait_event(3, "ready")
+
+    def stalled() -> list:
+        rows = c.status(0)["stalls"]
+        return [r for r in rows if r.get("missing_ranks") == [3]]
+
+    rows = wait_until(stalled, 30, "the stall to show rank 3 in node 0's status")
+    assert rows[0]["kind"] == "allreduce" and rows[0]["missing_nodes"] == [1]
+    # the CLI shows it too
+    out = subprocess.run(
+        [sys.executable, "-m", "commd", "status", "--job", c.job], capture_output=True, text=True, timeout=60,
+        env=dict(os.environ, COMMD_RUNTIME_DIR=str(c.runtime[0])),
+    )
+    assert "stall" in out.stdout.lower() and "3" in out.stdout, out.stdout + out.stderr
+    workers[1].send(3, "go")
+    assert set(c.join(workers).values()) == {"ok"}
+
+
+def test_dead_node_fails_ops_instead_of_hanging(cluster) -> None:
+    c = cluster(peer_timeout=2.0)
+    workers = c.start_workers(fw.hang_on_dead_node)
+    for w in workers:
+        for rank in w.procs:
+            w.wait_event(rank, "first-done")
+    os.kill(c.daemon_pid(1), signal.SIGKILL)
+    for rank in (0, 1):
+        workers[0].send(rank, "go")
+    started = time.monotonic()
+    results = workers[0].join(timeout=60)
+    assert time.monotonic() - started < 45
+    for rank, text in results.items():
+        assert "PeerDied" in text or "Timeout" in text, (rank, text)
+        assert "node 1" in text or "n1" in text, text
