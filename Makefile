@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-all conformance conformance-full bench lint clean
+.PHONY: venv demo test test-all stress conformance conformance-full bench bench-multinode lint clean
 
 venv: $(STAMP)
 
@@ -26,6 +26,12 @@ test: venv
 test-all: venv
 	$(PY) -m pytest -q
 
+# Many seeded random programs on 3 simulated hosts x 2 ranks (tests/test_stress.py).
+STRESS_PROGRAMS ?= 200
+stress: venv
+	STRESS_PROGRAMS=$(STRESS_PROGRAMS) STRESS_LENGTH=$${STRESS_LENGTH:-40} \
+		$(PY) -m pytest -q -s tests/test_stress.py
+
 conformance: venv
 	$(PY) tests/conformance/run_distributed_suite.py --backend commd --subset fast
 
@@ -35,6 +41,9 @@ conformance-full: venv
 
 bench: venv
 	$(PY) benchmarks/allreduce.py
+
+bench-multinode: venv
+	$(PY) benchmarks/multinode.py
 
 lint: venv
 	$(VENV)/bin/ruff check commd tests benchmarks

@@ -24,6 +24,8 @@ def _register() -> None:
 
 _register()
 
+from commd.torch_backend.process_group import Options  # noqa: E402  (pg_options: the lane of a group)
+
 
 def empty(shape, dtype=None):  # type: ignore[no-untyped-def]
     """A tensor in this process's commd arena (zero-copy for collectives).
@@ -37,4 +39,4 @@ def empty(shape, dtype=None):  # type: ignore[no-untyped-def]
     return current_client().empty(shape, dtype or torch.float32)
 
 
-__all__ = ["Client", "CommTimeoutError", "CommdError", "MismatchError", "PeerDiedError", "empty"]
+__all__ = ["Client", "CommTimeoutError", "CommdError", "MismatchError", "Options", "PeerDiedError", "empty"]

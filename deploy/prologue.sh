@@ -12,9 +12,18 @@
 #   COMMD_PROLOGUE_TIMEOUT  seconds to wait for the daemon to answer (default 60)
 #   COMMD_PROLOGUE_MODE     auto (default): the systemd user unit commd@$COMMD_JOB if it
 #                           is installed, else a detached process; or systemd / detach
-#   COMMD_RUNTIME_DIR, COMMD_OP_TIMEOUT, COMMD_LOG_LEVEL
+#   COMMD_RUNTIME_DIR, COMMD_OP_TIMEOUT, COMMD_LOG_LEVEL, COMMD_NODE, COMMD_CONFIG
 #                           passed on to a detached daemon (a systemd unit reads its
 #                           own, see deploy/commd@.service)
+#   COMMD_NNODES, COMMD_NODE_RANK, COMMD_RENDEZVOUS=HOST:PORT, COMMD_SECRET
+#                           a job on several nodes: run this prologue on every node with
+#                           its node rank; node 0's daemon hosts the rendezvous store at
+#                           HOST:PORT (node 0's address).  Give every node the same
+#                           COMMD_SECRET (e.g. from the scheduler's job credential), or none:
+#                           node 0 then publishes one through the store.  The daemon answers
+#                           only once every node has joined, so raise COMMD_PROLOGUE_TIMEOUT
+#                           to cover the slowest node's start.  (Under MPI instead:
+#                           `mpiexec -n K -ppn 1 commd daemon --job $COMMD_JOB`.)
 #
 # Exit status: 0 once the daemon answers (also when it was already running),
 # 1 if it does not start or answer in time, 2 for bad settings.

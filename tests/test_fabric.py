@@ -99,3 +99,17 @@ def test_dead_node_fails_ops_instead_of_hanging(cluster) -> None:
     for rank, text in results.items():
         assert "PeerDied" in text or "Timeout" in text, (rank, text)
         assert "node 1" in text or "n1" in text, text
+
+
+def test_every_op_between_simulated_hosts_with_shaped_links(sim_hosts, tmp_path: Path) -> None:
+    """Two network namespaces joined by a bridge, links at 10 Gbit/s with 0.1 ms delay."""
+    hosts = sim_hosts(2, delay_ms=0.1, rate="10gbit")
+    c = Cluster(tmp_path, 2, 2, hosts=hosts)
+    try:
+        c.start()
+        assert [n["ip"] for n in c.status(0)["fabric"]["nodes"]] == [h.ip for h in hosts.hosts]
+        results = c.join(c.start_workers(fw.every_op, ["tcp", "gloo"], [300]), timeout=240)
+        assert set(results.values()) == {"ok"}
+    finally:
+        c.stop()
+        print(c.logs())

@@ -71,7 +71,7 @@ def test_torchrun_style_ranks_auto_start_their_node_daemons(tmp_path: Path) -> N
         env = _env(runtime, f"n{node}")
         env.update(RANK=str(rank), WORLD_SIZE="4", LOCAL_RANK=str(rank % 2), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, str(SCRIPTS / "cli_allreduce_worker.py"), str(tmp_path)],
+        procs.append(subprocess.Popen([sys.executable, str(SCRIPTS / "cli_allreduce_worker.py"), str(tmp_path), "gloo"],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []
     try:
@@ -82,7 +82,10 @@ def test_torchrun_style_ranks_auto_start_their_node_daemons(tmp_path: Path) -> N
             if proc.poll() is None:
                 proc.kill()
     assert [p.returncode for p in procs] == [0] * 4, "\n".join(outputs)
-    assert all(r["ok"] and r["sum"] == 10.0 for r in _results(tmp_path, 4))
+    results = _results(tmp_path, 4)
+    assert all(r["ok"] and r["sum"] == 10.0 for r in results)
+    # the group made with pg_options=commd.Options(lane="gloo") ran on the gloo lane
+    assert all(r["lane_ops"]["gloo"]["ops"] >= 1 for r in results), results
 
 
 @pytest.mark.skipif(not Path(MPIEXEC).exists(), reason="mpiexec (the mpich wheel) is not installed")

@@ -24,7 +24,7 @@ LENGTH = int(os.environ.get("STRESS_LENGTH", "24"))
 FIRST_SEED = int(os.environ.get("STRESS_SEED", "1"))
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(max(900, 180 + 60 * PROGRAMS))
 def test_random_programs_finish_and_match_numpy(sim_hosts, tmp_path, monkeypatch) -> None:
     hosts = sim_hosts(HOSTS) if netns_unavailable() is None else None
     if hosts is None:

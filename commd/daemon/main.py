@@ -36,10 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="exit (as on SIGTERM) when this process dies, e.g. the launcher that started us",
     )
     fabric = parser.add_argument_group("multi-node fabric (one daemon per node)")
-    fabric.add_argument("--nnodes", type=int, default=None, help="number of nodes (daemons) in the job")
-    fabric.add_argument("--node-rank", type=int, default=None, help="this node's rank in [0, nnodes)")
+    fabric.add_argument("--nnodes", type=int, default=None,
+                        help="number of nodes (daemons) in the job (default: $COMMD_NNODES or 1)")
+    fabric.add_argument("--node-rank", type=int, default=None,
+                        help="this node's rank in [0, nnodes) (default: $COMMD_NODE_RANK)")
     fabric.add_argument("--rendezvous", default=None, metavar="HOST:PORT",
-                        help="TCPStore for the daemons' rendezvous; node 0 hosts it unless --join-store")
+                        help="TCPStore for the daemons' rendezvous; node 0 hosts it unless --join-store "
+                             "(default: $COMMD_RENDEZVOUS)")
     fabric.add_argument("--join-store", action="store_true",
                         help="the store at --rendezvous already exists (the training job's): only connect")
     fabric.add_argument("--node-name", default=None,
@@ -145,6 +148,13 @@ def _fabric_spec(args: argparse.Namespace, node_name: str, op_timeout: float) ->
     """None for a single-node daemon; else what the rendezvous needs (validated)."""
     from commd.lanes.mpi import mpi_world_size_from_env
 
+    # Cluster start-up (systemd EnvironmentFile, job prologue) sets these instead of flags.
+    if args.nnodes is None and os.environ.get("COMMD_NNODES"):
+        args.nnodes = env_int("COMMD_NNODES", 1, 1, 4096)
+    if args.node_rank is None and os.environ.get("COMMD_NODE_RANK"):
+        args.node_rank = env_int("COMMD_NODE_RANK", 0, 0, 4095)
+    if args.rendezvous is None and os.environ.get("COMMD_RENDEZVOUS"):
+        args.rendezvous = os.environ["COMMD_RENDEZVOUS"]
     mpi_size = mpi_world_size_from_env()
     use_mpi = args.mpi or (mpi_size is not None and mpi_size > 1)
     if not use_mpi and args.rendezvous is None:

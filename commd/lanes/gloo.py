@@ -119,6 +119,8 @@ class TorchGroupLane:
         self._send_seq: dict[int, int] = {}  # per-peer tags: both sides count the same pair ops
         self._recv_seq: dict[int, int] = {}
         self._closed = False
+        self._busy: tuple[int, ...] | None = None  # the subset of the call in flight
+        self._retired: list[Any] = []  # groups close() must not destroy yet (see close)
         self._lock = threading.Lock()  # groups vs a close() from another thread
 
     # ---- what subclasses provide ------------------------------------------------
@@ -135,13 +137,18 @@ class TorchGroupLane:
         """The backend's own timeout for an op that has ``left`` seconds to its deadline."""
         return timedelta(seconds=left)
 
-    def _wait(self, work: Any, timeout: float) -> None:
+    def _wait(self, work: Any, timeout: float, sliced: bool) -> None:
         """Block until ``work`` is done; raise the backend's exception on failure or timeout.
 
-        Waits in slices so a ``close`` from another thread ends the wait promptly (Gloo's
-        abort does not fail pending work).  A wait that runs out of its slice raises
-        "Operation timed out!" and leaves the work untouched, so it can be waited again.
+        Collectives wait in slices so a ``close`` from another thread ends the wait
+        promptly (Gloo's abort does not fail pending work): a collective's wait that runs
+        out of its slice raises "Operation timed out!" and leaves the work running.  Not
+        so send/recv: their wait drives Gloo's unbound buffer, whose timeout closes the
+        group's connections, so they get one wait for the whole time.
         """
+        if not sliced:
+            work.wait(timedelta(seconds=timeout))
+            return
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -216,20 +223,29 @@ class TorchGroupLane:
         """Seconds to the deadline, never below a millisecond (backends reject a zero timeout)."""
         return max(deadline - time.monotonic(), 0.001)
 
-    def _run(self, what: str, nodes: tuple[int, ...], timeout: float, start: Any) -> None:
+    def _run(self, what: str, nodes: tuple[int, ...], timeout: float, start: Any, sliced: bool = True) -> None:
         """Create/fetch the subset's group, start the op on it, wait; failures become LaneError."""
         deadline = time.monotonic() + timeout
-        group = self._group(nodes, deadline, what)
+        self._busy = nodes
         try:
+            group = self._group(nodes, deadline, what)
             work = start(group, self._left(deadline))
-            self._wait(work, self._left(deadline))
+            del group  # only self._groups holds it: close() decides when it goes
+            self._wait(work, self._left(deadline), sliced)
         except LaneError:
             raise
         except Exception as exc:
             self._fail(nodes, what, exc)
+        finally:
+            self._busy = None
 
     def _fail(self, nodes: tuple[int, ...], what: str, exc: BaseException) -> None:
-        """Record the failure against the peers of ``nodes``, abort their group, raise LaneError."""
+        """Record the failure against the peers of ``nodes``, drop their group, raise LaneError.
+
+        The group is destroyed here, which closes its connections and so tells the
+        peers at once.  Its op has ended, or ends within moments: it was started with
+        the backend's own timeout set to this call's deadline.
+        """
         if self._closed:
             raise LaneError(f"{self.name} lane closed during {what} on nodes {nodes}") from exc
         error = LaneError(f"{self.name} {what} on nodes {nodes} failed: {_first_line(exc)}",
@@ -245,11 +261,11 @@ class TorchGroupLane:
 
     @staticmethod
     def _abort(group: Any) -> None:
-        """Stop ``group``'s pending work so it never writes into a buffer the daemon reuses.
+        """Ask the backend to stop ``group``'s pending work (NCCL aborts its communicator).
 
-        The caller then drops the group: Gloo closes its sockets only when the group is
-        destroyed (abort alone does not), and the closed sockets are what tell the peers,
-        at once, that this node left the group.  Pending Work keeps what it needs alive.
+        For Gloo this does little: its abort neither fails pending work nor closes the
+        sockets; only destroying the group closes them (and blocks until its pending
+        work ends), which is what tells the peers that this node left the group.
         """
         try:
             group.abort()
@@ -415,7 +431,8 @@ class TorchGroupLane:
             return
         tag = self._next_tag(self._send_seq, dst)
         peer = nodes.index(dst)
-        self._run(f"send to {dst}", nodes, timeout, lambda group, left: group.send([data], peer, tag))
+        self._run(f"send to {dst}", nodes, timeout, lambda group, left: group.send([data], peer, tag),
+                  sliced=False)
 
     def recv(self, src: int, buf: torch.Tensor, timeout: float) -> None:
         """Receive ``buf``'s bytes from ``src`` over the pair's group."""
@@ -426,7 +443,8 @@ class TorchGroupLane:
             return
         tag = self._next_tag(self._recv_seq, src)
         peer = nodes.index(src)
-        self._run(f"recv from {src}", nodes, timeout, lambda group, left: group.recv([data], peer, tag))
+        self._run(f"recv from {src}", nodes, timeout, lambda group, left: group.recv([data], peer, tag),
+                  sliced=False)
 
     def barrier(self, nodes: tuple[int, ...], timeout: float) -> None:
         """Return once every node of ``nodes`` has entered."""
@@ -442,12 +460,21 @@ class TorchGroupLane:
         self._run("barrier", nodes, timeout, start)
 
     def close(self) -> None:
-        """Abort every group: a pending call fails with LaneError, later calls are refused."""
+        """Close the groups: a pending call fails with LaneError, later calls are refused.
+
+        Idle groups are destroyed now (their connections close).  The group of a call
+        in flight is kept: destroying it would block this thread, holding the GIL,
+        until the backend's own timeout of that op; it goes with the lane.  A pending
+        send/recv is not interrupted (see ``_wait``): it ends at its deadline.
+        """
         with self._lock:
             self._closed = True
-            groups, self._groups = list(self._groups.values()), {}
-            for group in groups:
+            groups, self._groups = self._groups, {}
+            for nodes, group in groups.items():
                 self._abort(group)
+                if nodes == self._busy:
+                    self._retired.append(group)
+        groups.clear()
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} node {self.node_rank}/{self.nnodes}, {len(self._groups)} groups>"

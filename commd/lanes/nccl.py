@@ -143,7 +143,7 @@ class NcclLane(TorchGroupLane):
     def _op_timeout(self, left: float) -> timedelta:
         return timedelta(seconds=left + WATCHDOG_GRACE_S)
 
-    def _wait(self, work: Any, timeout: float) -> None:
+    def _wait(self, work: Any, timeout: float, sliced: bool) -> None:
         """Poll the work's CUDA events until done or the deadline (work.wait would block unbounded)."""
         deadline = time.monotonic() + timeout
         delay = MIN_SLEEP_S
@@ -155,9 +155,9 @@ class NcclLane(TorchGroupLane):
             delay = min(delay * 2, MAX_SLEEP_S)
         work.wait()  # raises the work's error if it failed; orders the current stream after it
 
-    def _run(self, what: str, nodes: tuple[int, ...], timeout: float, start: Any) -> None:
+    def _run(self, what: str, nodes: tuple[int, ...], timeout: float, start: Any, sliced: bool = True) -> None:
         with torch.cuda.device(self.device):
-            super()._run(what, nodes, timeout, start)
+            super()._run(what, nodes, timeout, start, sliced)
 
     def _reduce_refusal(self, dtype: str, op: str) -> str | None:
         return nccl_can_run("allreduce", dtype, op, (), self.nnodes)

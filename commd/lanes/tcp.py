@@ -217,7 +217,7 @@ class _Mesh:
             if remaining <= 0:
                 busy = sorted(self._busy, key=lambda p: p.rank)
                 raise _Failure(None, "timeout",
-                               f"timed out after {timeout:g} s still waiting for "
+                               f"timed out after {timeout:g} s, still waiting for "
                                f"{', '.join(p.pending() for p in busy)}")
             for key, mask in self.sel.select(remaining):
                 peer = key.data
@@ -227,9 +227,6 @@ class _Mesh:
                     self._pump_send(peer)
                 if mask & selectors.EVENT_READ and peer.recvq:
                     self._pump_recv(peer)
-
-    def pending_ranks(self) -> list[int]:
-        return sorted(p.rank for p in self._busy)
 
     def _watch(self, peer: _Peer) -> None:
         """Make the selector watch exactly what ``peer`` still needs (level-triggered: never more)."""
@@ -442,6 +439,11 @@ def _ring(ex: _Exchange, nxt: int, prv: int, me: int, view: memoryview, blocks: 
     ``combine_steps`` steps a chunk lands in ``scratch`` and ``combine(offset,
     length)`` folds it into ``view`` before it goes on (reduce-scatter); later
     chunks land in place (all-gather).
+
+    One scratch chunk is enough: receives from ``prv`` complete strictly in
+    order and each is folded in by its completion callback before the next one
+    reads a byte.  Receiving in place is safe too: a block comes back to a node
+    only after the ring has consumed what the node sent from that place.
     """
     n = len(blocks)
 

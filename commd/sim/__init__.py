@@ -5,6 +5,7 @@ See ``commd.sim.hosts`` for the API and ``python -m commd.sim --help`` for the c
 
 from commd.sim.hosts import (
     DEFAULT_PREFIX,
+    DELAY_BACKENDS,
     MAX_HOSTS,
     InstanceState,
     ShapingUnavailableError,
@@ -12,17 +13,19 @@ from commd.sim.hosts import (
     SimHostsError,
     SimulatedHosts,
     cleanup_stale,
+    link_commands,
     list_instances,
     netns_unavailable,
     parse_rate,
     remove_instance,
-    shaping_commands,
+    resolve_delay_backend,
     shaping_unavailable,
     state_dir,
 )
 
 __all__ = [
     "DEFAULT_PREFIX",
+    "DELAY_BACKENDS",
     "MAX_HOSTS",
     "InstanceState",
     "ShapingUnavailableError",
@@ -30,11 +33,12 @@ __all__ = [
     "SimHostsError",
     "SimulatedHosts",
     "cleanup_stale",
+    "link_commands",
     "list_instances",
     "netns_unavailable",
     "parse_rate",
     "remove_instance",
-    "shaping_commands",
+    "resolve_delay_backend",
     "shaping_unavailable",
     "state_dir",
 ]

@@ -10,25 +10,44 @@ Layout of one instance (``tag`` = prefix + 4 hex digits, unique per instance)::
 
     root namespace:  bridge <tag>br  10.X.Y.254/24  (SimulatedHosts.bridge_ip)
                      veth   <tag>v<i>  (bridge port of host i)
-    namespace <tag>-h<i>:  eth0 10.X.Y.<i+1>/24, lo up
+    namespace <tag>-h<i>:  eth0 10.X.Y.<i+1>/24 (MAC 02:c5:..), lo up
 
 ``X.Y`` comes from the instance number claimed in the state directory, so
 concurrent instances (other tests, other processes) never share a subnet.
 
-Shaping (see ``shaping_commands``): on each host's eth0 egress ``netem delay``
-as root qdisc with a ``tbf`` child, and a ``tbf`` on the bridge port's egress
-(traffic *into* the host), so a host sends and receives at most ``rate`` like
-a full-duplex NIC, and each packet is delayed once, on its sender's link:
-host-to-host one-way latency grows by ``delay_ms``, a round trip by twice that.
+Shaping (exact commands: ``link_commands``).  Each packet is delayed once, on
+its sender's link, so host-to-host one-way latency grows by ``delay_ms`` and a
+round trip by twice that; a host sends and receives at most ``rate``, like a
+full-duplex NIC (tbf on its egress and on its bridge port's egress).  The
+delay has two backends:
+
+* ``netem``: ``netem delay`` as eth0's root qdisc with the tbf as its child.
+* ``userspace``, for kernels built without netem (CONFIG_NET_SCH_NETEM unset):
+  a clsact egress filter on eth0 redirects every frame (mirred) to a TAP
+  device ``<tag>d<i>`` in the namespace; one small delay-line process per
+  instance reads the frames (as 64 KiB GSO segments) and writes them, after
+  the delay, to a second TAP ``<tag>i<i>`` that is a bridge port (learning and
+  flooding off; eth0's MAC is a static entry on ``<tag>v<i>``, so the bridge
+  delivers to the host over the veth).  The tbf then sits on ``<tag>d<i>``.
+  It costs a CPU core under load and caps one host's send rate at a few
+  Gbit/s (measured ~5 Gbit/s on 2 cores).
+
+``delay_backend="auto"`` (the default) uses netem where the kernel has it.
 
 Every instance is recorded in a JSON state file (``state_dir()``) with its
 owner's pid before anything is created, and the file is removed last, so
 ``cleanup_stale`` can find what a crashed run left behind.
+
+This module imports only the standard library: the delay line runs it as a
+script (``python -I hosts.py _delay-line ...``) without importing commd.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import ctypes
+import fcntl
 import functools
 import ipaddress
 import json
@@ -36,10 +55,13 @@ import math
 import os
 import random
 import re
+import select
 import shlex
 import shutil
 import signal
+import struct
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -52,6 +74,7 @@ from typing import Any
 
 __all__ = [
     "DEFAULT_PREFIX",
+    "DELAY_BACKENDS",
     "MAX_HOSTS",
     "InstanceState",
     "ShapingUnavailableError",
@@ -59,24 +82,26 @@ __all__ = [
     "SimHostsError",
     "SimulatedHosts",
     "cleanup_stale",
+    "link_commands",
     "list_instances",
     "netns_unavailable",
     "parse_rate",
     "remove_instance",
-    "shaping_commands",
+    "resolve_delay_backend",
     "shaping_unavailable",
     "state_dir",
 ]
 
 DEFAULT_PREFIX = "csim"
 MAX_HOSTS = 32
+DELAY_BACKENDS = ("auto", "netem", "userspace")
 #: Instance numbers map to subnets 10.200.0.0/24 .. 10.254.255.0/24 (rarely used by real networks).
 _FIRST_OCTET2 = 200
 _INSTANCE_NUMBERS = (255 - _FIRST_OCTET2) * 256
 _PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,7}$")
 _RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit|tbit)\s*$", re.IGNORECASE)
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
-#: tc shaping parameters (why these values: see shaping_commands).
+#: tc shaping parameters (why these values: see _tbf_args and link_commands).
 TBF_BURST_S = 0.001
 TBF_MIN_BURST_BYTES = 128 * 1024
 TBF_QUEUE_S = 0.005
@@ -85,6 +110,18 @@ NETEM_LIMIT_PACKETS = 100_000
 TERM_GRACE_S = 1.0
 KILL_WAIT_S = 5.0
 _CMD_TIMEOUT_S = 30.0
+_DELAY_LINE_READY_S = 20.0
+#: The delay line drops frames beyond this many queued bytes (a full switch buffer).
+_DELAY_LINE_MAX_QUEUED = 256 << 20
+
+# /dev/net/tun ioctls and flags (linux/if_tun.h).
+_TUNSETIFF = 0x400454CA
+_TUNSETOFFLOAD = 0x400454D0
+_IFF_TAP = 0x0002
+_IFF_NO_PI = 0x1000
+_IFF_VNET_HDR = 0x4000
+_TUN_F_CSUM, _TUN_F_TSO4, _TUN_F_TSO6 = 0x01, 0x02, 0x04
+_PR_SET_TIMERSLACK = 29
 
 
 class SimHostsError(RuntimeError):
@@ -97,14 +134,14 @@ class SimHostsError(RuntimeError):
 
 
 class ShapingUnavailableError(SimHostsError):
-    """The kernel lacks a qdisc the requested shaping needs (e.g. netem not built)."""
+    """The kernel lacks what the requested shaping needs (e.g. netem not built, no /dev/net/tun)."""
 
 
 # --------------------------------------------------------------------------- commands
 
 
 def _tool(name: str) -> str | None:
-    """Path of ``ip``/``tc``: PATH first, then the sbin dirs that a non-login PATH often lacks."""
+    """Path of ``ip``/``tc``/``bridge``: PATH first, then the sbin dirs a non-login PATH often lacks."""
     found = shutil.which(name)
     if found:
         return found
@@ -118,7 +155,7 @@ def _tool(name: str) -> str | None:
 def _run(cmd: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
     """Run a system command; on failure raise SimHostsError naming the command and its stderr."""
     argv = list(cmd)
-    if argv[0] in ("ip", "tc"):
+    if argv[0] in ("ip", "tc", "bridge"):
         argv[0] = _tool(argv[0]) or argv[0]
     try:
         result = subprocess.run(argv, capture_output=True, text=True, timeout=_CMD_TIMEOUT_S)
@@ -168,38 +205,79 @@ def netns_unavailable() -> str | None:
 
 
 @functools.cache
-def _qdisc_missing(kind: str) -> str | None:
-    """Try ``kind`` as root qdisc of lo in a throwaway namespace (the kernel config cannot change)."""
+def _kernel_missing(feature: str) -> str | None:
+    """Try ``feature`` on lo of a throwaway namespace; cached, as the kernel cannot change under us."""
+    probes = {
+        "netem": [["qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"]],
+        "tbf": [["qdisc", "add", "dev", "lo", "root", "tbf", "rate", "1gbit", "burst", "128kb", "limit", "1mb"]],
+        "redirect": [
+            ["qdisc", "add", "dev", "lo", "clsact"],
+            ["filter", "add", "dev", "lo", "egress", "u32", "match", "u32", "0", "0",
+             "action", "mirred", "egress", "redirect", "dev", "lo"],
+        ],
+    }
+    if _tool("tc") is None:
+        return "iproute2's `tc` is not installed"
     name = _throwaway_name()
     try:
         _run(["ip", "netns", "add", name])
     except SimHostsError as exc:
-        return f"cannot probe qdisc {kind}: {exc}"
+        return f"cannot probe {feature}: {exc}"
     try:
-        args = {"netem": ["netem", "delay", "1ms"], "tbf": ["tbf", "rate", "1gbit", "burst", "128kb", "limit", "1mb"]}
-        result = _run(["tc", "-n", name, "qdisc", "add", "dev", "lo", "root", *args[kind]], check=False)
-        if result.returncode != 0:
-            return (
-                f"the kernel has no '{kind}' qdisc (CONFIG_NET_SCH_{kind.upper()} not built?): "
-                f"tc said: {result.stderr.strip()}"
-            )
+        for args in probes[feature]:
+            result = _run(["tc", "-n", name, *args], check=False)
+            if result.returncode != 0:
+                return f"`tc {shlex.join(args)}` failed: {result.stderr.strip()}"
         return None
     finally:
         _run(["ip", "netns", "del", name], check=False)
 
 
-def shaping_unavailable(delay_ms: float | None = None, rate: str | None = None) -> str | None:
-    """None if the kernel can shape links as asked (netem for a delay, tbf for a rate), else why not."""
-    if _tool("tc") is None and ((delay_ms or 0) > 0 or rate):
-        return "link shaping needs iproute2's `tc` (not found)"
-    if delay_ms is not None and delay_ms > 0:
-        reason = _qdisc_missing("netem")
-        if reason:
-            return f"cannot emulate delay_ms={delay_ms}: {reason}"
+def _userspace_delay_missing() -> str | None:
+    if not os.path.exists("/dev/net/tun"):
+        return "no /dev/net/tun (CONFIG_TUN)"
+    if _tool("bridge") is None:
+        return "iproute2's `bridge` is not installed"
+    reason = _kernel_missing("redirect")
+    return f"no clsact/u32/mirred ({reason})" if reason else None
+
+
+def resolve_delay_backend(delay_ms: float | None, backend: str = "auto") -> str | None:
+    """Which delay backend an instance will use: None (no delay), "netem" or "userspace".
+
+    Raises ShapingUnavailableError saying why when the requested one cannot work here.
+    """
+    if backend not in DELAY_BACKENDS:
+        raise ValueError(f"delay_backend must be one of {', '.join(DELAY_BACKENDS)}, not {backend!r}")
+    if delay_ms is None or delay_ms <= 0:
+        return None
+    netem = _kernel_missing("netem") if backend in ("auto", "netem") else "not tried"
+    if netem is None:
+        return "netem"
+    if backend == "netem":
+        raise ShapingUnavailableError(
+            f"cannot emulate delay_ms={delay_ms} with netem: the kernel has no netem qdisc "
+            f"(CONFIG_NET_SCH_NETEM): {netem}"
+        )
+    userspace = _userspace_delay_missing()
+    if userspace is None:
+        return "userspace"
+    raise ShapingUnavailableError(
+        f"cannot emulate delay_ms={delay_ms}: no netem qdisc ({netem}) and no userspace delay line ({userspace})"
+    )
+
+
+def shaping_unavailable(delay_ms: float | None = None, rate: str | None = None,
+                        delay_backend: str = "auto") -> str | None:
+    """None if this machine can shape links as asked (a delay backend, tbf for a rate), else why not."""
+    try:
+        resolve_delay_backend(delay_ms, delay_backend)
+    except ShapingUnavailableError as exc:
+        return str(exc)
     if rate:
-        reason = _qdisc_missing("tbf")
+        reason = _kernel_missing("tbf")
         if reason:
-            return f"cannot limit rate={rate}: {reason}"
+            return f"cannot limit rate={rate}: no tbf qdisc (CONFIG_NET_SCH_TBF): {reason}"
     return None
 
 
@@ -221,7 +299,7 @@ def parse_rate(rate: str) -> int:
     return int(bits)
 
 
-def _validate(count: int, delay_ms: float | None, rate: str | None, prefix: str) -> None:
+def _validate(count: int, delay_ms: float | None, rate: str | None, prefix: str, delay_backend: str) -> None:
     if isinstance(count, bool) or not isinstance(count, int):
         raise ValueError(f"count must be an int in 1..{MAX_HOSTS}, not {count!r}")
     if not 1 <= count <= MAX_HOSTS:
@@ -240,6 +318,8 @@ def _validate(count: int, delay_ms: float | None, rate: str | None, prefix: str)
             f"prefix {prefix!r} is invalid: 1-8 characters, lowercase letters and digits, starting with a letter "
             "(interface names are limited to 15 characters)"
         )
+    if delay_backend not in DELAY_BACKENDS:
+        raise ValueError(f"delay_backend must be one of {', '.join(DELAY_BACKENDS)}, not {delay_backend!r}")
 
 
 def _size(nbytes: float) -> str:
@@ -254,7 +334,7 @@ def _tbf_args(rate: str) -> list[str]:
     up to 64 KiB; a bucket smaller than one would make tbf split every segment
     in software (or cap the rate by timer granularity).  limit = burst + 5 ms at
     rate: enough queue for TCP to keep the link busy without building seconds of
-    bufferbloat.
+    bufferbloat.  At 10gbit: burst 1250000b, limit 7500000b.
     """
     bytes_per_s = parse_rate(rate) / 8
     burst = max(bytes_per_s * TBF_BURST_S, TBF_MIN_BURST_BYTES)
@@ -262,33 +342,161 @@ def _tbf_args(rate: str) -> list[str]:
     return ["tbf", "rate", rate, "burst", _size(burst), "limit", _size(limit)]
 
 
-def shaping_commands(
-    netns: str, host_dev: str, bridge_port: str, delay_ms: float | None, rate: str | None
-) -> list[list[str]]:
-    """The tc commands that shape one host's link (empty when neither delay nor rate is set).
+def _mac(number: int, index: int) -> str:
+    """A locally administered MAC unique to (instance, host): the userspace backend needs it in the fdb."""
+    return f"02:c5:{number >> 8:02x}:{number & 255:02x}:00:{index + 1:02x}"
 
-    Host egress (inside ``netns``): ``netem delay D limit 100000`` as root, tbf as
-    its child (netem's default 1000-packet limit drops packets once delay x rate
-    exceeds 1000 packets, e.g. 10 ms at 10 Gbit/s).  Bridge port egress (traffic
-    to the host): tbf only, so a host also receives at most ``rate``.
+
+def link_commands(tag: str, number: int, index: int, ip_cidr: str, bridge: str,
+                  delay_ms: float | None, rate: str | None, backend: str | None) -> list[list[str]]:
+    """Every command that builds host ``index``'s link, shaping included (backend from resolve_delay_backend).
+
+    netem: ``netem delay D limit 100000`` as eth0's root qdisc (netem's default
+    1000-packet limit drops packets once delay x rate exceeds 1000 packets, e.g.
+    10 ms at 10 Gbit/s), tbf as its child.  userspace: see the module docstring;
+    the delay-line process must already hold the two TAP devices.  In both,
+    a tbf on the bridge port (traffic into the host) limits what it receives.
     """
-    commands: list[list[str]] = []
-    delay = delay_ms is not None and delay_ms > 0
-    if delay:
-        commands.append(
-            ["tc", "-n", netns, "qdisc", "add", "dev", host_dev, "root", "handle", "1:",
-             "netem", "delay", f"{delay_ms:g}ms", "limit", str(NETEM_LIMIT_PACKETS)]
-        )
+    netns, port = _netns_name(tag, index), _port_name(tag, index)
+    in_ns = ["ip", "-n", netns]
+    cmds = [
+        ["ip", "netns", "add", netns],
+        ["ip", "link", "add", port, "type", "veth", "peer", "name", "eth0", "address", _mac(number, index),
+         "netns", netns],
+        ["ip", "link", "set", port, "master", bridge, "up"],
+        [*in_ns, "addr", "add", ip_cidr, "dev", "eth0"],
+        [*in_ns, "link", "set", "lo", "up"],
+    ]
+    tc_ns = ["tc", "-n", netns, "qdisc", "add", "dev"]
+    if backend == "netem":
+        cmds.append([*tc_ns, "eth0", "root", "handle", "1:", "netem", "delay", f"{delay_ms:g}ms",
+                     "limit", str(NETEM_LIMIT_PACKETS)])
         if rate:
-            commands.append(
-                ["tc", "-n", netns, "qdisc", "add", "dev", host_dev, "parent", "1:1", "handle", "10:",
-                 *_tbf_args(rate)]
-            )
+            cmds.append([*tc_ns, "eth0", "parent", "1:1", "handle", "10:", *_tbf_args(rate)])
+    elif backend == "userspace":
+        tap_ns, tap_bridge = _delay_tap_names(tag, index)
+        cmds += [
+            ["ip", "link", "set", tap_ns, "netns", netns],
+            [*in_ns, "link", "set", tap_ns, "up"],
+            ["ip", "link", "set", tap_bridge, "master", bridge],
+            ["ip", "link", "set", tap_bridge, "type", "bridge_slave", "learning", "off", "flood", "off",
+             "mcast_flood", "off", "bcast_flood", "off"],
+            ["ip", "link", "set", tap_bridge, "up"],
+            ["bridge", "fdb", "replace", _mac(number, index), "dev", port, "master", "static"],
+            [*tc_ns, "eth0", "clsact"],
+            ["tc", "-n", netns, "filter", "add", "dev", "eth0", "egress", "u32", "match", "u32", "0", "0",
+             "action", "mirred", "egress", "redirect", "dev", tap_ns],
+        ]
+        if rate:
+            cmds.append([*tc_ns, tap_ns, "root", "handle", "1:", *_tbf_args(rate)])
     elif rate:
-        commands.append(["tc", "-n", netns, "qdisc", "add", "dev", host_dev, "root", "handle", "1:", *_tbf_args(rate)])
+        cmds.append([*tc_ns, "eth0", "root", "handle", "1:", *_tbf_args(rate)])
     if rate:
-        commands.append(["tc", "qdisc", "add", "dev", bridge_port, "root", "handle", "1:", *_tbf_args(rate)])
-    return commands
+        cmds.append(["tc", "qdisc", "add", "dev", port, "root", "handle", "1:", *_tbf_args(rate)])
+    cmds.append([*in_ns, "link", "set", "eth0", "up"])
+    return cmds
+
+
+# --------------------------------------------------------------------------- delay line (userspace backend)
+
+
+def _open_tap(name: str) -> int:
+    """Create TAP ``name`` (gone when the fd closes) carrying GSO frames with a virtio-net header."""
+    fd = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        ifreq = struct.pack("16sH22x", name.encode(), _IFF_TAP | _IFF_NO_PI | _IFF_VNET_HDR)
+        fcntl.ioctl(fd, _TUNSETIFF, ifreq)
+        fcntl.ioctl(fd, _TUNSETOFFLOAD, _TUN_F_CSUM | _TUN_F_TSO4 | _TUN_F_TSO6)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _delay_line_main(argv: Sequence[str]) -> int:
+    """``DELAY_MS OWNER_PID NSTAP:BRIDGETAP...``: create the TAPs, say "ready", forward with the delay.
+
+    Runs until killed; exits by itself when OWNER_PID (0: none) is gone, so a
+    crashed test leaves no busy process behind (its TAPs vanish with it).
+    """
+    delay_s = float(argv[0]) / 1000
+    owner = int(argv[1])
+    with contextlib.suppress(OSError, AttributeError):
+        # Default timer slack (50 us) would add up to 50 us to every sub-millisecond wait.
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_TIMERSLACK, 1, 0, 0, 0)
+    route: dict[int, int] = {}
+    for pair in argv[2:]:
+        ns_name, bridge_name = pair.split(":")
+        route[_open_tap(ns_name)] = _open_tap(bridge_name)
+    readers = list(route) + list(route.values())
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    _delay_line(route, readers, delay_s, owner)
+    return 0
+
+
+def _delay_line(route: dict[int, int], readers: list[int], delay_s: float, owner: int) -> None:
+    """One FIFO is enough: the delay is the same for every frame, so deadlines are in arrival order."""
+    queue: collections.deque[tuple[float, int, bytes]] = collections.deque()
+    queued = 0
+    next_owner_check = 0.0
+    while True:
+        now = time.monotonic()
+        while queue and queue[0][0] <= now:
+            _, out, frame = queue.popleft()
+            queued -= len(frame)
+            with contextlib.suppress(OSError):  # a full or vanished device drops the frame, like a wire
+                os.write(out, frame)
+        if owner and now >= next_owner_check:
+            next_owner_check = now + 1.0
+            try:
+                os.kill(owner, 0)
+            except ProcessLookupError:
+                return
+        timeout = min(1.0, queue[0][0] - now) if queue else 1.0
+        ready, _, _ = select.select(readers, [], [], max(0.0, timeout))
+        deadline = time.monotonic() + delay_s
+        for fd in ready:
+            out = route.get(fd)
+            for _ in range(64):  # bounded, so frames due on other links are not held up
+                try:
+                    frame = os.read(fd, 1 << 17)
+                except (BlockingIOError, InterruptedError):
+                    break
+                if out is None or queued + len(frame) > _DELAY_LINE_MAX_QUEUED:
+                    continue  # bridge-side TAPs get nothing worth keeping (flooding is off)
+                queue.append((deadline, out, frame))
+                queued += len(frame)
+
+
+def _delay_tap_names(tag: str, index: int) -> tuple[str, str]:
+    return f"{tag}d{index}", f"{tag}i{index}"
+
+
+def _start_delay_line(state: InstanceState, log_path: Path) -> subprocess.Popen[bytes]:
+    """Start the instance's delay line (own session, survives a CLI `up`) and wait until it holds the TAPs."""
+    pairs = [":".join(_delay_tap_names(state.tag, i)) for i in range(state.count)]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-I", os.path.abspath(__file__), "_delay-line",
+             f"{state.delay_ms}", str(state.owner_pid or 0), *pairs],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, start_new_session=True,
+        )
+    state.helpers.append([proc.pid, _start_time(proc.pid)])
+    state.save()
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], _DELAY_LINE_READY_S)
+    line = proc.stdout.readline() if ready else b""
+    proc.stdout.close()
+    if line.strip() != b"ready":
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        proc.wait()
+        tail = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
+        raise SimHostsError(f"the delay line did not start (exit {proc.returncode}); its log {log_path}:\n{tail}",
+                            proc.args, tail)
+    return proc
 
 
 # --------------------------------------------------------------------------- state
@@ -334,15 +542,22 @@ class InstanceState:
     owner_start: int | None
     delay_ms: float | None = None
     rate: str | None = None
+    delay_backend: str | None = None
     hosts: list[dict[str, Any]] = field(default_factory=list)
+    #: [pid, start time] of helper processes (the delay line) to kill at teardown.
+    helpers: list[list[Any]] = field(default_factory=list)
     created: float = field(default_factory=time.time)
 
     @property
     def path(self) -> Path:
         return state_dir() / f"{self.number:04x}.json"
 
+    @property
+    def persistent(self) -> bool:
+        """Made by `python -m commd.sim up`: no owner, stays until `down`."""
+        return self.owner_pid is None
+
     def owner_alive(self) -> bool:
-        """True for instances made by `python -m commd.sim up` (no owner: they stay until `down`)."""
         if self.owner_pid is None:
             return True
         return _start_time(self.owner_pid) == self.owner_start
@@ -350,15 +565,32 @@ class InstanceState:
     def netns_names(self) -> list[str]:
         return [_netns_name(self.tag, i) for i in range(self.count)]
 
-    def port_names(self) -> list[str]:
-        return [_port_name(self.tag, i) for i in range(self.count)]
+    def link_names(self) -> list[str]:
+        """Root-namespace links, bridge ports first (deleting a veth end deletes its peer in the host)."""
+        names = [_port_name(self.tag, i) for i in range(self.count)]
+        return names + [_delay_tap_names(self.tag, i)[1] for i in range(self.count)]
+
+    def env(self, index: int) -> dict[str, str]:
+        """What a process in host ``index`` needs: its node name and private runtime dir, nothing else."""
+        info = self.hosts[index]
+        return {"COMMD_NODE": info["name"], "COMMD_RUNTIME_DIR": info["runtime_dir"]}
+
+    def argv(self, index: int, cmd: Sequence[str]) -> list[str]:
+        """``cmd`` wrapped to run in host ``index``'s namespace (``ip netns exec`` execs it: same pid)."""
+        if isinstance(cmd, str):
+            raise TypeError("cmd must be a list of arguments, not a string")
+        return [_tool("ip") or "ip", "netns", "exec", self.hosts[index]["netns"], *map(str, cmd)]
 
     def save(self, exclusive: bool = False) -> None:
         data = json.dumps(asdict(self), indent=1).encode()
-        flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
-        fd = os.open(self.path, flags, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+        if exclusive:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            return
+        tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(data)
+        os.replace(tmp, self.path)  # readers never see half a file
 
     @classmethod
     def load(cls, path: Path) -> InstanceState:
@@ -380,7 +612,7 @@ def _port_name(tag: str, index: int) -> str:
 def list_instances(prefix: str | None = None) -> list[InstanceState]:
     """Recorded instances (optionally only those with ``prefix``), oldest first; unreadable files skipped."""
     found = []
-    for path in sorted(state_dir().glob("*.json")):
+    for path in state_dir().glob("*.json"):
         try:
             state = InstanceState.load(path)
         except SimHostsError:
@@ -407,7 +639,7 @@ def _occupied_networks() -> list[ipaddress.IPv4Network]:
 
 
 def _claim_instance(prefix: str, count: int, delay_ms: float | None, rate: str | None,
-                    persistent: bool) -> InstanceState:
+                    backend: str | None, persistent: bool) -> InstanceState:
     """Pick an unused instance number (subnet and names) and record it, exclusively, before creating anything."""
     occupied = _occupied_networks()
     directory = state_dir()
@@ -418,30 +650,30 @@ def _claim_instance(prefix: str, count: int, delay_ms: float | None, rate: str |
         number = rng.randrange(_INSTANCE_NUMBERS)
         if (directory / f"{number:04x}.json").exists():
             continue
-        octet2, octet3 = _FIRST_OCTET2 + number // 256, number % 256
-        subnet = ipaddress.IPv4Network(f"10.{octet2}.{octet3}.0/24")
+        subnet = ipaddress.IPv4Network(f"10.{_FIRST_OCTET2 + number // 256}.{number % 256}.0/24")
         if any(subnet.overlaps(net) for net in occupied):
             continue
         tag = f"{prefix}{number:04x}"
-        runtime_base = Path(tempfile.gettempdir()) / f"commd-sim-{tag}"
+        state = InstanceState(
+            number=number, prefix=prefix, tag=tag, bridge=f"{tag}br", bridge_ip=str(subnet[254]),
+            subnet=str(subnet), count=count,
+            runtime_base=str(Path(tempfile.gettempdir()) / f"commd-sim-{tag}"), owner_pid=owner_pid,
+            owner_start=owner_start, delay_ms=delay_ms, rate=rate, delay_backend=backend,
+        )
         names_taken = (
-            _link_exists(f"{tag}br")
-            or runtime_base.exists()
-            or any(_netns_exists(_netns_name(tag, i)) or _link_exists(_port_name(tag, i)) for i in range(count))
+            _link_exists(state.bridge)
+            or Path(state.runtime_base).exists()
+            or any(_link_exists(name) for name in state.link_names())
+            or any(_netns_exists(name) for name in state.netns_names())
         )
         if names_taken:
             continue
-        state = InstanceState(
-            number=number, prefix=prefix, tag=tag, bridge=f"{tag}br", bridge_ip=str(subnet[254]),
-            subnet=str(subnet), count=count, runtime_base=str(runtime_base), owner_pid=owner_pid,
-            owner_start=owner_start, delay_ms=delay_ms, rate=rate,
-        )
         for i in range(count):
             state.hosts.append({
                 "name": f"host{i}",
                 "netns": _netns_name(tag, i),
                 "ip": str(subnet[i + 1]),
-                "runtime_dir": str(runtime_base / f"host{i}"),
+                "runtime_dir": str(Path(state.runtime_base) / f"host{i}"),
             })
         try:
             state.save(exclusive=True)
@@ -476,8 +708,8 @@ def _netns_pids(netns: str) -> list[int]:
     return [int(word) for word in result.stdout.split() if word.isdigit()]
 
 
-def _stop_processes(procs: Sequence[subprocess.Popen[Any]], netns_names: Sequence[str]) -> list[str]:
-    """TERM then KILL what we started (whole process groups), then KILL whatever else lives in the namespaces."""
+def _stop_processes(procs: Sequence[subprocess.Popen[Any]], state: InstanceState) -> list[str]:
+    """TERM then KILL what we started (whole process groups), the delay line, then whatever else is inside."""
     problems: list[str] = []
     for proc in procs:
         if proc.poll() is None:
@@ -494,8 +726,14 @@ def _stop_processes(procs: Sequence[subprocess.Popen[Any]], netns_names: Sequenc
             proc.wait(timeout=KILL_WAIT_S)
         except subprocess.TimeoutExpired:
             problems.append(f"process {proc.pid} ({shlex.join(map(str, proc.args))}) survived SIGKILL")
+    for pid, start in state.helpers:
+        if start is not None and _start_time(pid) == start:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)  # ours if this process started it; else it is reparented and reaped there
     deadline = time.monotonic() + KILL_WAIT_S
-    for netns in netns_names:
+    for netns in state.netns_names():
         while True:
             pids = [pid for pid in _netns_pids(netns) if pid != os.getpid()]
             if not pids:
@@ -506,34 +744,28 @@ def _stop_processes(procs: Sequence[subprocess.Popen[Any]], netns_names: Sequenc
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                # Reap it if it happens to be our child (started without popen).
                 with contextlib.suppress(ChildProcessError, OSError):
-                    os.waitpid(pid, os.WNOHANG)
+                    os.waitpid(pid, os.WNOHANG)  # reap it if it is our child (started without popen)
             time.sleep(0.01)
     return problems
 
 
 def _teardown(state: InstanceState, procs: Sequence[subprocess.Popen[Any]] = ()) -> list[str]:
     """Remove everything ``state`` names that exists; each step tolerates absence. Returns problems."""
-    problems = _stop_processes(procs, state.netns_names())
-    # Deleting the root end of a veth pair deletes its peer (eth0 in the host) at once.
-    for port in state.port_names():
-        if _link_exists(port):
+    problems = _stop_processes(procs, state)
+    for name in [*state.link_names(), state.bridge]:
+        if _link_exists(name):
             try:
-                _run(["ip", "link", "del", port])
+                _run(["ip", "link", "del", name])
             except SimHostsError as exc:
-                problems.append(str(exc))
+                if _link_exists(name):  # not just gone meanwhile (a TAP of an exiting delay line)
+                    problems.append(str(exc))
     for netns in state.netns_names():
         if _netns_exists(netns):
             try:
                 _run(["ip", "netns", "del", netns])
             except SimHostsError as exc:
                 problems.append(str(exc))
-    if _link_exists(state.bridge):
-        try:
-            _run(["ip", "link", "del", state.bridge])
-        except SimHostsError as exc:
-            problems.append(str(exc))
     base = Path(state.runtime_base)
     if base.name.startswith("commd-sim-") and base.exists():
         shutil.rmtree(base, ignore_errors=True)
@@ -556,9 +788,9 @@ def cleanup_stale(prefix: str | None = DEFAULT_PREFIX) -> list[str]:
     """Remove instances whose owner process is gone (crashed test runs); return their tags.
 
     Instances of live owners and those made by `python -m commd.sim up` are kept.
-    ``prefix=None`` looks at every prefix.  Namespaces and bridge ports that
-    match ``prefix`` but have no state file at all (state dir wiped) are removed
-    too.
+    ``prefix=None`` looks at every prefix.  Namespaces and links named like
+    ``prefix`` instances that no state file accounts for (state dir wiped) are
+    removed too.
     """
     removed = []
     for state in list_instances(prefix):
@@ -574,20 +806,21 @@ def cleanup_stale(prefix: str | None = DEFAULT_PREFIX) -> list[str]:
 def _remove_orphans(prefix: str) -> list[str]:
     """Namespaces/links named like ``prefix`` instances that no state file accounts for."""
     known = {state.tag for state in list_instances(None)}
-    pattern = re.compile(rf"^({re.escape(prefix)}[0-9a-f]{{4}})(?:-h\d+|v\d+|br)$")
-    orphans: dict[str, set[str]] = {}
+    pattern = re.compile(rf"^({re.escape(prefix)}[0-9a-f]{{4}})(?:-h|[vdi])(\d+)$|^({re.escape(prefix)}[0-9a-f]{{4}})br$")
+    orphans: dict[str, list[int]] = {}
     names = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []
-    names += os.listdir("/sys/class/net")
-    for name in names:
+    for name in names + os.listdir("/sys/class/net"):
         match = pattern.match(name)
-        if match and match.group(1) not in known:
-            orphans.setdefault(match.group(1), set()).add(name)
-    for tag, members in orphans.items():
-        indices = [int(m) for name in members for m in re.findall(r"(?:-h|v)(\d+)$", name[len(tag):])]
+        if not match:
+            continue
+        tag = match.group(1) or match.group(3)
+        if tag not in known:
+            orphans.setdefault(tag, []).append(int(match.group(2)) if match.group(2) else 0)
+    for tag, indices in orphans.items():
         ghost = InstanceState(
             number=int(tag[-4:], 16), prefix=prefix, tag=tag, bridge=f"{tag}br", bridge_ip="", subnet="",
-            count=1 + max(indices, default=0),
-            runtime_base=str(Path(tempfile.gettempdir()) / f"commd-sim-{tag}"), owner_pid=None, owner_start=None,
+            count=1 + max(indices), runtime_base=str(Path(tempfile.gettempdir()) / f"commd-sim-{tag}"),
+            owner_pid=None, owner_start=None,
         )
         problems = _teardown(ghost)
         if problems:
@@ -640,13 +873,14 @@ class SimulatedHosts:
     """
 
     def __init__(self, count: int, delay_ms: float | None = None, rate: str | None = None,
-                 prefix: str | None = None) -> None:
+                 prefix: str | None = None, delay_backend: str = "auto") -> None:
         prefix = DEFAULT_PREFIX if prefix is None else prefix
-        _validate(count, delay_ms, rate, prefix)
+        _validate(count, delay_ms, rate, prefix, delay_backend)
         self.count = count
         self.delay_ms = float(delay_ms) if delay_ms is not None else None
         self.rate = rate.strip().lower() if rate is not None else None
         self.prefix = prefix
+        self.requested_backend = delay_backend
         self.hosts: list[SimHost] = []
         self.state: InstanceState | None = None
         self._procs: list[subprocess.Popen[Any]] = []
@@ -669,6 +903,11 @@ class SimulatedHosts:
     @property
     def subnet(self) -> str | None:
         return self.state.subnet if self.state else None
+
+    @property
+    def delay_backend(self) -> str | None:
+        """"netem", "userspace", or None (no delay, or not up)."""
+        return self.state.delay_backend if self.state else None
 
     @property
     def is_up(self) -> bool:
@@ -706,10 +945,11 @@ class SimulatedHosts:
         reason = netns_unavailable()
         if reason:
             raise SimHostsError(reason)
-        reason = shaping_unavailable(self.delay_ms, self.rate)
+        backend = resolve_delay_backend(self.delay_ms, self.requested_backend)
+        reason = shaping_unavailable(None, self.rate)
         if reason:
             raise ShapingUnavailableError(reason)
-        self.state = _claim_instance(self.prefix, self.count, self.delay_ms, self.rate, persistent)
+        self.state = _claim_instance(self.prefix, self.count, self.delay_ms, self.rate, backend, persistent)
         try:
             self._create(self.state)
         except BaseException:
@@ -722,30 +962,24 @@ class SimulatedHosts:
 
     def _create(self, state: InstanceState) -> None:
         prefix_len = ipaddress.IPv4Network(state.subnet).prefixlen
+        base = Path(state.runtime_base)
+        base.mkdir(mode=0o700)
         _run(["ip", "link", "add", "name", state.bridge, "type", "bridge"])
         _run(["ip", "addr", "add", f"{state.bridge_ip}/{prefix_len}", "dev", state.bridge])
         _run(["ip", "link", "set", state.bridge, "up"])
-        base = Path(state.runtime_base)
-        base.mkdir(mode=0o700)
+        if state.delay_backend == "userspace":
+            _start_delay_line(state, base / "delay-line.log")
         for index, info in enumerate(state.hosts):
-            netns, port = info["netns"], _port_name(state.tag, index)
-            _run(["ip", "netns", "add", netns])
-            _run(["ip", "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", netns])
-            _run(["ip", "link", "set", port, "master", state.bridge, "up"])
-            _run(["ip", "-n", netns, "addr", "add", f"{info['ip']}/{prefix_len}", "dev", "eth0"])
-            _run(["ip", "-n", netns, "link", "set", "eth0", "up"])
-            _run(["ip", "-n", netns, "link", "set", "lo", "up"])
-            for cmd in shaping_commands(netns, "eth0", port, state.delay_ms, state.rate):
+            for cmd in link_commands(state.tag, state.number, index, f"{info['ip']}/{prefix_len}", state.bridge,
+                                     state.delay_ms, state.rate, state.delay_backend):
                 _run(cmd)
-            runtime_dir = Path(info["runtime_dir"])
-            runtime_dir.mkdir(mode=0o700)
-            env = {"COMMD_NODE": info["name"], "COMMD_RUNTIME_DIR": str(runtime_dir)}
-            self.hosts.append(SimHost(info["name"], netns, info["ip"], env, self._procs))
+            Path(info["runtime_dir"]).mkdir(mode=0o700)
+            self.hosts.append(SimHost(info["name"], info["netns"], info["ip"], state.env(index), self._procs))
 
     def _reset(self) -> None:
         self.state = None
         self.hosts = []
-        self._procs.clear()
+        self._procs = []
 
     def down(self) -> None:
         """Kill the hosts' processes and remove everything up() made; safe to call again or after a failed up().
@@ -773,3 +1007,7 @@ class SimulatedHosts:
                 raise
             # Don't hide the body's exception behind a cleanup one.
             warnings.warn(str(err), stacklevel=2)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["_delay-line"]:
+    sys.exit(_delay_line_main(sys.argv[2:]))

@@ -10,7 +10,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-import commd  # noqa: F401  (registers the "commd" backend)
+import commd  # registers the "commd" backend
 
 
 def main() -> int:
@@ -23,10 +23,22 @@ def main() -> int:
     dist.all_reduce(small)
     dist.all_reduce(large)
     ok = bool(torch.all(small == expected)) and bool(torch.all(large == expected))
+    lane_ops = None
+    if len(sys.argv) > 2:  # a second group whose ops ask for one lane (pg_options)
+        group = dist.new_group(list(range(world)), pg_options=commd.Options(lane=sys.argv[2]))
+        again = torch.full((1000,), float(rank + 1))
+        dist.all_reduce(again, group=group)
+        ok = ok and bool(torch.all(again == expected))
+        from commd.cli.status import query_status
+        from commd.torch_backend.process_group import current_client
+
+        fabric = query_status(current_client().paths)["fabric"]
+        lane_ops = fabric["lane_ops"] if fabric else None
     keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
             "GROUP_RANK", "COMMD_JOB", "COMMD_SECRET"]
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"ok": ok, "sum": float(small[0]), "env": {k: os.environ.get(k) for k in keys}}, f)
+        json.dump({"ok": ok, "sum": float(small[0]), "env": {k: os.environ.get(k) for k in keys},
+                   "lane_ops": lane_ops}, f)
     dist.destroy_process_group()
     return 0 if ok else 3
 
