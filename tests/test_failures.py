@@ -378,3 +378,36 @@ def test_sigkill_of_the_daemon_fails_clients_promptly(
     for h in handles:
         h.wait(WAIT_S)
     assert all(torch.equal(t, torch.full((8,), 3.0)) for t in tensors)
+
+
+@pytest.mark.timeout(90)
+def test_stall_is_logged_shown_and_can_shut_the_daemon_down(
+    start_daemon: Callable[..., DaemonProcess], connect: Callable[..., Any], tmp_path: Any,
+) -> None:
+    """Rank 1 never submits: after stall_warning_s the op is logged and listed with rank 1; after
+    stall_shutdown_s the daemon shuts down and rank 0 learns why."""
+    from commd.client import CommdError, ops
+
+    config = tmp_path / "commd.toml"
+    config.write_text("[scheduler]\nstall_warning_s = 0.5\nstall_shutdown_s = 3\n")
+    daemon = start_daemon(op_timeout=60, extra=["--config", str(config)]).wait_ready()
+    waiting, _absent = connect(0, 2), connect(1, 2)
+    handle = ops.all_reduce(waiting, torch.ones(4))
+
+    def stalled() -> list[dict[str, Any]]:
+        return [r for r in daemon_status(daemon)["stalls"] if r["missing_ranks"] == [1]]
+
+    rows = wait_until(stalled, 20, "the stall to be listed with rank 1")
+    assert rows[0]["kind"] == "allreduce" and rows[0]["waiting_s"] >= 0.5
+    with pytest.raises(CommdError, match="stalled"):
+        handle.wait(30)
+    assert "stalled: allreduce #0 on group 'world'" in daemon.log_tail(80)
+    daemon.proc.wait(timeout=20)
+
+
+def test_bad_config_file_is_refused_at_start(start_daemon: Callable[..., DaemonProcess], tmp_path: Any) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text('[[rules]]\nlane = "pigeon"\n')
+    daemon = start_daemon(extra=["--config", str(config)])
+    assert daemon.proc.wait(timeout=60) == 2
+    assert "'lane' must be one of" in daemon.log_tail()

@@ -44,7 +44,8 @@ def outcomes(fns: Sequence[Callable[[], Any]], join_s: float = JOIN_S) -> list[A
         except BaseException as exc:  # noqa: BLE001 - handed to the test
             results[i] = exc
 
-    threads = [threading.Thread(target=work, args=(i,), name=f"node-{i}", daemon=True) for i in range(len(fns))]
+    threads = [threading.Thread(target=work, args=(i,), name=f"node-{i}", daemon=True)
+               for i in range(len(fns))]
     for thread in threads:
         thread.start()
     deadline = time.monotonic() + join_s
@@ -105,7 +106,8 @@ def shared() -> Iterator[Callable[[int], list[TcpLane]]]:
         lanes = clusters.get(k)
         if lanes is not None:
             nodes = tuple(range(k))
-            if all(r is None for r in outcomes([functools.partial(lane.barrier, nodes, 2.0) for lane in lanes])):
+            health = outcomes([functools.partial(lane.barrier, nodes, 2.0) for lane in lanes])
+            if all(r is None for r in health):
                 return lanes
             for lane in lanes:
                 lane.close()
@@ -155,8 +157,9 @@ def make_input(dtype: str, op: str, n: int, seed: int) -> np.ndarray:
     if dtype == "bool":
         return rng.random(n) < 0.5
     if dtype == "bfloat16":  # exactly representable, and so are their sums/products over <= 4 nodes
-        values = rng.choice([-2.0, -1.0, -0.5, 0.5, 1.0, 2.0], n) if op == "product" else rng.integers(-8, 9, n)
-        return values.astype(np.float32)
+        if op == "product":
+            return rng.choice([-2.0, -1.0, -0.5, 0.5, 1.0, 2.0], n).astype(np.float32)
+        return rng.integers(-8, 9, n).astype(np.float32)
     if dtype in ("float32", "float64"):
         values = rng.uniform(0.5, 1.5, n) if op == "product" else rng.standard_normal(n)
         return values.astype(dtype)
@@ -175,8 +178,8 @@ def to_tensor(array: np.ndarray, dtype: str) -> torch.Tensor:
     return tensor.to(torch.bfloat16) if dtype == "bfloat16" else tensor
 
 
-def check_allreduce(lanes: Sequence[TcpLane], nodes: tuple[int, ...], dtype: str, op: str, sizes: Sequence[int],
-                    seed: int = 0) -> None:
+def check_allreduce(lanes: Sequence[TcpLane], nodes: tuple[int, ...], dtype: str, op: str,
+                    sizes: Sequence[int], seed: int = 0) -> None:
     """Run allreduce on ``nodes`` for each size and compare every member with NumPy (and each other)."""
     inputs = {(node, n): make_input(dtype, op, n, seed + 1000 * node + n) for node in nodes for n in sizes}
     bufs = {key: to_tensor(array, dtype) for key, array in inputs.items()}
@@ -193,7 +196,7 @@ def check_allreduce(lanes: Sequence[TcpLane], nodes: tuple[int, ...], dtype: str
         for node in nodes:
             got = bufs[(node, n)]
             assert raw_bytes(got) == raw_bytes(first), \
-                f"{dtype} {op} n={n}: node {node} differs from node {nodes[0]} (results must be bit-identical)"
+                f"{dtype} {op} n={n}: node {node} differs from node {nodes[0]} (must be bit-identical)"
             where = f"{dtype} {op} n={n} node {node}"
             if dtype == "bfloat16":
                 assert torch.equal(got, torch.from_numpy(expected).to(torch.bfloat16)), where
@@ -246,7 +249,8 @@ def test_broadcast_every_root(shared: Callable[[int], list[TcpLane]], k: int) ->
         expected = {n: bufs[(root, n)].clone() for n in sizes}
         expected_floats = floats[root].clone()
 
-        def node_fn(i: int, lane: TcpLane, root: int = root, bufs: dict = bufs, floats: dict = floats) -> None:
+        def node_fn(i: int, lane: TcpLane, root: int = root, bufs: dict = bufs,
+                    floats: dict = floats) -> None:
             for n in sizes:
                 lane.broadcast(nodes, bufs[(i, n)], root, OP_S)
             lane.broadcast(nodes, floats[i], root, OP_S)
@@ -472,7 +476,8 @@ def test_bad_call_arguments_raise_without_breaking_the_lane(shared: Callable[[in
     with pytest.raises(LaneError, match="contain this node"):
         lane.barrier((1,), 1.0)
     with pytest.raises(LaneError, match="sizes"):
-        lane.allgatherv((0, 1), torch.zeros(3, dtype=torch.uint8), torch.zeros(5, dtype=torch.uint8), [3, 3], 1.0)
+        lane.allgatherv((0, 1), torch.zeros(3, dtype=torch.uint8), torch.zeros(5, dtype=torch.uint8),
+                        [3, 3], 1.0)
     with pytest.raises(LaneError, match="root"):
         lane.broadcast((0, 1), torch.zeros(3), 5, 1.0)
     with pytest.raises(LaneError, match="BAND"):
@@ -576,7 +581,8 @@ def test_peer_closing_mid_op_is_peer_died(make_lanes: Callable[..., list[TcpLane
         assert error.code == "peer_died", f"node {i}: {error}"
     assert any("node 2" in str(results[i]) for i in (0, 1)), [str(r) for r in results]
     for i in (0, 1):  # refused at once afterwards, naming the first failure
-        again_fns = [functools.partial(call, i, lanes[i], 5.0), functools.partial(lanes[i].barrier, (0, 1), 5.0)]
+        again_fns = [functools.partial(call, i, lanes[i], 5.0),
+                     functools.partial(lanes[i].barrier, (0, 1), 5.0)]
         for again in again_fns:
             start = time.monotonic()
             with pytest.raises(LaneError, match="earlier failure") as info:

@@ -4,7 +4,8 @@ Every op kind, random groups (spanning random nodes, random rank order),
 random sizes, a random lane per op, async handles waited in random order,
 random delays in the ranks and (COMMD_CHAOS_DELAY_MS) in the daemons' lanes.
 `make test` runs a couple of programs; `make stress` runs many
-(STRESS_PROGRAMS, STRESS_HOSTS, STRESS_LENGTH).
+(STRESS_PROGRAMS, STRESS_HOSTS, STRESS_LENGTH, STRESS_SEED, STRESS_MPI=1 to add
+the MPI lane with daemons started by mpiexec).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ PROGRAMS = int(os.environ.get("STRESS_PROGRAMS", "2"))
 HOSTS = int(os.environ.get("STRESS_HOSTS", "3"))
 LENGTH = int(os.environ.get("STRESS_LENGTH", "24"))
 FIRST_SEED = int(os.environ.get("STRESS_SEED", "1"))
+#: STRESS_MPI=1: daemons start under mpiexec and the mpi lane joins the random choice.
+MPI = os.environ.get("STRESS_MPI", "0") == "1"
 
 
 @pytest.mark.timeout(max(900, 180 + 60 * PROGRAMS))
@@ -31,8 +34,8 @@ def test_random_programs_finish_and_match_numpy(sim_hosts, tmp_path, monkeypatch
         print("network namespaces unavailable: nodes are loopback processes instead")
     monkeypatch.setenv("COMMD_CHAOS_DELAY_MS", "20")
     monkeypatch.setenv("COMMD_CHAOS_SEED", str(FIRST_SEED))
-    lanes = ["tcp", "gloo"]
-    cluster = Cluster(tmp_path, HOSTS, 2, hosts=hosts, op_timeout=120)
+    lanes = ["tcp", "gloo"] + (["mpi"] if MPI else [])
+    cluster = Cluster(tmp_path, HOSTS, 2, hosts=hosts, op_timeout=120, mpi=MPI)
     try:
         cluster.start()
         seeds = list(range(FIRST_SEED, FIRST_SEED + PROGRAMS))

@@ -155,7 +155,8 @@ class _Peer:
         parts = []
         if self.recvq:
             x = self.recvq[0]
-            parts.append(f"receiving {len(self.recvq)} transfer(s), the current one {x.pos}/{x.size} bytes in")
+            parts.append(f"receiving {len(self.recvq)} transfer(s), the current one "
+                         f"{x.pos}/{x.size} bytes in")
         if self.sendq:
             x = self.sendq[0]
             parts.append(f"sending {len(self.sendq)} transfer(s), the current one {x.pos}/{x.size} bytes out")
@@ -295,7 +296,8 @@ class _Mesh:
             except BlockingIOError:
                 return
             except OSError as exc:
-                raise _Failure(peer.rank, "peer_died", f"receiving from node {peer.rank} failed: {exc}") from None
+                raise _Failure(peer.rank, "peer_died",
+                               f"receiving from node {peer.rank} failed: {exc}") from None
             if n == 0:
                 raise _Failure(peer.rank, "peer_died",
                                f"node {peer.rank} closed the connection ({x.pos}/{x.size} bytes of transfer "
@@ -311,7 +313,8 @@ class _Mesh:
         magic, kind, _reserved, seq, size = _HEADER.unpack(x.head)
         where = f"stream from node {peer.rank} out of step"
         if magic != _HEADER_MAGIC:
-            raise _Failure(peer.rank, "internal", f"{where}: bad header magic {magic:#010x} at transfer #{x.seq}")
+            raise _Failure(peer.rank, "internal",
+                           f"{where}: bad header magic {magic:#010x} at transfer #{x.seq}")
         if seq != x.seq:
             raise _Failure(peer.rank, "internal", f"{where}: got transfer #{seq}, expected #{x.seq}")
         if kind != x.kind:
@@ -553,7 +556,8 @@ def _pairwise_alltoallv(ex: _Exchange, nodes: tuple[int, ...], me: int, inp: mem
         ex.wait()
 
 
-def _point_to_point(post: Callable[[int, memoryview], None], peer: int, view: memoryview, ex: _Exchange) -> None:
+def _point_to_point(post: Callable[[int, memoryview], None], peer: int, view: memoryview,
+                    ex: _Exchange) -> None:
     """One direct transfer (the engine still moves it ``chunk_bytes`` per system call)."""
     post(peer, view)
     ex.wait()
@@ -641,7 +645,8 @@ class TcpLane:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "connected" if self._connected else "unconnected"
-        return f"<TcpLane node {self.node_rank}/{self.nnodes} at {self._endpoint[0]}:{self._endpoint[1]}, {state}>"
+        host, port = self._endpoint
+        return f"<TcpLane node {self.node_rank}/{self.nnodes} at {host}:{port}, {state}>"
 
     # ---- connecting ---------------------------------------------------------------------
     def connect(self, endpoints: list[tuple[str, int]], timeout: float) -> None:
@@ -677,7 +682,8 @@ class TcpLane:
                 family, kind, proto, _, addr = socket.getaddrinfo(host, port, socket.AF_UNSPEC,
                                                                   socket.SOCK_STREAM)[0]
             except (OSError, UnicodeError) as exc:
-                raise LaneError(f"tcp connect: cannot resolve node {rank}'s endpoint {host}:{port}: {exc}") from None
+                raise LaneError(f"tcp connect: cannot resolve node {rank}'s endpoint {host}:{port}: "
+                                f"{exc}") from None
             addrs[rank] = (family, kind, proto, addr)
         sel = selectors.DefaultSelector()
         sel.register(self._wake_r, selectors.EVENT_READ, "wake")
@@ -704,7 +710,8 @@ class TcpLane:
 
         def failed(hs: _Handshake, why: str, quiet: bool = False) -> None:
             if hs.target is None:
-                log.warning("tcp lane node %d: rejected a connection from %s: %s", self.node_rank, hs.addr, why)
+                log.warning("tcp lane node %d: rejected a connection from %s: %s",
+                            self.node_rank, hs.addr, why)
             else:
                 (log.debug if quiet or hs.target in warned else log.warning)(
                     "tcp lane node %d: connecting to node %d at %s failed (will retry): %s",
@@ -741,8 +748,8 @@ class TcpLane:
                 now = time.monotonic()
                 if now >= deadline:
                     gone = missing()
-                    raise LaneError(f"tcp connect: node(s) {', '.join(map(str, gone))} did not connect to node "
-                                    f"{self.node_rank} within {timeout:g} s", "timeout")
+                    raise LaneError(f"tcp connect: node(s) {', '.join(map(str, gone))} did not connect "
+                                    f"to node {self.node_rank} within {timeout:g} s", "timeout")
                 for rank, when in list(retry_at.items()):
                     if rank in mesh.peers:
                         del retry_at[rank]
@@ -769,7 +776,8 @@ class TcpLane:
                         if hs.connecting:
                             err = hs.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
                             if err:
-                                failed(hs, os.strerror(err), quiet=err in (errno.ECONNREFUSED, errno.ECONNRESET))
+                                quiet = err in (errno.ECONNREFUSED, errno.ECONNRESET)
+                                failed(hs, os.strerror(err), quiet=quiet)
                                 continue
                             hs.connecting = False
                             advance(hs, None)
@@ -866,7 +874,9 @@ class TcpLane:
         return rank
 
     # ---- capability and plumbing ----------------------------------------------------------
-    def can_run(self, primitive: str, dtype: str, reduce_op: str | None, nodes: tuple[int, ...]) -> str | None:
+    def can_run(
+        self, primitive: str, dtype: str, reduce_op: str | None, nodes: tuple[int, ...]
+    ) -> str | None:
         """None if this lane runs ``primitive`` on ``dtype``/``reduce_op`` among ``nodes``; else why not.
 
         A pure function of its arguments (the coordinator asks it for every
@@ -995,7 +1005,8 @@ class TcpLane:
         self._check_tensor("allgatherv", out, uint8=True)
         sizes = [int(s) for s in sizes]
         src, dst = _byte_view(inp), _byte_view(out)
-        if len(sizes) != len(nodes) or min(sizes, default=0) < 0 or len(src) != sizes[me] or len(dst) != sum(sizes):
+        if (len(sizes) != len(nodes) or min(sizes, default=0) < 0 or len(src) != sizes[me]
+                or len(dst) != sum(sizes)):
             raise LaneError(f"tcp allgatherv: sizes {sizes} do not match nodes {nodes}, "
                             f"inp {len(src)} bytes and out {len(dst)} bytes")
         if len(nodes) == 1 or sum(sizes) == 0:

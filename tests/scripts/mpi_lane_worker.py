@@ -10,6 +10,7 @@ every rank finalises MPI cleanly.
 
 from __future__ import annotations
 
+import faulthandler
 import sys
 import time
 import traceback
@@ -25,6 +26,7 @@ from commd.lanes.base import LaneError  # noqa: E402
 from commd.lanes.mpi import MpiLane, init_mpi  # noqa: E402
 
 T = 20.0  # per-call timeout of the checks that must pass
+HANG_S = 60.0  # the whole run takes a few seconds
 
 _NP_REDUCE = {
     "sum": np.add, "product": np.multiply, "min": np.minimum, "max": np.maximum,
@@ -199,9 +201,7 @@ def check_timeout(lane: MpiLane, comm, chk: Check) -> None:
 
 
 def main() -> int:
-    import faulthandler
-
-    faulthandler.dump_traceback_later(40, exit=True)
+    faulthandler.dump_traceback_later(HANG_S, exit=True)  # a hang prints where, then exits non-zero
     comm = init_mpi()
     from mpi4py import MPI
 
