@@ -113,3 +113,18 @@ def test_every_op_between_simulated_hosts_with_shaped_links(sim_hosts, tmp_path:
     finally:
         c.stop()
         print(c.logs())
+
+
+def test_node_that_shuts_down_is_known_dead_at_once(cluster) -> None:
+    """SIGTERM on node 1's daemon: node 0 marks it dead right away (no peer timeout to wait out)."""
+    c = cluster(peer_timeout=60.0)
+    c.procs[1].terminate()
+    c.procs[1].wait(timeout=30)
+
+    def dead() -> bool:
+        nodes = c.status(0)["fabric"]["nodes"]
+        return not nodes[1]["alive"]
+
+    wait_until(dead, 15, "node 0 to see node 1 leave")
+    errors = " ".join(e["message"] for e in c.status(0)["last_errors"]) + c.logs()
+    assert "left the fabric" in errors

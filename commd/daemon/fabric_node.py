@@ -105,7 +105,14 @@ class FabricNode:
         loop.add_reader(self.fabric.ctl.getsockopt(zmq.FD), self._on_readable)
         loop.call_soon(self._on_readable)
 
-    def close(self) -> None:
+    def close(self, why: str = "shut down") -> None:
+        # Tell the others at once rather than letting them wait out the peer timeout.
+        if self.coordinator is not None:
+            for node, identity in self.identity_of_node.items():
+                if node not in self.dead:
+                    self._send_ctl(identity, {"t": "batch", "items": [{"t": "leaving", "why": why}]})
+        elif self.broken is None:
+            self._send_ctl(None, {"t": "batch", "items": [{"t": "leaving", "why": why}]})
         try:
             self.loop.remove_reader(self.fabric.ctl.getsockopt(zmq.FD))
         except Exception:  # loop already closed
@@ -190,6 +197,8 @@ class FabricNode:
                 coord.rank_died(node, item["rank"], item["why"], out)
             elif kind == "hb":
                 coord.partial[node] = {(g, q): missing for g, q, missing in item.get("stalled", [])}
+            elif kind == "leaving":
+                coord.node_dead(node, f"left the fabric ({item.get('why')})", out)
         self._dispatch(out)
 
     def _dispatch(self, out: Outbox) -> None:
@@ -223,6 +232,8 @@ class FabricNode:
                 self.fabric_stalls = item.get("stalls", [])
             elif kind == "shutdown":
                 self.daemon.shutdown(item.get("why", "the coordinator shut the fabric down"))
+            elif kind == "leaving":
+                self._coordinator_lost(f"left the fabric ({item.get('why')})")
 
     # ---- collectives -----------------------------------------------------------
     def negotiate(self, op: ReadyOp, plan: GroupPlan) -> None:

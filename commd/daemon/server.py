@@ -103,6 +103,7 @@ class Daemon:
         self._lane_busy = 0  # ops handed to the lane and not yet completed (loop thread only)
         self._executing: ReadyOp | None = None
         self._closing = False
+        self._shutdown_reason = "shut down"
         self._had_clients = False
         self._idle_since = time.monotonic()
         self._stopped: asyncio.Event | None = None  # created in run(), on the loop
@@ -159,7 +160,7 @@ class Daemon:
         self._lane.put(None)
         self._lane_thread.join(timeout=10)
         if self.fabric_node is not None:
-            self.fabric_node.close()
+            self.fabric_node.close(self._shutdown_reason)
         self._cleanup()
 
     def shutdown(self, reason: str = "shutdown requested") -> None:
@@ -167,6 +168,7 @@ class Daemon:
         if self._closing:
             return
         self._closing = True
+        self._shutdown_reason = reason
         log.info("shutting down: %s", reason)
         message = f"daemon shutting down ({reason})"
         for sub in self.scheduler.drain_all():
