@@ -182,3 +182,47 @@ def hang_on_dead_node(ctx: Any) -> str:
         return "no error"
     except CommdError as exc:
         return f"{type(exc).__name__}: {exc}"
+
+
+def reduce_ops_and_dtypes(ctx: Any, lane: str) -> str:
+    """all_reduce across nodes for every reduce op on the dtypes it applies to (NumPy reference;
+    bfloat16 via exactly representable integers compared in float32)."""
+    client = ctx.connect()
+    me, world = ctx.rank, ctx.world_size
+    n = 33
+    cases = [
+        ("sum", "float16"), ("sum", "bfloat16"), ("sum", "complex64"), ("product", "float64"),
+        ("product", "int64"), ("min", "int8"), ("max", "uint8"), ("band", "int32"), ("bor", "int64"),
+        ("bxor", "uint8"), ("sum", "bool"), ("product", "bool"), ("avg", "float32"), ("premul_sum", "float64"),
+    ]
+    for salt, (op, dtype) in enumerate(cases):
+        np_dtype = {"bfloat16": np.float32, "bool": np.bool_}.get(dtype) or np.dtype(dtype)
+        rng_all = [np.random.default_rng(1000 * salt + r) for r in range(world)]
+        if dtype == "bool":
+            arrays = [g.integers(0, 2, n).astype(np.bool_) for g in rng_all]
+        elif op == "product":
+            arrays = [g.integers(1, 3, n).astype(np_dtype) for g in rng_all]
+        elif dtype == "uint8" or op in ("band", "bor", "bxor"):
+            arrays = [g.integers(0, 100, n).astype(np_dtype) for g in rng_all]
+        elif dtype == "complex64":
+            arrays = [(g.integers(-5, 5, n) + 1j * g.integers(-5, 5, n)).astype(np.complex64) for g in rng_all]
+        else:
+            arrays = [g.integers(-8, 8, n).astype(np_dtype) for g in rng_all]
+        stack = np.stack(arrays)
+        scale = 0.5 if op == "premul_sum" else None
+        if dtype == "bool":
+            want = stack.any(0) if op == "sum" else stack.all(0)
+        else:
+            want = {"sum": lambda a: a.sum(0), "product": lambda a: a.prod(0), "min": lambda a: a.min(0),
+                    "max": lambda a: a.max(0), "band": np.bitwise_and.reduce, "bor": np.bitwise_or.reduce,
+                    "bxor": np.bitwise_xor.reduce, "avg": lambda a: a.mean(0),
+                    "premul_sum": lambda a: a.sum(0) * 0.5}[op](stack).astype(np_dtype)
+        t = torch.from_numpy(arrays[me].copy())
+        if dtype == "bfloat16":
+            t = t.to(torch.bfloat16)
+        ops.all_reduce(client, t, op, scale=scale, lane=lane).wait(60)
+        got = t.float().numpy() if dtype == "bfloat16" else t.numpy()
+        if not np.array_equal(got, want):
+            raise AssertionError(f"{lane} {op} {dtype}: got {got[:6]} want {want[:6]}")
+    client.close()
+    return "ok"

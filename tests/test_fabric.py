@@ -128,3 +128,8 @@ def test_node_that_shuts_down_is_known_dead_at_once(cluster) -> None:
     wait_until(dead, 15, "node 0 to see node 1 leave")
     errors = " ".join(e["message"] for e in c.status(0)["last_errors"]) + c.logs()
     assert "left the fabric" in errors
+
+
+def test_every_reduce_op_and_dtype_across_nodes(cluster) -> None:
+    c = cluster()
+    assert set(c.join(c.start_workers(fw.reduce_ops_and_dtypes, "tcp")).values()) == {"ok"}

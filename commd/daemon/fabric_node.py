@@ -156,6 +156,8 @@ class FabricNode:
 
     def _on_readable(self) -> None:
         ctl = self.fabric.ctl
+        if ctl.closed:  # a read callback scheduled just before close()
+            return
         while ctl.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             frames = ctl.recv_multipart(zmq.NOBLOCK)
             try:

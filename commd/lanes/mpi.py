@@ -64,10 +64,17 @@ HANDSHAKE_TAG = 0x6D70
 CREATE_TAG = 0x6D71
 P2P_TAG = 0x6D72
 
-#: Back-off between Test() polls: short first (a small op completes in microseconds),
-#: growing to a millisecond so a long wait does not burn a core.
+#: Back-off between Test() polls.  MPI moves data only inside MPI calls (no progress
+#: thread), so while an op's data is expected to be moving the sleeps stay at most
+#: FAST_MAX_SLEEP_S: with 1 ms sleeps a 64 MiB allreduce over MPICH's network path took
+#: 4x longer.  After that window (a peer is late) they grow to MAX_SLEEP_S, which costs
+#: about 2% of a core while idle (50 us sleeps: about 9%; a blocking MPI wait spins: 100%).
 MIN_SLEEP_S = 20e-6
+FAST_MAX_SLEEP_S = 50e-6
 MAX_SLEEP_S = 1e-3
+#: The fast window: this long, plus the op's bytes at this rate.
+FAST_WINDOW_S = 5e-3
+FAST_WINDOW_BYTES_PER_S = 500e6
 
 
 def mpi_world_size_from_env(environ: dict[str, str] | None = None) -> int | None:
@@ -202,20 +209,23 @@ class MpiLane:
                 self._failure = error
         return error
 
-    def _wait(self, requests: list[Any], keep: list[Any], deadline: float, what: str, timeout: float) -> None:
+    def _wait(
+        self, requests: list[Any], keep: list[Any], deadline: float, what: str, timeout: float, nbytes: int = 0
+    ) -> None:
         """Poll ``requests`` with Test until done or the deadline; on failure break the lane."""
         MPI = _mpi()
         delay = MIN_SLEEP_S
+        fast_until = time.monotonic() + FAST_WINDOW_S + nbytes / FAST_WINDOW_BYTES_PER_S
         try:
             while not MPI.Request.Testall(requests):
                 if self._closed:
                     raise LaneError(f"mpi lane closed during {what}")
-                left = deadline - time.monotonic()
-                if left <= 0:
+                now = time.monotonic()
+                if now >= deadline:
                     raise LaneError(f"mpi {what} timed out after {timeout:.3g}s (MPI cannot cancel it: "
                                     f"the lane is now broken)", "timeout")
-                time.sleep(min(delay, left))
-                delay = min(delay * 2, MAX_SLEEP_S)
+                time.sleep(min(delay, deadline - now))
+                delay = min(delay * 2, FAST_MAX_SLEEP_S if now < fast_until else MAX_SLEEP_S)
         except LaneError as exc:
             self._stuck.append((requests, keep))  # MPI may still touch these buffers
             raise self._break(exc) from None
@@ -263,7 +273,7 @@ class MpiLane:
         deadline = time.monotonic() + timeout
         comm = self._subcomm(nodes, deadline, timeout)
         request = self._start(what, lambda: begin(comm))
-        self._wait([request], keep, deadline, what, timeout)
+        self._wait([request], keep, deadline, what, timeout, sum(a.nbytes for a in keep))
 
     def _index(self, nodes: tuple[int, ...], node: int, what: str) -> int:
         if node not in nodes:
@@ -371,7 +381,7 @@ class MpiLane:
             request = self._start(what, lambda: self._comm.Isend([array, MPI.BYTE], dest=peer, tag=P2P_TAG))
         else:
             request = self._start(what, lambda: self._comm.Irecv([array, MPI.BYTE], source=peer, tag=P2P_TAG))
-        self._wait([request], [array], deadline, what, timeout)
+        self._wait([request], [array], deadline, what, timeout, array.nbytes)
 
     def send(self, dst: int, buf: torch.Tensor, timeout: float) -> None:
         """Isend of ``buf``'s bytes to ``dst``."""
