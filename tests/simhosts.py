@@ -1,8 +1,8 @@
 """pytest fixture ``sim_hosts``: simulated multi-node setups that are always torn down.
 
-Use it from a test module with ``pytest_plugins = ["simhosts"]`` (tests/ is on
-sys.path because tests/conftest.py sits there and there is no __init__.py) or
-re-export it from conftest.py with ``from simhosts import sim_hosts``.
+tests/conftest.py re-exports it (``from simhosts import sim_hosts``; tests/ is on
+sys.path because conftest.py sits there and there is no __init__.py), so any
+test can ask for it by name.
 
     def test_two_nodes(sim_hosts):
         hosts = sim_hosts(2, delay_ms=0.1, rate="10gbit")

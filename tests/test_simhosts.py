@@ -1,5 +1,6 @@
 """Simulated hosts: reachability, per-host environment, shaping, cleanup, stale cleanup, CLI, validation.
 
+The ``sim_hosts`` fixture comes from tests/simhosts.py through conftest.py.
 Everything that touches namespaces skips where they cannot be used (not
 root, no iproute2).  Tests that check for leftovers use their own random
 prefix, so instances of concurrent runs never count.
@@ -39,8 +40,6 @@ from commd.sim.hosts import (
     resolve_delay_backend,
     shaping_unavailable,
 )
-
-pytest_plugins = ["simhosts"]
 
 SimFactory = Callable[..., SimulatedHosts]
 
