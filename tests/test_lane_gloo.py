@@ -536,6 +536,7 @@ def test_bad_arguments_raise_lane_error(make_cluster: Callable[..., Cluster]) ->
         lambda: lane.alltoallv((0, 1), u8, [1, 1], u8, [2, 2], T),
         lambda: lane.send(0, u8, T),  # to itself
         lambda: lane.allreduce((0, 1), torch.zeros(4, dtype=torch.int16), "sum", T),  # refused by can_run
+        lambda: lane.allreduce((0, 1), torch.zeros(8)[::2], "sum", T),  # not contiguous
     ]
     for call in calls:
         with pytest.raises(LaneError) as info:

@@ -110,6 +110,7 @@ def test_argument_checks_and_close_need_no_mpi() -> None:
         lambda: lane.send(1, u8, 1.0),  # to itself
         lambda: lane.allreduce((0, 1), torch.zeros(2, dtype=torch.float16), "sum", 1.0),
         lambda: lane.allgatherv((0, 1), u8, u8, [4, 4], 1.0),
+        lambda: lane.broadcast((0, 1), torch.zeros(8)[::2], 0, 1.0),  # not contiguous
     ):
         with pytest.raises(LaneError) as info:
             call()

@@ -204,7 +204,7 @@ def establish(spec: FabricSpec, job: str, secret: str | None, config: SchedulerC
     if "mpi" in common:
         from commd.lanes.mpi import MpiLane
 
-        lanes["mpi"] = MpiLane(comm)
+        lanes["mpi"] = MpiLane(comm.Dup())  # its own communicator: rendezvous traffic never meets lane ops
     if "nccl" in common:
         import torch
 

@@ -15,8 +15,10 @@ backend really runs, and how to wait for a Work.
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -29,7 +31,6 @@ from commd.lanes.base import LANE_REDUCE_OPS, PRIMITIVES, LaneError
 # torch.distributed does not re-export AllgatherOptions (the other *Options it does).
 _AllgatherOptions = torch._C._distributed_c10d.AllgatherOptions
 
-_FLOATING = frozenset({"float16", "bfloat16", "float32", "float64"})
 _COMPLEX = frozenset({"complex64", "complex128"})
 _INTEGER = frozenset({"int8", "uint8", "int16", "int32", "int64"})
 _BITWISE = frozenset({"band", "bor", "bxor"})
@@ -73,10 +74,28 @@ def _first_line(exc: BaseException) -> str:
     return (text.splitlines()[0] if text else type(exc).__name__)[:500]
 
 
+def check_contiguous(lane: str, what: str, tensor: torch.Tensor) -> None:
+    """Results land in the caller's memory only if no view below has to copy it."""
+    if not tensor.is_contiguous():
+        raise LaneError(f"{lane} {what}: tensors must be contiguous, got strides {tensor.stride()}")
+
+
 def _as_bytes(buf: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of ``buf`` (every dtype moves as bytes when nothing is reduced)."""
     flat = buf.reshape(-1)
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+#: Lanes not closed yet.  Their groups are closed at interpreter exit, before module
+#: teardown: a Gloo group destroyed during finalisation aborted the process ("terminate
+#: called without an active exception") in about 1 run in 6.
+_OPEN_LANES: weakref.WeakSet[TorchGroupLane] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_lanes() -> None:
+    for lane in list(_OPEN_LANES):
+        lane.close()
 
 
 def _own_connection(store: dist.Store) -> dist.Store:
@@ -97,7 +116,8 @@ class TorchGroupLane:
     """A lane over torch c10d backends built per node subset (shared by Gloo and NCCL).
 
     Single-threaded by contract (one lane thread per daemon) except ``close``,
-    which may come from any thread and makes a pending call fail.
+    which may come from any thread and makes a pending collective fail within
+    ``WAIT_SLICE_S`` (a pending send/recv runs to its deadline, see ``_wait``).
     """
 
     name = "torch"
@@ -116,12 +136,13 @@ class TorchGroupLane:
         self._prefix = prefix
         self._groups: dict[tuple[int, ...], Any] = {}
         self._failed: dict[int, LaneError] = {}  # peer node -> the first failure that involved it
-        self._send_seq: dict[int, int] = {}  # per-peer tags: both sides count the same pair ops
+        self._send_seq: dict[int, int] = {}  # tags per peer and direction (see _next_tag)
         self._recv_seq: dict[int, int] = {}
         self._closed = False
         self._busy: tuple[int, ...] | None = None  # the subset of the call in flight
         self._retired: list[Any] = []  # groups close() must not destroy yet (see close)
         self._lock = threading.Lock()  # groups vs a close() from another thread
+        _OPEN_LANES.add(self)
 
     # ---- what subclasses provide ------------------------------------------------
     def _create_group(self, store: dist.Store, rank: int, size: int, timeout: float) -> Any:
@@ -164,6 +185,7 @@ class TorchGroupLane:
     def _check_tensor(self, what: str, tensor: torch.Tensor) -> None:
         if tensor.device.type != "cpu":
             raise LaneError(f"{self.name} {what}: tensors must be on the CPU, got {tensor.device}")
+        check_contiguous(self.name, what, tensor)
 
     # ---- capability ---------------------------------------------------------------
     def can_run(self, primitive: str, dtype: str, reduce_op: str | None, nodes: tuple[int, ...]) -> str | None:
@@ -467,6 +489,7 @@ class TorchGroupLane:
         until the backend's own timeout of that op; it goes with the lane.  A pending
         send/recv is not interrupted (see ``_wait``): it ends at its deadline.
         """
+        _OPEN_LANES.discard(self)
         with self._lock:
             self._closed = True
             groups, self._groups = self._groups, {}

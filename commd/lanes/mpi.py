@@ -285,6 +285,8 @@ class MpiLane:
         for tensor in tensors:
             if tensor.device.type != "cpu":
                 raise LaneError(f"mpi {what}: tensors must be on the CPU, got {tensor.device}")
+            if not tensor.is_contiguous():  # a NumPy view of a copy would lose the result
+                raise LaneError(f"mpi {what}: tensors must be contiguous, got strides {tensor.stride()}")
 
     # ---- primitives ---------------------------------------------------------------
     def allreduce(self, nodes: tuple[int, ...], buf: torch.Tensor, op: str, timeout: float) -> None:

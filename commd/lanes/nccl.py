@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from commd.kernels.reduce import DTYPE_NAMES
 from commd.lanes.base import LANE_REDUCE_OPS, PRIMITIVES, LaneError
-from commd.lanes.gloo import TorchGroupLane
+from commd.lanes.gloo import TorchGroupLane, check_contiguous
 
 #: Seconds torch's NCCL watchdog waits beyond a call's own deadline.
 WATCHDOG_GRACE_S = 60.0
@@ -126,6 +126,7 @@ class NcclLane(TorchGroupLane):
     def _check_tensor(self, what: str, tensor: torch.Tensor) -> None:
         if tensor.device != self.device:
             raise LaneError(f"nccl {what}: tensors must be on {self.device}, got {tensor.device}")
+        check_contiguous(self.name, what, tensor)
 
     def _create_group(self, store: dist.Store, rank: int, size: int, timeout: float) -> Any:
         # Meet through the store first (bounded), because ncclCommInitRank waits for
@@ -148,6 +149,8 @@ class NcclLane(TorchGroupLane):
         deadline = time.monotonic() + timeout
         delay = MIN_SLEEP_S
         while not work.is_completed():
+            if self._closed:
+                raise RuntimeError("nccl lane closed")
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"NCCL work timed out after {timeout:.3g}s")
