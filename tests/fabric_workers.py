@@ -226,3 +226,19 @@ def reduce_ops_and_dtypes(ctx: Any, lane: str) -> str:
             raise AssertionError(f"{lane} {op} {dtype}: got {got[:6]} want {want[:6]}")
     client.close()
     return "ok"
+
+
+def large_ops(ctx: Any, lane: str) -> str:
+    """Buffers above the parallel-kernel threshold (4 MiB): blockwise local phases across threads."""
+    client = ctx.connect()
+    me, world = ctx.rank, ctx.world_size
+    n = (6 << 20) // 4 + 3
+    t = client.empty(n, torch.float32)
+    t.copy_(torch.from_numpy(data(me, n, np.float32, 1)))
+    ops.all_reduce(client, t, "sum", lane=lane).wait(120)
+    _check("large all_reduce", t, np.sum([data(r, n, np.float32, 1) for r in range(world)], 0).astype(np.float32))
+    t.copy_(torch.from_numpy(data(me, n, np.float32, 2)))
+    ops.broadcast(client, t, 1, lane=lane).wait(120)
+    _check("large broadcast", t, data(1, n, np.float32, 2))
+    client.close()
+    return "ok"

@@ -133,3 +133,8 @@ def test_node_that_shuts_down_is_known_dead_at_once(cluster) -> None:
 def test_every_reduce_op_and_dtype_across_nodes(cluster) -> None:
     c = cluster()
     assert set(c.join(c.start_workers(fw.reduce_ops_and_dtypes, "tcp")).values()) == {"ok"}
+
+
+def test_large_buffers_use_parallel_local_phases(cluster) -> None:
+    c = cluster()
+    assert set(c.join(c.start_workers(fw.large_ops, "tcp")).values()) == {"ok"}

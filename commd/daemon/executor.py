@@ -162,6 +162,33 @@ def _allreduce_blocks(bufs: list[torch.Tensor], starts: range, block: int, op: s
             other.copy_(parts[0])
 
 
+def parallel_reduce_into(out: torch.Tensor, parts: list[torch.Tensor], op: str, scale: float) -> None:
+    """``reduce_into`` over cache-sized blocks, shared among the kernel threads when large."""
+    _over_blocks(out, lambda lo, hi: reduce_into(out[lo:hi], [p[lo:hi] for p in parts], op, scale))
+
+
+def parallel_copy(dsts: list[torch.Tensor], src: torch.Tensor) -> None:
+    """Copy ``src`` into every tensor of ``dsts`` (same shape), blockwise and in parallel when large."""
+    dsts = [d for d in dsts if d.data_ptr() != src.data_ptr()]
+    if dsts:
+        _over_blocks(src, lambda lo, hi: [d[lo:hi].copy_(src[lo:hi]) for d in dsts])
+
+
+def _over_blocks(ref: torch.Tensor, fn: Callable[[int, int], object]) -> None:
+    n = ref.numel()
+    if n == 0:
+        return
+    block = max(1, BLOCK_BYTES // ref.element_size())
+    starts = range(0, n, block)
+    workers = kernel_pool_size()
+    if workers > 1 and n * ref.element_size() >= PARALLEL_MIN_BYTES:
+        shares = [starts[i::workers] for i in range(workers)]
+        list(_kernel_pool().map(lambda share: [fn(s, min(n, s + block)) for s in share], shares))
+    else:
+        for s in starts:
+            fn(s, min(n, s + block))
+
+
 #: Buffers at least this large are reduced by several daemon threads.
 PARALLEL_MIN_BYTES = 4 << 20
 _pool: concurrent.futures.ThreadPoolExecutor | None = None

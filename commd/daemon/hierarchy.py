@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from commd.kernels.reduce import TORCH_DTYPES, reduce_into
+from commd.daemon.executor import parallel_copy, parallel_reduce_into
+from commd.kernels.reduce import TORCH_DTYPES
 from commd.lanes.base import Lane
 from commd.protocol import schema as s
 from commd.scheduler.local import ReadyOp
@@ -97,12 +98,11 @@ def _allreduce(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeo
     local_op = "sum" if first.reduce_op == "avg" else first.reduce_op
     acc = bufs[0]
     if len(bufs) > 1 or first.reduce_op == "premul_sum":
-        reduce_into(acc, bufs, local_op, first.scale)
+        parallel_reduce_into(acc, bufs, local_op, first.scale)
     lane.allreduce(plan.nodes, acc, lane_reduce_op(first.reduce_op), timeout)
     if first.reduce_op == "avg":
         acc.div_(len(plan.ranks))
-    for other in bufs[1:]:
-        other.copy_(acc)
+    parallel_copy(bufs[1:], acc)
 
 
 def _reduce(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeout: float) -> None:
@@ -110,7 +110,7 @@ def _reduce(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeout:
     bufs = [resolve(x, "buf") for x in op.subs]
     scratch = torch.empty_like(bufs[0])
     local_op = "sum" if first.reduce_op == "avg" else first.reduce_op
-    reduce_into(scratch, bufs, local_op, first.scale)
+    parallel_reduce_into(scratch, bufs, local_op, first.scale)
     lane.allreduce(plan.nodes, scratch, lane_reduce_op(first.reduce_op), timeout)
     if first.reduce_op == "avg":
         scratch.div_(len(plan.ranks))
@@ -128,9 +128,7 @@ def _broadcast(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeo
     else:
         src = bufs[0]
     lane.broadcast(plan.nodes, _bytes(src), root_node, timeout)
-    for buf in bufs:
-        if buf.data_ptr() != src.data_ptr():
-            buf.copy_(src)
+    parallel_copy(bufs, src)
 
 
 def _node_bytes(plan: GroupPlan, counts: list[int], itemsize: int) -> list[int]:
@@ -219,7 +217,7 @@ def _reduce_scatter(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, 
     inputs = [resolve(x, "in") for x in op.subs]
     scratch = torch.empty_like(inputs[0])
     local_op = "sum" if first.reduce_op == "avg" else first.reduce_op
-    reduce_into(scratch, inputs, local_op, first.scale)
+    parallel_reduce_into(scratch, inputs, local_op, first.scale)
     lane.allreduce(plan.nodes, scratch, lane_reduce_op(first.reduce_op), timeout)
     if first.reduce_op == "avg":
         scratch.div_(len(plan.ranks))
