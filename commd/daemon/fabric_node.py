@@ -30,8 +30,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import zmq
-
 from commd.daemon.hierarchy import GroupPlan, run, run_p2p, scratch_like
 from commd.fabric.rendezvous import Fabric
 from commd.lanes.base import LaneError
@@ -48,6 +46,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("commd.fabric")
 
 HEARTBEAT_S = 0.5
+#: Released ops up to this size run on the event loop when their lane is idle.
+INLINE_LANE_BYTES = 64 * 1024
 
 
 def _frozen(value: Any) -> Any:
@@ -67,8 +67,7 @@ class FabricNode:
         self.coordinator = (
             Coordinator(fabric.nnodes, fabric.config, fabric.lanes) if fabric.is_coordinator else None
         )
-        self.node_of_identity = dict(fabric.identities)
-        self.identity_of_node = {n: i for i, n in fabric.identities.items()}
+        self.links = fabric.links
         self.negotiating: dict[tuple[str, int], tuple[ReadyOp, GroupPlan, tuple]] = {}
         self.neg_cache: dict[tuple, int] = {}
         self.remote_sends: dict[int, tuple[Submission, GroupPlan]] = {}  # our sends waiting at a receiver
@@ -80,6 +79,7 @@ class FabricNode:
         self._executors: dict[str, queue.SimpleQueue] = {}
         self._threads: list[threading.Thread] = []
         self._group_tail: dict[str, threading.Event] = {}
+        self._busy: dict[str, int] = {}  # executor key -> ops queued or running there (loop thread only)
         self.dead: dict[int, str] = {}
         self.broken: str | None = None
         now = time.monotonic()
@@ -102,21 +102,16 @@ class FabricNode:
     # ---- plumbing -------------------------------------------------------------
     def start(self, loop: Any) -> None:
         self.loop = loop
-        loop.add_reader(self.fabric.ctl.getsockopt(zmq.FD), self._on_readable)
-        loop.call_soon(self._on_readable)
+        for node, conn in self.links.items():
+            conn.attach(loop, lambda msg, node=node: self._on_message(node, msg),
+                        lambda why, node=node: self._on_link_closed(node, why))
 
     def close(self, why: str = "shut down") -> None:
         # Tell the others at once rather than letting them wait out the peer timeout.
-        if self.coordinator is not None:
-            for node, identity in self.identity_of_node.items():
-                if node not in self.dead:
-                    self._send_ctl(identity, {"t": "batch", "items": [{"t": "leaving", "why": why}]})
-        elif self.broken is None:
-            self._send_ctl(None, {"t": "batch", "items": [{"t": "leaving", "why": why}]})
-        try:
-            self.loop.remove_reader(self.fabric.ctl.getsockopt(zmq.FD))
-        except Exception:  # loop already closed
-            pass
+        for node, conn in self.links.items():
+            if node not in self.dead:
+                conn.send({"t": "batch", "items": [{"t": "leaving", "why": why}]})
+            conn.close()
         for q in self._executors.values():
             q.put(None)
         for thread in self._threads:
@@ -126,7 +121,6 @@ class FabricNode:
                 lane.close()
             except Exception:
                 log.exception("closing a lane failed")
-        self.fabric.ctl.close(linger=500)
 
     def _up_send(self, item: dict[str, Any]) -> None:
         """Queue an item for the coordinator; one message per loop turn."""
@@ -142,39 +136,28 @@ class FabricNode:
             return
         if self.coordinator is not None:
             self._coordinate(self.me, items)
-        else:
-            self._send_ctl(None, {"t": "batch", "items": items})
+        elif self.broken is None:
+            self.links[0].send({"t": "batch", "items": items})
 
-    def _send_ctl(self, identity: bytes | None, message: dict[str, Any]) -> None:
-        frames = [s.encode(message)] if identity is None else [identity, s.encode(message)]
+    def _on_message(self, node: int, msg: dict[str, Any]) -> None:
+        self.last_heard[node] = time.monotonic()
         try:
-            self.fabric.ctl.send_multipart(frames, zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            log.warning("control message not sent: %s", exc)
-        if self.fabric.ctl.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            self.loop.call_soon(self._on_readable)
+            items = msg["items"] if msg["t"] == "batch" else [msg]
+            if self.coordinator is not None:
+                self._coordinate(node, items)
+            else:
+                self._on_down(items)
+        except Exception:
+            log.exception("control channel: bad message from node %d dropped", node)
+        self.daemon._flush()
 
-    def _on_readable(self) -> None:
-        ctl = self.fabric.ctl
-        if ctl.closed:  # a read callback scheduled just before close()
-            return
-        while ctl.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            frames = ctl.recv_multipart(zmq.NOBLOCK)
-            try:
-                if self.coordinator is not None:
-                    node = self.node_of_identity.get(frames[0]) if len(frames) == 2 else None
-                    if node is None:
-                        log.warning("control channel: dropped a message from an unauthenticated peer")
-                        continue
-                    self.last_heard[node] = time.monotonic()
-                    msg = s.decode(frames[1])
-                    self._coordinate(node, msg["items"] if msg["t"] == "batch" else [msg])
-                else:
-                    self.last_heard[0] = time.monotonic()
-                    msg = s.decode(frames[-1])
-                    self._on_down(msg["items"] if msg["t"] == "batch" else [msg])
-            except Exception:
-                log.exception("control channel: bad message dropped")
+    def _on_link_closed(self, node: int, why: str) -> None:
+        if self.coordinator is not None:
+            out = Outbox()
+            self.coordinator.node_dead(node, f"lost its control connection ({why})", out)
+            self._dispatch(out)
+        else:
+            self._coordinator_lost(f"closed the control connection ({why})")
         self.daemon._flush()
 
     # ---- coordinator side -------------------------------------------------------
@@ -204,11 +187,12 @@ class FabricNode:
         self._dispatch(out)
 
     def _dispatch(self, out: Outbox) -> None:
+        # Other nodes first: our own part may run inline and wait for theirs.
         for node, items in out.messages.items():
-            if node == self.me:
-                self._on_down(items)
-            elif node in self.identity_of_node and node not in self.dead:
-                self._send_ctl(self.identity_of_node[node], {"t": "batch", "items": items})
+            if node != self.me and node in self.links and node not in self.dead:
+                self.links[node].send({"t": "batch", "items": items})
+        if self.me in out.messages:
+            self._on_down(out.messages[self.me])
 
     # ---- member side: what the coordinator tells us -------------------------------
     def _on_down(self, items: list[dict[str, Any]]) -> None:
@@ -298,7 +282,22 @@ class FabricNode:
         stats = self.lane_stats[lane_name]
         stats["ops"] += 1
         stats["bytes"] += nbytes
-        self._executor(executor_key(lane_name, on_gpu)).put((prev, finished, work, done))
+        key = executor_key(lane_name, on_gpu)
+        if (nbytes <= INLINE_LANE_BYTES and not on_gpu and not self._busy.get(key) and self.chaos_delay_s == 0
+                and (prev is None or prev.is_set())):
+            # The lane is idle and the group's previous op is done: run this small op right
+            # here on the loop, in its place in the global order (saves two thread wake-ups).
+            error, code = self._run_work(work)
+            finished.set()
+            done(error, code)
+            return
+        self._busy[key] = self._busy.get(key, 0) + 1
+
+        def finish(error: str | None, code: str) -> None:
+            self._busy[key] -= 1
+            done(error, code)
+
+        self._executor(key).put((prev, finished, work, finish))
 
     def _executor(self, key: str) -> queue.SimpleQueue:
         q = self._executors.get(key)
@@ -320,22 +319,24 @@ class FabricNode:
                 prev.wait()  # the group's previous op (earlier in the global order) finishes first
             if chaos is not None and chaos.random() < 0.3:
                 time.sleep(chaos.random() * self.chaos_delay_s)
-            error, code = None, s.E_INTERNAL
-            try:
-                if self.daemon._closing:
-                    error, code = "daemon shutting down before the op could run", s.E_SHUTDOWN
-                else:
-                    work()
-            except LaneError as exc:
-                error, code = str(exc), exc.code
-            except Exception as exc:
-                log.exception("inter-node op failed")
-                error = f"inter-node phase failed: {exc}"
+            error, code = self._run_work(work)
             finished.set()
             try:
                 self.loop.call_soon_threadsafe(done, error, code)
             except RuntimeError:
                 return
+
+    def _run_work(self, work: Callable[[], None]) -> tuple[str | None, str]:
+        try:
+            if self.daemon._closing:
+                return "daemon shutting down before the op could run", s.E_SHUTDOWN
+            work()
+            return None, s.E_INTERNAL
+        except LaneError as exc:
+            return str(exc), exc.code
+        except Exception as exc:
+            log.exception("inter-node op failed")
+            return f"inter-node phase failed: {exc}", s.E_INTERNAL
 
     def _resolver(self) -> Callable[[Submission, str], Any]:
         daemon = self.daemon

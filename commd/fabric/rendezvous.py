@@ -8,9 +8,9 @@ Two ways in, as clusters start daemons:
   and the MPI lane gets a real communicator.
 
 Control traffic (negotiation, status, errors) then runs on commd's own
-channel: ZeroMQ over TCP from every daemon to the coordinator (node 0),
-opened with a challenge/response on the job secret, so a process that
-reaches the port but lacks the secret is refused.
+channel (``fabric/channel.py``: msgpack frames on TCP) from every daemon to
+the coordinator (node 0), opened with a challenge/response on the job
+secret, so a process that reaches the port but lacks the secret is refused.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ import json
 import logging
 import os
 import secrets as pysecrets
+import select
 import socket
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-import zmq
-
+from commd.fabric.channel import ChannelClosed, Connection
 from commd.lanes.base import Lane
 from commd.protocol import schema as s
 from commd.runtime import new_secret
@@ -75,9 +75,9 @@ class Fabric:
     nodes: list[NodeInfo]
     secret: str
     lanes: dict[str, Lane]
-    ctl: zmq.Socket
     config: SchedulerConfig | None  # the coordinator's (members learn it at join)
-    identities: dict[bytes, int] = field(default_factory=dict)  # coordinator: routing id -> node
+    #: Control connections: the coordinator holds one per member; a member holds {0: coordinator}.
+    links: dict[int, Connection] = field(default_factory=dict)
     keep: list[Any] = field(default_factory=list)  # stores / communicators the lanes use
 
     @property
@@ -145,14 +145,14 @@ def establish(spec: FabricSpec, job: str, secret: str | None, config: SchedulerC
     from commd.lanes.tcp import TcpLane
 
     tcp = TcpLane(rank, nnodes, secret, ip)
-    ctx = zmq.Context.instance()
-    ctl = ctx.socket(zmq.ROUTER if rank == 0 else zmq.DEALER)
-    ctl.setsockopt(zmq.LINGER, 1000)
-    ctl.setsockopt(zmq.MAXMSGSIZE, 16 * s.MAX_MESSAGE_BYTES)
+    listener = None
     ctl_port = 0
     if rank == 0:
-        ctl.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        ctl_port = ctl.bind_to_random_port(f"tcp://{ip}")
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((ip, 0))
+        listener.listen(64)
+        ctl_port = listener.getsockname()[1]
     my_lanes = ["tcp", "gloo"] + (["mpi"] if comm is not None and nnodes > 1 else [])
     from commd.lanes.nccl import nccl_unavailable
 
@@ -186,9 +186,12 @@ def establish(spec: FabricSpec, job: str, secret: str | None, config: SchedulerC
         keep.append(comm)
 
     # The control channel first: a node with the wrong secret learns it from the coordinator.
-    fabric = Fabric(rank, nodes, secret, {}, ctl, config if rank == 0 else None, keep=keep)
+    fabric = Fabric(rank, nodes, secret, {}, config if rank == 0 else None, keep=keep)
     if rank == 0:
-        _accept_members(fabric, job, deadline, config)
+        try:
+            _accept_members(fabric, listener, job, deadline, config)
+        finally:
+            listener.close()
     else:
         _join_coordinator(fabric, job, deadline)
     try:
@@ -276,61 +279,79 @@ def _check_nodes(raw: list[dict[str, Any]], nnodes: int) -> list[NodeInfo]:
     return nodes
 
 
-def _accept_members(fabric: Fabric, job: str, deadline: float, config: SchedulerConfig) -> None:
-    """Coordinator: challenge every member; admit only those proving the secret."""
-    ctl = fabric.ctl
-    nonces: dict[bytes, tuple[int, str]] = {}
-    while len(fabric.identities) < fabric.nnodes - 1:
+def _accept_members(
+    fabric: Fabric, listener: socket.socket, job: str, deadline: float, config: SchedulerConfig
+) -> None:
+    """Coordinator: challenge every connecting member; admit only those proving the secret."""
+    listener.setblocking(False)
+    pending: dict[int, tuple[Connection, int | None, str | None]] = {}  # fd -> (conn, node, nonce)
+    while len(fabric.links) < fabric.nnodes - 1:
         remaining = deadline - time.monotonic()
-        if remaining <= 0 or not ctl.poll(int(remaining * 1000)):
-            missing = sorted(set(range(1, fabric.nnodes)) - set(fabric.identities.values()))
+        if remaining <= 0:
+            missing = sorted(set(range(1, fabric.nnodes)) - set(fabric.links))
+            for conn, _, _ in pending.values():
+                conn.close()
             raise FabricError(f"nodes {missing} never joined the coordinator's control channel")
-        identity, frame = _recv(ctl)
-        if identity is None:
-            continue
-        try:
-            msg = s.decode(frame)
-            node = s.int_field(msg, "node", 1, fabric.nnodes - 1)
-            if msg["t"] == "join":
-                nonce = pysecrets.token_hex(16)
-                nonces[identity] = (node, nonce)
-                ctl.send_multipart([identity, s.encode({"t": "challenge", "nonce": nonce})])
-            elif msg["t"] == "proof" and identity in nonces and nonces[identity][0] == node:
-                expected = _mac(fabric.secret, "commd-join", job, node, nonces.pop(identity)[1])
-                proof = s.field(msg, "mac", str)
-                if not hmac.compare_digest(proof, expected):
-                    log.warning("node %d failed authentication (wrong job secret)", node)
-                    ctl.send_multipart([identity, s.encode({"t": "rejected", "why": "wrong job secret"})])
+        ready, _, _ = select.select([listener] + [c.sock for c, _, _ in pending.values()], [], [], remaining)
+        for sock in ready:
+            if sock is listener:
+                try:
+                    peer, _ = listener.accept()
+                except BlockingIOError:
                     continue
-                if node in fabric.identities.values():
-                    raise s.ProtocolError(f"node {node} joined twice")
-                fabric.identities[identity] = node
-                ctl.send_multipart([identity, s.encode({"t": "welcome", "config": config.to_wire()})])
-            else:
-                raise s.ProtocolError(f"unexpected {msg['t']!r} during the join")
-        except (s.ProtocolError, KeyError) as exc:
-            log.warning("control channel: refused a peer: %s", exc)
-
-
-def _recv(sock: zmq.Socket) -> tuple[bytes | None, bytes]:
-    frames = sock.recv_multipart()
-    if len(frames) != 2:
-        return None, b""
-    return frames[0], frames[1]
+                conn = Connection(peer)
+                pending[peer.fileno()] = (conn, None, None)
+                continue
+            conn, node, nonce = pending[sock.fileno()]
+            try:
+                msg = conn.poll_message()
+                if msg is None:
+                    continue
+                claimed = s.int_field(msg, "node", 1, fabric.nnodes - 1)
+                if msg["t"] == "join" and node is None:
+                    nonce = pysecrets.token_hex(16)
+                    pending[sock.fileno()] = (conn, claimed, nonce)
+                    conn.send_blocking({"t": "challenge", "nonce": nonce})
+                elif msg["t"] == "proof" and node == claimed:
+                    expected = _mac(fabric.secret, "commd-join", job, node, nonce)
+                    if not hmac.compare_digest(s.field(msg, "mac", str), expected):
+                        log.warning("node %d failed authentication (wrong job secret)", node)
+                        conn.send_blocking({"t": "rejected", "why": "wrong job secret"})
+                        raise s.ProtocolError("wrong job secret")
+                    if node in fabric.links:
+                        raise s.ProtocolError(f"node {node} joined twice")
+                    del pending[sock.fileno()]
+                    fabric.links[node] = conn
+                    conn.send_blocking({"t": "welcome", "config": config.to_wire()})
+                else:
+                    raise s.ProtocolError(f"unexpected {msg['t']!r} during the join")
+            except (s.ProtocolError, KeyError, ChannelClosed, OSError) as exc:
+                log.warning("control channel: refused a peer: %s", exc)
+                pending.pop(sock.fileno(), None)
+                conn.close()
 
 
 def _join_coordinator(fabric: Fabric, job: str, deadline: float) -> None:
-    ctl = fabric.ctl
     coordinator = fabric.nodes[0]
-    ctl.setsockopt(zmq.IDENTITY, f"node{fabric.node_rank}-{os.getpid()}".encode())
-    ctl.connect(f"tcp://{coordinator.ip}:{coordinator.ctl_port}")
+    where = f"{coordinator.ip}:{coordinator.ctl_port}"
+    while True:
+        try:
+            sock = socket.create_connection((coordinator.ip, coordinator.ctl_port), timeout=5)
+            break
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                raise FabricError(f"cannot reach the coordinator's control channel at {where}: {exc}") from None
+            time.sleep(0.1)
+    conn = Connection(sock)
 
     def ask(message: dict[str, Any], want: str) -> dict[str, Any]:
-        ctl.send(s.encode(message))
-        remaining = deadline - time.monotonic()
-        if remaining <= 0 or not ctl.poll(int(remaining * 1000)):
-            raise FabricError(f"coordinator at {coordinator.ip}:{coordinator.ctl_port} did not answer the join")
-        reply = s.decode(ctl.recv())
+        try:
+            conn.send_blocking(message)
+            reply = conn.recv_blocking(deadline)
+        except (ChannelClosed, OSError) as exc:
+            raise FabricError(f"the coordinator at {where} closed the join: {exc}") from None
+        if reply is None:
+            raise FabricError(f"coordinator at {where} did not answer the join")
         if reply["t"] == "rejected":
             raise FabricError(f"the coordinator refused this node: {reply.get('why')}")
         if reply["t"] != want:
@@ -342,3 +363,4 @@ def _join_coordinator(fabric: Fabric, job: str, deadline: float) -> None:
     welcome = ask({"t": "proof", "node": fabric.node_rank,
                    "mac": _mac(fabric.secret, "commd-join", job, fabric.node_rank, nonce)}, "welcome")
     fabric.config = config_from_wire(welcome["config"])
+    fabric.links[0] = conn
