@@ -37,7 +37,7 @@ from commd.protocol import schema as s
 from commd.runtime import env_float, env_int
 from commd.scheduler.coordinator import Coordinator, Outbox
 from commd.scheduler.local import MatchError, ReadyOp
-from commd.scheduler.ops import Submission, agreed_values
+from commd.scheduler.ops import COUNTED, Submission, agreed_values
 from commd.scheduler.selection import executor_key
 
 if TYPE_CHECKING:
@@ -166,9 +166,9 @@ class FabricNode:
         out = Outbox()
         ready = [item for item in items if item["t"] == "ready"]
         if ready:
-            started = time.perf_counter_ns()
+            started = time.thread_time_ns()
             coord.report(node, ready, out)
-            self.coord_ns += time.perf_counter_ns() - started
+            self.coord_ns += time.thread_time_ns() - started
             self.coord_items += len(ready)
         for item in items:
             kind = item["t"]
@@ -223,9 +223,9 @@ class FabricNode:
 
     # ---- collectives -----------------------------------------------------------
     def negotiate(self, op: ReadyOp, plan: GroupPlan) -> None:
-        started = time.perf_counter_ns()
+        started = time.thread_time_ns()
         self._negotiate(op, plan)
-        self.sched_ns += time.perf_counter_ns() - started
+        self.sched_ns += time.thread_time_ns() - started
 
     def _negotiate(self, op: ReadyOp, plan: GroupPlan) -> None:
         problem = self._unreachable(plan.nodes)
@@ -233,32 +233,40 @@ class FabricNode:
             self._fail_op(op, s.E_PEER_DIED, f"{op.describe()} cannot run: {problem}")
             return
         first = op.subs[0]
-        item: dict[str, Any] = {
-            "t": "ready", "g": op.group, "s": op.seq, "k": op.kind, "sig": agreed_values(first),
-            "ranks": list(plan.ranks), "pl": list(plan.node_of), "n": list(plan.nodes),
-            "mine": [x.group_rank for x in op.subs], "nb": op.nbytes, "to": max(x.timeout for x in op.subs),
-        }
-        if op.kind == "alltoall":
-            item["a2a"] = [[x.group_rank, x.splits_in, x.splits_out] for x in op.subs]
-        key = _frozen({k: v for k, v in item.items() if k != "s"})
+        timeout = max(x.timeout for x in op.subs)
+        # The pattern: everything the report says except the sequence number.  The group's
+        # placement is fixed per group name, so the name stands for members and placement.
+        key: tuple = (op.group, first.signature, tuple(x.group_rank for x in op.subs), op.nbytes, timeout)
+        if op.kind == "alltoall" or op.kind in COUNTED:
+            key = _frozen([key, [[x.splits_in, x.splits_out] for x in op.subs]])
         self.negotiating[(op.group, op.seq)] = (op, plan, key)
         self.reported += 1
         cid = self.neg_cache.get(key)
         if cid is not None:
             self.reported_cached += 1
-            item = {"t": "ready", "g": op.group, "s": op.seq, "c": cid}
+            self._up_send({"t": "ready", "g": op.group, "s": op.seq, "c": cid})
+            return
+        item: dict[str, Any] = {
+            "t": "ready", "g": op.group, "s": op.seq, "k": op.kind, "sig": agreed_values(first),
+            "ranks": list(plan.ranks), "pl": list(plan.node_of), "n": list(plan.nodes),
+            "mine": [x.group_rank for x in op.subs], "nb": op.nbytes, "to": timeout,
+        }
+        if op.kind == "alltoall":
+            item["a2a"] = [[x.group_rank, x.splits_in, x.splits_out] for x in op.subs]
         self._up_send(item)
 
     def _released(self, item: dict[str, Any]) -> None:
-        started = time.perf_counter_ns()
-        self._release(item)
-        self.sched_ns += time.perf_counter_ns() - started
+        started = time.thread_time_ns()
+        run_now = self._release(item)
+        self.sched_ns += time.thread_time_ns() - started  # the op's own execution is not scheduling
+        if run_now is not None:
+            run_now()
 
-    def _release(self, item: dict[str, Any]) -> None:
+    def _release(self, item: dict[str, Any]) -> Callable[[], None] | None:
         entry = self.negotiating.pop((item["g"], item["s"]), None)
         if entry is None:
             log.warning("release of unknown op #%s on group '%s' ignored", item["s"], item["g"])
-            return
+            return None
         op, plan, key = entry
         if "c" in item:
             self.neg_cache[key] = item["c"]
@@ -271,11 +279,12 @@ class FabricNode:
         def work() -> None:
             run(op, plan, self.fabric.lanes[lane_name], resolve, timeout)
 
-        self._enqueue(lane_name, op.on_gpu, op.group, work, lambda error, code: self._done(op, error, code),
-                      op.nbytes)
+        return self._enqueue(lane_name, op.on_gpu, op.group, work,
+                             lambda error, code: self._done(op, error, code), op.nbytes)
 
     def _enqueue(self, lane_name: str, on_gpu: bool, group: str, work: Callable[[], None],
-                 done: Callable[[str | None, str], None], nbytes: int) -> None:
+                 done: Callable[[str | None, str], None], nbytes: int) -> Callable[[], None] | None:
+        """Queue the op on its lane's executor, or return it to be run right now on the loop."""
         prev = self._group_tail.get(group)
         finished = threading.Event()
         self._group_tail[group] = finished
@@ -287,10 +296,12 @@ class FabricNode:
                 and (prev is None or prev.is_set())):
             # The lane is idle and the group's previous op is done: run this small op right
             # here on the loop, in its place in the global order (saves two thread wake-ups).
-            error, code = self._run_work(work)
-            finished.set()
-            done(error, code)
-            return
+            def run_now() -> None:
+                error, code = self._run_work(work)
+                finished.set()
+                done(error, code)
+
+            return run_now
         self._busy[key] = self._busy.get(key, 0) + 1
 
         def finish(error: str | None, code: str) -> None:
@@ -298,6 +309,7 @@ class FabricNode:
             done(error, code)
 
         self._executor(key).put((prev, finished, work, finish))
+        return None
 
     def _executor(self, key: str) -> queue.SimpleQueue:
         q = self._executors.get(key)
@@ -435,8 +447,10 @@ class FabricNode:
             def work() -> None:
                 run_p2p("recv", recv, peer, self.fabric.lanes[lane_name], resolve, timeout)
 
-        self._enqueue(lane_name, op.on_gpu, op.group, work, lambda error, code: self._done(op, error, code),
-                      op.nbytes)
+        run_now = self._enqueue(lane_name, op.on_gpu, op.group, work,
+                                lambda error, code: self._done(op, error, code), op.nbytes)
+        if run_now is not None:
+            run_now()
 
     def _p2p_failed(self, item: dict[str, Any]) -> None:
         if "sn" in item and (item["sn"], item["key"]) in self.remote_matched:
