@@ -658,8 +658,8 @@ def print_sched(sched: dict[str, Any], n: int) -> None:
     value = sched["overhead_us_per_op"]
     print("compared with the target: the fabric's scheduling time per op on the busiest daemon = its "
           "scheduling_us_per_op (negotiate + release) + on node 0 coordinator_us_per_report x 2 reports per op, "
-          "per-burst differences of the status counters, median over the steady bursts (the daemons time these "
-          "sections by wall clock: preemption and GIL waits count)")
+          "per-burst differences of the status counters, median over the steady bursts (the daemons count the "
+          "CPU time of their event-loop thread in these sections; the op's own execution is excluded)")
     met = value is not None and value <= TARGET_SCHED_US
     print(STATUS_LINE.format("met" if met else "NOT met",
                              f"steady-state scheduling overhead {_fmt(value, '.1f')} us/op <= {TARGET_SCHED_US:g} us "

@@ -29,6 +29,16 @@ def _env(runtime: Path, node: str) -> dict[str, str]:
     return env
 
 
+def _communicate_all(procs: list[subprocess.Popen], timeout: float = 240) -> list[str]:
+    """Every process's output; whatever still runs at the end (a failed wait) is killed."""
+    try:
+        return [proc.communicate(timeout=timeout)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+
+
 def _results(out: Path, world: int) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
@@ -45,14 +55,7 @@ def test_launch_on_two_nodes(tmp_path: Path) -> None:
              str(SCRIPTS / "cli_allreduce_worker.py"), str(tmp_path)],
             env=_env(runtime, f"n{i}"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         ))
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=240)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
+    outputs = _communicate_all(procs)
     assert [p.returncode for p in procs] == [0, 0], "\n".join(outputs)
     results = _results(tmp_path, 4)
     assert all(r["ok"] and r["sum"] == 10.0 for r in results), results
@@ -73,14 +76,7 @@ def test_torchrun_style_ranks_auto_start_their_node_daemons(tmp_path: Path) -> N
                    MASTER_PORT=str(port))
         procs.append(subprocess.Popen([sys.executable, str(SCRIPTS / "cli_allreduce_worker.py"), str(tmp_path), "gloo"],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=240)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
+    outputs = _communicate_all(procs)
     assert [p.returncode for p in procs] == [0] * 4, "\n".join(outputs)
     results = _results(tmp_path, 4)
     assert all(r["ok"] and r["sum"] == 10.0 for r in results)

@@ -32,7 +32,7 @@ ResolveArray = Callable[[Submission, str], np.ndarray]
 SMALL_BYTES = 64 * 1024
 
 
-def _offsets(counts: list[int]) -> list[int]:
+def block_offsets(counts: list[int]) -> list[int]:
     out, total = [], 0
     for c in counts:
         out.append(total)
@@ -73,14 +73,14 @@ def execute(op: ReadyOp, resolve: Resolve) -> None:
         _allgather(subs, resolve)
     elif kind == "gather":
         counts = first.counts
-        offsets = _offsets(counts)
+        offsets = block_offsets(counts)
         out = resolve(subs[first.root], "out")
         inputs = _inputs_safe_from(subs, resolve, [out])
         for j, src in enumerate(inputs):
             out[offsets[j] : offsets[j] + counts[j]].copy_(src)
     elif kind == "scatter":
         counts = first.counts
-        offsets = _offsets(counts)
+        offsets = block_offsets(counts)
         src = resolve(subs[first.root], "in")
         outs = [resolve(s, "out") for s in subs]
         if any(_overlaps(o, src) for o in outs):
@@ -89,7 +89,7 @@ def execute(op: ReadyOp, resolve: Resolve) -> None:
             out.copy_(src[offsets[j] : offsets[j] + counts[j]])
     elif kind == "reduce_scatter":
         counts = first.counts
-        offsets = _offsets(counts)
+        offsets = block_offsets(counts)
         inputs = [resolve(s, "in") for s in subs]
         outs = [resolve(s, "out") for s in subs]
         for j, out in enumerate(outs):
@@ -208,7 +208,7 @@ def _kernel_pool() -> concurrent.futures.ThreadPoolExecutor:
 
 def _allgather(subs: list[Submission], resolve: Resolve) -> None:
     counts = subs[0].counts
-    offsets = _offsets(counts)
+    offsets = block_offsets(counts)
     outs = [resolve(s, "out") for s in subs]
     inputs = _inputs_safe_from(subs, resolve, outs)
     for j, src in enumerate(inputs):
@@ -222,10 +222,10 @@ def _alltoall(subs: list[Submission], resolve: Resolve) -> None:
     outs = [resolve(s, "out") for s in subs]
     inputs = _inputs_safe_from(subs, resolve, outs)
     for j, src in enumerate(inputs):
-        send_offsets = _offsets(subs[j].splits_in)
+        send_offsets = block_offsets(subs[j].splits_in)
         for r, out in enumerate(outs):
             n = subs[j].splits_in[r]
-            recv_at = _offsets(subs[r].splits_out)[j]
+            recv_at = block_offsets(subs[r].splits_out)[j]
             out[recv_at : recv_at + n].copy_(src[send_offsets[r] : send_offsets[r] + n])
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from commd.daemon.executor import parallel_copy, parallel_reduce_into
+from commd.daemon.executor import block_offsets, parallel_copy, parallel_reduce_into
 from commd.kernels.reduce import TORCH_DTYPES
 from commd.lanes.base import Lane
 from commd.protocol import schema as s
@@ -52,14 +52,6 @@ class GroupPlan:
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype != torch.uint8 else t
-
-
-def _offsets(counts: list[int]) -> list[int]:
-    out, total = [], 0
-    for c in counts:
-        out.append(total)
-        total += c
-    return out
 
 
 class _Staging:
@@ -105,15 +97,22 @@ def _allreduce(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeo
     parallel_copy(bufs[1:], acc)
 
 
-def _reduce(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeout: float) -> None:
+def _reduced_copy(op: ReadyOp, plan: GroupPlan, lane: Lane, inputs: list[torch.Tensor], timeout: float) -> torch.Tensor:
+    """The reduction over every rank of the group, in a scratch buffer (the ranks' buffers untouched)."""
     first = op.subs[0]
-    bufs = [resolve(x, "buf") for x in op.subs]
-    scratch = torch.empty_like(bufs[0])
+    scratch = torch.empty_like(inputs[0])
     local_op = "sum" if first.reduce_op == "avg" else first.reduce_op
-    parallel_reduce_into(scratch, bufs, local_op, first.scale)
+    parallel_reduce_into(scratch, inputs, local_op, first.scale)
     lane.allreduce(plan.nodes, scratch, lane_reduce_op(first.reduce_op), timeout)
     if first.reduce_op == "avg":
         scratch.div_(len(plan.ranks))
+    return scratch
+
+
+def _reduce(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeout: float) -> None:
+    first = op.subs[0]
+    bufs = [resolve(x, "buf") for x in op.subs]
+    scratch = _reduced_copy(op, plan, lane, bufs, timeout)
     for sub, buf in zip(op.subs, bufs, strict=True):
         if sub.group_rank == first.root:
             buf.copy_(scratch)
@@ -139,7 +138,7 @@ def _allgather(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeo
     first = op.subs[0]
     itemsize = s.ITEMSIZE[first.dtype]
     counts = first.counts
-    offsets = _offsets([c * itemsize for c in counts])
+    offsets = block_offsets([c * itemsize for c in counts])
     mine = torch.cat([_bytes(resolve(x, "in")) for x in op.subs]) if op.subs else torch.empty(0, dtype=torch.uint8)
     outs = [_bytes(resolve(x, "out")) for x in op.subs]
     sizes = _node_bytes(plan, counts, itemsize)
@@ -174,7 +173,7 @@ def _gather(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeout:
         return
     root = next(x for x in op.subs if x.group_rank == first.root)
     out = _bytes(resolve(root, "out"))
-    offsets = _offsets([c * itemsize for c in counts])
+    offsets = block_offsets([c * itemsize for c in counts])
     at = 0
     for n in plan.nodes:
         for g in plan.members(n):
@@ -187,7 +186,7 @@ def _scatter(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeout
     first = op.subs[0]
     itemsize = s.ITEMSIZE[first.dtype]
     counts = first.counts
-    offsets = _offsets([c * itemsize for c in counts])
+    offsets = block_offsets([c * itemsize for c in counts])
     root_node = plan.node_of[first.root]
     root_at = plan.nodes.index(root_node)
     if root_node == plan.me:
@@ -213,14 +212,8 @@ def _scatter(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeout
 def _reduce_scatter(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeout: float) -> None:
     first = op.subs[0]
     counts = first.counts
-    offsets = _offsets(counts)
-    inputs = [resolve(x, "in") for x in op.subs]
-    scratch = torch.empty_like(inputs[0])
-    local_op = "sum" if first.reduce_op == "avg" else first.reduce_op
-    parallel_reduce_into(scratch, inputs, local_op, first.scale)
-    lane.allreduce(plan.nodes, scratch, lane_reduce_op(first.reduce_op), timeout)
-    if first.reduce_op == "avg":
-        scratch.div_(len(plan.ranks))
+    offsets = block_offsets(counts)
+    scratch = _reduced_copy(op, plan, lane, [resolve(x, "in") for x in op.subs], timeout)
     for sub in op.subs:
         g = sub.group_rank
         resolve(sub, "out").copy_(scratch[offsets[g] : offsets[g] + counts[g]])
@@ -230,8 +223,8 @@ def _alltoall(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeou
     itemsize = s.ITEMSIZE[op.subs[0].dtype]
     inputs = [_bytes(resolve(x, "in")) for x in op.subs]
     outs = [_bytes(resolve(x, "out")) for x in op.subs]
-    send_off = [_offsets(x.splits_in) for x in op.subs]
-    recv_off = [_offsets(x.splits_out) for x in op.subs]
+    send_off = [block_offsets(x.splits_in) for x in op.subs]
+    recv_off = [block_offsets(x.splits_out) for x in op.subs]
     blocks: list[torch.Tensor] = []
     in_sizes = []
     for n in plan.nodes:
