@@ -276,13 +276,13 @@ class FabricNode:
         timeout = max(x.timeout for x in op.subs)
         resolve = self._resolver()
 
-        def work() -> None:
-            run(op, plan, self.fabric.lanes[lane_name], resolve, timeout)
+        def work(cap: float) -> None:
+            run(op, plan, self.fabric.lanes[lane_name], resolve, min(timeout, cap))
 
         return self._enqueue(lane_name, op.on_gpu, op.group, work,
                              lambda error, code: self._done(op, error, code), op.nbytes)
 
-    def _enqueue(self, lane_name: str, on_gpu: bool, group: str, work: Callable[[], None],
+    def _enqueue(self, lane_name: str, on_gpu: bool, group: str, work: Callable[[float], None],
                  done: Callable[[str | None, str], None], nbytes: int) -> Callable[[], None] | None:
         """Queue the op on its lane's executor, or return it to be run right now on the loop."""
         prev = self._group_tail.get(group)
@@ -297,7 +297,9 @@ class FabricNode:
             # The lane is idle and the group's previous op is done: run this small op right
             # here on the loop, in its place in the global order (saves two thread wake-ups).
             def run_now() -> None:
-                error, code = self._run_work(work)
+                # On the loop, a peer that stopped answering may hold it for at most the
+                # peer timeout (after which that peer counts as dead anyway), not the op timeout.
+                error, code = self._run_work(work, self.peer_timeout)
                 finished.set()
                 done(error, code)
 
@@ -331,18 +333,18 @@ class FabricNode:
                 prev.wait()  # the group's previous op (earlier in the global order) finishes first
             if chaos is not None and chaos.random() < 0.3:
                 time.sleep(chaos.random() * self.chaos_delay_s)
-            error, code = self._run_work(work)
+            error, code = self._run_work(work, float("inf"))
             finished.set()
             try:
                 self.loop.call_soon_threadsafe(done, error, code)
             except RuntimeError:
                 return
 
-    def _run_work(self, work: Callable[[], None]) -> tuple[str | None, str]:
+    def _run_work(self, work: Callable[[float], None], cap: float) -> tuple[str | None, str]:
         try:
             if self.daemon._closing:
                 return "daemon shutting down before the op could run", s.E_SHUTDOWN
-            work()
+            work(cap)
             return None, s.E_INTERNAL
         except LaneError as exc:
             return str(exc), exc.code
@@ -434,8 +436,8 @@ class FabricNode:
             op = ReadyOp("sendrecv", sub.group, 0, [sub], sub.submitted_at)
             timeout = sub.timeout
 
-            def work() -> None:
-                run_p2p("send", sub, peer, self.fabric.lanes[lane_name], resolve, timeout)
+            def work(cap: float) -> None:
+                run_p2p("send", sub, peer, self.fabric.lanes[lane_name], resolve, min(timeout, cap))
         else:
             entry = self.remote_matched.pop((item["sn"], item["key"]), None)
             if entry is None:
@@ -444,8 +446,8 @@ class FabricNode:
             send, recv = op.subs
             timeout = recv.timeout
 
-            def work() -> None:
-                run_p2p("recv", recv, peer, self.fabric.lanes[lane_name], resolve, timeout)
+            def work(cap: float) -> None:
+                run_p2p("recv", recv, peer, self.fabric.lanes[lane_name], resolve, min(timeout, cap))
 
         run_now = self._enqueue(lane_name, op.on_gpu, op.group, work,
                                 lambda error, code: self._done(op, error, code), op.nbytes)
