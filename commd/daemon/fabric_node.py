@@ -98,6 +98,7 @@ class FabricNode:
         #: Testing knob: random delays before lane ops (the deadlock stress test sets it).
         self.chaos_delay_s = env_float("COMMD_CHAOS_DELAY_MS", 0.0, 0.0, 10_000.0) / 1000
         self.chaos_seed = env_int("COMMD_CHAOS_SEED", 0)
+        self._chaos = threading.local()
 
     # ---- plumbing -------------------------------------------------------------
     def start(self, loop: Any) -> None:
@@ -292,8 +293,7 @@ class FabricNode:
         stats["ops"] += 1
         stats["bytes"] += nbytes
         key = executor_key(lane_name, on_gpu)
-        if (nbytes <= INLINE_LANE_BYTES and not on_gpu and not self._busy.get(key) and self.chaos_delay_s == 0
-                and (prev is None or prev.is_set())):
+        if nbytes <= INLINE_LANE_BYTES and not on_gpu and not self._busy.get(key) and (prev is None or prev.is_set()):
             # The lane is idle and the group's previous op is done: run this small op right
             # here on the loop, in its place in the global order (saves two thread wake-ups).
             def run_now() -> None:
@@ -323,7 +323,6 @@ class FabricNode:
         return q
 
     def _executor_main(self, q: queue.SimpleQueue) -> None:
-        chaos = random.Random(self.chaos_seed + threading.get_ident()) if self.chaos_delay_s else None
         while True:
             item = q.get()
             if item is None:
@@ -331,8 +330,6 @@ class FabricNode:
             prev, finished, work, done = item
             if prev is not None:
                 prev.wait()  # the group's previous op (earlier in the global order) finishes first
-            if chaos is not None and chaos.random() < 0.3:
-                time.sleep(chaos.random() * self.chaos_delay_s)
             error, code = self._run_work(work, float("inf"))
             finished.set()
             try:
@@ -341,6 +338,12 @@ class FabricNode:
                 return
 
     def _run_work(self, work: Callable[[float], None], cap: float) -> tuple[str | None, str]:
+        if self.chaos_delay_s:
+            chaos = getattr(self._chaos, "rng", None)
+            if chaos is None:
+                chaos = self._chaos.rng = random.Random(self.chaos_seed + threading.get_ident())
+            if chaos.random() < 0.3:
+                time.sleep(chaos.random() * self.chaos_delay_s)
         try:
             if self.daemon._closing:
                 return "daemon shutting down before the op could run", s.E_SHUTDOWN
