@@ -25,6 +25,10 @@ from helpers import DAEMON_START_S, POLL_S, Workers, job_paths, new_job
 from commd.client.spawn import ping
 
 MPIEXEC = str(Path(sys.executable).with_name("mpiexec"))
+#: Daemons of simulated hosts under one mpiexec: each its own MPI node, TCP on the host's eth0
+#: between them (MPICH would otherwise use shared memory: all hosts share one kernel).
+MPI_ACROSS_HOSTS_ENV = {"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ucx", "UCX_TLS": "tcp,self",
+                        "UCX_NET_DEVICES": "eth0"}
 
 
 def free_port() -> int:
@@ -72,6 +76,9 @@ class Cluster:
     def start(self) -> Cluster:
         if self.mpi:
             argv = [MPIEXEC]
+            if self.hosts:
+                for name, value in MPI_ACROSS_HOSTS_ENV.items():
+                    argv += ["-genv", name, value]
             for i in range(self.nnodes):
                 if i:
                     argv.append(":")
