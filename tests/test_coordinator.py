@@ -169,3 +169,30 @@ def test_config_file_validation(tmp_path) -> None:
     with pytest.raises(ValueError, match="cannot read"):
         load_config(tmp_path / "missing.toml")
     assert parse_config({}).default_lane == "tcp"
+
+
+def test_tiny_allreduce_is_reduced_by_the_coordinator_in_node_order() -> None:
+    import numpy as np
+
+    coord = Coordinator(2, SchedulerConfig(), LANES)
+    out = Outbox()
+    a, b = np.array([1.5, 2.0], np.float32), np.array([0.25, -1.0], np.float32)
+    coord.report(0, [dict(entry(count=2), d=a.tobytes())], out)
+    coord.report(1, [dict(entry(count=2, mine=[2, 3]), d=b.tobytes())], out)
+    results = {np.frombuffer(m["r"], np.float32).tobytes() for n in (0, 1) for m in out.messages[n]}
+    assert results == {(a + b).tobytes()}
+    # one node without its contribution (or a lane other than tcp): the lane runs it
+    out = Outbox()
+    coord.report(0, [dict(entry(seq=1, count=2), d=a.tobytes())], out)
+    coord.report(1, [entry(seq=1, count=2, mine=[2, 3])], out)
+    assert "r" not in out.messages[0][0]
+
+
+def test_a_failure_while_releasing_fails_the_op_instead_of_leaving_it(monkeypatch) -> None:
+    coord = Coordinator(2, SchedulerConfig(), LANES)
+    monkeypatch.setattr(coord, "_eager_result", lambda *a: 1 / 0)
+    out = Outbox()
+    coord.report(0, [entry()], out)
+    coord.report(1, [entry(mine=[2, 3])], out)
+    assert out.messages[0][0]["t"] == "fail" and out.messages[1][0]["code"] == "internal"
+    assert not coord.pending

@@ -30,8 +30,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from commd.daemon.hierarchy import GroupPlan, run, run_p2p, scratch_like
+import torch
+
+from commd.daemon.hierarchy import GroupPlan, apply_result, run, run_p2p, scratch_like
 from commd.fabric.rendezvous import Fabric
+from commd.kernels.reduce import reduce_into
 from commd.lanes.base import LaneError
 from commd.protocol import schema as s
 from commd.runtime import env_float, env_int
@@ -48,6 +51,8 @@ log = logging.getLogger("commd.fabric")
 HEARTBEAT_S = 0.5
 #: Released ops up to this size run on the event loop when their lane is idle.
 INLINE_LANE_BYTES = 64 * 1024
+#: All-reduces up to this size travel with the negotiation (reduced by the coordinator).
+EAGER_BYTES = 4096
 
 
 def _frozen(value: Any) -> Any:
@@ -79,7 +84,8 @@ class FabricNode:
         self._executors: dict[str, queue.SimpleQueue] = {}
         self._threads: list[threading.Thread] = []
         self._group_tail: dict[str, threading.Event] = {}
-        self._busy: dict[str, int] = {}  # executor key -> ops queued or running there (loop thread only)
+        self._busy: dict[str, int] = {}
+        self._outstanding: dict[str, int] = {}  # group -> ops reported and not yet released or failed  # executor key -> ops queued or running there (loop thread only)
         self.dead: dict[int, str] = {}
         self.broken: str | None = None
         now = time.monotonic()
@@ -204,6 +210,7 @@ class FabricNode:
             elif kind == "fail":
                 entry = self.negotiating.pop((item["g"], item["s"]), None)
                 if entry is not None:
+                    self._outstanding[entry[0].group] -= 1
                     self._fail_op(entry[0], item["code"], item["m"])
             elif kind == "remote_send":
                 self._remote_send(item)
@@ -242,19 +249,47 @@ class FabricNode:
             key = _frozen([key, [[x.splits_in, x.splits_out] for x in op.subs]])
         self.negotiating[(op.group, op.seq)] = (op, plan, key)
         self.reported += 1
+        contribution = self._eager_contribution(op)
+        self._outstanding[op.group] = self._outstanding.get(op.group, 0) + 1
         cid = self.neg_cache.get(key)
         if cid is not None:
             self.reported_cached += 1
-            self._up_send({"t": "ready", "g": op.group, "s": op.seq, "c": cid})
+            item = {"t": "ready", "g": op.group, "s": op.seq, "c": cid}
+            if contribution is not None:
+                item["d"] = contribution
+            self._up_send(item)
             return
-        item: dict[str, Any] = {
+        item = {
             "t": "ready", "g": op.group, "s": op.seq, "k": op.kind, "sig": agreed_values(first),
             "ranks": list(plan.ranks), "pl": list(plan.node_of), "n": list(plan.nodes),
             "mine": [x.group_rank for x in op.subs], "nb": op.nbytes, "to": timeout,
         }
         if op.kind == "alltoall":
             item["a2a"] = [[x.group_rank, x.splits_in, x.splits_out] for x in op.subs]
+        if contribution is not None:
+            item["d"] = contribution
         self._up_send(item)
+
+    def _eager_contribution(self, op: ReadyOp) -> bytes | None:
+        """For a tiny all-reduce: this node's reduced contribution, sent with the report.
+
+        Only when nothing earlier of the group is outstanding (reported, released or
+        running), so the buffers read now are what program order says they hold.
+        """
+        if op.kind != "allreduce" or op.nbytes > EAGER_BYTES or op.on_gpu or self._outstanding.get(op.group):
+            return None
+        prev = self._group_tail.get(op.group)
+        if prev is not None and not prev.is_set():
+            return None
+        first = op.subs[0]
+        try:
+            bufs = [self.daemon._resolve(x, "buf") for x in op.subs]
+        except KeyError:  # a rank left meanwhile: take the lane path, which copes with that
+            return None
+        local_op = "sum" if first.reduce_op == "avg" else first.reduce_op
+        contribution = torch.empty_like(bufs[0])
+        reduce_into(contribution, bufs, local_op, first.scale)
+        return contribution.view(torch.uint8).numpy().tobytes()
 
     def _released(self, item: dict[str, Any]) -> None:
         started = time.thread_time_ns()
@@ -269,6 +304,7 @@ class FabricNode:
             log.warning("release of unknown op #%s on group '%s' ignored", item["s"], item["g"])
             return None
         op, plan, key = entry
+        self._outstanding[op.group] -= 1
         if "c" in item:
             self.neg_cache[key] = item["c"]
         self.negotiation_us.append((time.monotonic() - op.ready_at) * 1e6)
@@ -277,8 +313,15 @@ class FabricNode:
         timeout = max(x.timeout for x in op.subs)
         resolve = self._resolver()
 
-        def work(cap: float) -> None:
-            run(op, plan, self.fabric.lanes[lane_name], resolve, min(timeout, cap))
+        result = item.get("r")
+        if isinstance(result, bytes):  # a tiny all-reduce the coordinator already reduced
+
+            def work(cap: float) -> None:
+                apply_result(op, plan, result, resolve)
+        else:
+
+            def work(cap: float) -> None:
+                run(op, plan, self.fabric.lanes[lane_name], resolve, min(timeout, cap))
 
         return self._enqueue(lane_name, op.on_gpu, op.group, work,
                              lambda error, code: self._done(op, error, code), op.nbytes)
@@ -484,6 +527,7 @@ class FabricNode:
         for key, (op, plan, _) in list(self.negotiating.items()):
             if node in plan.nodes:
                 del self.negotiating[key]
+                self._outstanding[op.group] -= 1
                 self._fail_op(op, s.E_PEER_DIED, f"{op.describe()} cannot run: {message}")
         for key, (sub, plan) in list(self.remote_sends.items()):
             if plan.node_of[sub.peer] == node:
@@ -498,6 +542,7 @@ class FabricNode:
         for _key, (op, _plan, _) in list(self.negotiating.items()):
             self._fail_op(op, s.E_PEER_DIED, f"{op.describe()} cannot run: {self.broken}")
         self.negotiating.clear()
+        self._outstanding.clear()
         for sub, _plan in self.remote_sends.values():
             self.daemon._send_error(sub, s.E_PEER_DIED, f"send cannot run: {self.broken}")
         self.remote_sends.clear()

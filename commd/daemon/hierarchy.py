@@ -268,6 +268,16 @@ _RUNNERS = {
 }
 
 
+def apply_result(op: ReadyOp, plan: GroupPlan, result: bytes, resolve: Resolve) -> None:
+    """Write an all-reduce result the coordinator computed into every local rank's buffer."""
+    first = op.subs[0]
+    acc = torch.frombuffer(bytearray(result), dtype=TORCH_DTYPES[first.dtype])
+    if first.reduce_op == "avg":
+        acc.div_(len(plan.ranks))
+    for sub in op.subs:
+        resolve(sub, "buf").copy_(acc)
+
+
 def run_p2p(role: str, sub: Submission, peer: int, lane: Lane, resolve: Resolve, timeout: float) -> None:
     """One side of a send/recv between ranks on different nodes."""
     staging = _Staging(resolve)
