@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from commd.kernels import small
+from commd.kernels.layout import block_offsets
 from commd.kernels.reduce import TORCH_DTYPES, reduce_into
 from commd.runtime import env_int
 from commd.scheduler.local import ReadyOp
@@ -30,14 +31,6 @@ Resolve = Callable[[Submission, str], torch.Tensor]
 ResolveArray = Callable[[Submission, str], np.ndarray]
 #: Ops up to this size run with NumPy kernels (cheaper per call than torch).
 SMALL_BYTES = 64 * 1024
-
-
-def block_offsets(counts: list[int]) -> list[int]:
-    out, total = [], 0
-    for c in counts:
-        out.append(total)
-        total += c
-    return out
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from commd.daemon.executor import block_offsets, parallel_copy, parallel_reduce_into
+from commd.daemon.executor import parallel_copy, parallel_reduce_into
+from commd.kernels.layout import block_offsets, byte_view
 from commd.kernels.reduce import TORCH_DTYPES
 from commd.lanes.base import Lane
 from commd.protocol import schema as s
@@ -48,10 +49,6 @@ class GroupPlan:
     @property
     def multi_node(self) -> bool:
         return any(n != self.me for n in self.node_of)
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.dtype != torch.uint8 else t
 
 
 class _Staging:
@@ -126,7 +123,7 @@ def _broadcast(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeo
         src = next(b for x, b in zip(op.subs, bufs, strict=True) if x.group_rank == first.root)
     else:
         src = bufs[0]
-    lane.broadcast(plan.nodes, _bytes(src), root_node, timeout)
+    lane.broadcast(plan.nodes, byte_view(src), root_node, timeout)
     parallel_copy(bufs, src)
 
 
@@ -139,8 +136,8 @@ def _allgather(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeo
     itemsize = s.ITEMSIZE[first.dtype]
     counts = first.counts
     offsets = block_offsets([c * itemsize for c in counts])
-    mine = torch.cat([_bytes(resolve(x, "in")) for x in op.subs]) if op.subs else torch.empty(0, dtype=torch.uint8)
-    outs = [_bytes(resolve(x, "out")) for x in op.subs]
+    mine = torch.cat([byte_view(resolve(x, "in")) for x in op.subs]) if op.subs else torch.empty(0, dtype=torch.uint8)
+    outs = [byte_view(resolve(x, "out")) for x in op.subs]
     sizes = _node_bytes(plan, counts, itemsize)
     order = [g for n in plan.nodes for g in plan.members(n)]
     if order == list(range(len(counts))):  # node-major placement: the gathered layout is the output
@@ -163,7 +160,7 @@ def _gather(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeout:
     counts = first.counts
     root_node = plan.node_of[first.root]
     root_at = plan.nodes.index(root_node)
-    mine = torch.cat([_bytes(resolve(x, "in")) for x in op.subs])
+    mine = torch.cat([byte_view(resolve(x, "in")) for x in op.subs])
     in_sizes = [0] * len(plan.nodes)
     in_sizes[root_at] = mine.numel()
     out_sizes = _node_bytes(plan, counts, itemsize) if root_node == plan.me else [0] * len(plan.nodes)
@@ -172,7 +169,7 @@ def _gather(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeout:
     if root_node != plan.me:
         return
     root = next(x for x in op.subs if x.group_rank == first.root)
-    out = _bytes(resolve(root, "out"))
+    out = byte_view(resolve(root, "out"))
     offsets = block_offsets([c * itemsize for c in counts])
     at = 0
     for n in plan.nodes:
@@ -191,7 +188,7 @@ def _scatter(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeout
     root_at = plan.nodes.index(root_node)
     if root_node == plan.me:
         root = next(x for x in op.subs if x.group_rank == first.root)
-        src = _bytes(resolve(root, "in"))
+        src = byte_view(resolve(root, "in"))
         packed = torch.cat([src[offsets[g] : offsets[g] + counts[g] * itemsize]
                             for n in plan.nodes for g in plan.members(n)])
         in_sizes = _node_bytes(plan, counts, itemsize)
@@ -205,7 +202,7 @@ def _scatter(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeout
     at = 0
     for sub in op.subs:
         size = counts[sub.group_rank] * itemsize
-        _bytes(resolve(sub, "out")).copy_(received[at : at + size])
+        byte_view(resolve(sub, "out")).copy_(received[at : at + size])
         at += size
 
 
@@ -221,8 +218,8 @@ def _reduce_scatter(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, 
 
 def _alltoall(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeout: float) -> None:
     itemsize = s.ITEMSIZE[op.subs[0].dtype]
-    inputs = [_bytes(resolve(x, "in")) for x in op.subs]
-    outs = [_bytes(resolve(x, "out")) for x in op.subs]
+    inputs = [byte_view(resolve(x, "in")) for x in op.subs]
+    outs = [byte_view(resolve(x, "out")) for x in op.subs]
     send_off = [block_offsets(x.splits_in) for x in op.subs]
     recv_off = [block_offsets(x.splits_out) for x in op.subs]
     blocks: list[torch.Tensor] = []
@@ -282,9 +279,9 @@ def run_p2p(role: str, sub: Submission, peer: int, lane: Lane, resolve: Resolve,
     """One side of a send/recv between ranks on different nodes."""
     staging = _Staging(resolve)
     if role == "send":
-        lane.send(peer, _bytes(staging(sub, "in")), timeout)
+        lane.send(peer, byte_view(staging(sub, "in")), timeout)
     else:
-        lane.recv(peer, _bytes(staging(sub, "out")), timeout)
+        lane.recv(peer, byte_view(staging(sub, "out")), timeout)
     staging.finish()
 
 

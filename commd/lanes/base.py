@@ -19,11 +19,48 @@ from typing import Protocol
 
 import torch
 
+from commd.kernels.reduce import DTYPE_NAMES
+
 #: Reduce ops a lane must implement (after the daemon's rewriting of avg/premul_sum).
 LANE_REDUCE_OPS = frozenset({"sum", "product", "min", "max", "band", "bor", "bxor"})
 
 #: Lane methods, which are also the names used by ``Lane.can_run``.
 PRIMITIVES = ("allreduce", "broadcast", "allgatherv", "alltoallv", "send", "recv", "barrier")
+
+
+def refusal(lane: str, primitive: str, dtype: str, reduce_op: str | None, nodes: tuple[int, ...],
+            nnodes: int) -> str | None:
+    """The part of ``can_run`` every lane shares: a known primitive and dtype, nodes of the
+    fabric and, for allreduce, a lane reduce op.  A lane adds its own dtype/op refusals for
+    allreduce only (the other primitives move bytes)."""
+    if primitive not in PRIMITIVES:
+        return f"lane '{lane}' has no primitive {primitive!r}"
+    bad = [n for n in nodes if not 0 <= n < nnodes]
+    if bad:
+        return f"lane '{lane}' spans nodes 0..{nnodes - 1}; {bad} are outside it"
+    if dtype not in DTYPE_NAMES.values():
+        return f"lane '{lane}' does not know dtype {dtype!r}"
+    if primitive == "allreduce" and reduce_op not in LANE_REDUCE_OPS:
+        return f"lane '{lane}' cannot reduce with {reduce_op!r} (lane ops: {sorted(LANE_REDUCE_OPS)})"
+    return None
+
+
+def check_nodes(lane: str, what: str, nodes: tuple[int, ...], node_rank: int, nnodes: int) -> tuple[int, ...]:
+    """``nodes`` normalised to ints; LaneError unless sorted, distinct, in the fabric and holding this node."""
+    nodes = tuple(int(n) for n in nodes)
+    if list(nodes) != sorted(set(nodes)) or node_rank not in nodes:
+        raise LaneError(f"{lane} {what}: nodes must be sorted, distinct and contain this node "
+                        f"{node_rank}, got {nodes}")
+    if nodes[0] < 0 or nodes[-1] >= nnodes:
+        raise LaneError(f"{lane} {what}: nodes {nodes} outside 0..{nnodes - 1}")
+    return nodes
+
+
+def node_index(lane: str, what: str, nodes: tuple[int, ...], node: int) -> int:
+    """Position of ``node`` (a root or peer) in ``nodes``; LaneError if it is not a member."""
+    if node not in nodes:
+        raise LaneError(f"{lane} {what}: node {node} is not in {nodes}")
+    return nodes.index(node)
 
 
 class LaneError(Exception):

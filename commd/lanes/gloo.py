@@ -25,8 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from commd.kernels.layout import byte_view
 from commd.kernels.reduce import DTYPE_NAMES
-from commd.lanes.base import LANE_REDUCE_OPS, PRIMITIVES, LaneError
+from commd.lanes.base import LaneError, check_nodes, node_index, refusal
 
 # torch.distributed does not re-export AllgatherOptions (the other *Options it does).
 _AllgatherOptions = torch._C._distributed_c10d.AllgatherOptions
@@ -78,12 +79,6 @@ def check_contiguous(lane: str, what: str, tensor: torch.Tensor) -> None:
     """Results land in the caller's memory only if no view below has to copy it."""
     if not tensor.is_contiguous():
         raise LaneError(f"{lane} {what}: tensors must be contiguous, got strides {tensor.stride()}")
-
-
-def _as_bytes(buf: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of ``buf`` (every dtype moves as bytes when nothing is reduced)."""
-    flat = buf.reshape(-1)
-    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
 
 #: Lanes not closed yet.  Their groups are closed at interpreter exit, before module
@@ -190,17 +185,9 @@ class TorchGroupLane:
     # ---- capability ---------------------------------------------------------------
     def can_run(self, primitive: str, dtype: str, reduce_op: str | None, nodes: tuple[int, ...]) -> str | None:
         """None if this lane runs ``primitive`` on ``dtype``/``reduce_op`` among ``nodes``; else why not."""
-        if primitive not in PRIMITIVES:
-            return f"lane '{self.name}' has no primitive {primitive!r}"
-        bad = [n for n in nodes if not 0 <= n < self.nnodes]
-        if bad:
-            return f"lane '{self.name}' spans nodes 0..{self.nnodes - 1}; {bad} are outside it"
-        if dtype not in DTYPE_NAMES.values():
-            return f"lane '{self.name}' does not know dtype {dtype!r}"
-        if primitive != "allreduce":
-            return None  # everything else moves bytes
-        if reduce_op not in LANE_REDUCE_OPS:
-            return f"lane '{self.name}' cannot reduce with {reduce_op!r} (lane ops: {sorted(LANE_REDUCE_OPS)})"
+        reason = refusal(self.name, primitive, dtype, reduce_op, nodes, self.nnodes)
+        if reason is not None or primitive != "allreduce":
+            return reason  # everything but allreduce moves bytes
         if reduce_op in _BITWISE and dtype not in _INTEGER | {"bool"}:
             return f"reduce op {reduce_op.upper()} needs an integer or bool dtype, got {dtype}"
         if reduce_op in ("min", "max") and dtype in _COMPLEX:
@@ -212,11 +199,7 @@ class TorchGroupLane:
         nodes = tuple(int(n) for n in nodes)
         if self._closed:
             raise LaneError(f"{self.name} lane is closed ({what} on nodes {nodes})")
-        if list(nodes) != sorted(set(nodes)) or self.node_rank not in nodes:
-            raise LaneError(f"{self.name} {what}: nodes must be sorted, distinct and contain this node "
-                            f"{self.node_rank}, got {nodes}")
-        if nodes[0] < 0 or nodes[-1] >= self.nnodes:
-            raise LaneError(f"{self.name} {what}: nodes {nodes} outside 0..{self.nnodes - 1}")
+        nodes = check_nodes(self.name, what, nodes, self.node_rank, self.nnodes)
         for peer in nodes:
             if peer in self._failed:
                 first = self._failed[peer]
@@ -294,11 +277,6 @@ class TorchGroupLane:
         except Exception:  # best effort: the group is dropped either way
             pass
 
-    def _index(self, nodes: tuple[int, ...], node: int, what: str) -> int:
-        if node not in nodes:
-            raise LaneError(f"{self.name} {what}: node {node} is not in {nodes}")
-        return nodes.index(node)
-
     # ---- primitives ---------------------------------------------------------------
     def allreduce(self, nodes: tuple[int, ...], buf: torch.Tensor, op: str, timeout: float) -> None:
         """In place element-wise reduction of ``buf`` over ``nodes`` (the backend's ring: same bits everywhere)."""
@@ -323,8 +301,8 @@ class TorchGroupLane:
         """``root``'s ``buf`` into everyone's, moved as bytes (Gloo has no int16 broadcast, bytes always work)."""
         nodes = self._check_nodes("broadcast", nodes)
         self._check_tensor("broadcast", buf)
-        root_index = self._index(nodes, root, "broadcast")
-        data = _as_bytes(buf)
+        root_index = node_index(self.name, "broadcast", nodes, root)
+        data = byte_view(buf)
         if len(nodes) == 1 or data.numel() == 0:
             return
         opts = dist.BroadcastOptions()
@@ -355,7 +333,7 @@ class TorchGroupLane:
         self._check_tensor("allgatherv", out)
         sizes = [int(s) for s in sizes]
         me = nodes.index(self.node_rank)
-        src, dst = _as_bytes(inp), _as_bytes(out)
+        src, dst = byte_view(inp), byte_view(out)
         if len(sizes) != len(nodes) or src.numel() != sizes[me] or dst.numel() != sum(sizes):
             raise LaneError(f"{self.name} allgatherv: sizes {sizes} do not match nodes {nodes}, "
                             f"inp {src.numel()} bytes and out {dst.numel()} bytes")
@@ -416,7 +394,7 @@ class TorchGroupLane:
         self._check_tensor("alltoallv", inp)
         self._check_tensor("alltoallv", out)
         in_sizes, out_sizes = [int(s) for s in in_sizes], [int(s) for s in out_sizes]
-        src, dst = _as_bytes(inp), _as_bytes(out)
+        src, dst = byte_view(inp), byte_view(out)
         if (len(in_sizes) != len(nodes) or len(out_sizes) != len(nodes) or src.numel() != sum(in_sizes)
                 or dst.numel() != sum(out_sizes)):
             raise LaneError(f"{self.name} alltoallv: in_sizes {in_sizes} / out_sizes {out_sizes} do not match "
@@ -448,7 +426,7 @@ class TorchGroupLane:
         """Send ``buf``'s bytes to ``dst`` over the pair's group."""
         nodes = self._pair(dst, f"send to {dst}")
         self._check_tensor("send", buf)
-        data = _as_bytes(buf)
+        data = byte_view(buf)
         if data.numel() == 0:
             return
         tag = self._next_tag(self._send_seq, dst)
@@ -460,7 +438,7 @@ class TorchGroupLane:
         """Receive ``buf``'s bytes from ``src`` over the pair's group."""
         nodes = self._pair(src, f"recv from {src}")
         self._check_tensor("recv", buf)
-        data = _as_bytes(buf)
+        data = byte_view(buf)
         if data.numel() == 0:
             return
         tag = self._next_tag(self._recv_seq, src)

@@ -23,8 +23,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from commd.kernels.layout import block_offsets, byte_view
 from commd.kernels.reduce import DTYPE_NAMES
-from commd.lanes.base import LANE_REDUCE_OPS, PRIMITIVES, LaneError
+from commd.lanes.base import LaneError, check_nodes, node_index, refusal
 
 #: Launcher variables holding the world size, checked in order: PMI_SIZE (MPICH's Hydra,
 #: Intel MPI, Slurm's PMI-1/PMI-2), OMPI_COMM_WORLD_SIZE (Open MPI), MV2_COMM_WORLD_SIZE
@@ -120,16 +121,7 @@ def _mpi() -> Any:
 
 def _bytes(buf: torch.Tensor) -> np.ndarray:
     """A NumPy uint8 view of ``buf`` (the non-reducing primitives move bytes: every dtype works)."""
-    flat = buf.detach().reshape(-1)
-    return (flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)).numpy()
-
-
-def _displacements(sizes: list[int]) -> list[int]:
-    out, at = [], 0
-    for size in sizes:
-        out.append(at)
-        at += size
-    return out
+    return byte_view(buf).numpy()
 
 
 def _mpi_error(what: str, exc: BaseException) -> LaneError:
@@ -143,17 +135,9 @@ def _mpi_error(what: str, exc: BaseException) -> LaneError:
 
 def mpi_can_run(primitive: str, dtype: str, reduce_op: str | None, nodes: tuple[int, ...], nnodes: int) -> str | None:
     """``MpiLane.can_run`` without a lane (a pure function of names: MPI is not touched)."""
-    if primitive not in PRIMITIVES:
-        return f"lane 'mpi' has no primitive {primitive!r}"
-    bad = [n for n in nodes if not 0 <= n < nnodes]
-    if bad:
-        return f"lane 'mpi' spans nodes 0..{nnodes - 1}; {bad} are outside it"
-    if dtype not in DTYPE_NAMES.values():
-        return f"lane 'mpi' does not know dtype {dtype!r}"
-    if primitive != "allreduce":
-        return None  # moved as MPI_BYTE
-    if reduce_op not in LANE_REDUCE_OPS:
-        return f"lane 'mpi' cannot reduce with {reduce_op!r} (lane ops: {sorted(LANE_REDUCE_OPS)})"
+    reason = refusal("mpi", primitive, dtype, reduce_op, nodes, nnodes)
+    if reason is not None or primitive != "allreduce":
+        return reason  # everything but allreduce moves as MPI_BYTE
     if dtype not in MPI_TYPES:
         return f"MPI has no portable datatype for {dtype} reductions (use the gloo or tcp lane)"
     if reduce_op in ("band", "bor", "bxor") and dtype not in _BITWISE_DTYPES:
@@ -196,12 +180,7 @@ class MpiLane:
                             self._failure.code)
         if self._closed:
             raise LaneError(f"mpi lane is closed ({what})")
-        if list(nodes) != sorted(set(nodes)) or self.node_rank not in nodes:
-            raise LaneError(f"mpi {what}: nodes must be sorted, distinct and contain this node "
-                            f"{self.node_rank}, got {nodes}")
-        if nodes[0] < 0 or nodes[-1] >= self.nnodes:
-            raise LaneError(f"mpi {what}: nodes {nodes} outside 0..{self.nnodes - 1}")
-        return nodes
+        return check_nodes("mpi", what, nodes, self.node_rank, self.nnodes)
 
     def _break(self, error: LaneError) -> LaneError:
         with self._lock:
@@ -275,11 +254,6 @@ class MpiLane:
         request = self._start(what, lambda: begin(comm))
         self._wait([request], keep, deadline, what, timeout, sum(a.nbytes for a in keep))
 
-    def _index(self, nodes: tuple[int, ...], node: int, what: str) -> int:
-        if node not in nodes:
-            raise LaneError(f"mpi {what}: node {node} is not in {nodes}")
-        return nodes.index(node)
-
     @staticmethod
     def _cpu(what: str, *tensors: torch.Tensor) -> None:
         for tensor in tensors:
@@ -310,7 +284,7 @@ class MpiLane:
         """Ibcast of ``buf``'s bytes from ``root``."""
         nodes = self._usable("broadcast", nodes)
         self._cpu("broadcast", buf)
-        index = self._index(nodes, root, "broadcast")
+        index = node_index("mpi", "broadcast", nodes, root)
         array = _bytes(buf)
         if len(nodes) == 1 or array.size == 0:
             return
@@ -336,7 +310,7 @@ class MpiLane:
         if sum(sizes) == 0:
             return
         MPI = _mpi()
-        displs = _displacements(sizes)
+        displs = block_offsets(sizes)
         self._collective("allgatherv", nodes, timeout,
                          lambda comm: comm.Iallgatherv([src, MPI.BYTE], [dst, (sizes, displs), MPI.BYTE]),
                          [src, dst])
@@ -363,8 +337,8 @@ class MpiLane:
             dst[:] = src
             return
         MPI = _mpi()
-        send = [src, (in_sizes, _displacements(in_sizes)), MPI.BYTE]
-        recv = [dst, (out_sizes, _displacements(out_sizes)), MPI.BYTE]
+        send = [src, (in_sizes, block_offsets(in_sizes)), MPI.BYTE]
+        recv = [dst, (out_sizes, block_offsets(out_sizes)), MPI.BYTE]
         self._collective("alltoallv", nodes, timeout, lambda comm: comm.Ialltoallv(send, recv), [src, dst])
 
     def _p2p(self, what: str, peer: int, buf: torch.Tensor, timeout: float, sending: bool) -> None:

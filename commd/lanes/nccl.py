@@ -26,8 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commd.kernels.reduce import DTYPE_NAMES
-from commd.lanes.base import LANE_REDUCE_OPS, PRIMITIVES, LaneError
+from commd.lanes.base import LANE_REDUCE_OPS, LaneError, refusal
 from commd.lanes.gloo import TorchGroupLane, check_contiguous
 
 #: Seconds torch's NCCL watchdog waits beyond a call's own deadline.
@@ -69,15 +68,9 @@ def nccl_can_run(primitive: str, dtype: str, reduce_op: str | None, nodes: tuple
     What torch's ProcessGroupNCCL runs: no int16 datatype, no bitwise reductions
     (bool AND/OR become MIN/MAX), complex through SUM only (as real pairs).
     """
-    if primitive not in PRIMITIVES:
-        return f"lane 'nccl' has no primitive {primitive!r}"
-    bad = [n for n in nodes if not 0 <= n < nnodes]
-    if bad:
-        return f"lane 'nccl' spans nodes 0..{nnodes - 1}; {bad} are outside it"
-    if dtype not in DTYPE_NAMES.values():
-        return f"lane 'nccl' does not know dtype {dtype!r}"
-    if primitive != "allreduce":
-        return None
+    reason = refusal("nccl", primitive, dtype, reduce_op, nodes, nnodes)
+    if reason is not None or primitive != "allreduce":
+        return reason
     if reduce_op not in LANE_REDUCE_OPS:
         return f"lane 'nccl' cannot reduce with {reduce_op!r} (lane ops: {sorted(LANE_REDUCE_OPS)})"
     if dtype == "int16":

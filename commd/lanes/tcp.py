@@ -40,8 +40,8 @@ from typing import NamedTuple
 
 import torch
 
-from commd.kernels.reduce import DTYPE_NAMES, TORCH_DTYPES, UnsupportedReduction, check_supported, reduce_into
-from commd.lanes.base import LANE_REDUCE_OPS, PRIMITIVES, LaneError
+from commd.kernels.reduce import DTYPE_NAMES, UnsupportedReduction, check_supported, reduce_into
+from commd.lanes.base import LaneError, check_nodes, refusal
 
 log = logging.getLogger("commd.lanes.tcp")
 
@@ -882,17 +882,9 @@ class TcpLane:
         A pure function of its arguments (the coordinator asks it for every
         daemon), so it says nothing about the state of connections.
         """
-        if primitive not in PRIMITIVES:
-            return f"lane 'tcp' has no primitive {primitive!r}"
-        bad = [n for n in nodes if not 0 <= n < self.nnodes]
-        if bad:
-            return f"lane 'tcp' spans nodes 0..{self.nnodes - 1}; {bad} are outside it"
-        if dtype not in TORCH_DTYPES:
-            return f"lane 'tcp' does not know dtype {dtype!r}"
-        if primitive != "allreduce":
-            return None
-        if reduce_op not in LANE_REDUCE_OPS:
-            return f"lane 'tcp' cannot reduce with {reduce_op!r} (lane ops: {sorted(LANE_REDUCE_OPS)})"
+        reason = refusal("tcp", primitive, dtype, reduce_op, nodes, self.nnodes)
+        if reason is not None or primitive != "allreduce":
+            return reason
         try:
             check_supported(reduce_op, dtype)
         except UnsupportedReduction as exc:
@@ -901,12 +893,7 @@ class TcpLane:
 
     def _check_nodes(self, what: str, nodes: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
         """Normalised ``nodes`` and this node's index in it; LaneError if they make no sense."""
-        nodes = tuple(int(n) for n in nodes)
-        if list(nodes) != sorted(set(nodes)) or self.node_rank not in nodes:
-            raise LaneError(f"tcp {what}: nodes must be sorted, distinct and contain this node "
-                            f"{self.node_rank}, got {nodes}")
-        if nodes[0] < 0 or nodes[-1] >= self.nnodes:
-            raise LaneError(f"tcp {what}: nodes {nodes} outside 0..{self.nnodes - 1}")
+        nodes = check_nodes("tcp", what, nodes, self.node_rank, self.nnodes)
         return nodes, nodes.index(self.node_rank)
 
     @staticmethod
