@@ -131,28 +131,15 @@ def _inputs_safe_from(
 
 
 def _allreduce(bufs: list[torch.Tensor], op: str, scale: float) -> None:
-    n = bufs[0].numel()
-    if n == 0:
-        return
-    block = max(1, BLOCK_BYTES // bufs[0].element_size())
-    starts = range(0, n, block)
-    workers = kernel_pool_size()
-    if workers > 1 and n * bufs[0].element_size() >= PARALLEL_MIN_BYTES:
-        # While an all-reduce runs, its ranks only wait: their cores are free for
-        # the daemon.  Each worker takes a contiguous share of the blocks (torch
-        # kernels release the GIL; one intra-op thread each, so nothing stalls).
-        shares = [starts[i::workers] for i in range(workers)]
-        list(_kernel_pool().map(lambda share: _allreduce_blocks(bufs, share, block, op, scale), shares))
-    else:
-        _allreduce_blocks(bufs, starts, block, op, scale)
+    """Reduce each block into rank 0's buffer and copy it out to the others while it is in cache."""
 
-
-def _allreduce_blocks(bufs: list[torch.Tensor], starts: range, block: int, op: str, scale: float) -> None:
-    for start in starts:
-        parts = [b[start : start + block] for b in bufs]
+    def block(lo: int, hi: int) -> None:
+        parts = [b[lo:hi] for b in bufs]
         reduce_into(parts[0], parts, op, scale)
         for other in parts[1:]:
             other.copy_(parts[0])
+
+    _over_blocks(bufs[0], block)
 
 
 def parallel_reduce_into(out: torch.Tensor, parts: list[torch.Tensor], op: str, scale: float) -> None:
@@ -168,6 +155,12 @@ def parallel_copy(dsts: list[torch.Tensor], src: torch.Tensor) -> None:
 
 
 def _over_blocks(ref: torch.Tensor, fn: Callable[[int, int], object]) -> None:
+    """Call ``fn(lo, hi)`` on cache-sized blocks of ``ref``'s length.
+
+    While a large op runs, its ranks only wait: their cores are free for the
+    daemon, so from PARALLEL_MIN_BYTES each kernel thread takes a share of the
+    blocks (torch kernels release the GIL; one intra-op thread each).
+    """
     n = ref.numel()
     if n == 0:
         return

@@ -76,7 +76,7 @@ class FabricNode:
         self.negotiating: dict[tuple[str, int], tuple[ReadyOp, GroupPlan, tuple]] = {}
         self.neg_cache: dict[tuple, int] = {}
         self.remote_sends: dict[int, tuple[Submission, GroupPlan]] = {}  # our sends waiting at a receiver
-        self.remote_matched: dict[tuple[int, int], tuple[ReadyOp, GroupPlan]] = {}  # (src node, key) -> op
+        self.remote_matched: dict[tuple[int, int], ReadyOp] = {}  # (src node, key) -> matched send/recv
         self.early_sends: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
         self._send_keys = 0
         self._up: list[dict[str, Any]] = []
@@ -221,7 +221,7 @@ class FabricNode:
             elif kind == "node_dead":
                 self._node_dead(item["node"], item["why"])
             elif kind == "rank_died":
-                self.daemon.remote_rank_died(item["rank"], item["why"])
+                self.daemon.fail_ops_waiting_on(item["rank"], item["why"])
             elif kind == "hb":
                 self.fabric_stalls = item.get("stalls", [])
             elif kind == "shutdown":
@@ -463,8 +463,8 @@ class FabricNode:
 
     def matched(self, op: ReadyOp) -> None:
         """A forwarded send met its local recv: ask the coordinator to order the transfer."""
-        send, recv = op.subs
-        self.remote_matched[(send.origin, send.op_id)] = (op, None)
+        send = op.subs[0]
+        self.remote_matched[(send.origin, send.op_id)] = op
         self._up_send({"t": "p2p_match", "sn": send.origin, "key": send.op_id})
 
     def fail_remote(self, sub: Submission, code: str, message: str) -> None:
@@ -485,11 +485,11 @@ class FabricNode:
             def work(cap: float) -> None:
                 run_p2p("send", sub, peer, self.fabric.lanes[lane_name], resolve, min(timeout, cap))
         else:
-            entry = self.remote_matched.pop((item["sn"], item["key"]), None)
-            if entry is None:
+            matched = self.remote_matched.pop((item["sn"], item["key"]), None)
+            if matched is None:
                 return
-            op = entry[0]
-            send, recv = op.subs
+            op = matched
+            recv = op.subs[1]
             timeout = recv.timeout
 
             def work(cap: float) -> None:
@@ -502,8 +502,7 @@ class FabricNode:
 
     def _p2p_failed(self, item: dict[str, Any]) -> None:
         if "sn" in item and (item["sn"], item["key"]) in self.remote_matched:
-            op, _ = self.remote_matched.pop((item["sn"], item["key"]))
-            self._fail_op(op, item["code"], item["m"])
+            self._fail_op(self.remote_matched.pop((item["sn"], item["key"])), item["code"], item["m"])
             return
         entry = self.remote_sends.pop(item["key"], None)
         if entry is not None:

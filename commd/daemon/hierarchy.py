@@ -9,6 +9,7 @@ take part; ranks keep their group-rank order whatever the placement.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,20 +36,29 @@ class GroupPlan:
     node_of: tuple[int, ...]
     me: int
 
-    @property
+    # Derived once per group (a plan lives as long as its group), not per op.
+    @functools.cached_property
     def nodes(self) -> tuple[int, ...]:
         return tuple(sorted(set(self.node_of)))
 
+    @functools.cached_property
+    def _members(self) -> dict[int, list[int]]:
+        by_node: dict[int, list[int]] = {n: [] for n in self.nodes}
+        for g, n in enumerate(self.node_of):
+            by_node[n].append(g)
+        return by_node
+
     def members(self, node: int) -> list[int]:
-        return [g for g, n in enumerate(self.node_of) if n == node]
+        """The group ranks on ``node``, in group-rank order."""
+        return self._members.get(node, [])
 
     @property
     def local(self) -> list[int]:
         return self.members(self.me)
 
-    @property
+    @functools.cached_property
     def multi_node(self) -> bool:
-        return any(n != self.me for n in self.node_of)
+        return self.nodes != (self.me,)
 
 
 class _Staging:

@@ -655,10 +655,7 @@ class Daemon:
             client.op_channel.close()
             client.op_channel = None
         if notify_peers:
-            message = f"rank {client.rank} {why}"
-            self.stats.error(message)
-            for sub, text in self.scheduler.rank_died(client.rank, why):
-                self._send_error(sub, s.E_PEER_DIED, text)
+            self.fail_ops_waiting_on(client.rank, why)
             if self.fabric_node is not None:
                 self.fabric_node.rank_died(client.rank, why)
         self._release(client)
@@ -666,8 +663,8 @@ class Daemon:
         if not self.clients:
             self._idle_since = time.monotonic()
 
-    def remote_rank_died(self, rank: int, why: str) -> None:
-        """A rank on another node died: fail what waits for it here."""
+    def fail_ops_waiting_on(self, rank: int, why: str) -> None:
+        """Rank ``rank`` (of this node or another) is gone: fail what waits for it here."""
         message = f"rank {rank} {why}"
         self.stats.error(message)
         for sub, text in self.scheduler.rank_died(rank, why):

@@ -21,8 +21,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from commd.kernels.reduce import TORCH_DTYPES, reduce_into
 from commd.protocol import schema as s
-from commd.scheduler.selection import LaneCapability, SchedulerConfig, SelectionError, choose_lane
+from commd.scheduler.selection import (
+    LaneCapability,
+    SchedulerConfig,
+    SelectionError,
+    choose_lane,
+    lane_reduce_op,
+)
 
 log = logging.getLogger("commd.coordinator")
 
@@ -172,11 +181,6 @@ class Coordinator:
         first = pending.entries[pending.nodes[0]]
         if first["k"] != "allreduce":
             return None
-        import torch
-
-        from commd.kernels.reduce import TORCH_DTYPES, reduce_into
-        from commd.scheduler.selection import lane_reduce_op
-
         dtype = TORCH_DTYPES[first["sig"]["dtype"]]
         sizes = {len(d) for d in pending.data.values()}
         if len(sizes) != 1 or sizes.pop() % dtype.itemsize:
