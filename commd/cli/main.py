@@ -1,4 +1,4 @@
-"""The `commd` command: daemon, launch, status, demo."""
+"""The `commd` command: daemon, launch, status, demo, bench, tune."""
 
 from __future__ import annotations
 
@@ -31,6 +31,17 @@ def main(argv: list[str] | None = None) -> int:
 
     demo.add_arguments(p)
     p.set_defaults(run=demo.run)
+
+    from commd.bench import cli as bench_cli
+
+    p = sub.add_parser("bench", help="measure commd's collectives per lane (busbw, latency), optionally beside "
+                                     "Gloo and MPI")
+    bench_cli.add_bench_arguments(p)
+    p.set_defaults(run=bench_cli.run_bench)
+
+    p = sub.add_parser("tune", help="measure every lane per op and size and save the winners as a tuning table")
+    bench_cli.add_tune_arguments(p)
+    p.set_defaults(run=bench_cli.run_tune)
 
     args = parser.parse_args(argv)
     return int(args.run(args) or 0)

@@ -1,0 +1,129 @@
+"""One op at one size on one rank: its buffers, their contents, and the check against NumPy.
+
+Every rank fills its input from its rank and the element index only
+(``pattern``), so each rank can compute every other rank's input, and so the
+exact expected result, without communicating.  The values are small integers:
+sums over many ranks stay exact in every benchmarked dtype, so the check is
+an exact comparison.  Buffers are allocated by the measured path (arena
+tensors for commd, ordinary tensors for Gloo, NumPy arrays for MPI); a case
+only sees them through NumPy views.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from commd.bench.spec import ROOT
+
+#: alloc(count) -> (native buffer the path's library takes, NumPy view of the same memory)
+Alloc = Callable[[int], tuple[Any, np.ndarray]]
+#: Marks output elements not yet written: a result the op never delivered fails the check.
+SENTINEL = -1
+
+
+def pattern(rank: int, start: int, count: int) -> np.ndarray:
+    """Rank ``rank``'s input elements [start, start+count) as float64 (exact small integers)."""
+    index = np.arange(start, start + count, dtype=np.int64)
+    return ((index % 13) + 3 * rank + 1).astype(np.float64)
+
+
+class CheckError(Exception):
+    """A wrong result; the message names op, size, path and rank."""
+
+
+@dataclass
+class Case:
+    """Buffers of one op on one rank; ``nbytes`` is S as nccl-tests define it (the op's total buffer)."""
+
+    op: str
+    rank: int
+    world: int
+    count: int  # elements per rank's block (allgather, reduce_scatter, alltoall) or of the whole buffer
+    nbytes: int
+    native: dict[str, Any] = field(default_factory=dict)
+    view: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def last(self) -> int:
+        return self.world - 1
+
+    def fill(self) -> None:
+        """Inputs from ``pattern``; outputs to the sentinel."""
+        r, n, c = self.rank, self.world, self.count
+        v = self.view
+        if self.op in ("allreduce", "reduce"):
+            v["buf"][:] = pattern(r, 0, c)
+        elif self.op == "broadcast":
+            v["buf"][:] = pattern(ROOT, 0, c) if r == ROOT else SENTINEL
+        elif self.op == "allgather":
+            v["in"][:] = pattern(r, r * c, c)
+            v["out"][:] = SENTINEL
+        elif self.op in ("reduce_scatter", "alltoall"):
+            v["in"][:] = pattern(r, 0, c * n)
+            v["out"][:] = SENTINEL
+        elif self.op == "sendrecv":
+            v["send"][:] = pattern(ROOT, 0, c)
+            v["recv"][:] = SENTINEL
+
+    def expected(self) -> dict[str, np.ndarray]:
+        """The buffers this rank must hold after one op, computed with NumPy."""
+        r, n, c = self.rank, self.world, self.count
+        if self.op == "allreduce" or (self.op == "reduce" and r == ROOT):
+            return {"buf": sum(pattern(j, 0, c) for j in range(n))}
+        if self.op == "broadcast":
+            return {"buf": pattern(ROOT, 0, c)}
+        if self.op == "allgather":
+            return {"out": np.concatenate([pattern(j, j * c, c) for j in range(n)])}
+        if self.op == "reduce_scatter":
+            return {"out": sum(pattern(j, r * c, c) for j in range(n))}
+        if self.op == "alltoall":
+            return {"out": np.concatenate([pattern(j, r * c, c) for j in range(n)])}
+        if self.op == "sendrecv" and r in (ROOT, self.last):
+            return {"recv": pattern(ROOT, 0, c)}  # the last rank receives it, rank 0 gets it echoed back
+        return {}
+
+    def check(self, label: str) -> str | None:
+        """None if every checked buffer equals the reference, else a message naming op, size, path, rank."""
+        for name, want in self.expected().items():
+            got = self.view[name].astype(np.float64)
+            bad = np.flatnonzero(got != want)
+            if bad.size:
+                i = int(bad[0])
+                return (f"wrong result: {self.op} S={self.nbytes} B path {label} on rank {self.rank}: "
+                        f"{bad.size} of {want.size} elements of '{name}' differ from the NumPy reference, "
+                        f"first at index {i}: {got[i]:g} != {want[i]:g}")
+        return None
+
+    def prepare_timing(self) -> None:
+        """Reductions run in place over and over: start them from zeros so the values stay finite."""
+        if self.op in ("allreduce", "reduce"):
+            self.view["buf"][:] = 0
+
+
+def make_case(op: str, nbytes: int, rank: int, world: int, itemsize: int, alloc: Alloc) -> Case | None:
+    """Buffers for ``op`` at requested size ``nbytes``; None if the size holds less than one element per rank."""
+    if op == "barrier":
+        return Case(op, rank, world, 0, 0)
+    per_rank = op in ("allgather", "reduce_scatter", "alltoall")
+    count = nbytes // itemsize // (world if per_rank else 1)
+    if count < 1:
+        return None
+    total = count * world if per_rank else count
+    case = Case(op, rank, world, count, total * itemsize)
+    if op in ("allreduce", "reduce", "broadcast"):
+        names = {"buf": count}
+    elif op == "allgather":
+        names = {"in": count, "out": total}
+    elif op in ("reduce_scatter", "alltoall"):
+        names = {"in": total, "out": count if op == "reduce_scatter" else total}
+    elif op == "sendrecv":
+        names = {"send": count, "recv": count}
+    else:  # pragma: no cover - spec validated the op
+        raise ValueError(f"unknown op {op!r}")
+    for name, n in names.items():
+        case.native[name], case.view[name] = alloc(n)
+    return case

@@ -1,0 +1,250 @@
+"""The measured paths: commd (one lane hint each), Gloo directly, MPI directly.
+
+A path allocates its buffers the way its users would (commd: tensors in the
+client's shared-memory arena, zero copy; Gloo: ordinary tensors; MPI: NumPy
+arrays) and runs one op blocking.  Ranks agree on iteration counts, times and
+check results through a *sync* channel outside the measured path: the Gloo
+process group for commd and Gloo, the MPI communicator for MPI.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+from commd.bench.cases import Case
+from commd.bench.spec import ROOT
+
+
+class Sync(Protocol):
+    """Cross-rank agreement outside the measured path."""
+
+    def max_each(self, values: list[float]) -> list[float]: ...
+    def gather_errors(self, error: str | None) -> list[str]: ...
+    def barrier(self) -> None: ...
+
+
+class GlooSync:
+    """Agreement through the worker's Gloo process group (torch.distributed default group)."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+
+    def max_each(self, values: list[float]) -> list[float]:
+        import torch
+
+        t = torch.tensor(values, dtype=torch.float64)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+        return t.tolist()
+
+    def gather_errors(self, error: str | None) -> list[str]:
+        out: list[str | None] = [None] * self.dist.get_world_size()
+        self.dist.all_gather_object(out, error)
+        return [e for e in out if e]
+
+    def barrier(self) -> None:
+        self.dist.barrier()
+
+
+class MpiSync:
+    """Agreement through the MPI communicator (the MPI-direct phase)."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+
+    def max_each(self, values: list[float]) -> list[float]:
+        from mpi4py import MPI
+
+        buf = np.array(values, dtype=np.float64)
+        self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
+        return buf.tolist()
+
+    def gather_errors(self, error: str | None) -> list[str]:
+        return [e for e in self.comm.allgather(error) if e]
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+
+class BenchPath(Protocol):
+    via: str  # "commd", "gloo", "mpi"
+    lane: str  # commd: "auto", "local" or a lane name; direct paths: "-"
+    rank: int
+    world: int
+
+    @property
+    def label(self) -> str: ...
+    def alloc(self, count: int) -> tuple[Any, np.ndarray]: ...
+    def run(self, case: Case) -> None: ...
+    def barrier(self) -> None: ...
+
+
+def _label(via: str, lane: str) -> str:
+    return f"commd/{lane}" if via == "commd" else via
+
+
+class CommdPath:
+    """commd's client library on arena tensors, with a lane hint (none for auto/local)."""
+
+    via = "commd"
+
+    def __init__(self, client: Any, lane: str, dtype: Any, timeout: float) -> None:
+        self.client, self.lane, self.dtype, self.timeout = client, lane, dtype, timeout
+        self.hint = lane if lane not in ("auto", "local") else None
+        self.rank, self.world = client.rank, client.world_size
+
+    @property
+    def label(self) -> str:
+        return _label(self.via, self.lane)
+
+    def alloc(self, count: int) -> tuple[Any, np.ndarray]:
+        t = self.client.empty(count, self.dtype)
+        return t, t.numpy()
+
+    def barrier(self) -> None:
+        from commd.client import ops
+
+        ops.barrier(self.client, lane=self.hint).wait(self.timeout)
+
+    def run(self, case: Case) -> None:
+        from commd.client import ops
+
+        c, b, h, n = self.client, case.native, self.hint, self.world
+        w = self.timeout
+        op = case.op
+        if op == "allreduce":
+            ops.all_reduce(c, b["buf"], lane=h).wait(w)
+        elif op == "reduce":
+            ops.reduce(c, b["buf"], ROOT, lane=h).wait(w)
+        elif op == "broadcast":
+            ops.broadcast(c, b["buf"], ROOT, lane=h).wait(w)
+        elif op == "allgather":
+            ops.all_gather(c, b["out"], b["in"], lane=h).wait(w)
+        elif op == "reduce_scatter":
+            ops.reduce_scatter(c, b["out"], b["in"], lane=h).wait(w)
+        elif op == "alltoall":
+            splits = [case.count] * n
+            ops.all_to_all(c, b["out"], b["in"], splits, splits, lane=h).wait(w)
+        elif op == "sendrecv":
+            last = n - 1
+            if self.rank == ROOT:
+                back = ops.recv(c, b["recv"], last, lane=h)
+                ops.send(c, b["send"], last, lane=h).wait(w)
+                back.wait(w)
+            elif self.rank == last:
+                ops.recv(c, b["recv"], ROOT, lane=h).wait(w)
+                ops.send(c, b["recv"], ROOT, lane=h).wait(w)  # echo what arrived
+        elif op == "barrier":
+            ops.barrier(c, lane=h).wait(w)
+        else:  # pragma: no cover - spec validated the op
+            raise ValueError(op)
+
+
+class GlooPath:
+    """torch.distributed with the Gloo backend on ordinary tensors, in the same worker processes."""
+
+    via = "gloo"
+    lane = "-"
+
+    def __init__(self, dtype: Any) -> None:
+        import torch.distributed as dist
+
+        self.dist, self.dtype = dist, dtype
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+
+    @property
+    def label(self) -> str:
+        return self.via
+
+    def alloc(self, count: int) -> tuple[Any, np.ndarray]:
+        import torch
+
+        t = torch.empty(count, dtype=self.dtype)
+        return t, t.numpy()
+
+    def barrier(self) -> None:
+        self.dist.barrier()
+
+    def run(self, case: Case) -> None:
+        d, b, op = self.dist, case.native, case.op
+        if op == "allreduce":
+            d.all_reduce(b["buf"])
+        elif op == "reduce":
+            d.reduce(b["buf"], ROOT)
+        elif op == "broadcast":
+            d.broadcast(b["buf"], ROOT)
+        elif op == "allgather":
+            getattr(d, "all_gather_single", d.all_gather_into_tensor)(b["out"], b["in"])
+        elif op == "reduce_scatter":
+            getattr(d, "reduce_scatter_single", d.reduce_scatter_tensor)(b["out"], b["in"])
+        elif op == "alltoall":
+            d.all_to_all_single(b["out"], b["in"])
+        elif op == "sendrecv":
+            last = self.world - 1
+            if self.rank == ROOT:
+                back = d.irecv(b["recv"], last)
+                d.send(b["send"], last)
+                back.wait()
+            elif self.rank == last:
+                d.recv(b["recv"], ROOT)
+                d.send(b["recv"], ROOT)
+        elif op == "barrier":
+            d.barrier()
+        else:  # pragma: no cover
+            raise ValueError(op)
+
+
+class MpiPath:
+    """mpi4py on NumPy arrays (buffer interface, no pickling), under mpiexec."""
+
+    via = "mpi"
+    lane = "-"
+
+    def __init__(self, comm: Any, dtype: str) -> None:
+        self.comm, self.dtype = comm, np.dtype(dtype)
+        self.rank, self.world = comm.Get_rank(), comm.Get_size()
+
+    @property
+    def label(self) -> str:
+        return self.via
+
+    def alloc(self, count: int) -> tuple[Any, np.ndarray]:
+        a = np.empty(count, dtype=self.dtype)
+        return a, a
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+    def run(self, case: Case) -> None:
+        from mpi4py import MPI
+
+        comm, b, op = self.comm, case.native, case.op
+        if op == "allreduce":
+            comm.Allreduce(MPI.IN_PLACE, b["buf"], op=MPI.SUM)
+        elif op == "reduce":
+            if self.rank == ROOT:
+                comm.Reduce(MPI.IN_PLACE, b["buf"], op=MPI.SUM, root=ROOT)
+            else:
+                comm.Reduce(b["buf"], None, op=MPI.SUM, root=ROOT)
+        elif op == "broadcast":
+            comm.Bcast(b["buf"], root=ROOT)
+        elif op == "allgather":
+            comm.Allgather(b["in"], b["out"])
+        elif op == "reduce_scatter":
+            comm.Reduce_scatter_block(b["in"], b["out"], op=MPI.SUM)
+        elif op == "alltoall":
+            comm.Alltoall(b["in"], b["out"])
+        elif op == "sendrecv":
+            last = self.world - 1
+            if self.rank == ROOT:
+                comm.Sendrecv(b["send"], last, 0, b["recv"], last, 0)
+            elif self.rank == last:
+                comm.Recv(b["recv"], ROOT, 0)
+                comm.Send(b["recv"], ROOT, 0)
+        elif op == "barrier":
+            comm.Barrier()
+        else:  # pragma: no cover
+            raise ValueError(op)

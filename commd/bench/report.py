@@ -1,0 +1,179 @@
+"""What a benchmark run shows: the table (per op, rows by size and path), the JSON file, the plot, progress.
+
+Ratios set each commd row beside the direct peers measured in the same run:
+``x gloo`` = commd's busbw / Gloo direct's busbw at the same op and size
+(above 1: commd is faster).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from commd.bench.spec import OPS, human
+
+COLUMNS = ("size", "path", "iters", "median us", "p95 us", "algbw GB/s", "busbw GB/s", "check")
+
+
+class Progress:
+    """A progress bar on stderr (tqdm) when stderr is a terminal; silent otherwise (logs stay clean)."""
+
+    def __init__(self, total: int, enabled: bool, desc: str = "commd bench") -> None:
+        self.bar: Any = None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=desc, unit="cell", file=sys.stderr, leave=False,
+                            dynamic_ncols=True)
+
+    def update(self, n: int = 1, note: str | None = None) -> None:
+        if self.bar is not None:
+            if note:
+                self.bar.set_postfix_str(note, refresh=False)
+            self.bar.update(n)
+
+    def set_total(self, total: int) -> None:
+        if self.bar is not None:
+            self.bar.total = total
+            self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def progress(total: int, enabled: bool = True, desc: str = "commd bench") -> Progress:
+    return Progress(total, enabled, desc)
+
+
+def _size(nbytes: int) -> str:
+    return human(nbytes) if nbytes else "-"
+
+
+def _direct(rows: list[dict[str, Any]]) -> dict[tuple[str, int, str], dict[str, Any]]:
+    return {(r["op"], r["bytes"], r["via"]): r for r in rows if r["via"] != "commd"}
+
+
+def ratios(row: dict[str, Any], direct: dict[tuple[str, int, str], dict[str, Any]]) -> dict[str, float | None]:
+    """commd's speed relative to each direct peer at the same op and size (time ratio for barrier)."""
+    out: dict[str, float | None] = {}
+    if row["via"] != "commd":
+        return out
+    for peer in ("gloo", "mpi"):
+        theirs = direct.get((row["op"], row["bytes"], peer))
+        if theirs is None:
+            continue
+        if row["op"] == "barrier" or not theirs["busbw_gbs"]:
+            out[peer] = theirs["median_us"] / row["median_us"] if row["median_us"] else None
+        else:
+            out[peer] = row["busbw_gbs"] / theirs["busbw_gbs"]
+    return out
+
+
+def format_table(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """One block per op; sizes grow down, paths side by side at each size."""
+    peers = [p for p in ("gloo", "mpi") if any(r["via"] == p for r in rows)]
+    direct = _direct(rows)
+    header = list(COLUMNS) + [f"x {p}" for p in peers]
+    lines = [_layout(meta)]
+    for op in OPS:
+        mine = [r for r in rows if r["op"] == op]
+        if not mine:
+            continue
+        order = {label: i for i, label in enumerate(dict.fromkeys(r["path"] for r in mine))}
+        mine.sort(key=lambda r: (r["bytes"], order[r["path"]]))
+        factor = mine[0]["factor"]
+        lines.append("")
+        if op == "barrier":
+            lines.append(f"barrier  ({meta['world']} ranks, latency only)")
+        else:
+            lines.append(f"{op}  ({meta['world']} ranks, busbw = algbw x {factor:.3g}; S = "
+                         f"{'total buffer' if op in ('allgather', 'reduce_scatter', 'alltoall') else 'message'} size"
+                         f"{'; one-way time = round trip / 2' if op == 'sendrecv' else ''})")
+        table = [header]
+        for r in mine:
+            cells = [_size(r["bytes"]), r["path"], str(r["iters"]), f"{r['median_us']:.1f}", f"{r['p95_us']:.1f}",
+                     f"{r['algbw_gbs']:.3f}", f"{r['busbw_gbs']:.3f}", r["check"]]
+            ratio = ratios(r, direct)
+            cells += [f"{ratio[p]:.2f}" if ratio.get(p) else "" for p in peers]
+            table.append(cells)
+        widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+        for row in table:
+            lines.append("  ".join(c.rjust(w) if i != 1 else c.ljust(w) for i, (c, w) in enumerate(
+                zip(row, widths, strict=True))).rstrip())
+    return "\n".join(lines)
+
+
+def _layout(meta: dict[str, Any]) -> str:
+    spec = meta.get("spec", {})
+    nodes = meta.get("node_names", [])
+    where = (f"{len(nodes)} nodes ({', '.join(f'{n} x{k}' for n, k in zip(nodes, meta['ranks_per_node'], strict=True))})"
+             if len(nodes) > 1 else f"1 node, {meta['world']} ranks")
+    lanes = f"; fabric lanes {','.join(meta['fabric_lanes'])}" if meta.get("fabric_lanes") else ""
+    return (f"commd bench: {where}{lanes}; dtype {spec.get('dtype', '?')}; per iteration the slowest rank's "
+            "time; median and p95 over the timed iterations")
+
+
+def write_json(path: str, meta: dict[str, Any], rows: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> None:
+    direct = _direct(rows)
+    out_rows = []
+    for r in rows:
+        row = dict(r)
+        ratio = ratios(r, direct)
+        if ratio:
+            row["ratios"] = ratio
+        out_rows.append(row)
+    data = {"format": "commd-bench", "version": 1, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()},
+            "layout": meta, "rows": out_rows, **(extra or {})}
+    Path(path).write_text(json.dumps(data, indent=1) + "\n")
+
+
+def plot(path: str, meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """busbw against size, one panel per op, one line per path (PNG through matplotlib's Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = [op for op in OPS if op != "barrier" and any(r["op"] == op for r in rows)]
+    if not ops:
+        raise ValueError("--plot: no sized op was measured (barrier has no bandwidth)")
+    cols = min(3, len(ops))
+    nrows = (len(ops) + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(5.2 * cols, 3.8 * nrows), squeeze=False)
+    for ax, op in zip(axes.flat, ops, strict=False):
+        mine = [r for r in rows if r["op"] == op]
+        for label in dict.fromkeys(r["path"] for r in mine):
+            pts = sorted((r["bytes"], r["busbw_gbs"]) for r in mine if r["path"] == label)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_title(op)
+        ax.set_xlabel("size S (bytes)")
+        ax.set_ylabel("busbw (GB/s)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    for ax in list(axes.flat)[len(ops):]:
+        ax.set_visible(False)
+    fig.suptitle(_layout(meta).split(";")[0], fontsize="medium")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def finish(meta: dict[str, Any], rows: list[dict[str, Any]], json_path: str | None = None,
+           plot_path: str | None = None, extra: dict[str, Any] | None = None) -> None:
+    """Print the table; write the JSON and the plot when asked."""
+    print(format_table(meta, rows), flush=True)
+    if json_path:
+        write_json(json_path, meta, rows, extra)
+        print(f"wrote {json_path}", file=sys.stderr)
+    if plot_path:
+        plot(plot_path, meta, rows)
+        print(f"wrote {plot_path}", file=sys.stderr)

@@ -1,0 +1,204 @@
+"""What a benchmark run measures: ops, sizes, lanes, iteration counts, and the bandwidth formulas.
+
+The orchestrator (`commd bench`) and the worker (`python -m commd.bench.worker`
+under `commd launch`) take the same measurement options, defined and
+validated here once, so a user's own launch of the worker behaves exactly
+like the orchestrated one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+#: Every op the benchmark knows, in the order tables list them.
+OPS = ("allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "reduce", "sendrecv", "barrier")
+#: Accepted spellings of op names (torch / nccl-tests style).
+OP_ALIASES = {
+    "all_reduce": "allreduce", "all_gather": "allgather", "reducescatter": "reduce_scatter",
+    "all_to_all": "alltoall", "alltoallv": "alltoall", "send_recv": "sendrecv", "p2p": "sendrecv",
+}
+#: Lanes a fabric may have (commd.scheduler.selection.LANE_NAMES).
+LANE_NAMES = ("tcp", "gloo", "mpi", "nccl")
+#: ``auto``: no lane hint (the daemons' own choice, tuning table included); ``all``: every lane of the fabric.
+LANE_WORDS = ("auto", "all")
+#: Label of the only commd path on a single node (no inter-node lane exists there).
+LOCAL = "local"
+COMPARE = ("gloo", "mpi")
+DTYPES = ("float32", "float64", "float16", "int32", "int64")
+#: The root of rooted ops (broadcast, reduce) and the first side of sendrecv.
+ROOT = 0
+
+DEFAULT_OPS = ("allreduce",)
+DEFAULT_MIN_BYTES = 1 << 10
+DEFAULT_MAX_BYTES = 16 << 20
+DEFAULT_STEP = 4
+DEFAULT_WARMUP = 3
+DEFAULT_ITERS = 20
+DEFAULT_OP_TIMEOUT = 60.0
+#: Largest message: the arena of each rank holds an op's input and output.
+MAX_BYTES_LIMIT = 1 << 30
+
+
+class SpecError(ValueError):
+    """Invalid benchmark options; the message says which and why."""
+
+
+def busbw_factor(op: str, n: int) -> float:
+    """nccl-tests' bus bandwidth factor: what each rank's link must carry relative to S."""
+    if op == "allreduce":
+        return 2 * (n - 1) / n
+    if op in ("allgather", "reduce_scatter", "alltoall"):
+        return (n - 1) / n
+    if op == "barrier":
+        return 0.0
+    return 1.0  # broadcast, reduce, sendrecv
+
+
+_SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 0, "k": 10, "m": 20, "g": 30, "t": 40}
+
+
+def parse_size(text: str) -> int:
+    """'4096', '1K', '4M', '1GiB' -> bytes (binary units)."""
+    m = _SIZE.match(str(text))
+    if not m:
+        raise SpecError(f"size {text!r} is not a byte count such as 4096, 1K, 4M or 1G")
+    return int(m.group(1)) << _UNITS[m.group(2).lower()]
+
+
+def human(nbytes: int) -> str:
+    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
+        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift}{unit}"
+    return f"{nbytes}"
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def message_sizes(low: int, high: int, step: int) -> list[int]:
+    sizes, size = [], low
+    while size <= high:
+        sizes.append(size)
+        size *= step
+    return sizes
+
+
+def split_list(text: str) -> list[str]:
+    return [part.strip().lower() for part in str(text).split(",") if part.strip()]
+
+
+@dataclass
+class BenchSpec:
+    """Validated measurement options (JSON-able: the report records them)."""
+
+    ops: list[str]
+    sizes: list[int]
+    lanes: list[str] | None  # None: "auto" plus every lane of the fabric
+    warmup: int
+    iters: int
+    time_per_size: float | None
+    dtype: str
+    compare: list[str]
+    op_timeout: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def add_measure_arguments(parser: argparse.ArgumentParser, *, ops_default: str = ",".join(DEFAULT_OPS),
+                          lanes_default: str = "auto,all", step_default: int = DEFAULT_STEP,
+                          max_default: int = DEFAULT_MAX_BYTES) -> None:
+    """The options both the orchestrator and the worker accept."""
+    parser.add_argument("--ops", default=ops_default,
+                        help=f"comma-separated ops: {','.join(OPS)} (default {ops_default})")
+    parser.add_argument("--min-bytes", default=human(DEFAULT_MIN_BYTES),
+                        help="smallest message S, a power of two such as 1K (default 1K)")
+    parser.add_argument("--max-bytes", default=human(max_default),
+                        help=f"largest message S, a power of two (default {human(max_default)})")
+    parser.add_argument("--step-factor", type=int, default=step_default,
+                        help=f"each size is the previous times this power of two (default {step_default})")
+    parser.add_argument("--lanes", default=lanes_default,
+                        help="comma-separated commd lanes: auto (no hint: the daemons' choice incl. the tuning "
+                             "table), tcp, gloo, mpi, nccl, or all (every lane the fabric has); "
+                             f"default {lanes_default}. A single node has no lanes: its rows say 'local'")
+    parser.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,
+                        help=f"untimed iterations per size and path after the checked one (default {DEFAULT_WARMUP})")
+    parser.add_argument("--iters", type=int, default=DEFAULT_ITERS,
+                        help=f"timed iterations per size and path; with --time-per-size the most (default "
+                             f"{DEFAULT_ITERS})")
+    parser.add_argument("--time-per-size", type=float, default=None, metavar="SECONDS",
+                        help="adaptive: as many timed iterations as fit in SECONDS (at least 3, at most --iters)")
+    parser.add_argument("--dtype", default="float32", help=f"element type: {','.join(DTYPES)} (default float32)")
+    parser.add_argument("--compare", default="",
+                        help="also run the ops through gloo (torch.distributed) and/or mpi (mpi4py) directly, "
+                             "e.g. --compare gloo,mpi")
+    parser.add_argument("--op-timeout", type=float, default=DEFAULT_OP_TIMEOUT,
+                        help=f"seconds one op may wait for its peers (default {DEFAULT_OP_TIMEOUT:g})")
+
+
+def spec_from_args(args: argparse.Namespace) -> BenchSpec:
+    """Validate the shared options; SpecError names the option and the problem."""
+    ops: list[str] = []
+    for name in split_list(args.ops):
+        op = OP_ALIASES.get(name, name)
+        if op not in OPS:
+            raise SpecError(f"--ops: unknown op {name!r}; choose from {','.join(OPS)}")
+        if op not in ops:
+            ops.append(op)
+    if not ops:
+        raise SpecError("--ops: give at least one op")
+    low, high = parse_size(args.min_bytes), parse_size(args.max_bytes)
+    for what, value in (("--min-bytes", low), ("--max-bytes", high)):
+        if not _is_pow2(value):
+            raise SpecError(f"{what} {value} is not a power of two")
+    if low > high:
+        raise SpecError(f"--min-bytes {human(low)} is larger than --max-bytes {human(high)}")
+    if high > MAX_BYTES_LIMIT:
+        raise SpecError(f"--max-bytes {human(high)} is above the limit {human(MAX_BYTES_LIMIT)}")
+    if args.step_factor < 2 or not _is_pow2(args.step_factor):
+        raise SpecError(f"--step-factor {args.step_factor} must be a power of two >= 2")
+    lanes_raw = split_list(args.lanes)
+    if not lanes_raw:
+        raise SpecError("--lanes: give at least one lane (or auto)")
+    for lane in lanes_raw:
+        if lane not in LANE_NAMES + LANE_WORDS + (LOCAL,):
+            raise SpecError(f"--lanes: unknown lane {lane!r}; choose from {','.join(LANE_WORDS + LANE_NAMES)}")
+    lanes = None if lanes_raw == ["auto", "all"] else list(dict.fromkeys(lanes_raw))
+    if args.warmup < 0:
+        raise SpecError("--warmup must be >= 0")
+    if args.iters < 1:
+        raise SpecError("--iters must be >= 1")
+    if args.time_per_size is not None and not args.time_per_size > 0:
+        raise SpecError("--time-per-size must be > 0 seconds")
+    dtype = args.dtype.strip().lower()
+    if dtype not in DTYPES:
+        raise SpecError(f"--dtype {args.dtype!r}: choose from {','.join(DTYPES)}")
+    compare = split_list(args.compare)
+    for name in compare:
+        if name not in COMPARE:
+            raise SpecError(f"--compare: unknown peer {name!r}; choose from {','.join(COMPARE)}")
+    if not 0.1 <= args.op_timeout <= 86400:
+        raise SpecError("--op-timeout must lie in [0.1, 86400] seconds")
+    return BenchSpec(ops=ops, sizes=message_sizes(low, high, args.step_factor), lanes=lanes,
+                     warmup=args.warmup, iters=args.iters, time_per_size=args.time_per_size, dtype=dtype,
+                     compare=list(dict.fromkeys(compare)), op_timeout=args.op_timeout)
+
+
+def measure_argv(spec: BenchSpec) -> list[str]:
+    """The worker's command-line options for ``spec`` (the inverse of spec_from_args)."""
+    argv = ["--ops", ",".join(spec.ops), "--min-bytes", str(spec.sizes[0]), "--max-bytes", str(spec.sizes[-1]),
+            "--step-factor", str(spec.sizes[1] // spec.sizes[0] if len(spec.sizes) > 1 else 2),
+            "--lanes", ",".join(spec.lanes) if spec.lanes is not None else "auto,all",
+            "--warmup", str(spec.warmup), "--iters", str(spec.iters), "--dtype", spec.dtype,
+            "--op-timeout", repr(spec.op_timeout)]
+    if spec.time_per_size is not None:
+        argv += ["--time-per-size", repr(spec.time_per_size)]
+    if spec.compare:
+        argv += ["--compare", ",".join(spec.compare)]
+    return argv

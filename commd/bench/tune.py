@@ -1,0 +1,100 @@
+"""`commd tune`: measure every lane of the fabric per op kind and size, and save the winners as a tuning table.
+
+The sweep is a `commd bench` run over the representative op kinds
+(``TUNED_KINDS``) with one commd path per lane of the fabric (never "auto":
+the table must compare lanes, not the daemons' current choice), on daemons
+started with ``COMMD_TUNING=off`` so an existing table does not colour what
+is measured.  ``TuningTable.from_measurements`` picks the lane with the
+lowest median per (kind, group size class, size); node 0's daemon loads the
+table from the default path at its next start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from commd.bench import orchestrate
+from commd.bench.spec import LOCAL, SpecError, spec_from_args
+
+
+def table_from_rows(meta: dict[str, Any], rows: list[dict[str, Any]]) -> Any:
+    """A TuningTable from the lane rows of a sweep (auto, local and direct-peer rows are not lanes)."""
+    from commd.scheduler.tuning import TUNED_KINDS, TuningTable
+
+    measured = [
+        {"kind": r["op"], "nodes": r["nodes"], "bytes": r["bytes"], "lane": r["lane"], "median_us": r["median_us"],
+         "p95_us": r["p95_us"], "busbw_gbs": r["busbw_gbs"]}
+        for r in rows
+        if r["via"] == "commd" and r["lane"] not in ("auto", LOCAL) and r["op"] in TUNED_KINDS and r["bytes"] > 0
+    ]
+    if not measured:
+        raise orchestrate.BenchError("the sweep measured no lane (a single node has none: use --hosts H or "
+                                     "several nodes)")
+    fabric = {"nodes": meta["nnodes"], "lanes": sorted(meta["fabric_lanes"]),
+              "ranks_per_node": meta["ranks_per_node"], "node_names": meta["node_names"]}
+    return TuningTable.from_measurements(fabric, measured)
+
+
+def show(target: str | None) -> int:
+    """Print the table at ``target``, or every table in the default directory."""
+    from commd.scheduler.tuning import TuningTable, default_table_dir
+
+    if target:
+        paths = [Path(target)]
+    else:
+        directory = default_table_dir()
+        paths = sorted(directory.glob("*.json")) if directory.is_dir() else []
+        if not paths:
+            print(f"commd tune: no tuning tables in {directory} (run `commd tune --hosts H` to make one)",
+                  file=sys.stderr)
+            return 1
+    code = 0
+    for i, path in enumerate(paths):
+        try:
+            table = TuningTable.load(path)
+        except ValueError as exc:
+            print(f"commd tune: {exc}", file=sys.stderr)
+            code = 1
+            continue
+        if i:
+            print()
+        print(f"{path}:")
+        print(table.grid())
+    return code
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.show is not None:
+        return show(args.show or None)
+    from commd.bench.cli import layout_from_args
+    from commd.scheduler.tuning import TUNED_KINDS, default_table_path
+
+    try:
+        spec = spec_from_args(args)
+        bad = [op for op in spec.ops if op not in TUNED_KINDS]
+        if bad:
+            raise SpecError(f"--ops: commd tune measures the tuned kinds {','.join(TUNED_KINDS)}; not {','.join(bad)}")
+        layout = layout_from_args(args)
+        layout.env["COMMD_TUNING"] = "off"  # measure the lanes, not an older table's choices
+        if not layout.hosts:
+            raise orchestrate.BenchError(
+                "commd tune compares the lanes between nodes, and one host has none: use --hosts H (simulated "
+                "hosts, root), or on a cluster run `commd launch --nnodes ... -m commd.bench.worker --lanes all "
+                "--ops allreduce,broadcast,allgather,alltoall,sendrecv --tune-out FILE` on every node")
+        meta, rows = orchestrate.run(layout, spec, desc="commd tune")
+        table = table_from_rows(meta, rows)
+        out = Path(args.out) if args.out else default_table_path(meta["node_names"][0], meta["nnodes"])
+        table.save(out)
+    except (SpecError, orchestrate.BenchError, ValueError) as exc:
+        print(f"commd tune: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        from commd.bench import report
+
+        report.write_json(args.json, meta, rows, {"table": table.to_json()})
+    print(table.grid())
+    print(f"\nsaved {out}")
+    return 0
