@@ -242,3 +242,69 @@ def large_ops(ctx: Any, lane: str) -> str:
     _check("large broadcast", t, data(1, n, np.float32, 2))
     client.close()
     return "ok"
+
+
+def fused_burst(ctx: Any, lane: str, seed: int, count: int) -> dict[str, Any]:
+    """A burst of async small all-reduces (mixed dtypes, reduce ops, sizes; some on one tensor twice
+    in a row), all in flight at once so the coordinator can fuse them.  Checked against NumPy here;
+    returns each result's bytes so the test can compare fused and unfused runs bit for bit."""
+    client = ctx.connect()
+    me, world = ctx.rank, ctx.world_size
+    plan_rng = np.random.default_rng(seed)  # the same op list on every rank
+    dtypes = [np.float32, np.float64, np.int32, np.float16]
+    cases = []
+    for i in range(count):
+        dtype = dtypes[plan_rng.integers(len(dtypes))]
+        op = ["sum", "sum", "max", "avg", "premul_sum"][plan_rng.integers(5)]
+        if op in ("avg", "premul_sum") and dtype == np.int32:
+            op = "sum"
+        n = int(plan_rng.integers(1, 300))
+        arrays = []
+        for r in range(world):
+            g = np.random.default_rng(seed * 100_003 + i * 97 + r)
+            arrays.append(g.integers(-50, 50, n).astype(dtype) if dtype == np.int32
+                          else (g.standard_normal(n) * 3).astype(dtype))
+        twice = bool(plan_rng.integers(4) == 0) and op in ("sum", "max")
+        cases.append((dtype, op, arrays, twice))
+    handles, tensors = [], []
+    for i, (_dtype, op, arrays, twice) in enumerate(cases):
+        if i % 2:
+            t = client.empty(len(arrays[me]), torch.from_numpy(arrays[me]).dtype)
+            t.copy_(torch.from_numpy(arrays[me]))
+        else:
+            t = torch.from_numpy(arrays[me].copy())
+        scale = 0.25 if op == "premul_sum" else None
+        handles.append(ops.all_reduce(client, t, op, scale=scale, lane=lane))
+        if twice:  # the second op must see the first one's result (program order)
+            handles.append(ops.all_reduce(client, t, op, scale=scale, lane=lane))
+        tensors.append(t)
+    for h in handles:
+        h.wait(60)
+    out = []
+    for i, ((dtype, op, arrays, twice), t) in enumerate(zip(cases, tensors, strict=True)):
+        stack = np.stack(arrays).astype(np.float64)
+        reduce = {"sum": lambda a: a.sum(0), "max": lambda a: a.max(0), "avg": lambda a: a.mean(0),
+                  "premul_sum": lambda a: (a * 0.25).sum(0)}[op]
+        want = reduce(stack)
+        if twice:
+            want = reduce(np.stack([want] * world)) if op == "sum" else want
+        got = t.numpy()
+        tol = 2e-2 if dtype == np.float16 else 1e-4
+        if not np.allclose(got.astype(np.float64), want, rtol=tol, atol=tol * 4):
+            raise AssertionError(f"op {i} ({op} {np.dtype(dtype).name} x{len(got)}{' twice' if twice else ''}): "
+                                 f"got {got[:4]} want {want[:4]}")
+        out.append(got.tobytes().hex())
+    client.close()
+    return {"results": out}
+
+
+def unhinted_allreduces(ctx: Any, counts: list[int]) -> str:
+    """float32 all-reduces of each count with no lane hint (the scheduler's own choice), checked."""
+    client = ctx.connect()
+    for salt, n in enumerate(counts):
+        arrays = [data(r, n, np.float32, salt) for r in range(ctx.world_size)]
+        t = _t(arrays[ctx.rank])
+        ops.all_reduce(client, t).wait(60)
+        _check(f"all_reduce of {n}", t, np.sum(arrays, axis=0))
+    client.close()
+    return "ok"

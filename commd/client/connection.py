@@ -48,6 +48,8 @@ DEFAULT_ARENA_BYTES = 64 << 20
 #: it gives up on an answer (the daemon normally reports the timeout itself).
 ANSWER_GRACE_S = 10.0
 RECEIVER_POLL_MS = 100
+#: Completed entries of the copy-back map are dropped when it grows beyond this.
+COPY_BACK_PURGE = 256
 OPS_BUFFER_BYTES = 4 << 20
 OPS_RECV_BYTES = s.MAX_MESSAGE_BYTES + (64 << 10)
 
@@ -96,6 +98,10 @@ class Client:
         self._seq: dict[str, int] = {}
         self._groups: dict[str, list[int]] = {}
         self._pending: dict[int, Handle] = {}
+        # storage address -> the latest pending op that copies its result back there: an op
+        # that copies the same storage in must wait for it (program order, as in any backend)
+        self._copy_back: dict[int, Handle] = {}
+        self._copy_back_limit = COPY_BACK_PURGE
         self._pending_lock = threading.Lock()
         self._rx_lock = threading.Lock()
         self._in_flight = threading.Event()
@@ -321,6 +327,17 @@ class Client:
         except s.ProtocolError as exc:
             log.error("bad reply from the daemon: %s", exc)
             return
+        if reply.get("t") == s.BATCH:
+            items = reply.get("items")
+            if not isinstance(items, list) or not all(isinstance(x, dict) for x in items):
+                log.error("bad reply from the daemon: a batch without a list of replies")
+                return
+            for item in items:
+                self._on_one_reply(item)
+            return
+        self._on_one_reply(reply)
+
+    def _on_one_reply(self, reply: dict[str, Any]) -> None:
         op_id = reply.get("id", -1)
         with self._pending_lock:
             handle = self._pending.pop(op_id, None)
@@ -379,15 +396,31 @@ class Client:
             and self.arena.locate(tensor.data_ptr(), tensor.numel() * tensor.element_size()) is not None
         )
 
+    def _wait_copy_back(self, tensor: torch.Tensor, role: str, copied: list[int]) -> None:
+        """Before copying ``tensor`` in: let a pending op that will write it back finish first."""
+        storage = tensor.untyped_storage().data_ptr()
+        earlier = self._copy_back.get(storage)
+        if earlier is not None:
+            if not earlier.is_completed():
+                try:
+                    earlier.wait(max(0.0, earlier.deadline - time.monotonic()))
+                except CommdError:
+                    pass  # the earlier op reports its own failure; this one goes ahead
+            if self._copy_back.get(storage) is earlier:
+                del self._copy_back[storage]
+        if role != "in":
+            copied.append(storage)
+
     def _plan(
-        self, tensor: torch.Tensor, role: str, finishers: list, keep: list
+        self, tensor: torch.Tensor, role: str, finishers: list, keep: list, copied: list[int]
     ) -> dict[str, Any]:
         """Reference for one buffer; queue its copy-out in ``finishers`` if staged."""
         if tensor.device.type == "cuda" and self._cuda is not None and tensor.is_contiguous():
             return self._cuda.export(tensor)
         if tensor.device.type != "cpu":
+            self._wait_copy_back(tensor, role, copied)
             staged = tensor.detach().to("cpu")
-            ref = self._plan(staged, role, finishers, keep)
+            ref = self._plan(staged, role, finishers, keep, [])
             if role != "in":
                 finishers.append(lambda _reply: tensor.copy_(staged))
             return ref
@@ -398,6 +431,8 @@ class Client:
                 segment, offset = found
                 keep.append(tensor)  # its block must not be reused while the op is pending
                 return {"seg": segment.seg_id, "off": offset, "n": nbytes}
+        if nbytes:
+            self._wait_copy_back(tensor, role, copied)
         if nbytes <= s.INLINE_MAX_BYTES:
             if role != "in":
                 finishers.append(_copy_from_reply(tensor))
@@ -442,9 +477,10 @@ class Client:
                 message[key] = value
         finishers: list = []
         keep: list = []
+        copied: list[int] = []
         if buffers:
             for name, (tensor, role) in buffers.items():
-                message[name] = self._plan(tensor, role, finishers, keep)
+                message[name] = self._plan(tensor, role, finishers, keep, copied)
         if after is not None:
             finishers.append(lambda _reply: after())
         finish = None
@@ -454,6 +490,11 @@ class Client:
             self, op_id, kind, group, time.monotonic() + timeout + ANSWER_GRACE_S,
             finish=finish, result=result, keep=keep or None,
         )
+        if len(self._copy_back) > self._copy_back_limit:
+            self._copy_back = {k: h for k, h in self._copy_back.items() if not h.is_completed()}
+            self._copy_back_limit = max(COPY_BACK_PURGE, 2 * len(self._copy_back))
+        for storage in copied:
+            self._copy_back[storage] = handle
         with self._send_lock:
             if self._broken is not None or self._closed:
                 self._check_usable()

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from commd.daemon.hierarchy import GroupPlan, apply_result, run, run_p2p, scratch_like
+from commd.daemon.hierarchy import GroupPlan, apply_result, run, run_fused_allreduce, run_p2p, scratch_like
 from commd.fabric.rendezvous import Fabric
 from commd.kernels.reduce import reduce_into
 from commd.lanes.base import LaneError
@@ -85,7 +85,11 @@ class FabricNode:
         self._threads: list[threading.Thread] = []
         self._group_tail: dict[str, threading.Event] = {}
         self._busy: dict[str, int] = {}
-        self._outstanding: dict[str, int] = {}  # group -> ops reported and not yet released or failed  # executor key -> ops queued or running there (loop thread only)
+        self._outstanding: dict[str, int] = {}  # group -> ops reported and not yet released or failed
+        # (client id, segment) -> [lo, hi, group, seq] of fusible all-reduces reported and not yet
+        # released (stale rows are dropped when scanned): a fused set must not hold two ops on
+        # overlapping memory, since program order says the later one reads the earlier one's result.
+        self._fusible_ranges: dict[tuple[int, int], list[tuple[int, int, str, int]]] = {}
         self.dead: dict[int, str] = {}
         self.broken: str | None = None
         now = time.monotonic()
@@ -94,7 +98,8 @@ class FabricNode:
         self.fabric_stalls: list[dict[str, Any]] = []
         self._warned: set[tuple[str, int]] = set()
         self.negotiation_us: collections.deque[float] = collections.deque(maxlen=4096)
-        self.lane_stats: dict[str, dict[str, int]] = collections.defaultdict(lambda: {"ops": 0, "bytes": 0})
+        self.fused_sets = 0  # fused sets run, and the ops in them
+        self.fused_ops = 0
         self.reported = 0
         self.reported_cached = 0
         self.released = 0
@@ -134,7 +139,11 @@ class FabricNode:
         self._up.append(item)
         if not self._flush_scheduled:
             self._flush_scheduled = True
-            self.loop.call_soon(self._flush_up)
+            cycle_s = self.fabric.config.fusion_cycle_ms / 1000 if self.fabric.config else 0.0
+            if cycle_s and item["t"] == "ready":  # let more ready ops join this report (fusion cycle)
+                self.loop.call_later(cycle_s, self._flush_up)
+            else:
+                self.loop.call_soon(self._flush_up)
 
     def _flush_up(self) -> None:
         self._flush_scheduled = False
@@ -203,11 +212,22 @@ class FabricNode:
 
     # ---- member side: what the coordinator tells us -------------------------------
     def _on_down(self, items: list[dict[str, Any]]) -> None:
+        fused: list[dict[str, Any]] = []  # the open fused set (releases marked "fz" join their first op)
         for item in items:
             kind = item["t"]
             if kind == "go":
-                self._released(item)
-            elif kind == "fail":
+                if fused and item.get("fz") == fused[0]["o"]:
+                    fused.append(item)
+                    continue
+                if "fz" in item:
+                    log.error("release #%s of group '%s' names fused set %s, which is not open: run alone",
+                              item["s"], item["g"], item["fz"])
+                self._run_released(fused)
+                fused = [item]
+                continue
+            self._run_released(fused)
+            fused = []
+            if kind == "fail":
                 entry = self.negotiating.pop((item["g"], item["s"]), None)
                 if entry is not None:
                     self._outstanding[entry[0].group] -= 1
@@ -228,6 +248,17 @@ class FabricNode:
                 self.daemon.shutdown(item.get("why", "the coordinator shut the fabric down"))
             elif kind == "leaving":
                 self._coordinator_lost(f"left the fabric ({item.get('why')})")
+        self._run_released(fused)
+
+    def _run_released(self, items: list[dict[str, Any]]) -> None:
+        if len(items) == 1:
+            self._released(items[0])
+        elif items:
+            started = time.thread_time_ns()
+            run_now = self._release_fused(items)
+            self.sched_ns += time.thread_time_ns() - started
+            if run_now is not None:
+                run_now()
 
     # ---- collectives -----------------------------------------------------------
     def negotiate(self, op: ReadyOp, plan: GroupPlan) -> None:
@@ -257,6 +288,8 @@ class FabricNode:
             item = {"t": "ready", "g": op.group, "s": op.seq, "c": cid}
             if contribution is not None:
                 item["d"] = contribution
+            if not self._may_fuse(op):
+                item["nf"] = 1
             self._up_send(item)
             return
         item = {
@@ -268,7 +301,31 @@ class FabricNode:
             item["a2a"] = [[x.group_rank, x.splits_in, x.splits_out] for x in op.subs]
         if contribution is not None:
             item["d"] = contribution
+        if not self._may_fuse(op):
+            item["nf"] = 1
         self._up_send(item)
+
+    def _may_fuse(self, op: ReadyOp) -> bool:
+        """False if the coordinator must not fuse ``op`` with the ops before it (its memory overlaps
+        an earlier reported all-reduce of this node, or it lives on a GPU)."""
+        config = self.fabric.config
+        if op.kind != "allreduce" or config is None or op.nbytes > config.fusion_threshold_bytes:
+            return True  # never a fusion candidate anyway
+        if op.on_gpu:
+            return False
+        ok = True
+        for sub in op.subs:
+            ref = sub.buffers.get("buf")
+            if ref is None or ref.inline is not None or ref.cuda is not None or ref.nbytes == 0:
+                continue  # inline buffers are private copies
+            lo, hi = ref.offset, ref.offset + ref.nbytes
+            rows = self._fusible_ranges.setdefault((sub.client_id, ref.segment), [])
+            live = [r for r in rows if (r[2], r[3]) in self.negotiating]
+            if any(r_lo < hi and lo < r_hi for r_lo, r_hi, _, _ in live):
+                ok = False
+            live.append((lo, hi, op.group, op.seq))
+            self._fusible_ranges[(sub.client_id, ref.segment)] = live
+        return ok
 
     def _eager_contribution(self, op: ReadyOp) -> bytes | None:
         """For a tiny all-reduce: this node's reduced contribution, sent with the report.
@@ -298,7 +355,8 @@ class FabricNode:
         if run_now is not None:
             run_now()
 
-    def _release(self, item: dict[str, Any]) -> Callable[[], None] | None:
+    def _take_released(self, item: dict[str, Any]) -> tuple[ReadyOp, GroupPlan] | None:
+        """The op a release names, no longer negotiating (None: not one of ours)."""
         entry = self.negotiating.pop((item["g"], item["s"]), None)
         if entry is None:
             log.warning("release of unknown op #%s on group '%s' ignored", item["s"], item["g"])
@@ -309,6 +367,14 @@ class FabricNode:
             self.neg_cache[key] = item["c"]
         self.negotiation_us.append((time.monotonic() - op.ready_at) * 1e6)
         self.released += 1
+        op.lane = item["l"]
+        return op, plan
+
+    def _release(self, item: dict[str, Any]) -> Callable[[], None] | None:
+        taken = self._take_released(item)
+        if taken is None:
+            return None
+        op, plan = taken
         lane_name = item["l"]
         timeout = max(x.timeout for x in op.subs)
         resolve = self._resolver()
@@ -326,15 +392,35 @@ class FabricNode:
         return self._enqueue(lane_name, op.on_gpu, op.group, work,
                              lambda error, code: self._done(op, error, code), op.nbytes)
 
+    def _release_fused(self, items: list[dict[str, Any]]) -> Callable[[], None] | None:
+        """A fused set of small all-reduces: one buffer, one lane call, at its first op's place."""
+        taken = [x for x in map(self._take_released, items) if x is not None]
+        if not taken:
+            return None
+        ops = [op for op, _ in taken]
+        plan = taken[0][1]
+        lane_name = items[0]["l"]
+        timeout = max(x.timeout for op in ops for x in op.subs)
+        resolve = self._resolver()
+        self.fused_sets += 1
+        self.fused_ops += len(ops)
+
+        def work(cap: float) -> None:
+            run_fused_allreduce(ops, plan, self.fabric.lanes[lane_name], resolve, min(timeout, cap))
+
+        def done(error: str | None, code: str) -> None:
+            for op in ops:
+                self._done(op, error, code)
+
+        return self._enqueue(lane_name, any(op.on_gpu for op in ops), plan.name, work, done,
+                             sum(op.nbytes for op in ops))
+
     def _enqueue(self, lane_name: str, on_gpu: bool, group: str, work: Callable[[float], None],
                  done: Callable[[str | None, str], None], nbytes: int) -> Callable[[], None] | None:
         """Queue the op on its lane's executor, or return it to be run right now on the loop."""
         prev = self._group_tail.get(group)
         finished = threading.Event()
         self._group_tail[group] = finished
-        stats = self.lane_stats[lane_name]
-        stats["ops"] += 1
-        stats["bytes"] += nbytes
         key = executor_key(lane_name, on_gpu)
         if nbytes <= INLINE_LANE_BYTES and not on_gpu and not self._busy.get(key) and (prev is None or prev.is_set()):
             # The lane is idle and the group's previous op is done: run this small op right
@@ -626,6 +712,12 @@ class FabricNode:
             "coordinator_us_per_report": (
                 round(self.coord_ns / 1000 / self.coord_items, 1) if self.coord_items else None
             ),
-            "lane_ops": {name: dict(v) for name, v in self.lane_stats.items()},
+            "lane_ops": self.daemon.stats.per_lane(),
+            "fusion": {
+                "threshold_bytes": self.fabric.config.fusion_threshold_bytes if self.fabric.config else None,
+                "cycle_ms": self.fabric.config.fusion_cycle_ms if self.fabric.config else None,
+                "sets": self.fused_sets, "ops": self.fused_ops,
+            },
+            "tuning": self.fabric.config.tuning_note if self.fabric.config else None,
             "stalls": self.fabric_stalls,
         }

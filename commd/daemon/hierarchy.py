@@ -17,7 +17,7 @@ import torch
 
 from commd.daemon.executor import parallel_copy, parallel_reduce_into
 from commd.kernels.layout import block_offsets, byte_view
-from commd.kernels.reduce import TORCH_DTYPES
+from commd.kernels.reduce import TORCH_DTYPES, reduce_into
 from commd.lanes.base import Lane
 from commd.protocol import schema as s
 from commd.scheduler.local import ReadyOp
@@ -102,6 +102,35 @@ def _allreduce(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeo
     if first.reduce_op == "avg":
         acc.div_(len(plan.ranks))
     parallel_copy(bufs[1:], acc)
+
+
+def run_fused_allreduce(ops: list[ReadyOp], plan: GroupPlan, lane: Lane, resolve: Resolve, timeout: float) -> None:
+    """Several small all-reduces of one group, dtype and reduce op as one lane call on one buffer.
+
+    Each op's local ranks are reduced into its slice of the fused buffer, in the
+    same rank order as ``_allreduce`` does in place, so every element sees the
+    same operations in the same order as unfused: results are identical.
+    """
+    staging = _Staging(resolve)
+    first = ops[0].subs[0]
+    local_op = "sum" if first.reduce_op == "avg" else first.reduce_op
+    per_op = [[staging(x, "buf") for x in op.subs] for op in ops]
+    fused = torch.empty(sum(bufs[0].numel() for bufs in per_op), dtype=per_op[0][0].dtype)
+    offset = 0
+    for op, bufs in zip(ops, per_op, strict=True):
+        n = bufs[0].numel()
+        reduce_into(fused[offset:offset + n], bufs, local_op, op.subs[0].scale)
+        offset += n
+    lane.allreduce(plan.nodes, fused, lane_reduce_op(first.reduce_op), timeout)
+    if first.reduce_op == "avg":
+        fused.div_(len(plan.ranks))
+    offset = 0
+    for bufs in per_op:
+        n = bufs[0].numel()
+        for buf in bufs:
+            buf.copy_(fused[offset:offset + n])
+        offset += n
+    staging.finish()
 
 
 def _reduced_copy(op: ReadyOp, plan: GroupPlan, lane: Lane, inputs: list[torch.Tensor], timeout: float) -> torch.Tensor:

@@ -14,6 +14,7 @@ from commd.daemon.server import Daemon, DaemonConfig
 from commd.fabric.rendezvous import FabricSpec, parse_host_port
 from commd.runtime import ConfigError, JobPaths, env_float, env_int, new_secret
 from commd.scheduler.selection import SchedulerConfig, load_config
+from commd.scheduler.tuning import TuningTable
 
 NODE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -58,6 +59,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "$COMMD_PEER_TIMEOUT or 10)")
     parser.add_argument("--config", default=None,
                         help="TOML file: [scheduler] settings and [[rules]] lane rules (default: $COMMD_CONFIG)")
+    tuning = parser.add_argument_group("lane choice and fusion")
+    tuning.add_argument("--tuning", default=None, metavar="PATH|off",
+                        help="tuning table written by `commd tune` (default: $COMMD_TUNING, else the config's "
+                             "[scheduler] tuning, else the default location for node 0's name and the node count; "
+                             "'off': none)")
+    tuning.add_argument("--fusion-threshold", type=int, default=None, metavar="BYTES",
+                        help="fuse small all-reduces released together up to this many bytes; 0 disables "
+                             "(default: $COMMD_FUSION_THRESHOLD, else the config, else 65536)")
+    tuning.add_argument("--fusion-cycle-ms", type=float, default=None, metavar="MS",
+                        help="collect ready ops this long before reporting them (default: "
+                             "$COMMD_FUSION_CYCLE_MS, else the config, else 0: once per loop turn)")
     parser.add_argument("--log-file", default=None, help="also append the log to this file")
     parser.add_argument("--log-level", default=os.environ.get("COMMD_LOG_LEVEL", "INFO"))
 
@@ -86,7 +98,12 @@ def run(args: argparse.Namespace) -> int:
             scheduler = load_config(config_path) if config_path else SchedulerConfig()
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        _fusion_settings(args, scheduler)
         spec = _fabric_spec(args, node_name, op_timeout)
+        if spec is not None and spec.node_rank in (0, None):  # node 0 loads (MPI: not known yet, all do)
+            table_path, explicit = _tuning_path(args, scheduler, node_name, spec.nnodes)
+            if table_path is not None:
+                scheduler.table, scheduler.tuning_note = _load_table(table_path, explicit)
         peer_timeout = args.peer_timeout if args.peer_timeout is not None else env_float(
             "COMMD_PEER_TIMEOUT", 10.0, 0.5, 3600)
         if not 0.5 <= peer_timeout <= 3600:
@@ -126,6 +143,9 @@ def run(args: argparse.Namespace) -> int:
             return 1
         secret = fabric.secret
         scheduler = fabric.config or scheduler
+        # Every node checks the coordinator's table against its own fabric (same verdict everywhere).
+        scheduler.adopt_table(scheduler.table, fabric.nnodes, sorted(fabric.lanes))
+        logging.getLogger("commd.daemon").info("lane choice: %s", scheduler.tuning_note)
     config = DaemonConfig(
         paths=paths, secret=secret, op_timeout=op_timeout,
         exit_when_idle=args.exit_when_idle, idle_grace=args.idle_grace, owner_pid=args.owner_pid,
@@ -142,6 +162,55 @@ def run(args: argparse.Namespace) -> int:
     with runner:
         runner.run(daemon.run())
     return 0
+
+
+def _fusion_settings(args: argparse.Namespace, scheduler: SchedulerConfig) -> None:
+    """Flags, then environment, override the config file's fusion settings."""
+    from commd.scheduler.selection import MAX_FUSION_THRESHOLD
+
+    threshold = args.fusion_threshold
+    if threshold is None and os.environ.get("COMMD_FUSION_THRESHOLD"):
+        threshold = env_int("COMMD_FUSION_THRESHOLD", 0, 0, MAX_FUSION_THRESHOLD)
+    if threshold is not None:
+        if not 0 <= threshold <= MAX_FUSION_THRESHOLD:
+            raise ConfigError(f"--fusion-threshold {threshold} must lie in [0, {MAX_FUSION_THRESHOLD}] bytes")
+        scheduler.fusion_threshold_bytes = threshold
+    cycle = args.fusion_cycle_ms
+    if cycle is None and os.environ.get("COMMD_FUSION_CYCLE_MS"):
+        cycle = env_float("COMMD_FUSION_CYCLE_MS", 0.0, 0.0, 1000.0)
+    if cycle is not None:
+        if not 0 <= cycle <= 1000:
+            raise ConfigError(f"--fusion-cycle-ms {cycle} must lie in [0, 1000]")
+        scheduler.fusion_cycle_ms = cycle
+
+
+def _tuning_path(
+    args: argparse.Namespace, scheduler: SchedulerConfig, node_name: str, nnodes: int | None
+) -> tuple[str | None, bool]:
+    """Where node 0 reads its tuning table (None: none) and whether the user named it."""
+    from commd.scheduler.tuning import default_table_path
+
+    for given in (args.tuning, os.environ.get("COMMD_TUNING"), scheduler.tuning):
+        if given:
+            return (None, True) if given == "off" else (given, True)
+    if nnodes is None:  # an MPI start learns the node count from the world
+        from commd.lanes.mpi import mpi_world_size_from_env
+
+        nnodes = mpi_world_size_from_env()
+    return (str(default_table_path(node_name, nnodes)), False) if nnodes else (None, False)
+
+
+def _load_table(path: str, explicit: bool) -> tuple[TuningTable | None, str]:
+    """The table at ``path``; a named file that cannot be used is an error, a default one only a warning."""
+    if not explicit and not os.path.exists(path):
+        return None, f"no tuning table (none at the default location {path}); using the default lane choice"
+    try:
+        return TuningTable.load(path), ""
+    except ValueError as exc:
+        if explicit:
+            raise ConfigError(str(exc)) from None
+        logging.getLogger("commd.daemon").warning("ignoring %s", exc)
+        return None, f"ignored the table at {path}: {exc}; using the default lane choice"
 
 
 def _fabric_spec(args: argparse.Namespace, node_name: str, op_timeout: float) -> FabricSpec | None:

@@ -29,6 +29,9 @@ from commd.protocol import schema as s
 log = logging.getLogger("commd.daemon")
 
 SOCKET_BUFFER_BYTES = 4 << 20
+#: Replies per batch frame at most: inline results are <= 4 KiB each, so a batch stays far
+#: below the message size limit.
+REPLY_BATCH = 128
 
 
 class OpConnection:
@@ -39,11 +42,32 @@ class OpConnection:
         self.loop = loop
         self.client: Any = None
         self._backlog: collections.deque[bytes] = collections.deque()
+        self._replies: list[dict[str, Any]] = []
         self.closed = False
+
+    def reply(self, message: dict[str, Any]) -> None:
+        """Queue an op reply; the replies of one loop turn leave as one frame (see ``_flush_replies``)."""
+        if self.closed:
+            return
+        self._replies.append(message)
+        if len(self._replies) == 1:
+            self.loop.call_soon(self._flush_replies)
+
+    def _flush_replies(self) -> None:
+        """One SEQPACKET frame per loop turn: a burst of completions costs the client one wake-up."""
+        replies, self._replies = self._replies, []
+        while replies:
+            if len(replies) == 1:
+                self.send(s.encode(replies[0]))
+                return
+            batch, replies = replies[:REPLY_BATCH], replies[REPLY_BATCH:]
+            self.send(s.encode({"t": s.BATCH, "items": batch}))
 
     def send(self, frame: bytes) -> None:
         if self.closed:
             return
+        if self._replies:  # queued replies go first: the channel stays in order
+            self._flush_replies()
         if self._backlog:
             self._backlog.append(frame)
             return

@@ -231,7 +231,7 @@ class Daemon:
     def _reply(self, client: ClientRecord, message: dict[str, Any]) -> None:
         """Answer an op on the client's op channel (or its ZeroMQ reply socket)."""
         if client.op_channel is not None:
-            client.op_channel.send(s.encode(message))
+            client.op_channel.reply(message)
         elif client.reply_identity is not None:
             self._send(client.reply_identity, message)
 
@@ -604,7 +604,7 @@ class Daemon:
         self._flush()
 
     def _complete(self, op: ReadyOp, error: str | None, code: str | None = None) -> None:
-        self.stats.finished(op.group, op.kind, op.nbytes, time.monotonic() - op.first_at, error is None)
+        self.stats.finished(op.group, op.kind, op.nbytes, time.monotonic() - op.first_at, error is None, op.lane)
         if error is not None:
             code = s.E_SHUTDOWN if self._closing else (code or s.E_INTERNAL)
             self.stats.error(error)
@@ -742,6 +742,7 @@ class Daemon:
             "ops_done": stats.ops_done,
             "bytes_moved": stats.bytes_moved,
             "latency_us": stats.latency_table(),
+            "ops_by_lane": stats.per_kind(),
             "oldest_waiting": waiting[0] if waiting else None,
             "stalls": self._stalls(waiting),
             "node": self.config.node_name,

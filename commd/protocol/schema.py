@@ -34,6 +34,8 @@ SEGMENT = "segment"
 GROUP = "group"
 OP = "op"
 DONE = "done"
+#: Several op replies (DONE/ERROR) in one op-channel frame: {"t": "batch", "items": [reply, ...]}.
+BATCH = "batch"
 ERROR = "error"
 STATUS = "status"
 BYE = "bye"

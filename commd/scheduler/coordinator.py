@@ -12,6 +12,15 @@ Fast path (Horovod's response cache): the first time a pattern is agreed it
 gets a cache id that travels in the release; a daemon that sees the same
 pattern again reports only ``(group, seq, cache id)``.  When every node sends
 the same id the coordinator skips the comparison and the lane choice.
+
+Fusion (Horovod's tensor fusion): small all-reduces of one group, dtype,
+reduce op and lane released one after the other in the same dispatch are
+marked as one fused set (``"fz"``: the order number of the set's first op),
+up to the fusion threshold in bytes.  The nodes run a set as one lane call
+on one buffer, at the place of its first op in the global order.  Any other
+item in between (another group's release, a failure) closes the set, so a
+set is a run of consecutive numbers of the global order and every node
+receives it whole, in one message.
 """
 
 from __future__ import annotations
@@ -37,6 +46,8 @@ log = logging.getLogger("commd.coordinator")
 
 #: Cache ids handed out at most (a job has a few hundred distinct op patterns).
 MAX_CACHE_ENTRIES = 1 << 16
+#: Ops in one fused set at most (bounds the per-op bookkeeping a node does before the lane call).
+MAX_FUSED_OPS = 1024
 
 
 @dataclass
@@ -49,6 +60,7 @@ class Pending:
     data: dict[int, bytes] = field(default_factory=dict)  # node -> its contribution (tiny all-reduces)
     first_at: float = field(default_factory=time.monotonic)
     timeout: float = 30.0
+    no_fusion: bool = False  # a node said its buffers overlap an earlier op's
 
 
 @dataclass
@@ -56,9 +68,26 @@ class Outbox:
     """What the coordinator wants sent: per node, release items and failures, in order."""
 
     messages: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    #: The open fused set: (fusion key, order of its first op, bytes, ops), or None.
+    fusion: tuple[tuple, int, int, int] | None = None
 
     def add(self, node: int, item: dict[str, Any]) -> None:
+        if item["t"] != "go":
+            self.fusion = None  # anything between two releases ends a fused set
         self.messages.setdefault(node, []).append(item)
+
+    def fuse(self, key: tuple | None, order: int, nbytes: int, threshold: int) -> int | None:
+        """Join the open fused set (returns its first op's order) or open a new one (returns None)."""
+        open_set = self.fusion
+        if key is None:
+            self.fusion = None
+            return None
+        if (open_set is not None and open_set[0] == key and open_set[2] + nbytes <= threshold
+                and open_set[3] < MAX_FUSED_OPS):
+            self.fusion = (key, open_set[1], open_set[2] + nbytes, open_set[3] + 1)
+            return open_set[1]
+        self.fusion = (key, order, nbytes, 1)
+        return None
 
 
 def _ranks_at(entry: dict[str, Any]) -> list[int]:
@@ -72,12 +101,14 @@ class Coordinator:
         self.lanes = lanes
         self.order = 0
         self.pending: dict[tuple[str, int], Pending] = {}
-        self.cache: dict[int, tuple[dict[int, dict[str, Any]], str]] = {}
+        # cache id -> (entries, lane, (fusion key, bytes) or None)
+        self.cache: dict[int, tuple[dict[int, dict[str, Any]], str, tuple[tuple, int] | None]] = {}
         self.dead: dict[int, str] = {}  # node -> why
         self.p2p: dict[tuple[int, int], tuple[int, int, dict[str, Any]]] = {}  # key -> (src node, dst node, msg)
         self.partial: dict[int, dict[tuple[str, int], list[int]]] = {}  # node -> (g, s) -> missing global ranks
         self.released = 0
         self.fast_path_hits = 0
+        self.fused = 0  # ops released as part of a fused set (after its first op)
 
     # ---- collectives --------------------------------------------------------
     def report(self, node: int, items: list[dict[str, Any]], out: Outbox) -> None:
@@ -113,6 +144,8 @@ class Coordinator:
                 pending.cids[node] = cid
             if isinstance(item.get("d"), bytes):
                 pending.data[node] = item["d"]
+            if item.get("nf"):
+                pending.no_fusion = True
             pending.timeout = min(pending.timeout, entry["to"])
             if node not in pending.nodes:
                 self._complete_mismatch(pending, out, extra=[node])
@@ -134,7 +167,7 @@ class Coordinator:
         cid: int | None = None
         if len(pending.cids) == len(pending.nodes) and len(cids) == 1:
             cid = cids.pop()
-            lane = self.cache[cid][1]
+            _, lane, fuse_key = self.cache[cid]
             self.fast_path_hits += 1
         else:
             problem = self._mismatch(pending)
@@ -157,19 +190,38 @@ class Coordinator:
                     out.add(node, {"t": "fail", "g": pending.group, "s": pending.seq, "code": s.E_PROTOCOL,
                                    "m": str(exc)})
                 return
+            fuse_key = self._fusion_key(pending.group, first, nbytes, lane)
             if len(self.cache) < MAX_CACHE_ENTRIES:
                 cid = len(self.cache) + 1
-                self.cache[cid] = (dict(pending.entries), lane)
+                self.cache[cid] = (dict(pending.entries), lane, fuse_key)
         self.order += 1
         self.released += 1
         result = self._eager_result(pending, lane)
+        head = None
+        if result is None:
+            key, size = fuse_key if fuse_key is not None and not pending.no_fusion else (None, 0)
+            head = out.fuse(key, self.order, size, self.config.fusion_threshold_bytes)
+        else:
+            out.fuse(None, self.order, 0, 0)
+        if head is not None:
+            self.fused += 1
         for node in pending.nodes:
             item: dict[str, Any] = {"t": "go", "g": pending.group, "s": pending.seq, "o": self.order, "l": lane}
             if cid is not None and pending.cids.get(node) != cid:
                 item["c"] = cid
             if result is not None:
                 item["r"] = result
+            if head is not None:
+                item["fz"] = head
             out.add(node, item)
+
+    def _fusion_key(self, group: str, first: dict[str, Any], nbytes: int, lane: str) -> tuple[tuple, int] | None:
+        """What fused all-reduces share (group, dtype, reduce op, scale, lane) and the op's bytes; None: never fused."""
+        threshold = self.config.fusion_threshold_bytes
+        if first["k"] != "allreduce" or not 0 < nbytes <= threshold:
+            return None
+        sig = first["sig"]
+        return (group, sig.get("dtype"), sig.get("reduce_op"), sig.get("scale"), lane), nbytes
 
     def _eager_result(self, pending: Pending, lane: str) -> bytes | None:
         """A tiny all-reduce whose every node sent its contribution with the report is reduced

@@ -43,6 +43,7 @@ class ReadyOp:
 
     nbytes: int = -1
     on_gpu: bool = False
+    lane: str = "local"  # the lane that ran its inter-node phase ("local": none)
 
     def __post_init__(self) -> None:
         if self.nbytes < 0:

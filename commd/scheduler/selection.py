@@ -16,10 +16,16 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from commd.protocol import schema as s
+from commd.scheduler.tuning import TuningTable
 
 #: Every lane name a rule or hint may name.
 LANE_NAMES = ("tcp", "gloo", "mpi", "nccl")
 DEFAULT_LANE = "tcp"
+#: Chosen by measurement (see the README's performance section): fused buffers up to
+#: 64 KiB stay on the tcp lane's direct all-reduce, whose result per element does not
+#: depend on the element's position, so fused and unfused results are bit-identical.
+DEFAULT_FUSION_THRESHOLD = 64 << 10
+MAX_FUSION_THRESHOLD = 64 << 20
 
 #: The lane primitive each op kind's inter-node phase uses.
 PRIMITIVE_FOR_KIND = {
@@ -90,6 +96,15 @@ class SchedulerConfig:
     rules: list[LaneRule] = field(default_factory=list)
     stall_warning_s: float = 60.0
     stall_shutdown_s: float = 0.0  # 0: never
+    #: Small all-reduces released together are fused up to this many bytes (0: no fusion).
+    fusion_threshold_bytes: int = DEFAULT_FUSION_THRESHOLD
+    #: How long a node collects ready ops before reporting them (0: one report per loop turn).
+    fusion_cycle_ms: float = 0.0
+    #: Where the tuning table comes from: a path, "off", or "" for the default location.
+    tuning: str = ""
+    #: The table in force (None: none, or refused; ``tuning_note`` says which and why).
+    table: TuningTable | None = None
+    tuning_note: str = "no tuning table"
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -97,7 +112,24 @@ class SchedulerConfig:
             "rules": [[r.lane, r.kind, r.min_bytes, r.max_bytes, r.min_group, r.max_group] for r in self.rules],
             "stall_warning_s": self.stall_warning_s,
             "stall_shutdown_s": self.stall_shutdown_s,
+            "fusion_threshold_bytes": self.fusion_threshold_bytes,
+            "fusion_cycle_ms": self.fusion_cycle_ms,
+            "table": self.table.to_json() if self.table is not None else None,
+            "tuning_note": self.tuning_note,
         }
+
+    def adopt_table(self, table: TuningTable | None, nnodes: int, lanes: list[str]) -> None:
+        """Use ``table`` if it was measured on a fabric like this one; else say why not and use the defaults."""
+        if table is None:
+            return
+        problem = table.check_fabric(nnodes, lanes)
+        where = table.source or "the coordinator's table"
+        if problem is not None:
+            self.table = None
+            self.tuning_note = f"refused {where}: {problem}; using the default lane choice"
+            return
+        self.table = table
+        self.tuning_note = f"using {where}: {table.describe()}"
 
 
 def choose_lane(
@@ -111,7 +143,7 @@ def choose_lane(
     config: SchedulerConfig,
     lanes: dict[str, LaneCapability],
 ) -> str:
-    """The lane for one op; raises SelectionError if a hint cannot be honoured."""
+    """The lane for one op: hint, config rules, tuning table, default; SelectionError if a hint cannot be honoured."""
     primitive = PRIMITIVE_FOR_KIND[kind]
     op = lane_reduce_op(reduce_op) if primitive == "allreduce" and reduce_op else None
     prim_dtype = dtype if primitive in ("allreduce",) else "uint8"
@@ -130,6 +162,10 @@ def choose_lane(
     for rule in config.rules:
         if rule.matches(kind, nbytes, group_size) and why_not(rule.lane) is None:
             return rule.lane
+    if config.table is not None:
+        tuned = config.table.lookup(kind, nbytes, len(nodes))
+        if tuned is not None and why_not(tuned) is None:
+            return tuned
     for name in (config.default_lane, *LANE_NAMES):
         if why_not(name) is None:
             return name
@@ -158,7 +194,8 @@ def parse_config(data: dict[str, Any], where: str = "config") -> SchedulerConfig
     sched = data.get("scheduler", {})
     if not isinstance(sched, dict):
         raise ValueError(f"{where}: [scheduler] must be a table")
-    unknown = set(sched) - {"default_lane", "stall_warning_s", "stall_shutdown_s"}
+    unknown = set(sched) - {"default_lane", "stall_warning_s", "stall_shutdown_s", "fusion_threshold_bytes",
+                            "fusion_cycle_ms", "tuning"}
     if unknown:
         raise ValueError(f"{where}: unknown [scheduler] key(s) {sorted(unknown)}")
     config = SchedulerConfig()
@@ -168,6 +205,17 @@ def parse_config(data: dict[str, Any], where: str = "config") -> SchedulerConfig
     config.default_lane = lane
     config.stall_warning_s = _number(sched, "stall_warning_s", f"{where} [scheduler]", 60.0, 0.001)
     config.stall_shutdown_s = _number(sched, "stall_shutdown_s", f"{where} [scheduler]", 0.0)
+    config.fusion_threshold_bytes = _int(sched, "fusion_threshold_bytes", f"{where} [scheduler]",
+                                         DEFAULT_FUSION_THRESHOLD)
+    if config.fusion_threshold_bytes > MAX_FUSION_THRESHOLD:
+        raise ValueError(f"{where}: [scheduler] fusion_threshold_bytes must be at most {MAX_FUSION_THRESHOLD}")
+    config.fusion_cycle_ms = _number(sched, "fusion_cycle_ms", f"{where} [scheduler]", 0.0)
+    if config.fusion_cycle_ms > 1000:
+        raise ValueError(f"{where}: [scheduler] fusion_cycle_ms must be at most 1000")
+    tuning = sched.get("tuning", "")
+    if not isinstance(tuning, str):
+        raise ValueError(f"{where}: [scheduler] tuning must be a path or \"off\", got {tuning!r}")
+    config.tuning = tuning
     rules = data.get("rules", [])
     if not isinstance(rules, list):
         raise ValueError(f"{where}: 'rules' must be an array of tables ([[rules]])")
@@ -209,4 +257,9 @@ def load_config(path: str | Path) -> SchedulerConfig:
 
 def config_from_wire(raw: dict[str, Any]) -> SchedulerConfig:
     rules = [LaneRule(r[0], r[1], r[2], r[3], r[4], r[5]) for r in raw.get("rules", [])]
-    return SchedulerConfig(raw["default_lane"], rules, raw["stall_warning_s"], raw["stall_shutdown_s"])
+    config = SchedulerConfig(raw["default_lane"], rules, raw["stall_warning_s"], raw["stall_shutdown_s"],
+                             raw["fusion_threshold_bytes"], raw["fusion_cycle_ms"])
+    if raw.get("table") is not None:
+        config.table = TuningTable.from_json(raw["table"], "the coordinator's tuning table")
+    config.tuning_note = str(raw.get("tuning_note", ""))
+    return config

@@ -30,6 +30,8 @@ class Stats:
     errors: collections.deque = field(default_factory=lambda: collections.deque(maxlen=20))
     ops_done: int = 0
     bytes_moved: int = 0
+    #: op kind -> lane ("local": no lane, the node's ranks only) -> [ops, bytes]
+    by_lane: dict[str, dict[str, list[int]]] = field(default_factory=dict)
 
     def group_added(self, name: str, size: int) -> None:
         self.groups.setdefault(name, GroupStats(size))
@@ -53,7 +55,7 @@ class Stats:
                 stats.queued -= 1
             stats.executing += 1
 
-    def finished(self, group: str, kind: str, nbytes: int, seconds: float, ok: bool) -> None:
+    def finished(self, group: str, kind: str, nbytes: int, seconds: float, ok: bool, lane: str = "local") -> None:
         stats = self.groups.get(group)
         if stats is not None:
             stats.executing -= 1
@@ -65,10 +67,28 @@ class Stats:
         if ok:
             self.ops_done += 1
             self.bytes_moved += nbytes
+            row = self.by_lane.setdefault(kind, {}).setdefault(lane, [0, 0])
+            row[0] += 1
+            row[1] += nbytes
             window = self.latencies.get(kind)
             if window is None:
                 window = self.latencies[kind] = collections.deque(maxlen=LATENCY_WINDOW)
             window.append(seconds)
+
+    def per_kind(self) -> dict[str, dict[str, dict[str, int]]]:
+        """Ops and bytes completed per op kind and lane (``commd status``)."""
+        return {kind: {lane: {"ops": row[0], "bytes": row[1]} for lane, row in lanes.items()}
+                for kind, lanes in self.by_lane.items()}
+
+    def per_lane(self) -> dict[str, dict[str, int]]:
+        """Ops and bytes completed per lane, all kinds together."""
+        out: dict[str, dict[str, int]] = {}
+        for lanes in self.by_lane.values():
+            for lane, (ops, nbytes) in lanes.items():
+                total = out.setdefault(lane, {"ops": 0, "bytes": 0})
+                total["ops"] += ops
+                total["bytes"] += nbytes
+        return out
 
     def error(self, message: str) -> None:
         self.errors.append({"time": time.time(), "message": message})

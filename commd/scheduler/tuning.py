@@ -1,0 +1,282 @@
+"""The tuning table: which lane wins, per op, message size and group-size class.
+
+``commd tune`` measures every lane of a fabric and writes one table; node 0's
+daemon loads it at start, checks that it was measured on a fabric like its
+own (same node count, same lanes) and hands it to the coordinator, which
+consults it between the config rules and the default lane.  The coordinator
+makes every lane decision of the fabric, so one table decides identically
+for every node; members get a copy in the fabric's config for ``commd
+status`` and ``commd tune --show``.
+
+A table is JSON: a format tag and version, when and on what fabric it was
+measured, and one entry per (op kind, group-size class, measured size) with
+the winner and every lane's figures kept beside it.  Each entry covers the
+sizes from halfway (geometrically) to its lower neighbour up to halfway to
+its upper neighbour; the first and last entries extend to 0 and infinity.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+TABLE_FORMAT = "commd-tuning"
+TABLE_VERSION = 1
+
+#: The op kinds a sweep measures; every other kind is looked up as the one that shares its lane primitive.
+TUNED_KINDS = ("allreduce", "broadcast", "allgather", "alltoall", "sendrecv")
+_AS_TUNED = {
+    "allreduce": "allreduce", "reduce": "allreduce", "reduce_scatter": "allreduce",
+    "broadcast": "broadcast",
+    "allgather": "allgather",
+    "alltoall": "alltoall", "gather": "alltoall", "scatter": "alltoall",
+    "send": "sendrecv", "recv": "sendrecv", "sendrecv": "sendrecv",
+}
+_LANES = ("tcp", "gloo", "mpi", "nccl")
+_MAX_BYTES = 1 << 62
+
+
+def tuned_kind(kind: str) -> str | None:
+    """The measured kind an op kind is decided by (None: not tuned, e.g. barrier)."""
+    return _AS_TUNED.get(kind)
+
+
+def group_class(nnodes: int) -> str:
+    """Group sizes (in nodes) that share entries: 1, 2, 3-4, 5-8, ... (lane costs grow with log n)."""
+    if nnodes <= 2:
+        return str(max(nnodes, 1))
+    high = 1 << math.ceil(math.log2(nnodes))
+    return f"{high // 2 + 1}-{high}"
+
+
+def default_table_dir() -> Path:
+    """$COMMD_TUNING_DIR, else $XDG_CACHE_HOME/commd/tuning, else ~/.cache/commd/tuning."""
+    explicit = os.environ.get("COMMD_TUNING_DIR")
+    if explicit:
+        return Path(explicit)
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "commd" / "tuning"
+
+
+def default_table_path(node0_name: str, nnodes: int) -> Path:
+    """One table per job shape and host: named after node 0 and the node count."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in node0_name) or "node"
+    return default_table_dir() / f"{safe}-{nnodes}nodes.json"
+
+
+@dataclass(frozen=True)
+class TuningEntry:
+    """Sizes [min_bytes, max_bytes] of ``kind`` on groups of class ``nodes`` → ``lane``."""
+
+    kind: str
+    nodes: str
+    min_bytes: int
+    max_bytes: int
+    size: int  # the measured size
+    lane: str
+    measured: dict[str, dict[str, float]] = field(default_factory=dict)  # lane -> figures
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "nodes": self.nodes, "min_bytes": self.min_bytes, "max_bytes": self.max_bytes,
+                "size": self.size, "lane": self.lane, "measured": self.measured}
+
+
+@dataclass
+class TuningTable:
+    fabric: dict[str, Any]
+    entries: list[TuningEntry]
+    created: str = ""
+    table_id: str = ""
+    source: str = ""  # where it was loaded from (not saved)
+    _index: dict[tuple[str, str], list[TuningEntry]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self._index = {}
+        for entry in sorted(self.entries, key=lambda e: e.min_bytes):
+            self._index.setdefault((entry.kind, entry.nodes), []).append(entry)
+        if not self.table_id:
+            payload = json.dumps([e.to_json() for e in self.entries], sort_keys=True).encode()
+            self.table_id = _digest(payload)
+
+    # ---- decisions -----------------------------------------------------------
+    def lookup(self, kind: str, nbytes: int, group_nodes: int) -> str | None:
+        """The measured winner for this op, or None where the table has no entry."""
+        measured = _AS_TUNED.get(kind)
+        if measured is None:
+            return None
+        for entry in self._index.get((measured, group_class(group_nodes)), ()):
+            if entry.min_bytes <= nbytes <= entry.max_bytes:
+                return entry.lane
+        return None
+
+    def check_fabric(self, nnodes: int, lanes: list[str] | tuple[str, ...]) -> str | None:
+        """Why this table does not fit a fabric of ``nnodes`` nodes with ``lanes`` (None: it fits)."""
+        want_nodes = self.fabric.get("nodes")
+        if want_nodes != nnodes:
+            return f"it was measured on {want_nodes} nodes, this fabric has {nnodes}"
+        want_lanes = sorted(self.fabric.get("lanes", []))
+        if want_lanes != sorted(lanes):
+            return f"it was measured with lanes {want_lanes}, this fabric has {sorted(lanes)}"
+        return None
+
+    def describe(self) -> str:
+        return (f"tuning table {self.table_id} ({len(self.entries)} entries, {self.fabric.get('nodes')} nodes, "
+                f"lanes {','.join(self.fabric.get('lanes', []))}, measured {self.created})")
+
+    # ---- building ------------------------------------------------------------
+    @classmethod
+    def from_measurements(cls, fabric: dict[str, Any], rows: list[dict[str, Any]]) -> TuningTable:
+        """Pick the lane with the lowest median per (kind, group nodes, size); keep every lane's figures."""
+        cells: dict[tuple[str, str], dict[int, dict[str, dict[str, float]]]] = {}
+        for i, row in enumerate(rows):
+            where = f"measurement {i}"
+            kind = row.get("kind")
+            if kind not in TUNED_KINDS:
+                raise ValueError(f"{where}: kind {kind!r} is not one of {list(TUNED_KINDS)}")
+            lane = row.get("lane")
+            if lane not in _LANES:
+                raise ValueError(f"{where}: lane {lane!r} is not one of {list(_LANES)}")
+            nodes, size = _positive_int(row, "nodes", where), _positive_int(row, "bytes", where)
+            figures = {k: float(row[k]) for k in ("median_us", "p95_us", "busbw_gbs") if k in row}
+            if "median_us" not in figures or not figures["median_us"] > 0:
+                raise ValueError(f"{where}: 'median_us' must be a positive number")
+            cells.setdefault((kind, group_class(nodes)), {}).setdefault(size, {})[lane] = figures
+        entries = []
+        for (kind, nodes), by_size in sorted(cells.items()):
+            sizes = sorted(by_size)
+            for i, size in enumerate(sizes):
+                low = 0 if i == 0 else math.isqrt(sizes[i - 1] * size) + 1
+                high = _MAX_BYTES if i == len(sizes) - 1 else math.isqrt(size * sizes[i + 1])
+                measured = by_size[size]
+                lane = min(sorted(measured), key=lambda name: measured[name]["median_us"])
+                entries.append(TuningEntry(kind, nodes, low, high, size, lane, measured))
+        return cls(dict(fabric), entries, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+
+    # ---- files -----------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        return {"format": TABLE_FORMAT, "version": TABLE_VERSION, "id": self.table_id, "created": self.created,
+                "fabric": self.fabric, "entries": [e.to_json() for e in self.entries]}
+
+    def save(self, path: Path) -> None:
+        """Write atomically: a daemon starting meanwhile reads the old table or the new one."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        os.replace(tmp, path)
+
+    @classmethod
+    def from_json(cls, raw: Any, where: str = "tuning table") -> TuningTable:
+        """Validate a table's JSON; errors name the field."""
+        if not isinstance(raw, dict) or raw.get("format") != TABLE_FORMAT:
+            raise ValueError(f"{where}: not a commd tuning table (missing \"format\": \"{TABLE_FORMAT}\")")
+        if raw.get("version") != TABLE_VERSION:
+            raise ValueError(f"{where}: table format version {raw.get('version')!r} is not supported "
+                             f"(this commd reads version {TABLE_VERSION}; run `commd tune` again)")
+        fabric = raw.get("fabric")
+        if not isinstance(fabric, dict) or not isinstance(fabric.get("nodes"), int) or fabric["nodes"] < 1:
+            raise ValueError(f"{where}: 'fabric' must be an object with a positive integer 'nodes'")
+        lanes = fabric.get("lanes")
+        if not isinstance(lanes, list) or not all(lane in _LANES for lane in lanes):
+            raise ValueError(f"{where}: fabric 'lanes' must be a list of {list(_LANES)}, got {lanes!r}")
+        raw_entries = raw.get("entries")
+        if not isinstance(raw_entries, list):
+            raise ValueError(f"{where}: 'entries' must be a list")
+        entries = []
+        for i, item in enumerate(raw_entries):
+            at = f"{where} entries[{i}]"
+            if not isinstance(item, dict):
+                raise ValueError(f"{at}: must be an object")
+            if item.get("kind") not in TUNED_KINDS:
+                raise ValueError(f"{at}: 'kind' must be one of {list(TUNED_KINDS)}, got {item.get('kind')!r}")
+            if item.get("lane") not in lanes:
+                raise ValueError(f"{at}: 'lane' {item.get('lane')!r} is not one of the table's lanes {lanes}")
+            if not isinstance(item.get("nodes"), str):
+                raise ValueError(f"{at}: 'nodes' must be a group-size class such as \"2\" or \"3-4\"")
+            low, high, size = (_nonneg_int(item, k, at) for k in ("min_bytes", "max_bytes", "size"))
+            if low > high:
+                raise ValueError(f"{at}: empty size range [{low}, {high}]")
+            measured = item.get("measured", {})
+            if not isinstance(measured, dict):
+                raise ValueError(f"{at}: 'measured' must be an object")
+            entries.append(TuningEntry(item["kind"], item["nodes"], low, high, size, item["lane"], measured))
+        return cls(fabric, entries, created=str(raw.get("created", "")), table_id=str(raw.get("id", "")))
+
+    @classmethod
+    def load(cls, path: Path) -> TuningTable:
+        try:
+            raw = json.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ValueError(f"cannot read tuning table {path}: {exc.strerror or exc}") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"tuning table {path} is not valid JSON: {exc}") from None
+        table = cls.from_json(raw, f"tuning table {path}")
+        table.source = str(path)
+        return table
+
+    # ---- showing -----------------------------------------------------------------
+    def grid(self) -> str:
+        """Sizes down, op kinds across, the winning lane in each cell (per group-size class)."""
+        lines = [self.describe()]
+        for nodes in sorted({e.nodes for e in self.entries}, key=_class_order):
+            kinds = [k for k in TUNED_KINDS if (k, nodes) in self._index]
+            sizes = sorted({e.size for e in self.entries if e.nodes == nodes})
+            lines.append("")
+            lines.append(f"groups of {nodes} node(s): winner per size (median time of each lane in the table file)")
+            lines.append(f"{'size':>10}  " + "  ".join(f"{k:>10}" for k in kinds))
+            for size in sizes:
+                cells = []
+                for kind in kinds:
+                    entry = next((e for e in self._index[(kind, nodes)] if e.size == size), None)
+                    cells.append(f"{entry.lane if entry else '-':>10}")
+                lines.append(f"{format_bytes(size):>10}  " + "  ".join(cells))
+            changes = self.winner_changes(nodes)
+            if changes:
+                lines.append("winner changes: " + "; ".join(changes))
+        return "\n".join(lines)
+
+    def winner_changes(self, nodes: str) -> list[str]:
+        """Where, per kind, the winning lane changes as sizes grow."""
+        out = []
+        for kind in TUNED_KINDS:
+            previous = None
+            for entry in self._index.get((kind, nodes), ()):
+                if previous is not None and entry.lane != previous.lane:
+                    out.append(f"{kind} {previous.lane}->{entry.lane} at {format_bytes(entry.size)}")
+                previous = entry
+        return out
+
+
+def format_bytes(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+def _digest(payload: bytes) -> str:
+    return hashlib.sha256(payload).hexdigest()[:12]
+
+
+def _class_order(nodes: str) -> int:
+    return int(nodes.split("-")[0])
+
+
+def _positive_int(row: dict[str, Any], key: str, where: str) -> int:
+    value = row.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{where}: '{key}' must be a positive integer, got {value!r}")
+    return value
+
+
+def _nonneg_int(row: dict[str, Any], key: str, where: str) -> int:
+    value = row.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{where}: '{key}' must be a non-negative integer, got {value!r}")
+    return value
