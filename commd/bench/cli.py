@@ -11,8 +11,9 @@ from commd.bench.spec import SpecError, add_measure_arguments, spec_from_args
 #: The tune sweep's defaults: every tuned kind, 1 KiB..16 MiB in steps of 4, a time budget per cell
 #: (2 hosts x 2 ranks on 2 cores stays under 3 minutes).
 TUNE_OPS = "allreduce,broadcast,allgather,alltoall,sendrecv"
-TUNE_TIME_PER_SIZE = 0.25
+TUNE_TIME_PER_SIZE = 0.5
 TUNE_WARMUP = 2
+TUNE_ITERS = 40
 
 
 def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,7 +69,7 @@ def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print the tuning table at FILE (default: every table in the default directory) "
                              "as a size x op grid of winning lanes, and exit")
     add_measure_arguments(parser, ops_default=TUNE_OPS, lanes_default="all")
-    parser.set_defaults(time_per_size=TUNE_TIME_PER_SIZE, warmup=TUNE_WARMUP)
+    parser.set_defaults(time_per_size=TUNE_TIME_PER_SIZE, warmup=TUNE_WARMUP, iters=TUNE_ITERS)
     add_layout_arguments(parser)
     parser.add_argument("--out", metavar="FILE",
                         help="where to save the table (default: commd's tuning directory, named after node 0 "

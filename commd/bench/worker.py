@@ -98,11 +98,12 @@ def _fabric_lanes(job: str) -> list[str]:
 
 
 def plan_cells(spec: BenchSpec, paths: list[BenchPath]) -> list[tuple[str, BenchPath, int]]:
-    """(op, path, requested size) in measuring order: op by op, path by path, sizes growing."""
+    """(op, path, requested size) in measuring order: op by op, sizes growing, at each size every path
+    back to back (a machine whose load drifts then affects the compared paths alike)."""
     cells = []
     for op in spec.ops:
-        for path in paths:
-            for size in ([0] if op == "barrier" else spec.sizes):
+        for size in [0] if op == "barrier" else spec.sizes:
+            for path in paths:
                 cells.append((op, path, size))
     return cells
 
@@ -169,6 +170,8 @@ def run(args: argparse.Namespace, spec: BenchSpec) -> int:
                 sink.emit({"error": decided[0]["error"]})
             raise SetupError(decided[0]["error"])
         lanes, fabric_lanes = decided[0]["lanes"], decided[0]["fabric_lanes"]
+        if args.tune_out and not multi:
+            raise SetupError("--tune-out: a single node has no inter-node lanes to tune; run it across nodes")
         biggest = max(spec.sizes)
         client = Client(rank, world, local_rank=local_rank, job=job, op_timeout=spec.op_timeout,
                         arena_bytes=max(64 << 20, 2 * biggest + (4 << 20)), nodes=nodes if multi else None)

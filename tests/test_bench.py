@@ -1,0 +1,175 @@
+"""`commd bench` and `commd tune`: rows, formulas, the correctness check, option errors, the plot, a tuning table.
+
+Runs of the benchmark are subprocesses (they start daemons and workers), each
+bounded by a timeout; the sweep sizes are tiny so the whole file stays short.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from commd.bench.cases import make_case, pattern
+from commd.bench.spec import busbw_factor
+from commd.cli.main import main as commd_main
+from commd.sim.hosts import netns_unavailable
+
+ROOT = Path(__file__).resolve().parent.parent
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture
+def rt(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    path = tmp_path_factory.mktemp("rt")
+    monkeypatch.setenv("COMMD_RUNTIME_DIR", str(path))
+    monkeypatch.setenv("COMMD_TUNING_DIR", str(path / "tuning"))  # never touch the user's tables
+    for key in ("COMMD_JOB", "COMMD_SECRET"):
+        monkeypatch.delenv(key, raising=False)
+    return path
+
+
+def _run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "commd", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ))
+
+
+# ---- pure parts ------------------------------------------------------------------------
+def _numpy_alloc(dtype: str):  # noqa: ANN202 - a small factory
+    def alloc(count: int) -> tuple[np.ndarray, np.ndarray]:
+        a = np.empty(count, dtype=dtype)
+        return a, a
+
+    return alloc
+
+
+def test_reference_check_accepts_the_true_result_and_names_a_wrong_one() -> None:
+    world = 3
+    for rank in range(world):
+        case = make_case("reduce_scatter", 4096, rank, world, 4, _numpy_alloc("float32"))
+        assert case is not None
+        c = case.count
+        assert case.nbytes == c * world * 4 == (4096 // 4 // 3) * 3 * 4  # S: the total buffer, whole elements
+        case.fill()
+        # What a correct reduce_scatter delivers, computed independently of Case.expected.
+        inputs = [pattern(j, 0, c * world) for j in range(world)]
+        case.view["out"][:] = np.sum(inputs, axis=0)[rank * c:(rank + 1) * c]
+        assert case.check("commd/tcp") is None
+        case.view["out"][7] += 1
+        msg = case.check("commd/tcp")
+        assert msg is not None
+        assert "reduce_scatter" in msg and "S=4092 B" in msg and "commd/tcp" in msg and f"rank {rank}" in msg
+        assert "index 7" in msg
+
+
+def test_busbw_factors_are_the_nccl_tests_ones() -> None:
+    assert busbw_factor("allreduce", 4) == pytest.approx(1.5)
+    for op in ("allgather", "reduce_scatter", "alltoall"):
+        assert busbw_factor(op, 4) == pytest.approx(0.75)
+    for op in ("broadcast", "reduce", "sendrecv"):
+        assert busbw_factor(op, 4) == 1.0
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--min-bytes", "4M", "--max-bytes", "1K"], "larger than --max-bytes"),
+    (["--ops", "allreduce,frobnicate"], "unknown op 'frobnicate'"),
+    (["--lanes", "carrier-pigeon"], "unknown lane 'carrier-pigeon'"),
+    (["--min-bytes", "3000"], "not a power of two"),
+    (["--max-bytes", "lots"], "not a byte count"),
+    (["--step-factor", "3"], "--step-factor 3"),
+    (["--compare", "nccl"], "unknown peer 'nccl'"),
+    (["--rate", "1gbit"], "need --hosts"),
+    (["--nproc-per-node", "1"], "at least 2 ranks"),
+    (["--plot", "out.jpg"], "give a .png file name"),
+])
+def test_bench_rejects_bad_options(args: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert commd_main(["bench", *args]) == 2
+    err = capsys.readouterr().err
+    assert words in err, err
+
+
+def test_bench_hosts_without_root_says_so(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert commd_main(["bench", "--hosts", "2"]) == 2
+    assert "needs root" in capsys.readouterr().err
+
+
+def test_tune_needs_several_nodes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert commd_main(["tune", "--nproc-per-node", "2"]) == 2
+    assert "use --hosts H" in capsys.readouterr().err
+
+
+# ---- runs ------------------------------------------------------------------------------
+def test_single_node_bench_rows_json_and_plot(rt: Path, tmp_path: Path) -> None:
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    n = 3
+    proc = _run(["bench", "--nproc-per-node", str(n), "--ops", "allreduce,allgather,sendrecv",
+                 "--min-bytes", "1K", "--max-bytes", "4K", "--step-factor", "4", "--iters", "3", "--warmup", "1",
+                 "--compare", "gloo", "--json", str(out), "--plot", str(png)])
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    want_paths = {"commd/local", "gloo"}
+    for op in ("allreduce", "allgather", "sendrecv"):
+        mine = [r for r in rows if r["op"] == op]
+        assert {r["path"] for r in mine} == want_paths
+        for requested in (1024, 4096):
+            size = (requested // 4 // n) * n * 4 if op == "allgather" else requested
+            at = [r for r in mine if r["bytes"] == size]
+            assert len(at) == 2, (op, size, [r["bytes"] for r in mine])
+    for r in rows:
+        assert r["check"] == "ok" and r["iters"] == 3 and r["world"] == n
+        assert r["factor"] == pytest.approx(busbw_factor(r["op"], n))
+        assert r["algbw_gbs"] == pytest.approx(r["bytes"] / (r["median_us"] * 1e-6) / 1e9)
+        assert r["busbw_gbs"] == pytest.approx(r["algbw_gbs"] * r["factor"])
+        assert r["p95_us"] >= r["median_us"] > 0
+        if r["via"] == "commd":
+            assert r["ratios"]["gloo"] > 0
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    assert "allgather" in proc.stdout and "commd/local" in proc.stdout and "x gloo" in proc.stdout
+
+
+def test_worker_under_a_user_launch_prints_the_table_and_the_check_catches_a_wrong_result(rt: Path) -> None:
+    worker = ["launch", "--nproc-per-node", "2", "-m", "commd.bench.worker", "--ops", "broadcast,allreduce",
+              "--min-bytes", "1K", "--max-bytes", "1K", "--iters", "2", "--warmup", "0"]
+    ok = _run(worker)
+    assert ok.returncode == 0, ok.stderr
+    assert "broadcast" in ok.stdout and "commd/local" in ok.stdout
+    bad = _run([*worker, "--corrupt", "allreduce"])
+    assert bad.returncode != 0
+    assert "wrong result: allreduce S=1024 B path commd/local on rank 1" in bad.stderr, bad.stderr
+
+
+def test_single_node_refuses_a_lane(rt: Path) -> None:
+    proc = _run(["bench", "--nproc-per-node", "2", "--lanes", "tcp", "--max-bytes", "1K"])
+    assert proc.returncode == 2
+    assert "a single node has no inter-node lanes" in proc.stderr, proc.stderr
+
+
+def test_tune_on_simulated_hosts_writes_a_loadable_table(rt: Path, tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("simulated hosts need root (network namespaces)")
+    reason = netns_unavailable()
+    if reason:
+        pytest.skip(reason)
+    from commd.scheduler.tuning import TuningTable, default_table_path
+
+    proc = _run(["tune", "--hosts", "2", "--nproc-per-node", "1", "--ops", "allreduce,sendrecv",
+                 "--min-bytes", "1K", "--max-bytes", "4K", "--iters", "3", "--time-per-size", "0.05"], timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    path = default_table_path("host0", 2)
+    assert path.is_relative_to(rt / "tuning")
+    table = TuningTable.load(path)
+    assert table.fabric["nodes"] == 2
+    assert set(table.fabric["lanes"]) >= {"tcp", "gloo"}
+    assert {(e.kind, e.size) for e in table.entries} == {(k, s) for k in ("allreduce", "sendrecv")
+                                                       for s in (1024, 4096)}
+    for entry in table.entries:
+        assert set(entry.measured) == set(table.fabric["lanes"])  # every lane measured, the fastest won
+        assert entry.lane == min(entry.measured, key=lambda lane: entry.measured[lane]["median_us"])
+    shown = _run(["tune", "--show"])
+    assert shown.returncode == 0 and "allreduce" in shown.stdout and str(path) in shown.stdout
