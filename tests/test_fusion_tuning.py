@@ -17,6 +17,7 @@ import fabric_workers as fw
 import pytest
 from cluster import Cluster
 
+from commd.cli.status import format_status, human_bytes
 from commd.scheduler.tuning import TuningTable
 
 
@@ -60,10 +61,16 @@ def test_fused_results_are_bit_identical_to_unfused(cluster, lane: str) -> None:
 def test_status_counts_ops_and_bytes_per_kind_and_lane(cluster) -> None:
     c = cluster()
     assert set(c.join(c.start_workers(fw.every_op, ["tcp", "gloo"], [5])).values()) == {"ok"}
-    by_kind = c.status(0)["ops_by_lane"]
+    status = c.status(0)
+    by_kind = status["ops_by_lane"]
     assert by_kind["allreduce"]["tcp"]["ops"] > 0 and by_kind["allreduce"]["gloo"]["ops"] > 0
     assert by_kind["allreduce"]["tcp"]["bytes"] > 0
     assert by_kind["broadcast"]["gloo"]["ops"] > 0
+    text = format_status(status)
+    assert "ops per kind and lane" in text and "fusion: up to 64.0 KiB" in text, text
+    row = next(line for line in text.splitlines() if line.strip().startswith("allreduce"))
+    tcp = by_kind["allreduce"]["tcp"]
+    assert f"{tcp['ops']:,} / {human_bytes(tcp['bytes'])}" in row, row
 
 
 def _table(tmp_path: Path, nodes: int, lanes: list[str], winner_small: str, winner_large: str) -> Path:

@@ -178,11 +178,28 @@ def format_status(status: dict[str, Any]) -> str:
               f"{n.get('heard_s_ago', 0):.1f}s ago"] for n in fabric.get("nodes") or []],
             left=4,
         )
-        lane_ops = fabric.get("lane_ops") or {}
-        if lane_ops:
-            out.append("  ops per lane: " + ", ".join(
-                f"{lane} {row.get('ops', 0):,} ({human_bytes(row.get('bytes', 0))})"
-                for lane, row in sorted(lane_ops.items())))
+        if fabric.get("tuning"):
+            out.append(f"  lane choice: {fabric['tuning']}")
+        fusion = fabric.get("fusion") or {}
+        if fusion:
+            threshold = fusion.get("threshold_bytes") or 0
+            out.append(
+                f"  fusion: {'up to ' + human_bytes(threshold) if threshold else 'off'}, cycle "
+                f"{fusion.get('cycle_ms') or 0:g} ms; {fusion.get('ops', 0):,} ops ran in "
+                f"{fusion.get('sets', 0):,} fused sets"
+            )
+
+    by_kind = status.get("ops_by_lane") or {}
+    if by_kind:
+        lanes = sorted({lane for row in by_kind.values() for lane in row}, key=lambda x: (x != "local", x))
+        out.append("")
+        out.append("ops per kind and lane (ops / bytes; 'local': no lane, the node's own ranks)")
+        out += _table(
+            ["kind", *lanes],
+            [[kind] + [f"{row[lane]['ops']:,} / {human_bytes(row[lane]['bytes'])}" if lane in row else "-"
+                       for lane in lanes]
+             for kind, row in sorted(by_kind.items())],
+        )
 
     clients = status.get("clients") or []
     out.append("")
