@@ -11,9 +11,9 @@ from commd.bench.spec import SpecError, add_measure_arguments, spec_from_args
 #: The tune sweep's defaults: every tuned kind, 1 KiB..16 MiB in steps of 4, a time budget per cell
 #: (2 hosts x 2 ranks on 2 cores stays under 3 minutes).
 TUNE_OPS = "allreduce,broadcast,allgather,alltoall,sendrecv"
-TUNE_TIME_PER_SIZE = 0.5
+TUNE_TIME_PER_SIZE = 1.0
 TUNE_WARMUP = 2
-TUNE_ITERS = 40
+TUNE_ITERS = 60
 
 
 def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
