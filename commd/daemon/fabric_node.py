@@ -41,6 +41,7 @@ from commd.runtime import env_float, env_int
 from commd.scheduler.coordinator import Coordinator, Outbox
 from commd.scheduler.local import MatchError, ReadyOp
 from commd.scheduler.ops import COUNTED, Submission, agreed_values
+from commd.scheduler.overlap import PendingRanges
 from commd.scheduler.selection import executor_key
 
 if TYPE_CHECKING:
@@ -86,10 +87,9 @@ class FabricNode:
         self._group_tail: dict[str, threading.Event] = {}
         self._busy: dict[str, int] = {}
         self._outstanding: dict[str, int] = {}  # group -> ops reported and not yet released or failed
-        # (client id, segment) -> [lo, hi, group, seq] of fusible all-reduces reported and not yet
-        # released (stale rows are dropped when scanned): a fused set must not hold two ops on
-        # overlapping memory, since program order says the later one reads the earlier one's result.
-        self._fusible_ranges: dict[tuple[int, int], list[tuple[int, int, str, int]]] = {}
+        # Memory of fusion candidates reported and not yet released, per (client, segment): a fused
+        # set must not hold two ops on overlapping memory (the later one reads the earlier's result).
+        self._fusible_ranges = PendingRanges()
         self.dead: dict[int, str] = {}
         self.broken: str | None = None
         now = time.monotonic()
@@ -314,17 +314,14 @@ class FabricNode:
         if op.on_gpu:
             return False
         ok = True
+        tag = (op.group, op.seq)
         for sub in op.subs:
             ref = sub.buffers.get("buf")
             if ref is None or ref.inline is not None or ref.cuda is not None or ref.nbytes == 0:
                 continue  # inline buffers are private copies
-            lo, hi = ref.offset, ref.offset + ref.nbytes
-            rows = self._fusible_ranges.setdefault((sub.client_id, ref.segment), [])
-            live = [r for r in rows if (r[2], r[3]) in self.negotiating]
-            if any(r_lo < hi and lo < r_hi for r_lo, r_hi, _, _ in live):
+            if self._fusible_ranges.add((sub.client_id, ref.segment), ref.offset, ref.offset + ref.nbytes, tag,
+                                        self.negotiating.__contains__):
                 ok = False
-            live.append((lo, hi, op.group, op.seq))
-            self._fusible_ranges[(sub.client_id, ref.segment)] = live
         return ok
 
     def _eager_contribution(self, op: ReadyOp) -> bytes | None:
@@ -405,8 +402,10 @@ class FabricNode:
         self.fused_sets += 1
         self.fused_ops += len(ops)
 
+        resolve_array = self._array_resolver()
+
         def work(cap: float) -> None:
-            run_fused_allreduce(ops, plan, self.fabric.lanes[lane_name], resolve, min(timeout, cap))
+            run_fused_allreduce(ops, plan, self.fabric.lanes[lane_name], resolve, min(timeout, cap), resolve_array)
 
         def done(error: str | None, code: str) -> None:
             for op in ops:
@@ -492,6 +491,17 @@ class FabricNode:
                 return daemon._resolve(sub, name)
             except KeyError:  # the rank died after release: keep the lanes in step
                 return scratch_like(sub, name)
+
+        return resolve
+
+    def _array_resolver(self) -> Callable[[Submission, str], Any]:
+        daemon = self.daemon
+
+        def resolve(sub: Submission, name: str) -> Any:
+            try:
+                return daemon._resolve_array(sub, name)
+            except KeyError:  # the rank died after release: keep the lanes in step
+                return scratch_like(sub, name).numpy()
 
         return resolve
 

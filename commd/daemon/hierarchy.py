@@ -13,11 +13,14 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from commd.daemon.executor import parallel_copy, parallel_reduce_into
 from commd.kernels.layout import block_offsets, byte_view
 from commd.kernels.reduce import TORCH_DTYPES, reduce_into
+from commd.kernels.small import NUMPY_DTYPES
+from commd.kernels.small import reduce_into as small_reduce_into
 from commd.lanes.base import Lane
 from commd.protocol import schema as s
 from commd.scheduler.local import ReadyOp
@@ -104,15 +107,22 @@ def _allreduce(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeo
     parallel_copy(bufs[1:], acc)
 
 
-def run_fused_allreduce(ops: list[ReadyOp], plan: GroupPlan, lane: Lane, resolve: Resolve, timeout: float) -> None:
+def run_fused_allreduce(ops: list[ReadyOp], plan: GroupPlan, lane: Lane, resolve: Resolve, timeout: float,
+                        resolve_array: Callable[[Submission, str], np.ndarray] | None = None) -> None:
     """Several small all-reduces of one group, dtype and reduce op as one lane call on one buffer.
 
     Each op's local ranks are reduced into its slice of the fused buffer, in the
     same rank order as ``_allreduce`` does in place, so every element sees the
-    same operations in the same order as unfused: results are identical.
+    same operations in the same order as unfused: results are identical.  On
+    the CPU, for NumPy's dtypes, the local phases are NumPy calls over the
+    whole set (one concatenation per rank, one reduction) instead of torch
+    calls per op: per-call overhead is the whole cost of tiny ops.
     """
-    staging = _Staging(resolve)
     first = ops[0].subs[0]
+    if resolve_array is not None and first.dtype in NUMPY_DTYPES and not any(op.on_gpu for op in ops):
+        _fused_allreduce_numpy(ops, plan, lane, resolve_array, timeout)
+        return
+    staging = _Staging(resolve)
     local_op = "sum" if first.reduce_op == "avg" else first.reduce_op
     per_op = [[staging(x, "buf") for x in op.subs] for op in ops]
     fused = torch.empty(sum(bufs[0].numel() for bufs in per_op), dtype=per_op[0][0].dtype)
@@ -131,6 +141,28 @@ def run_fused_allreduce(ops: list[ReadyOp], plan: GroupPlan, lane: Lane, resolve
             buf.copy_(fused[offset:offset + n])
         offset += n
     staging.finish()
+
+
+def _fused_allreduce_numpy(ops: list[ReadyOp], plan: GroupPlan, lane: Lane,
+                           resolve_array: Callable[[Submission, str], np.ndarray], timeout: float) -> None:
+    first = ops[0].subs[0]
+    local_op = "sum" if first.reduce_op == "avg" else first.reduce_op
+    per_op = [[resolve_array(x, "buf") for x in op.subs] for op in ops]
+    # one input per local rank, the ops side by side (every op has the same local ranks)
+    per_rank = [np.concatenate([bufs[r] for bufs in per_op]) for r in range(len(per_op[0]))]
+    fused = per_rank[0]
+    small_reduce_into(fused, per_rank, local_op, first.scale)
+    acc = torch.from_numpy(fused)
+    lane.allreduce(plan.nodes, acc, lane_reduce_op(first.reduce_op), timeout)
+    if first.reduce_op == "avg":
+        acc.div_(len(plan.ranks))
+    offset = 0
+    for bufs in per_op:
+        n = len(bufs[0])
+        part = fused[offset:offset + n]
+        for buf in bufs:
+            np.copyto(buf, part)
+        offset += n
 
 
 def _reduced_copy(op: ReadyOp, plan: GroupPlan, lane: Lane, inputs: list[torch.Tensor], timeout: float) -> torch.Tensor:
