@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from commd.bench.cases import make_case, pattern
-from commd.bench.spec import busbw_factor
+from commd.bench.spec import busbw_factor, spec_from_args
+from commd.bench.worker import SetupError, build_parser, resolve_lanes
 from commd.cli.main import main as commd_main
 from commd.sim.hosts import netns_unavailable
 
@@ -144,10 +145,14 @@ def test_worker_under_a_user_launch_prints_the_table_and_the_check_catches_a_wro
     assert "wrong result: allreduce S=1024 B path commd/local on rank 1" in bad.stderr, bad.stderr
 
 
-def test_single_node_refuses_a_lane(rt: Path) -> None:
-    proc = _run(["bench", "--nproc-per-node", "2", "--lanes", "tcp", "--max-bytes", "1K"])
-    assert proc.returncode == 2
-    assert "a single node has no inter-node lanes" in proc.stderr, proc.stderr
+def test_lane_choice_per_fabric() -> None:
+    spec = spec_from_args(build_parser().parse_args(["--lanes", "auto,all"]))
+    assert resolve_lanes(spec, False, []) == ["local"]  # one node: no lanes, one "local" row per size
+    assert resolve_lanes(spec, True, ["gloo", "tcp"]) == ["auto", "gloo", "tcp"]
+    with pytest.raises(SetupError, match="a single node has no inter-node lanes"):
+        resolve_lanes(spec_from_args(build_parser().parse_args(["--lanes", "tcp"])), False, [])
+    with pytest.raises(SetupError, match="this fabric has no lane 'mpi'.*mpiexec"):
+        resolve_lanes(spec_from_args(build_parser().parse_args(["--lanes", "mpi"])), True, ["gloo", "tcp"])
 
 
 def test_tune_on_simulated_hosts_writes_a_loadable_table(rt: Path, tmp_path: Path) -> None:

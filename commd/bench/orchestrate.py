@@ -219,8 +219,9 @@ def wait_phase(procs: list[tuple[subprocess.Popen[bytes], Path, str]], rows: Row
             pending.remove(item)
             if code != 0:
                 rows.poll()
-                why = "\n".join(rows.errors) or f"{name} exited with code {code}"
-                raise BenchError(f"{what}: {why}\n--- last lines of {log} ---\n{tail(log)}")
+                if rows.errors:  # rank 0's own account (a wrong result, a bad lane, a vanished peer)
+                    raise BenchError("\n".join(rows.errors))
+                raise BenchError(f"{what}: {name} exited with code {code}\n--- last lines of {log} ---\n{tail(log)}")
         if not pending:
             rows.poll()
             return
