@@ -151,3 +151,11 @@ def test_a_node_saying_no_fusion_keeps_the_op_out_of_the_set() -> None:
     coord2 = Coordinator(2, SchedulerConfig(fusion_threshold_bytes=0), LANES)
     _report_both(coord2, [entry(seq=0), entry(seq=1)], out)
     assert all("fz" not in m for m in _go_items(out))  # threshold 0: fusion off
+
+
+def test_near_ties_keep_the_preferred_lane() -> None:
+    rows = _rows({1024: {"tcp": 102.0, "gloo": 100.0}, 4096: {"tcp": 110.0, "gloo": 100.0}})
+    table = TuningTable.from_measurements({"nodes": 2, "lanes": ["gloo", "tcp"]}, rows)
+    assert [e.lane for e in table.entries] == ["tcp", "gloo"]  # 2% slower keeps tcp; 10% does not
+    exact = TuningTable.from_measurements({"nodes": 2, "lanes": ["gloo", "tcp"]}, rows, margin=0.0)
+    assert [e.lane for e in exact.entries] == ["gloo", "gloo"]

@@ -39,6 +39,10 @@ _AS_TUNED = {
     "send": "sendrecv", "recv": "sendrecv", "sendrecv": "sendrecv",
 }
 _LANES = ("tcp", "gloo", "mpi", "nccl")
+#: Near ties go to the earlier lane (commd's own transport first: no extra library in the path).
+LANE_PREFERENCE = _LANES
+#: Another lane must be this much faster (relative median) to take a cell from a preferred one.
+SWITCH_MARGIN = 0.03
 _MAX_BYTES = 1 << 62
 
 
@@ -131,8 +135,14 @@ class TuningTable:
 
     # ---- building ------------------------------------------------------------
     @classmethod
-    def from_measurements(cls, fabric: dict[str, Any], rows: list[dict[str, Any]]) -> TuningTable:
-        """Pick the lane with the lowest median per (kind, group nodes, size); keep every lane's figures."""
+    def from_measurements(cls, fabric: dict[str, Any], rows: list[dict[str, Any]],
+                          margin: float = SWITCH_MARGIN) -> TuningTable:
+        """Pick the lane with the lowest median per (kind, group nodes, size); keep every lane's figures.
+
+        A lane earlier in ``LANE_PREFERENCE`` keeps the cell unless another is faster by more than
+        ``margin`` (relative): on a noisy machine a near tie would otherwise flip the winner from
+        one size to the next, and a lane within the margin costs at most that much.
+        """
         cells: dict[tuple[str, str], dict[int, dict[str, dict[str, float]]]] = {}
         for i, row in enumerate(rows):
             where = f"measurement {i}"
@@ -154,7 +164,9 @@ class TuningTable:
                 low = 0 if i == 0 else math.isqrt(sizes[i - 1] * size) + 1
                 high = _MAX_BYTES if i == len(sizes) - 1 else math.isqrt(size * sizes[i + 1])
                 measured = by_size[size]
-                lane = min(sorted(measured), key=lambda name: measured[name]["median_us"])
+                fastest = min(measured[name]["median_us"] for name in measured)
+                lane = next(name for name in sorted(measured, key=LANE_PREFERENCE.index)
+                            if measured[name]["median_us"] <= fastest * (1 + margin))
                 entries.append(TuningEntry(kind, nodes, low, high, size, lane, measured))
         return cls(dict(fabric), entries, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
