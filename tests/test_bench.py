@@ -161,7 +161,7 @@ def test_tune_on_simulated_hosts_writes_a_loadable_table(rt: Path, tmp_path: Pat
     reason = netns_unavailable()
     if reason:
         pytest.skip(reason)
-    from commd.scheduler.tuning import TuningTable, default_table_path
+    from commd.scheduler.tuning import SWITCH_MARGIN, TuningTable, default_table_path
 
     proc = _run(["tune", "--hosts", "2", "--nproc-per-node", "1", "--ops", "allreduce,sendrecv",
                  "--min-bytes", "1K", "--max-bytes", "4K", "--iters", "3", "--time-per-size", "0.05"], timeout=180)
@@ -174,7 +174,8 @@ def test_tune_on_simulated_hosts_writes_a_loadable_table(rt: Path, tmp_path: Pat
     assert {(e.kind, e.size) for e in table.entries} == {(k, s) for k in ("allreduce", "sendrecv")
                                                        for s in (1024, 4096)}
     for entry in table.entries:
-        assert set(entry.measured) == set(table.fabric["lanes"])  # every lane measured, the fastest won
-        assert entry.lane == min(entry.measured, key=lambda lane: entry.measured[lane]["median_us"])
+        assert set(entry.measured) == set(table.fabric["lanes"])  # every lane measured; the winner is the
+        fastest = min(m["median_us"] for m in entry.measured.values())  # fastest, or within the tie margin
+        assert entry.measured[entry.lane]["median_us"] <= fastest * (1 + SWITCH_MARGIN)
     shown = _run(["tune", "--show"])
     assert shown.returncode == 0 and "allreduce" in shown.stdout and str(path) in shown.stdout
