@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -9,6 +10,20 @@ from typing import Any
 import pytest
 from helpers import DaemonProcess, Workers, new_job
 from simhosts import sim_hosts  # noqa: F401 - fixture for tests with simulated hosts
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_tuning_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Daemons started by tests never load a table `commd tune` left in this machine's default location."""
+    saved = {k: os.environ.get(k) for k in ("COMMD_TUNING_DIR", "COMMD_TUNING")}
+    os.environ["COMMD_TUNING_DIR"] = str(tmp_path_factory.mktemp("tuning"))
+    os.environ.pop("COMMD_TUNING", None)
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 @pytest.fixture
