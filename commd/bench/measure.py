@@ -81,3 +81,50 @@ def measure_cell(path: BenchPath, sync: Sync, case: Case, spec: BenchSpec,
            "world": case.world, "iters": iters, "warmup": 1 + warm, "check": "ok"}
     row.update(summarize(case.op, case.nbytes, case.world, slowest))
     return row
+
+
+def measure_interleaved(cells: list[tuple[BenchPath, Case]], sync: Sync, spec: BenchSpec,
+                        corrupt: Any = None) -> list[dict[str, Any]]:
+    """Several paths of one (op, size), timed in alternation: iteration i runs every path once.
+
+    Paths compared against each other (a lane hint against the daemons' own
+    choice, commd against Gloo) then see the same machine load iteration by
+    iteration; back-to-back blocks of iterations let a load change of a few
+    seconds decide a comparison on a 2-core machine.  ``corrupt(path)`` says
+    whether to spoil that path's checked result (tests).
+    """
+    for path, case in cells:
+        case.fill()
+        sync.barrier()
+        path.run(case)
+        if corrupt is not None and corrupt(path) and case.expected():
+            name = next(iter(case.expected()))
+            case.view[name][0] += 1
+        errors = sync.gather_errors(case.check(path.label))
+        if errors:
+            raise CheckError("\n".join(errors))
+    firsts = []
+    for path, case in cells:
+        case.prepare_timing()
+        t0 = time.perf_counter()
+        path.run(case)
+        firsts.append(time.perf_counter() - t0)
+    warm, iters = iteration_plan(spec, max(sync.max_each(firsts)))
+    for path, case in cells:
+        for _ in range(warm):
+            path.run(case)
+        path.barrier()
+    clock = time.perf_counter
+    times: list[list[float]] = [[] for _ in cells]
+    for _ in range(iters):
+        for (path, case), mine in zip(cells, times, strict=True):
+            t0 = clock()
+            path.run(case)
+            mine.append(clock() - t0)
+    rows = []
+    for (path, case), mine in zip(cells, times, strict=True):
+        row = {"op": case.op, "bytes": case.nbytes, "via": path.via, "lane": path.lane, "path": path.label,
+               "world": case.world, "iters": iters, "warmup": 1 + warm, "check": "ok", "interleaved": True}
+        row.update(summarize(case.op, case.nbytes, case.world, sync.max_each(mine)))
+        rows.append(row)
+    return rows

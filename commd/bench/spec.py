@@ -106,6 +106,7 @@ class BenchSpec:
     compare: list[str]
     op_timeout: float
     extra: dict[str, Any] = field(default_factory=dict)
+    blocks: bool = False  # time each path's iterations in one block instead of in alternation
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -140,6 +141,9 @@ def add_measure_arguments(parser: argparse.ArgumentParser, *, ops_default: str =
                              "e.g. --compare gloo,mpi")
     parser.add_argument("--op-timeout", type=float, default=DEFAULT_OP_TIMEOUT,
                         help=f"seconds one op may wait for its peers (default {DEFAULT_OP_TIMEOUT:g})")
+    parser.add_argument("--blocks", action="store_true",
+                        help="time each path's iterations in one block (default: the paths of a size in "
+                             "alternation, iteration by iteration, so they see the same machine load)")
 
 
 def spec_from_args(args: argparse.Namespace) -> BenchSpec:
@@ -187,7 +191,7 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         raise SpecError("--op-timeout must lie in [0.1, 86400] seconds")
     return BenchSpec(ops=ops, sizes=message_sizes(low, high, args.step_factor), lanes=lanes,
                      warmup=args.warmup, iters=args.iters, time_per_size=args.time_per_size, dtype=dtype,
-                     compare=list(dict.fromkeys(compare)), op_timeout=args.op_timeout)
+                     compare=list(dict.fromkeys(compare)), op_timeout=args.op_timeout, blocks=args.blocks)
 
 
 def measure_argv(spec: BenchSpec) -> list[str]:
@@ -201,4 +205,6 @@ def measure_argv(spec: BenchSpec) -> list[str]:
         argv += ["--time-per-size", repr(spec.time_per_size)]
     if spec.compare:
         argv += ["--compare", ",".join(spec.compare)]
+    if spec.blocks:
+        argv.append("--blocks")
     return argv

@@ -26,7 +26,7 @@ from typing import Any, TextIO
 
 from commd.bench import report
 from commd.bench.cases import CheckError, make_case
-from commd.bench.measure import measure_cell
+from commd.bench.measure import measure_cell, measure_interleaved
 from commd.bench.paths import BenchPath, CommdPath, GlooPath, GlooSync
 from commd.bench.spec import LOCAL, ROOT, BenchSpec, SpecError, add_measure_arguments, spec_from_args
 from commd.client.errors import CommdError
@@ -99,7 +99,8 @@ def _fabric_lanes(job: str) -> list[str]:
 
 def plan_cells(spec: BenchSpec, paths: list[BenchPath]) -> list[tuple[str, BenchPath, int]]:
     """(op, path, requested size) in measuring order: op by op, sizes growing, at each size every path
-    back to back (a machine whose load drifts then affects the compared paths alike)."""
+    (timed in alternation, or back to back with --blocks: a machine whose load drifts then affects
+    the compared paths alike)."""
     cells = []
     for op in spec.ops:
         for size in [0] if op == "barrier" else spec.sizes:
@@ -222,18 +223,27 @@ def _measure_all(args: argparse.Namespace, spec: BenchSpec, cells: list[tuple[st
                  nodes: list[str], itemsize: int, sink: RowSink, rank: int) -> None:
     sync = GlooSync()
     bar = report.progress(len(cells), enabled=rank == 0 and not args.rows_out)
+    groups: dict[tuple[str, int], list[BenchPath]] = {}
+    for op, path, size in cells:
+        groups.setdefault((op, size), []).append(path)
     try:
-        for op, path, size in cells:
-            case = make_case(op, size, path.rank, path.world, itemsize, path.alloc)
-            if case is None:  # fewer bytes than one element per rank: skipped on every rank alike
-                bar.update(1)
+        for (op, size), paths in groups.items():
+            cases = [(path, make_case(op, size, path.rank, path.world, itemsize, path.alloc)) for path in paths]
+            if any(case is None for _, case in cases):  # fewer bytes than one element per rank: skipped alike
+                bar.update(len(paths))
                 continue
-            row = measure_cell(path, sync, case, spec, corrupt=args.corrupt == op and path.rank == path.world - 1)
-            row.update(dtype=spec.dtype, nodes=_nodes_in(op, nodes))
-            if rank == 0:
-                sink.row(row)
-            bar.update(1)
-            del case
+            if not spec.blocks:
+                rows = measure_interleaved(cases, sync, spec, corrupt=lambda p, op=op: (
+                    args.corrupt == op and p.rank == p.world - 1))
+            else:
+                rows = [measure_cell(path, sync, case, spec, corrupt=args.corrupt == op and path.rank == path.world - 1)
+                        for path, case in cases]
+            for row in rows:
+                row.update(dtype=spec.dtype, nodes=_nodes_in(op, nodes))
+                if rank == 0:
+                    sink.row(row)
+            bar.update(len(paths))
+            del cases
     finally:
         bar.close()
 
