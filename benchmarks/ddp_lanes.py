@@ -19,45 +19,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import random
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-PY = sys.executable
+from _launch import run_job
+
 WORKER = Path(__file__).with_name("_ddp_lanes_worker.py")
 WARMUP_STEPS = 5
-
-
-def run_once(name: str, env_extra: dict[str, str], cfg: dict[str, Any], sim: Any, work: Path,
-             timeout: float) -> dict[str, Any]:
-    tag = f"{name.replace(' ', '-')}-{len(list(work.iterdir()))}"
-    out = work / f"{tag}.json"
-    cfg_path = work / f"{tag}-cfg.json"
-    cfg_path.write_text(json.dumps(dict(cfg, out=str(out))))
-    env = {**os.environ, **env_extra}
-    env.pop("COMMD_JOB", None)
-    master = f"{sim.hosts[0].ip}:{random.randint(20000, 40000)}"
-    procs = []
-    for i, host in enumerate(sim.hosts):
-        argv = [PY, "-m", "commd", "launch", "--nnodes", "2", "--node-rank", str(i), "--master", master,
-                "--node-name", host.name, "--nproc-per-node", "2", str(WORKER), str(cfg_path)]
-        procs.append(host.popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=open(work / f"{tag}-n{i}.log", "w")))
-    for proc in procs:
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise SystemExit(f"{name}: no result within {timeout:.0f}s; logs in {work}") from None
-        if code != 0:
-            raise SystemExit(f"{name}: a launcher exited with {code}; see {work}/{tag}-n*.log")
-    return json.loads(out.read_text())
 
 
 def main() -> int:
@@ -93,7 +65,7 @@ def main() -> int:
             for rep in range(args.repeats):
                 for name, extra in settings.items():
                     print(f"[{rep + 1}/{args.repeats}] {name} ...", file=sys.stderr, flush=True)
-                    results[name].append(run_once(name, extra, cfg, sim, work, args.timeout))
+                    results[name].append(run_job(WORKER, cfg, extra, work, name, args.timeout, sim))
     summary = {}
     print(f"\nDDP step time, 2 simulated hosts x 2 ranks, MLP {args.layers}x{args.width}, bucket_cap_mb "
           f"{args.bucket_mb}; median step (after {WARMUP_STEPS}) per run, median over {args.repeats} runs\n")

@@ -20,56 +20,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import random
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-PY = sys.executable
+from _launch import run_job
+
 WORKER = Path(__file__).with_name("_small_ops_worker.py")
 
 
-def _launch(extra: list[str], cfg_path: Path) -> list[str]:
-    return [PY, "-m", "commd", "launch", "--nproc-per-node", "2", *extra, str(WORKER), str(cfg_path)]
-
-
 def run_once(layout: str, setting: dict[str, str], args: argparse.Namespace, work: Path, sim: Any) -> dict[str, Any]:
-    tag = f"{layout}-{len(list(work.iterdir()))}"
-    out = work / f"{tag}.json"
     nnodes = 1 if layout == "1x2" else 2
     names = [f"host{r // 2}" for r in range(2 * nnodes)] if nnodes > 1 else ["local"] * 2
-    cfg = {"sizes": args.sizes, "ops": args.ops, "window": args.window, "timeout": 60.0, "nodes": names,
-           "out": str(out)}
-    cfg_path = work / f"{tag}-cfg.json"
-    cfg_path.write_text(json.dumps(cfg))
-    env = {**os.environ, **setting, "COMMD_TUNING": "off"}
-    env.pop("COMMD_JOB", None)
-    procs = []
-    if nnodes == 1:
-        procs.append(subprocess.Popen(_launch([], cfg_path), env=env, stdout=subprocess.DEVNULL,
-                                      stderr=open(work / f"{tag}.log", "w")))
-    else:
-        master = f"{sim.hosts[0].ip}:{random.randint(20000, 40000)}"
-        for i, host in enumerate(sim.hosts):
-            argv = _launch(["--nnodes", "2", "--node-rank", str(i), "--master", master, "--node-name", host.name],
-                           cfg_path)
-            procs.append(host.popen(argv, env=env, stdout=subprocess.DEVNULL,
-                                    stderr=open(work / f"{tag}-n{i}.log", "w")))
-    for proc in procs:
-        try:
-            code = proc.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise SystemExit(f"{layout} {setting}: no result within {args.timeout:.0f}s; logs in {work}") from None
-        if code != 0:
-            raise SystemExit(f"{layout} {setting}: a launcher exited with {code}; logs in {work}")
-    return json.loads(out.read_text())
+    cfg = {"sizes": args.sizes, "ops": args.ops, "window": args.window, "timeout": 60.0, "nodes": names}
+    return run_job(WORKER, cfg, {**setting, "COMMD_TUNING": "off"}, work, f"{layout} {sorted(setting.items())}",
+                   args.timeout, sim if nnodes > 1 else None)
 
 
 def main() -> int:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cluster import Cluster
 from helpers import DaemonProcess, Workers, new_job
 from simhosts import sim_hosts  # noqa: F401 - fixture for tests with simulated hosts
 
@@ -94,3 +95,20 @@ def connect(job: str) -> Iterator[Callable[..., Any]]:
     yield make
     for client in clients:
         client.close()
+
+
+@pytest.fixture
+def cluster(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Iterator:
+    """A multi-node job on loopback (tests/cluster.py): ``cluster(nnodes, nproc, **kwargs)``, stopped afterwards."""
+    made: list[Cluster] = []
+
+    def make(nnodes: int = 2, nproc: int = 2, **kwargs) -> Cluster:
+        monkeypatch.delenv("COMMD_SECRET", raising=False)
+        c = Cluster(tmp_path_factory.mktemp("fab"), nnodes, nproc, **kwargs)
+        made.append(c)
+        return c.start()
+
+    yield make
+    for c in made:
+        c.stop()
+        print(c.logs())

@@ -11,29 +11,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import fabric_workers as fw
-import pytest
 from cluster import Cluster
 from helpers import wait_until
-
-
-@pytest.fixture
-def cluster(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Iterator:
-    made: list[Cluster] = []
-
-    def make(nnodes: int = 2, nproc: int = 2, **kwargs) -> Cluster:
-        monkeypatch.delenv("COMMD_SECRET", raising=False)
-        c = Cluster(tmp_path_factory.mktemp("fab"), nnodes, nproc, **kwargs)
-        made.append(c)
-        return c.start()
-
-    yield make
-    for c in made:
-        c.stop()
-        print(c.logs())
 
 
 def test_every_op_on_tcp_and_gloo_lanes(cluster) -> None:

@@ -10,7 +10,6 @@ was measured on another fabric.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import fabric_workers as fw
@@ -19,23 +18,6 @@ from cluster import Cluster
 
 from commd.cli.status import format_status, human_bytes
 from commd.scheduler.tuning import TuningTable
-
-
-@pytest.fixture
-def cluster(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Iterator:
-    made: list[Cluster] = []
-
-    def make(nnodes: int = 2, nproc: int = 2, **kwargs) -> Cluster:
-        monkeypatch.delenv("COMMD_SECRET", raising=False)
-        monkeypatch.setenv("COMMD_TUNING", "off")  # no table from this machine's default location
-        c = Cluster(tmp_path_factory.mktemp("fus"), nnodes, nproc, **kwargs)
-        made.append(c)
-        return c.start()
-
-    yield make
-    for c in made:
-        c.stop()
-        print(c.logs())
 
 
 def _burst(c: Cluster, lane: str, seed: int, count: int) -> dict[int, list[str]]:

@@ -11,6 +11,7 @@ its last rank is); the row gives the median and p95 of those.
 from __future__ import annotations
 
 import math
+import random
 import statistics
 import time
 from typing import Any
@@ -19,6 +20,8 @@ from commd.bench.cases import Case, CheckError
 from commd.bench.paths import BenchPath, Sync
 from commd.bench.spec import BenchSpec, busbw_factor
 
+#: Seeds the per-iteration order of interleaved paths (identical on every rank).
+SHUFFLE_SEED = 20261122
 #: With --time-per-size, at least this many timed iterations.
 MIN_ADAPTIVE_ITERS = 3
 
@@ -85,7 +88,8 @@ def measure_cell(path: BenchPath, sync: Sync, case: Case, spec: BenchSpec,
 
 def measure_interleaved(cells: list[tuple[BenchPath, Case]], sync: Sync, spec: BenchSpec,
                         corrupt: Any = None) -> list[dict[str, Any]]:
-    """Several paths of one (op, size), timed in alternation: iteration i runs every path once.
+    """Several paths of one (op, size), timed in alternation: iteration i runs every path once, in a
+    shuffled order.
 
     Paths compared against each other (a lane hint against the daemons' own
     choice, commd against Gloo) then see the same machine load iteration by
@@ -116,11 +120,16 @@ def measure_interleaved(cells: list[tuple[BenchPath, Case]], sync: Sync, spec: B
         path.barrier()
     clock = time.perf_counter
     times: list[list[float]] = [[] for _ in cells]
-    for _ in range(iters):
-        for (path, case), mine in zip(cells, times, strict=True):
+    order = list(range(len(cells)))
+    for i in range(iters):
+        # A fresh order each iteration, the same on every rank (the ops are collective): no path always
+        # runs first, or always right after the same other path.
+        random.Random(SHUFFLE_SEED + i).shuffle(order)
+        for k in order:
+            path, case = cells[k]
             t0 = clock()
             path.run(case)
-            mine.append(clock() - t0)
+            times[k].append(clock() - t0)
     rows = []
     for (path, case), mine in zip(cells, times, strict=True):
         row = {"op": case.op, "bytes": case.nbytes, "via": path.via, "lane": path.lane, "path": path.label,

@@ -13,6 +13,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from commd.scheduler.tuning import format_bytes
+
 #: Every op the benchmark knows, in the order tables list them.
 OPS = ("allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "reduce", "sendrecv", "barrier")
 #: Accepted spellings of op names (torch / nccl-tests style).
@@ -70,10 +72,8 @@ def parse_size(text: str) -> int:
 
 
 def human(nbytes: int) -> str:
-    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
-        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
-            return f"{nbytes >> shift}{unit}"
-    return f"{nbytes}"
+    """'4K', '16M': how size options are written."""
+    return format_bytes(nbytes, compact=True)
 
 
 def _is_pow2(n: int) -> bool:

@@ -402,7 +402,7 @@ class FabricNode:
         self.fused_sets += 1
         self.fused_ops += len(ops)
 
-        resolve_array = self._array_resolver()
+        resolve_array = self._resolver(as_array=True)
 
         def work(cap: float) -> None:
             run_fused_allreduce(ops, plan, self.fabric.lanes[lane_name], resolve, min(timeout, cap), resolve_array)
@@ -483,25 +483,16 @@ class FabricNode:
             log.exception("inter-node op failed")
             return f"inter-node phase failed: {exc}", s.E_INTERNAL
 
-    def _resolver(self) -> Callable[[Submission, str], Any]:
-        daemon = self.daemon
+    def _resolver(self, as_array: bool = False) -> Callable[[Submission, str], Any]:
+        """Buffers of released ops (torch tensors, or NumPy arrays), with a stand-in for a rank that died."""
+        find = self.daemon._resolve_array if as_array else self.daemon._resolve
 
         def resolve(sub: Submission, name: str) -> Any:
             try:
-                return daemon._resolve(sub, name)
+                return find(sub, name)
             except KeyError:  # the rank died after release: keep the lanes in step
-                return scratch_like(sub, name)
-
-        return resolve
-
-    def _array_resolver(self) -> Callable[[Submission, str], Any]:
-        daemon = self.daemon
-
-        def resolve(sub: Submission, name: str) -> Any:
-            try:
-                return daemon._resolve_array(sub, name)
-            except KeyError:  # the rank died after release: keep the lanes in step
-                return scratch_like(sub, name).numpy()
+                scratch = scratch_like(sub, name)
+                return scratch.numpy() if as_array else scratch
 
         return resolve
 

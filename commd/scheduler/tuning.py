@@ -265,11 +265,12 @@ class TuningTable:
         return out
 
 
-def format_bytes(n: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+def format_bytes(n: int, compact: bool = False) -> str:
+    """Whole binary units: '4 KiB' (compact: '4K', as size options are written), else bytes."""
+    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
         if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift} {unit}"
-    return f"{n} B"
+            return f"{n >> shift}{unit}" if compact else f"{n >> shift} {unit}iB"
+    return f"{n}" if compact else f"{n} B"
 
 
 def _digest(payload: bytes) -> str:
