@@ -62,8 +62,10 @@ def main() -> int:
 
         results: dict[str, list[dict[str, Any]]] = {name: [] for name in settings}
         with SimulatedHosts(2) as sim:
+            names = list(settings)
             for rep in range(args.repeats):
-                for name, extra in settings.items():
+                for name in names[rep % len(names):] + names[:rep % len(names)]:  # each setting leads once
+                    extra = settings[name]
                     print(f"[{rep + 1}/{args.repeats}] {name} ...", file=sys.stderr, flush=True)
                     results[name].append(run_job(WORKER, cfg, extra, work, name, args.timeout, sim))
     summary = {}
