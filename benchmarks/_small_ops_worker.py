@@ -22,6 +22,17 @@ import torch
 from commd.client import Client, ops
 
 
+def burst(client: Client, pool: list[torch.Tensor], count: int, window: int, timeout: float) -> None:
+    """``count`` async all-reduces, at most ``window`` in flight, op i on pool[i % len(pool)]."""
+    in_flight: collections.deque = collections.deque()
+    for i in range(count):
+        if len(in_flight) >= window:
+            in_flight.popleft().wait(timeout)
+        in_flight.append(ops.all_reduce(client, pool[i % len(pool)]))
+    while in_flight:
+        in_flight.popleft().wait(timeout)
+
+
 def main() -> int:
     cfg = json.loads(open(sys.argv[1]).read())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -42,15 +53,10 @@ def main() -> int:
                 raise SystemExit(f"rank {rank}: wrong all_reduce result at {nbytes} B: {pool[0][:4].tolist()}")
             for t in pool:
                 t.zero_()
+            burst(client, pool, cfg["warmup_ops"], cfg["window"], timeout)  # untimed: the same path, warm
             ops.barrier(client).wait(timeout)
-            in_flight: collections.deque = collections.deque()
             started = time.perf_counter()
-            for i in range(cfg["ops"]):
-                if len(in_flight) >= cfg["window"]:
-                    in_flight.popleft().wait(timeout)
-                in_flight.append(ops.all_reduce(client, pool[i % len(pool)]))
-            while in_flight:
-                in_flight.popleft().wait(timeout)
+            burst(client, pool, cfg["ops"], cfg["window"], timeout)
             elapsed = time.perf_counter() - started
             results.append({"bytes": nbytes, "ops": cfg["ops"], "seconds": elapsed, "ops_per_s": cfg["ops"] / elapsed})
             ops.barrier(client).wait(timeout)

@@ -35,7 +35,8 @@ WORKER = Path(__file__).with_name("_small_ops_worker.py")
 def run_once(layout: str, setting: dict[str, str], args: argparse.Namespace, work: Path, sim: Any) -> dict[str, Any]:
     nnodes = 1 if layout == "1x2" else 2
     names = [f"host{r // 2}" for r in range(2 * nnodes)] if nnodes > 1 else ["local"] * 2
-    cfg = {"sizes": args.sizes, "ops": args.ops, "window": args.window, "timeout": 60.0, "nodes": names}
+    cfg = {"sizes": args.sizes, "ops": args.ops, "warmup_ops": max(args.window * 2, args.ops // 10),
+           "window": args.window, "timeout": 60.0, "nodes": names}
     return run_job(WORKER, cfg, {**setting, "COMMD_TUNING": "off"}, work, f"{layout} {sorted(setting.items())}",
                    args.timeout, sim if nnodes > 1 else None)
 
