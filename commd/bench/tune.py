@@ -5,8 +5,9 @@ The sweep is a `commd bench` run over the representative op kinds
 the table must compare lanes, not the daemons' current choice), on daemons
 started with ``COMMD_TUNING=off`` so an existing table does not colour what
 is measured.  ``TuningTable.from_measurements`` picks the lane with the
-lowest median per (kind, group size class, size); node 0's daemon loads the
-table from the default path at its next start.
+lowest median per (kind, group size class, size), near ties (< 3%) going to
+the preferred lane; node 0's daemon loads the table from the default path at
+its next start.
 """
 
 from __future__ import annotations
