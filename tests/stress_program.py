@@ -40,6 +40,8 @@ class Op:
     splits: list[list[int]] = field(default_factory=list)
     src: int = 0
     dst: int = 0
+    arena: bool = False  # the buffer lives in the client's arena (zero copy) rather than being copied
+    twice: bool = False  # all-reduce the same buffer twice in a row (program order across a fused set)
 
 
 def make_groups(seed: int, world: int) -> dict[str, list[int]]:
@@ -74,6 +76,14 @@ def make_program(seed: int, world: int, lanes: list[str], length: int) -> tuple[
         if kind == "sendrecv":
             op.src, op.dst = rng.sample(range(k), 2)
         program.append(op)
+        if kind == "allreduce" and rng.random() < 0.5:
+            # a burst of small all-reduces like one op (group, dtype, reduce op, lane): what fusion fuses
+            for _ in range(rng.randint(2, 8)):
+                small = Op(len(program), kind, name, members, rng.randint(1, 300), dtype, lane,
+                           reduce_op=op.reduce_op, arena=rng.random() < 0.5, twice=rng.random() < 0.25)
+                program.append(small)
+    for index, op in enumerate(program):
+        op.index = index
     return groups, program
 
 
@@ -95,8 +105,14 @@ def _submit(client: Any, op: Op, me: int) -> tuple[Any, Any, np.ndarray | None]:
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a).copy())  # noqa: E731
     if op.kind == "allreduce":
         buf = t(_data(op, g, op.n))
+        if op.arena:
+            buf = client.empty(op.n, buf.dtype).copy_(buf)
         want = _reduce([_data(op, r, op.n) for r in range(k)], op.reduce_op)
-        return ops.all_reduce(client, buf, op.reduce_op, **kw), buf, want
+        handle = ops.all_reduce(client, buf, op.reduce_op, **kw)
+        if op.twice:  # the second sees the first's result: sum doubles k-fold, max/min stay
+            handle = ops.all_reduce(client, buf, op.reduce_op, **kw)
+            want = _reduce([want] * k, op.reduce_op)
+        return handle, buf, want
     if op.kind == "reduce":
         buf = t(_data(op, g, op.n))
         want = _reduce([_data(op, r, op.n) for r in range(k)], op.reduce_op) if g == op.root else _data(op, g, op.n)

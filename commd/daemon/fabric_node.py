@@ -119,6 +119,8 @@ class FabricNode:
                         lambda why, node=node: self._on_link_closed(node, why))
 
     def close(self, why: str = "shut down") -> None:
+        log.info("fabric: %d ops released, %d of them in %d fused sets; %d reports on the cached fast path",
+                 self.released, self.fused_ops, self.fused_sets, self.reported_cached)
         # Tell the others at once rather than letting them wait out the peer timeout.
         for node, conn in self.links.items():
             if node not in self.dead:
