@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _fusion_settings(args: argparse.Namespace, scheduler: SchedulerConfig) -> None:
     """Flags, then environment, override the config file's fusion settings."""
-    from commd.scheduler.selection import MAX_FUSION_THRESHOLD
+    from commd.scheduler.selection import MAX_FUSION_CYCLE_MS, MAX_FUSION_THRESHOLD
 
     threshold = args.fusion_threshold
     if threshold is None and os.environ.get("COMMD_FUSION_THRESHOLD"):
@@ -177,10 +177,10 @@ def _fusion_settings(args: argparse.Namespace, scheduler: SchedulerConfig) -> No
         scheduler.fusion_threshold_bytes = threshold
     cycle = args.fusion_cycle_ms
     if cycle is None and os.environ.get("COMMD_FUSION_CYCLE_MS"):
-        cycle = env_float("COMMD_FUSION_CYCLE_MS", 0.0, 0.0, 1000.0)
+        cycle = env_float("COMMD_FUSION_CYCLE_MS", 0.0, 0.0, MAX_FUSION_CYCLE_MS)
     if cycle is not None:
-        if not 0 <= cycle <= 1000:
-            raise ConfigError(f"--fusion-cycle-ms {cycle} must lie in [0, 1000]")
+        if not 0 <= cycle <= MAX_FUSION_CYCLE_MS:
+            raise ConfigError(f"--fusion-cycle-ms {cycle} must lie in [0, {MAX_FUSION_CYCLE_MS:g}]")
         scheduler.fusion_cycle_ms = cycle
 
 

@@ -108,7 +108,6 @@ class Coordinator:
         self.partial: dict[int, dict[tuple[str, int], list[int]]] = {}  # node -> (g, s) -> missing global ranks
         self.released = 0
         self.fast_path_hits = 0
-        self.fused = 0  # ops released as part of a fused set (after its first op)
 
     # ---- collectives --------------------------------------------------------
     def report(self, node: int, items: list[dict[str, Any]], out: Outbox) -> None:
@@ -197,14 +196,10 @@ class Coordinator:
         self.order += 1
         self.released += 1
         result = self._eager_result(pending, lane)
-        head = None
-        if result is None:
-            key, size = fuse_key if fuse_key is not None and not pending.no_fusion else (None, 0)
-            head = out.fuse(key, self.order, size, self.config.fusion_threshold_bytes)
-        else:
-            out.fuse(None, self.order, 0, 0)
-        if head is not None:
-            self.fused += 1
+        # An op the coordinator reduced itself, or one a node keeps apart, ends any open set.
+        fusible = fuse_key is not None and result is None and not pending.no_fusion
+        key, size = fuse_key if fusible else (None, 0)
+        head = out.fuse(key, self.order, size, self.config.fusion_threshold_bytes)
         for node in pending.nodes:
             item: dict[str, Any] = {"t": "go", "g": pending.group, "s": pending.seq, "o": self.order, "l": lane}
             if cid is not None and pending.cids.get(node) != cid:

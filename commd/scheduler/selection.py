@@ -26,6 +26,7 @@ DEFAULT_LANE = "tcp"
 #: depend on the element's position, so fused and unfused results are bit-identical.
 DEFAULT_FUSION_THRESHOLD = 64 << 10
 MAX_FUSION_THRESHOLD = 64 << 20
+MAX_FUSION_CYCLE_MS = 1000.0
 
 #: The lane primitive each op kind's inter-node phase uses.
 PRIMITIVE_FOR_KIND = {
@@ -210,8 +211,8 @@ def parse_config(data: dict[str, Any], where: str = "config") -> SchedulerConfig
     if config.fusion_threshold_bytes > MAX_FUSION_THRESHOLD:
         raise ValueError(f"{where}: [scheduler] fusion_threshold_bytes must be at most {MAX_FUSION_THRESHOLD}")
     config.fusion_cycle_ms = _number(sched, "fusion_cycle_ms", f"{where} [scheduler]", 0.0)
-    if config.fusion_cycle_ms > 1000:
-        raise ValueError(f"{where}: [scheduler] fusion_cycle_ms must be at most 1000")
+    if config.fusion_cycle_ms > MAX_FUSION_CYCLE_MS:
+        raise ValueError(f"{where}: [scheduler] fusion_cycle_ms must be at most {MAX_FUSION_CYCLE_MS:g}")
     tuning = sched.get("tuning", "")
     if not isinstance(tuning, str):
         raise ValueError(f"{where}: [scheduler] tuning must be a path or \"off\", got {tuning!r}")
