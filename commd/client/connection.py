@@ -39,7 +39,7 @@ from commd.client.handle import Handle
 from commd.kernels.reduce import DTYPE_NAMES, TORCH_DTYPES
 from commd.memory.arena import Arena, Segment
 from commd.protocol import schema as s
-from commd.runtime import JobPaths, env_int, pid_alive
+from commd.runtime import JobPaths, env_float, env_int, pid_alive
 
 log = logging.getLogger("commd.client")
 
@@ -93,6 +93,12 @@ class Client:
         token = uuid.uuid4().hex[:12]
         self.arena = Arena(f"commd-{self.paths.job}-r{rank}-{os.getpid()}-{token}", size)
         self.arena.on_new_segment = self._register_segment
+        # An op's timeout: the op's own, else this client's (the argument, else COMMD_OP_TIMEOUT
+        # in this process's environment), else the daemon's (its WELCOME says which).
+        if op_timeout is None and os.environ.get("COMMD_OP_TIMEOUT"):
+            op_timeout = env_float("COMMD_OP_TIMEOUT", 30.0, 0.001, s.MAX_OP_TIMEOUT_S)
+        if op_timeout is not None and not 0.001 <= op_timeout <= s.MAX_OP_TIMEOUT_S:
+            raise ValueError(f"op_timeout {op_timeout} must lie in [0.001, {s.MAX_OP_TIMEOUT_S:.0f}] seconds")
         self.op_timeout = op_timeout
         self._ids = itertools.count(1)
         self._seq: dict[str, int] = {}

@@ -26,6 +26,8 @@ INLINE_MAX_BYTES = 4096
 MAX_GROUP_SIZE = 1 << 16
 MAX_TENSORS_PER_OP = 1024
 MAX_NAME_LEN = 256
+#: The longest op timeout anything accepts (a week); the daemon may cap it lower.
+MAX_OP_TIMEOUT_S = 7 * 24 * 3600
 
 # Message types.
 HELLO = "hello"

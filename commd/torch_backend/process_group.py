@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 from torch.futures import Future
 
 from commd.client import ops
@@ -107,10 +108,20 @@ class CommdWork(dist._Work):
         return -1 if src is None else src
 
     def get_future(self) -> Future:
+        """A future completed with the result, or failed with the op's error.
+
+        torch's Python ``Future.set_exception`` only stores the exception as a value that
+        ``value()`` re-raises; to C++ (DDP's reducer waits on this future there) such a
+        future looks successful.  A callback that raises marks the chained future as
+        failed in C++ too, so every callback here reads its parent's value, which raises
+        the op's error.  Waiting on the future then raises a RuntimeError whose message
+        starts with the commd error's class and text (``MismatchError: ...``), as torch
+        reports any future's failure; ``wait()`` and ``exception()`` give the typed error.
+        """
         if self._future is None:
             futures = [h.get_future() for h in self._handles]
             if len(futures) == 1:
-                self._future = futures[0].then(lambda _f: self._result)
+                self._future = futures[0].then(lambda done: (done.value(), self._result)[1])
             else:
                 self._future = torch.futures.collect_all(futures).then(
                     lambda all_done: ([f.value() for f in all_done.value()], self._result)[1]
@@ -151,14 +162,15 @@ class ProcessGroupCommd(dist.ProcessGroup):
     """A torch ProcessGroup whose ops run in the commd node daemon."""
 
     def __init__(
-        self, client: Client, name: str, rank: int, size: int, timeout: timedelta, torch_name: str,
+        self, client: Client, name: str, rank: int, size: int, timeout: float | None, torch_name: str,
         lane: str | None = None,
     ) -> None:
+        """``timeout``: this group's op timeout in seconds, None for the client's (see ``op_timeout_s``)."""
         super().__init__(rank, size)
         self._client = client
         self._name = name
         self._torch_name = torch_name
-        self._timeout = timeout.total_seconds() if timeout else None
+        self._timeout = timeout
         self._lane = lane
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
@@ -410,6 +422,19 @@ def _fabric_args(nodes: list[str], rank: int) -> list[str]:
 _bootstraps = 0
 
 
+def op_timeout_s(timeout: timedelta | None) -> float | None:
+    """The op timeout a process group's ``timeout`` asks for, or None to leave it to commd.
+
+    torch hands every backend a timeout, its default (30 min) when the user gave none, so
+    only a different value is taken as the user's choice.  None lets the client decide:
+    ``COMMD_OP_TIMEOUT`` in the process's environment, else the daemon's ``--op-timeout``
+    (its ``COMMD_OP_TIMEOUT``, default 30 s).
+    """
+    if timeout is None or timeout == default_pg_timeout or timeout <= timedelta(0):
+        return None
+    return timeout.total_seconds()
+
+
 def _bootstrap(store: dist.Store, rank: int, size: int, timeout: timedelta) -> Client:
     """Connect this process to its node daemon for the job the store defines.
 
@@ -443,7 +468,7 @@ def _bootstrap(store: dist.Store, rank: int, size: int, timeout: timedelta) -> C
                 ensure_daemon(paths, secret)
         _client = Client(
             rank, size, local_rank=local_rank, job=job, secret=secret,
-            op_timeout=timeout.total_seconds() if timeout else None,
+            op_timeout=op_timeout_s(timeout),
             nodes=nodes if multi_node else None,
         )
         return _client
@@ -464,7 +489,7 @@ def _create(dist_opts: Any, backend_opts: Any) -> ProcessGroupCommd:
     name = f"g{base}.{generation}".replace(" ", "_")[:200]
     client.register_group(name, global_ranks)
     lane = getattr(backend_opts, "lane", None) if isinstance(backend_opts, Options) else None
-    return ProcessGroupCommd(client, name, rank, size, timeout, base, lane)
+    return ProcessGroupCommd(client, name, rank, size, op_timeout_s(timeout), base, lane)
 
 
 def _close_client() -> None:
