@@ -185,7 +185,7 @@ def test_daemon_notifies_ready_and_stopping(runtime_dir: Path, notify_socket: so
 def test_client_reports_a_failed_start(runtime_dir: Path) -> None:
     """A start that failed left its reason: the client raises it instead of 'no secret'."""
     paths = JobPaths.for_job(new_job()).ensure()
-    paths.start_error_file.write_text("on node n1: COMMD_BIN=/x/commd is not an executable file\n")
+    (paths.directory / "start.error").write_text("on node n1: COMMD_BIN=/x/commd is not an executable file\n")
     started = time.monotonic()
     with pytest.raises(ConnectError, match="could not be started: on node n1: COMMD_BIN=/x/commd is not an"):
         Client(0, 1, job=paths.job, connect_timeout=30)
@@ -196,7 +196,7 @@ def test_client_gives_up_on_a_start_that_never_ends(runtime_dir: Path) -> None:
     paths = JobPaths.for_job(new_job()).ensure()
     sleeper = subprocess.Popen(["sleep", "60"])
     try:
-        paths.starting_file.write_text(str(sleeper.pid))
+        (paths.directory / "starting").write_text(str(sleeper.pid))
         paths.log_file.write_text("waiting for node 1\n")
         started = time.monotonic()
         with pytest.raises(ConnectError, match=r"still starting after 2s(.|\n)*waiting for node 1"):
@@ -213,7 +213,7 @@ def test_client_waits_for_a_starting_daemon(runtime_dir: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "commd", "daemon", "--job", paths.job],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        paths.starting_file.write_text(str(proc.pid))
+        (paths.directory / "starting").write_text(str(proc.pid))
         assert not paths.secret_file.exists(), "the daemon bound before the client looked: nothing tested"
         client = Client(0, 1, job=paths.job, connect_timeout=90)
         client.register_group("world", [0])

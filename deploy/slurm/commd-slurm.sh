@@ -65,9 +65,9 @@ log() {
     printf '%s\n' "$msg" >&2
 }
 
-# Run a command as the job user (no PAM session, no new environment).
+# Run a command as the job user (no PAM session, no new environment, no setuid gains).
 as_user() {
-    setpriv --reuid="$JOB_UID" --regid="$JOB_GID" --init-groups -- "$@"
+    setpriv --reuid="$JOB_UID" --regid="$JOB_GID" --init-groups --no-new-privs -- "$@"
 }
 
 # A job-side failure: log it, leave the reason where the job's processes look, exit 0.
