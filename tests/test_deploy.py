@@ -226,6 +226,34 @@ def test_client_waits_for_a_starting_daemon(runtime_dir: Path) -> None:
         proc.wait(30)
 
 
+TORCH_RANK = """
+import sys
+from datetime import timedelta
+import torch, torch.distributed as dist
+import commd  # registers the backend
+try:
+    dist.init_process_group("commd", init_method=f"file://{sys.argv[1]}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=30))
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    print("OK", flush=True)
+except Exception as exc:
+    print(f"ERROR {type(exc).__name__}: {exc}", flush=True)
+"""
+
+
+def test_torch_backend_reports_a_failed_prologue_start(runtime_dir: Path, tmp_path: Path) -> None:
+    """With COMMD_JOB naming a job whose prologue start failed, the backend fails with that reason
+    instead of quietly spawning a daemon of its own (which would serve a different fabric)."""
+    paths = JobPaths.for_job(new_job()).ensure()
+    (paths.directory / "start.error").write_text("on node n0: cannot plan the daemon: bad node list\n")
+    env = dict(os.environ, COMMD_JOB=paths.job)
+    done = subprocess.run([sys.executable, "-c", TORCH_RANK, str(tmp_path / "store")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert "could not be started: on node n0: cannot plan the daemon: bad node list" in done.stdout, (
+        done.stdout + done.stderr)
+
+
 # ---- MemoryDenyWriteExecute ----------------------------------------------------------------------
 MDWE_EXEC = """
 import ctypes, os, sys
