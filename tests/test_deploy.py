@@ -665,7 +665,7 @@ def test_slurm_two_hosts_one_node_fails(two_slurm_nodes: tuple[SlurmSite, list, 
     assert not node1["ok"] and "COMMD_BIN=/nonexistent/bin/commd is not an executable" in node1["error"], node1
     assert names[1] in node1["error"]
     assert not node0["ok"] and "could not be started" in node0["error"], node0
-    assert "cannot form the fabric" in node0["error"], node0
+    assert "exited with code 1: cannot form the fabric" in node0["error"], node0
     for i in range(2):
         done, _ = site.script("epilog", confs[i], job_id, nodelist, names[i], wrap=_ns(hosts[i]))
         assert done.returncode == 0, done.stderr

@@ -235,7 +235,12 @@ prolog() {
         "$@" </dev/null >>"$dir/daemon.log" 2>&1
         rc=$?
         if [ "$rc" -ne 0 ]; then
-            { echo "the daemon exited with code $rc; last lines of $dir/daemon.log:"; tail -n 5 "$dir/daemon.log"; } >"$dir/start.error.tmp"
+            reason=$(grep "^commd daemon: " "$dir/daemon.log" | tail -n 1)
+            if [ -n "$reason" ]; then
+                echo "the daemon exited with code $rc: ${reason#commd daemon: } (log: $dir/daemon.log)"
+            else
+                echo "the daemon exited with code $rc; last lines of $dir/daemon.log:"; tail -n 5 "$dir/daemon.log"
+            fi >"$dir/start.error.tmp"
             mv -f "$dir/start.error.tmp" "$dir/start.error"
         fi
         rm -f "$dir/starting"' sh "$JOBDIR" "$bin" "${args[@]}" </dev/null >/dev/null 2>&1 ||
