@@ -88,7 +88,9 @@ def wait_for_secret(paths: JobPaths, timeout: float) -> str:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            return paths.read_secret()
+            secret = paths.read_secret()
+            if secret:  # empty: the daemon is writing it right now
+                return secret
         except ConfigError:
             error = paths.start_error()
             if error is not None:
