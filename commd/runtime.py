@@ -23,6 +23,12 @@ SECRET_NAME = "secret"
 PID_NAME = "daemon.pid"
 LOG_NAME = "daemon.log"
 LOCK_NAME = "start.lock"
+#: Written by a cluster prologue that started the daemon detached: the pid of the process
+#: supervising the start (removed when the daemon exits); clients wait while it lives.
+STARTING_NAME = "starting"
+#: Written by a cluster prologue when the daemon could not be started, or exited with an error:
+#: the reason, which clients report instead of "no daemon".
+START_ERROR_NAME = "start.error"
 
 
 class ConfigError(ValueError):
@@ -128,6 +134,31 @@ class JobPaths:
     @property
     def lock_file(self) -> Path:
         return self.directory / LOCK_NAME
+
+    @property
+    def starting_file(self) -> Path:
+        return self.directory / STARTING_NAME
+
+    @property
+    def start_error_file(self) -> Path:
+        return self.directory / START_ERROR_NAME
+
+    def start_error(self) -> str | None:
+        """Why a prologue's start of the daemon failed, or None (first 4 KiB of the file)."""
+        try:
+            with open(self.start_error_file, errors="replace") as f:
+                text = f.read(4096).strip()
+        except OSError:
+            return None
+        return text or "(no reason recorded)"
+
+    def start_in_progress(self) -> bool:
+        """A prologue's start of the daemon has neither finished nor failed (its supervisor still runs)."""
+        try:
+            pid = int(self.starting_file.read_text().strip())
+        except (OSError, ValueError):
+            return False
+        return pid > 0 and pid_alive(pid)
 
     def read_secret(self) -> str:
         try:

@@ -11,7 +11,9 @@
 #   COMMD_BIN               the commd command (default: `commd` on PATH)
 #   COMMD_PROLOGUE_TIMEOUT  seconds to wait for the daemon to answer (default 60)
 #   COMMD_PROLOGUE_MODE     auto (default): the systemd user unit commd@$COMMD_JOB if it
-#                           is installed, else a detached process; or systemd / detach
+#                           is installed, else a detached process; or systemd / detach.
+#                           The unit's runtime root is $XDG_RUNTIME_DIR/commd-$COMMD_JOB:
+#                           workers then need that COMMD_RUNTIME_DIR (printed at the end).
 #   COMMD_RUNTIME_DIR, COMMD_OP_TIMEOUT, COMMD_LOG_LEVEL, COMMD_NODE, COMMD_CONFIG
 #                           passed on to a detached daemon (a systemd unit reads its
 #                           own, see deploy/commd@.service)
@@ -74,6 +76,10 @@ esac
 
 pid=
 if [[ $mode == systemd ]]; then
+    # The unit's runtime root is its RuntimeDirectory, %t/commd-<job> (deploy/commd@.service).
+    [[ -n ${XDG_RUNTIME_DIR:-} ]] || die "COMMD_PROLOGUE_MODE=systemd needs XDG_RUNTIME_DIR (the user manager's %t)" 2
+    export COMMD_RUNTIME_DIR=$XDG_RUNTIME_DIR/commd-$job
+    jobdir=$COMMD_RUNTIME_DIR/$job
     systemctl --user start "commd@$job.service" || die "systemctl --user start commd@$job failed"
 else
     (umask 077 && mkdir -p "$jobdir") || die "cannot create $jobdir"
@@ -105,3 +111,6 @@ while ! answers; do
     sleep 0.2
 done
 echo "commd prologue: the daemon of job $job answers (${mode}${pid:+, pid $pid})"
+if [[ $mode == systemd ]]; then
+    echo "commd prologue: workers need COMMD_JOB=$job COMMD_RUNTIME_DIR=$COMMD_RUNTIME_DIR"
+fi

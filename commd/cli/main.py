@@ -43,6 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     bench_cli.add_tune_arguments(p)
     p.set_defaults(run=bench_cli.run_tune)
 
+    from commd.deploy import slurm
+
+    p = sub.add_parser("slurm-plan", help="for the Slurm prolog: this node's rank and the job's rendezvous")
+    slurm.add_arguments(p)
+    p.set_defaults(run=slurm.run)
+
     args = parser.parse_args(argv)
     return int(args.run(args) or 0)
 

@@ -36,6 +36,7 @@ from commd.client.errors import (
     from_reply,
 )
 from commd.client.handle import Handle
+from commd.client.spawn import wait_for_secret
 from commd.kernels.reduce import DTYPE_NAMES, TORCH_DTYPES
 from commd.memory.arena import Arena, Segment
 from commd.protocol import schema as s
@@ -86,7 +87,7 @@ class Client:
         self.world_size = world_size
         self.local_rank = local_rank
         self.paths = JobPaths.for_job(job)
-        self.secret = secret if secret is not None else self.paths.read_secret()
+        self.secret = secret if secret is not None else wait_for_secret(self.paths, connect_timeout)
         size = arena_bytes if arena_bytes is not None else env_int(
             "COMMD_ARENA_BYTES", DEFAULT_ARENA_BYTES, 1 << 16, 1 << 40
         )

@@ -17,7 +17,7 @@ import zmq
 
 from commd.client.errors import ConnectError
 from commd.protocol import schema as s
-from commd.runtime import JobPaths, pid_alive
+from commd.runtime import ConfigError, JobPaths, pid_alive
 
 SECRET_ENV = "COMMD_SECRET"
 
@@ -75,6 +75,34 @@ def start_daemon(
         time.sleep(0.02)
     proc.kill()
     raise ConnectError(f"commd daemon for job {paths.job!r} did not answer within {timeout:.0f}s")
+
+
+def wait_for_secret(paths: JobPaths, timeout: float) -> str:
+    """The job's secret, waiting up to ``timeout`` s while a prologue's start of the daemon is in progress.
+
+    A cluster prologue (deploy/slurm/prolog.sh) starts the daemon detached and
+    returns at once, so the job's processes may start before the daemon serves
+    (a multi-node daemon serves only once every node joined).  A start that
+    failed left its reason in the job directory: that reason is the error.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            secret = paths.read_secret()
+            if secret:  # empty: the daemon is writing it right now
+                return secret
+        except ConfigError:
+            error = paths.start_error()
+            if error is not None:
+                raise ConnectError(f"the commd daemon of job {paths.job!r} could not be started: {error}") from None
+            if not paths.start_in_progress():
+                raise
+        if time.monotonic() >= deadline:
+            raise ConnectError(
+                f"the commd daemon of job {paths.job!r} is still starting after {timeout:.0f}s (a multi-node "
+                f"daemon serves once every node has joined); last lines of {paths.log_file}:\n{_tail(paths, 5)}"
+            )
+        time.sleep(0.05)
 
 
 def _tail(paths: JobPaths, lines: int = 20) -> str:

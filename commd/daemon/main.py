@@ -10,6 +10,7 @@ import re
 import socket
 import sys
 
+from commd.daemon import notify
 from commd.daemon.server import Daemon, DaemonConfig
 from commd.fabric.rendezvous import FabricSpec, parse_host_port
 from commd.runtime import ConfigError, JobPaths, env_float, env_int, new_secret
@@ -153,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
     )
     daemon = Daemon(config)
     daemon.bind()
+    notify.ready(paths.job)  # clients can connect from here on (systemd Type=notify)
     try:
         import uvloop
 

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import zmq
 
+from commd.daemon import notify
 from commd.daemon.cuda import CudaImporter
 from commd.daemon.executor import execute, execute_small, torch_dtype
 from commd.daemon.hierarchy import GroupPlan
@@ -170,6 +171,7 @@ class Daemon:
         self._closing = True
         self._shutdown_reason = reason
         log.info("shutting down: %s", reason)
+        notify.stopping(reason)
         message = f"daemon shutting down ({reason})"
         for sub in self.scheduler.drain_all():
             self._send_error(sub, s.E_SHUTDOWN, message)

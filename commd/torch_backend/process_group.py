@@ -381,6 +381,15 @@ class ProcessGroupCommd(dist.ProcessGroup):
 
 
 # ---- bootstrap -------------------------------------------------------------
+def _job_daemon_provided(paths: JobPaths) -> bool:
+    """The job's daemon was started for it (`commd launch`, a cluster prologue): use it, never spawn one.
+
+    A prologue's daemon may still be starting (forming its fabric) or have failed:
+    the Client then waits for it or reports why it failed.
+    """
+    return paths.daemon_pid() is not None or paths.start_in_progress() or paths.start_error() is not None
+
+
 def _agree(store: dist.Store, rank: int, key: str, make: Any) -> str:
     """Rank 0 proposes a value through the store; everyone returns the agreed one."""
     full = _STORE_PREFIX + key
@@ -446,7 +455,7 @@ def _bootstrap(store: dist.Store, rank: int, size: int, timeout: timedelta) -> C
     round_ = _bootstraps
     _bootstraps += 1
     launched_job = os.environ.get("COMMD_JOB")
-    if launched_job and JobPaths.for_job(launched_job).daemon_pid() is not None:
+    if launched_job and _job_daemon_provided(JobPaths.for_job(launched_job)):
         job, secret = launched_job, None  # started by `commd launch`: the secret is in the job dir
     else:
         job = _agree(store, rank, f"job.{round_}", lambda: f"job-{uuid.uuid4().hex[:16]}")

@@ -1,0 +1,1 @@
+"""Deployment helpers: what cluster start-up scripts (Slurm prolog/epilog) need from commd."""
