@@ -505,16 +505,14 @@ class FabricNode:
         self.daemon._flush()
 
     def _fail_op(self, op: ReadyOp, code: str, message: str) -> None:
-        self.daemon.stats.error(message)
-        for sub in op.subs:
-            self.daemon._send_error(sub, code, message)
+        self.daemon.fail_op(op.subs, code, message)
 
     # ---- point to point ---------------------------------------------------------
     def forward_send(self, sub: Submission, plan: GroupPlan) -> None:
         dst_node = plan.node_of[sub.peer]
         problem = self._unreachable((self.me, dst_node))
         if problem is not None:
-            self.daemon._send_error(sub, s.E_PEER_DIED, f"send to group rank {sub.peer} cannot run: {problem}")
+            self.daemon.fail_op([sub], s.E_PEER_DIED, f"send to group rank {sub.peer} cannot run: {problem}")
             return
         self._send_keys += 1
         key = self._send_keys
@@ -539,9 +537,7 @@ class FabricNode:
         try:
             ready = self.daemon.scheduler.submit(sub)
         except MatchError as exc:
-            self.daemon.stats.error(str(exc))
-            for failed in exc.subs:
-                self.daemon._send_error(failed, exc.code, str(exc))
+            self.daemon.fail_op(exc.subs, exc.code, str(exc))
             return
         if ready is not None:
             self.matched(ready)
@@ -595,7 +591,7 @@ class FabricNode:
             return
         entry = self.remote_sends.pop(item["key"], None)
         if entry is not None:
-            self.daemon._send_error(entry[0], item["code"], item["m"])
+            self.daemon.fail_op([entry[0]], item["code"], item["m"])
 
     # ---- failures ---------------------------------------------------------------
     def _unreachable(self, nodes: tuple[int, ...]) -> str | None:
@@ -620,7 +616,7 @@ class FabricNode:
         for key, (sub, plan) in list(self.remote_sends.items()):
             if plan.node_of[sub.peer] == node:
                 del self.remote_sends[key]
-                self.daemon._send_error(sub, s.E_PEER_DIED, f"send to group rank {sub.peer}: {message}")
+                self.daemon.fail_op([sub], s.E_PEER_DIED, f"send to group rank {sub.peer}: {message}")
 
     def _coordinator_lost(self, why: str) -> None:
         if self.broken is not None:
@@ -632,7 +628,7 @@ class FabricNode:
         self.negotiating.clear()
         self._outstanding.clear()
         for sub, _plan in self.remote_sends.values():
-            self.daemon._send_error(sub, s.E_PEER_DIED, f"send cannot run: {self.broken}")
+            self.daemon.fail_op([sub], s.E_PEER_DIED, f"send cannot run: {self.broken}")
         self.remote_sends.clear()
 
     def rank_died(self, rank: int, why: str) -> None:

@@ -1,0 +1,218 @@
+"""Failures leave a clear trace: in the daemon's log, in `commd status`, in the job directory.
+
+Each test provokes one kind of failure against a real daemon (or the pure
+component that decides the trace) and checks the trace against what was
+provoked: the op kind, group, sequence number and ranks it must name, the
+number of log lines a flood may cost, what is kept on disk and what is not.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import DaemonProcess, RawSocket, new_job, wait_until
+
+from commd.cli.status import format_status
+from commd.client import ops
+from commd.client.connection import Client
+from commd.client.errors import CommdError
+from commd.protocol import schema as s
+from commd.scheduler.stats import LATENCY_WINDOW, Stats
+
+WAIT_S = 30.0
+
+
+@pytest.fixture
+def daemon(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Iterator[DaemonProcess]:
+    """A daemon (op timeout 2 s) in a private runtime dir; in-process clients find it through the env."""
+    runtime = tmp_path_factory.mktemp("trace")
+    monkeypatch.setenv("COMMD_RUNTIME_DIR", str(runtime))
+    monkeypatch.delenv("COMMD_JOB", raising=False)
+    proc = DaemonProcess.start(runtime, new_job(), op_timeout=2.0).wait_ready()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def _log(daemon: DaemonProcess) -> str:
+    return (daemon.paths.directory / "daemon.out").read_text(errors="replace")
+
+
+def _log_lines(daemon: DaemonProcess, pattern: str) -> list[str]:
+    return [line for line in _log(daemon).splitlines() if re.search(pattern, line)]
+
+
+def _clients(daemon: DaemonProcess, n: int) -> list[Client]:
+    clients = [Client(r, n, job=daemon.job, arena_bytes=1 << 20) for r in range(n)]
+    for c in clients:
+        c.register_group("world", list(range(n)))
+    return clients
+
+
+def _status(daemon: DaemonProcess) -> dict[str, Any]:
+    sock = RawSocket(daemon.paths)
+    try:
+        reply = sock.request({"t": s.STATUS, "secret": daemon.secret()}, timeout=10)
+    finally:
+        sock.close()
+    assert reply["t"] == s.STATUS, reply
+    return reply["status"]
+
+
+# ---- a. one log line per op failure ------------------------------------------------
+@pytest.mark.timeout(120)
+def test_mismatch_timeout_and_dead_peer_each_leave_one_log_line(daemon: DaemonProcess) -> None:
+    c0, c1 = _clients(daemon, 2)
+    try:
+        # mismatch: rank 1 sends float64 where rank 0 sends float32 (sequence 0)
+        h0 = ops.all_reduce(c0, torch.zeros(4), group="world")
+        h1 = ops.all_reduce(c1, torch.zeros(4, dtype=torch.float64), group="world")
+        for h in (h0, h1):
+            with pytest.raises(CommdError, match="mismatch"):
+                h.wait(WAIT_S)
+        # timeout: only rank 0 submits sequence 1 (op timeout 2 s)
+        h0 = ops.all_reduce(c0, torch.zeros(4), group="world")
+        with pytest.raises(CommdError, match="timed out"):
+            h0.wait(WAIT_S)
+        # peer died: rank 0 waits on broadcast #2 while rank 1 leaves
+        h0 = ops.broadcast(c0, torch.zeros(4), 0, group="world")
+        c1.close()
+        with pytest.raises(CommdError, match="left the job"):
+            h0.wait(WAIT_S)
+    finally:
+        c0.close()
+        c1.close()
+    mismatch = wait_until(lambda: _log_lines(daemon, r"op failed \(mismatch\)"), 10, "the mismatch log line")
+    timeout = wait_until(lambda: _log_lines(daemon, r"op failed \(timeout\)"), 10, "the timeout log line")
+    died = wait_until(lambda: _log_lines(daemon, r"op failed \(peer_died\)"), 10, "the peer-died log line")
+    assert len(mismatch) == len(timeout) == len(died) == 1, (mismatch, timeout, died)
+    assert " WARNING " in mismatch[0] and "allreduce #0 on group 'world', ranks [0, 1]" in mismatch[0], mismatch
+    assert "'dtype'" in mismatch[0], mismatch  # the reason, as the ranks got it
+    assert " WARNING " in timeout[0] and "allreduce #1 on group 'world', ranks [0]" in timeout[0], timeout
+    assert "global ranks [1]" in timeout[0], timeout  # who did not submit
+    assert " ERROR " in died[0] and "broadcast #2 on group 'world', ranks [0]" in died[0], died
+    assert "global rank 1) left the job" in died[0], died
+
+
+# ---- f. a flooding client costs a bounded number of log lines ---------------------------
+@pytest.mark.timeout(120)
+def test_a_flood_of_bad_messages_is_rate_limited(daemon: DaemonProcess) -> None:
+    sock = RawSocket(daemon.paths)
+    try:
+        for _ in range(500):
+            sock.send_raw(b"\xc1 not msgpack")
+        answers = [sock.recv(WAIT_S) for _ in range(500)]
+    finally:
+        sock.close()
+    assert all(a["t"] == s.ERROR and a["code"] == s.E_PROTOCOL for a in answers)  # every one answered
+    lines = _log_lines(daemon, "not valid msgpack")
+    assert 1 <= len(lines) <= 10, f"{len(lines)} log lines for 500 bad messages"
+    # The rest are summarized once the period ends (the watchdog flushes it).
+    summary = wait_until(lambda: _log_lines(daemon, r"suppressed \d+ similar messages"), 20,
+                         "the suppressed-messages summary")
+    assert f"suppressed {500 - len(lines)} similar messages" in summary[0], summary
+
+
+def test_rate_limited_log_bounds_lines_per_key_and_summarizes() -> None:
+    from commd.daemon.loglimit import RateLimitedLog
+
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logger = logging.getLogger("commd.test.loglimit")
+    logger.propagate = False
+    logger.addHandler(Collect())
+    logger.setLevel(logging.INFO)
+    now = [100.0]
+    limiter = RateLimitedLog(logger, burst=3, period_s=10.0, max_keys=2, clock=lambda: now[0])
+    written = [limiter.log(logging.WARNING, "a", "key a", "a %d", i) for i in range(10)]
+    assert written == [True] * 3 + [False] * 7
+    assert limiter.log(logging.WARNING, "b", "key b", "b") is True  # other keys are not affected
+    assert records == ["a 0", "a 1", "a 2", "b"]
+    now[0] += 10.0
+    limiter.flush()
+    assert records[-1] == "suppressed 7 similar messages (key a) in the last 10s"
+    assert limiter.log(logging.WARNING, "a", "key a", "a again") is True  # a new period
+    # A full key table summarizes (and forgets) its stalest key instead of growing.
+    for i in range(4):
+        limiter.log(logging.WARNING, "c", "key c", "c %d", i)
+    limiter.log(logging.WARNING, "d", "key d", "d")  # evicts "a" (least recently used)
+    limiter.log(logging.WARNING, "e", "key e", "e")  # evicts "c", which had suppressed one line
+    assert "suppressed 1 similar messages (key c) in the last 0s" in records
+    assert len(limiter._windows) <= 2
+
+
+# ---- g. status: departures, the latency window, aligned tables --------------------------
+@pytest.mark.timeout(120)
+def test_a_normal_departure_is_not_an_error(daemon: DaemonProcess) -> None:
+    c0, c1 = _clients(daemon, 2)
+    try:
+        handles = [ops.all_reduce(c, torch.ones(4), group="world") for c in (c0, c1)]
+        for h in handles:
+            h.wait(WAIT_S)
+        c1.close()
+        status = wait_until(lambda: (st := _status(daemon))["departures"] and st, 10, "the departure")
+    finally:
+        c0.close()
+        c1.close()
+    assert status["last_errors"] == [], status["last_errors"]
+    assert [d["message"] for d in status["departures"]] == ["rank 1 left the job"]
+    assert "recent departures (1)" in format_status(status)
+
+
+def test_latency_percentiles_say_they_cover_a_window() -> None:
+    stats = Stats()
+    total = LATENCY_WINDOW + 952
+    for i in range(total):
+        stats.finished("world", "allreduce", 8, 1e-6 * (i + 1), ok=True)
+    row = stats.latency_table()["allreduce"]
+    assert row["count"] == total  # every op counted, not only the window
+    assert row["window"] == LATENCY_WINDOW
+    # the window holds the most recent ops: latencies 953..3000 us
+    assert row["p50_us"] == pytest.approx(1e6 * 1e-6 * (total - LATENCY_WINDOW / 2), rel=0.01)
+    text = format_status({"latency_us": {"allreduce": row}})
+    assert f"{total:,}" in text and f"last {LATENCY_WINDOW:,}" in text and "window" in text
+
+
+def _column_ends(line: str) -> list[int]:
+    """Offsets where each cell of a table line ends (cells are separated by 2+ spaces)."""
+    return [m.end() for m in re.finditer(r"\S+(?: \S+)*", line)]
+
+
+def test_per_kind_table_columns_line_up_for_any_name_length() -> None:
+    by_kind = {
+        "allreduce": {"local": {"ops": 123_456, "bytes": 5 << 30}, "tcp": {"ops": 4321, "bytes": 100}},
+        "a_very_long_kind_name_indeed": {"gloo": {"ops": 1, "bytes": 10}},
+        "x": {"tcp": {"ops": 99_999_999, "bytes": 1 << 20}},
+    }
+    text = format_status({"ops_by_lane": by_kind})
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("ops per kind and lane"))
+    table = lines[start + 1 : start + 5]
+    assert table[0].split()[0] == "kind" and len(table) == 4, table
+    ends = [_column_ends(line) for line in table]
+    assert all(len(e) == len(ends[0]) for e in ends), table  # the same number of cells on every row
+    for col in range(1, len(ends[0])):  # numbers right-aligned under their header
+        assert len({e[col] for e in ends}) == 1, f"column {col} misaligned:\n" + "\n".join(table)
+    row = {line.split()[0]: line for line in table}
+    assert "123,456" in row["allreduce"] and "5.0 GiB" in row["allreduce"]
+
+    def end(kind: str, cell: str) -> int:
+        return row[kind].index(cell) + len(cell)
+
+    # The tcp lane's op counts line up with each other, and so do its byte counts.
+    assert end("allreduce", "4,321") == end("x", "99,999,999"), "\n".join(table)
+    assert end("allreduce", "100 B") == end("x", "1.0 MiB"), "\n".join(table)
