@@ -9,12 +9,10 @@ number of log lines a flood may cost, what is kept on disk and what is not.
 from __future__ import annotations
 
 import logging
-import os
 import re
+import select
 import socket
-import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -164,12 +162,12 @@ def test_a_normal_departure_is_not_an_error(daemon: DaemonProcess) -> None:
         for h in handles:
             h.wait(WAIT_S)
         c1.close()
-        status = wait_until(lambda: (st := _status(daemon))["departures"] and st, 10, "the departure")
+        status = wait_until(lambda: (st := _status(daemon))["clients"][1:] == [] and st, 10, "rank 1 to be gone")
     finally:
         c0.close()
         c1.close()
     assert status["last_errors"] == [], status["last_errors"]
-    assert [d["message"] for d in status["departures"]] == ["rank 1 left the job"]
+    assert [d["message"] for d in status.get("departures", [])] == ["rank 1 left the job"]
     assert "recent departures (1)" in format_status(status)
 
 
@@ -216,3 +214,43 @@ def test_per_kind_table_columns_line_up_for_any_name_length() -> None:
     # The tcp lane's op counts line up with each other, and so do its byte counts.
     assert end("allreduce", "4,321") == end("x", "99,999,999"), "\n".join(table)
     assert end("allreduce", "100 B") == end("x", "1.0 MiB"), "\n".join(table)
+
+
+# ---- c. an empty op-channel datagram is a bad message, not a disconnect -------------------
+@pytest.mark.timeout(120)
+def test_daemon_answers_an_empty_datagram_and_keeps_the_client(daemon: DaemonProcess) -> None:
+    (client,) = _clients(daemon, 1)
+    try:
+        client._ops.send(b"")  # what a buggy or hostile peer may send
+        # The client is still served: an op after it completes, on the same channel.
+        t = torch.full((4,), 3.0)
+        ops.all_reduce(client, t, group="world").wait(WAIT_S)
+        assert t.tolist() == [3.0] * 4
+        status = _status(daemon)
+        assert [c["rank"] for c in status["clients"]] == [0], status["clients"]
+        assert any("empty message" in e["message"] for e in status["last_errors"]), status["last_errors"]
+    finally:
+        client.close()
+    assert not _log_lines(daemon, "closed its op channel|rank 0 .*died"), _log(daemon)
+
+
+@pytest.mark.timeout(120)
+def test_client_ignores_an_empty_datagram_but_sees_a_real_close(daemon: DaemonProcess) -> None:
+    (client,) = _clients(daemon, 1)
+    mine, fake_daemon = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    real = client._ops
+    try:
+        mine.setblocking(False)
+        client._ops = mine  # the client now reads from a "daemon" this test controls
+        client._ops_poll = select.poll()
+        client._ops_poll.register(mine.fileno(), select.POLLIN)
+        fake_daemon.send(b"")
+        client.pump(1.0)
+        assert client._broken is None, client._broken
+        fake_daemon.close()
+        client.pump(1.0)
+        assert client._broken is not None and "closed the op channel" in str(client._broken)
+    finally:
+        client._ops = real
+        client.close()
+        mine.close()
