@@ -71,7 +71,8 @@ class FabricNode:
         self.me = fabric.node_rank
         self.peer_timeout = peer_timeout
         self.coordinator = (
-            Coordinator(fabric.nnodes, fabric.config, fabric.lanes) if fabric.is_coordinator else None
+            Coordinator(fabric.nnodes, fabric.config, fabric.lanes, [n.name for n in fabric.nodes])
+            if fabric.is_coordinator else None
         )
         self.links = fabric.links
         self.negotiating: dict[tuple[str, int], tuple[ReadyOp, GroupPlan, tuple]] = {}
