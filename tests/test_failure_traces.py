@@ -9,8 +9,10 @@ number of log lines a flood may cost, what is kept on disk and what is not.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import select
+import signal
 import socket
 from collections.abc import Iterator
 from typing import Any
@@ -254,3 +256,45 @@ def test_client_ignores_an_empty_datagram_but_sees_a_real_close(daemon: DaemonPr
         client._ops = real
         client.close()
         mine.close()
+
+
+# ---- d. a daemon that was frozen says so instead of blaming the coordinator -----------------
+def op_after_go(ctx: Any) -> str:
+    """Worker: one all-reduce, then (after the test's 'go') another; returns the second one's error."""
+    client = ctx.connect()
+    t = torch.ones(4)
+    ops.all_reduce(client, t).wait(60)
+    ctx.event("first-done")
+    ctx.command()
+    try:
+        ops.all_reduce(client, t, timeout=60).wait(60)
+        return "no error"
+    except CommdError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+@pytest.mark.timeout(240)
+def test_a_frozen_daemon_says_it_was_not_scheduled(cluster: Any) -> None:
+    c = cluster(nnodes=2, nproc=1, peer_timeout=2.0)
+    workers = c.start_workers(op_after_go)
+    for w in workers:
+        for rank in w.procs:
+            w.wait_event(rank, "first-done")
+    frozen = c.daemon_pid(1)
+    os.kill(frozen, signal.SIGSTOP)  # node 1's daemon stops being scheduled...
+    try:
+        # ...until node 0 has given it up (so it was frozen for longer than the peer timeout)
+        wait_until(lambda: not c.status(0)["fabric"]["nodes"][1]["alive"], 60, "node 0 to declare node 1 dead")
+    finally:
+        os.kill(frozen, signal.SIGCONT)
+    for w in workers:
+        for rank in w.procs:
+            w.send(rank, "go")
+    results = c.join(workers, timeout=120)
+    # Node 1's rank: the error says that its own daemon was frozen, not merely that node 0 went silent.
+    assert "PeerDied" in results[1] and "this daemon (node 1, n1) was itself not scheduled for" in results[1], results
+    # Node 0's rank: node 1 (by name) was lost, for the op it names.
+    assert "allreduce #1 on group 'world'" in results[0] and "node 1 (n1)" in results[0], results
+    log1 = (c.runtime[1] / "daemon.out").read_text(errors="replace")
+    assert re.search(r"this daemon \(node 1, n1\) was not scheduled for \d+\.\d+s", log1), c.logs()
+    assert re.search(r"op failed \(peer_died\): allreduce #1 on group 'world', ranks \[1\]", log1), c.logs()
