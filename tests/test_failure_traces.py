@@ -14,7 +14,11 @@ import re
 import select
 import signal
 import socket
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -298,3 +302,77 @@ def test_a_frozen_daemon_says_it_was_not_scheduled(cluster: Any) -> None:
     log1 = (c.runtime[1] / "daemon.out").read_text(errors="replace")
     assert re.search(r"this daemon \(node 1, n1\) was not scheduled for \d+\.\d+s", log1), c.logs()
     assert re.search(r"op failed \(peer_died\): allreduce #1 on group 'world', ranks \[1\]", log1), c.logs()
+
+
+# ---- b. job directories: logs kept, the rest cleaned, old ones pruned -----------------------
+@pytest.fixture
+def rt(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private runtime root (short path: ipc socket paths are limited to ~107 bytes)."""
+    path = tmp_path_factory.mktemp("jobs")
+    monkeypatch.setenv("COMMD_RUNTIME_DIR", str(path))
+    monkeypatch.delenv("COMMD_JOB", raising=False)
+    monkeypatch.delenv("COMMD_SECRET", raising=False)
+    return path
+
+
+@pytest.mark.timeout(150)
+def test_launch_keeps_the_daemon_log_after_a_clean_run(rt: Path, tmp_path: Path) -> None:
+    script = Path(__file__).resolve().parent / "scripts" / "cli_allreduce_worker.py"
+    proc = subprocess.run([sys.executable, "-m", "commd", "launch", "--nproc-per-node", "2", str(script),
+                           str(tmp_path)], capture_output=True, text=True, timeout=120, check=False,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert proc.returncode == 0, proc.stderr
+    dirs = list(rt.iterdir())
+    assert len(dirs) == 1, f"expected the job's directory with its log, found {dirs}"
+    job_dir = dirs[0]
+    assert sorted(p.name for p in job_dir.iterdir()) == ["daemon.log"]  # sockets, secret, pid: gone
+    log = (job_dir / "daemon.log").read_text()
+    assert "client rank 1" in log and "daemon stopped" in log, log
+
+
+def _finished_job(root: Path, name: str, age_s: float, extra: dict[str, str] | None = None) -> Path:
+    """A job directory as a finished daemon leaves it, last touched ``age_s`` ago."""
+    job = root / name
+    job.mkdir(mode=0o700)
+    files = {"daemon.log": f"log of {name}\n", "start.lock": "", **(extra or {})}
+    for file, text in files.items():
+        (job / file).write_text(text)
+    stamp = time.time() - age_s
+    for path in [*job.iterdir(), job]:
+        os.utime(path, (stamp, stamp))
+    return job
+
+
+@pytest.mark.timeout(120)
+def test_a_daemon_start_prunes_old_finished_job_directories(rt: Path) -> None:
+    from commd.cli.launch import stop_daemon
+    from commd.client.spawn import start_daemon
+    from commd.runtime import JobPaths, new_secret
+
+    hour, day = 3600.0, 24 * 3600.0
+    finished = [_finished_job(rt, f"old{i:02d}", (i + 1) * hour) for i in range(13)]  # old00 is the newest
+    ancient = _finished_job(rt, "ancient", 8 * day)
+    alive = _finished_job(rt, "alive", 2 * day, {"daemon.pid": str(os.getpid())})  # a live daemon's
+    foreign = _finished_job(rt, "foreign", 2 * day, {"notes.txt": "not commd's"})
+    fresh = _finished_job(rt, "fresh", 1.0)  # may be starting right now
+    paths = JobPaths.for_job("newjob")
+    daemon = start_daemon(paths, new_secret(), exit_when_idle=False, timeout=60)
+    try:
+        left = {p.name for p in rt.iterdir()}
+    finally:
+        assert stop_daemon(daemon) == 0
+    kept_finished = {p.name for p in finished[:10]}
+    assert left == kept_finished | {alive.name, foreign.name, fresh.name, "newjob"}, sorted(left)
+    assert ancient.name not in left
+    # the daemon that exits cleanly leaves only its log (the start lock, if any, is harmless)
+    assert {p.name for p in paths.directory.iterdir()} <= {"daemon.log", "start.lock"}
+    assert "daemon stopped" in paths.log_file.read_text()
+
+
+def test_finished_job_directories_older_than_a_week_are_pruned_even_when_few(tmp_path: Path) -> None:
+    from commd.runtime import KEEP_FINISHED_S, prune_finished_jobs
+
+    recent = _finished_job(tmp_path, "recent", 3600.0)
+    old = _finished_job(tmp_path, "old", KEEP_FINISHED_S + 3600.0)
+    assert prune_finished_jobs(tmp_path) == [old]
+    assert [p.name for p in tmp_path.iterdir()] == [recent.name]
