@@ -53,9 +53,9 @@ class RateLimitedLog:
         self._windows: collections.OrderedDict[Hashable, _Window] = collections.OrderedDict()
         self.suppressed_total = 0
 
-    def log(self, level: int, key: Hashable, label: str, msg: str, *args: Any) -> bool:
+    def log(self, level: int, key: Hashable, label: str, msg: str, *args: Any, exc_info: bool = False) -> bool:
         """Log unless ``key`` used up its burst in this period; ``label`` names the key in the
-        summary line ("from client 3: protocol").  Returns whether the line was written."""
+        summary line ("protocol errors from client 3").  Returns whether the line was written."""
         now = self.clock()
         window = self._windows.get(key)
         if window is not None and now - window.start >= self.period_s:
@@ -71,7 +71,7 @@ class RateLimitedLog:
             self._windows.move_to_end(key)
         if window.logged < self.burst:
             window.logged += 1
-            self.logger.log(level, msg, *args)
+            self.logger.log(level, msg, *args, exc_info=exc_info)
             return True
         window.suppressed += 1
         window.level = max(window.level, level)

@@ -213,7 +213,8 @@ class Daemon:
         while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
             if len(frames) != 2:
-                log.warning("dropping a message of %d frames", len(frames))
+                self.log_limit.log(logging.WARNING, ("frames", frames[0]), f"bad messages from {frames[0]!r}",
+                                   "dropping a message of %d frames from %r", len(frames), frames[0])
                 continue
             self._dispatch(frames[0], frames[1])
 
@@ -288,7 +289,8 @@ class Daemon:
                                "op channel error from %s: %s", who, exc)
             channel.send(s.encode({"t": s.ERROR, "code": exc.code, "message": str(exc), "id": op_id}))
         except Exception as exc:  # never let one bad message stop the daemon
-            log.exception("internal error handling an op")
+            self.log_limit.log(logging.ERROR, ("internal", id(channel)), "internal errors on an op channel",
+                               "internal error handling an op", exc_info=True)
             channel.send(s.encode({"t": s.ERROR, "code": s.E_INTERNAL, "message": f"internal error: {exc}", "id": op_id}))
 
     def _attach_channel(self, channel: OpConnection, msg: dict[str, Any]) -> None:
@@ -354,7 +356,8 @@ class Daemon:
             target = client.reply_identity if client and op_id >= 0 and client.reply_identity else identity
             self._reply_error(target, exc.code, str(exc), op_id)
         except Exception as exc:  # never let one bad message stop the daemon
-            log.exception("internal error handling a message")
+            self.log_limit.log(logging.ERROR, ("internal", identity), f"internal errors for {identity!r}",
+                               "internal error handling a message", exc_info=True)
             self._reply_error(identity, s.E_INTERNAL, f"internal error: {exc}", op_id)
 
     def _client(self, identity: bytes) -> ClientRecord:
