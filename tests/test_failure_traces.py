@@ -382,3 +382,36 @@ def test_finished_job_directories_older_than_a_week_are_pruned_even_when_few(tmp
     old = _finished_job(tmp_path, "old", KEEP_FINISHED_S + 3600.0)
     assert prune_finished_jobs(tmp_path) == [old]
     assert [p.name for p in tmp_path.iterdir()] == [recent.name]
+
+
+def test_failure_line_levels_and_point_to_point_description() -> None:
+    """A lane error is an ERROR line naming the op; a p2p failure names send/recv and both ranks."""
+    from commd.daemon.failure_log import OpFailureLog
+    from commd.daemon.loglimit import RateLimitedLog
+    from commd.scheduler.ops import Submission
+
+    records: list[logging.LogRecord] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    logger = logging.getLogger("commd.test.failures")
+    logger.propagate = False
+    logger.addHandler(Collect())
+    members = {"g": [4, 5, 6, 7]}
+    failures = OpFailureLog(RateLimitedLog(logger), members.get)
+
+    def sub(kind: str, group_rank: int, seq: int = 0) -> Submission:
+        return Submission(client_id=1, op_id=1, group="g", group_rank=group_rank, group_size=4, seq=seq,
+                          kind=kind, dtype="float32")
+
+    failures.record(s.E_INTERNAL, "lane tcp: peer node 1 closed the connection", [sub("allreduce", 0, 9),
+                                                                                  sub("allreduce", 1, 9)])
+    failures.record(s.E_MISMATCH, "send 4 x float32 vs recv 5 x float32", [sub("send", 2), sub("recv", 3)])
+    lane, p2p = records
+    assert lane.levelno == logging.ERROR
+    assert lane.getMessage() == ("op failed (internal): allreduce #9 on group 'g', ranks [4, 5]: "
+                                 "lane tcp: peer node 1 closed the connection")
+    assert p2p.levelno == logging.WARNING
+    assert p2p.getMessage().startswith("op failed (mismatch): send/recv on group 'g', ranks [6, 7]: ")

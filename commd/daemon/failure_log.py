@@ -29,7 +29,7 @@ def describe_op(subs: Sequence[Submission]) -> str:
     """'allreduce #3 on group 'world'', or 'send/recv on group 'g'' for point-to-point."""
     first = subs[0]
     if first.kind in P2P_KINDS:
-        kinds = "/".join(sorted({sub.kind for sub in subs}))
+        kinds = "/".join(k for k in P2P_KINDS if any(sub.kind == k for sub in subs))
         return f"{kinds} on group '{first.group}'"
     return f"{first.kind} #{first.seq} on group '{first.group}'"
 
