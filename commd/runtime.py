@@ -7,11 +7,15 @@ environment variable commd reads is parsed and validated here too.
 
 from __future__ import annotations
 
+import fcntl
 import hmac
 import os
 import re
 import secrets
+import shutil
 import tempfile
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +33,19 @@ STARTING_NAME = "starting"
 #: Written by a cluster prologue when the daemon could not be started, or exited with an error:
 #: the reason, which clients report instead of "no daemon".
 START_ERROR_NAME = "start.error"
+#: Where deploy/prologue.sh sends a detached daemon's output.
+DAEMON_OUT_NAME = "daemon.out"
+#: Everything commd puts in a job directory; a directory holding anything else is never pruned.
+JOB_FILES = frozenset({
+    SOCKET_NAME, OPS_SOCKET_NAME, SECRET_NAME, PID_NAME, LOG_NAME, LOCK_NAME,
+    STARTING_NAME, START_ERROR_NAME, DAEMON_OUT_NAME,
+})
+#: Finished jobs whose directories (and so their daemon.log) are kept: the most recent ones ...
+KEEP_FINISHED_JOBS = 10
+#: ... and none older than this.
+KEEP_FINISHED_S = 7 * 24 * 3600.0
+#: A directory touched this recently may belong to a job starting right now: never pruned.
+PRUNE_GRACE_S = 60.0
 
 
 class ConfigError(ValueError):
@@ -174,6 +191,28 @@ class JobPaths:
         with os.fdopen(fd, "w") as f:
             f.write(secret)
 
+    def clear_keeping_log(self) -> None:
+        """Remove everything in the job directory but its log (a finished job's post-mortem)."""
+        try:
+            entries = list(self.directory.iterdir())
+        except FileNotFoundError:
+            return
+        for entry in entries:
+            if entry.name == LOG_NAME:
+                continue
+            try:
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink()
+            except FileNotFoundError:
+                pass
+        if not self.log_file.exists():
+            try:
+                self.directory.rmdir()
+            except OSError:
+                pass
+
     def daemon_pid(self) -> int | None:
         """The pid in the pid file if that process is alive, else None."""
         try:
@@ -181,6 +220,70 @@ class JobPaths:
         except (FileNotFoundError, ValueError):
             return None
         return pid if pid_alive(pid) else None
+
+
+def prune_finished_jobs(
+    root: Path | None = None,
+    keep: int = KEEP_FINISHED_JOBS,
+    max_age_s: float = KEEP_FINISHED_S,
+    exclude: Iterable[str] = (),
+    now: float | None = None,
+) -> list[Path]:
+    """Remove the directories of finished jobs beyond the ``keep`` most recent and older than
+    ``max_age_s``; returns what was removed.
+
+    Every daemon start calls this, so finished jobs' directories (each holding its daemon.log
+    once the daemon has exited) stay bounded instead of piling up one per run.  A directory is
+    *finished* when no live daemon owns it (no pid file, or its pid is gone), it was not touched
+    for ``PRUNE_GRACE_S`` (a job may be starting in it), it belongs to us and holds nothing but
+    commd's own files.  Recency is the newest modification time of the directory and its log.
+    """
+    root = root if root is not None else runtime_root()
+    now = time.time() if now is None else now
+    skip = set(exclude)
+    finished: list[tuple[float, Path]] = []
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return []
+    for entry in entries:
+        if entry.name in skip or not JOB_NAME.match(entry.name) or entry.is_symlink() or not entry.is_dir():
+            continue
+        try:
+            if entry.stat().st_uid != os.getuid():
+                continue
+            names = {child.name for child in entry.iterdir()}
+            paths = JobPaths(entry.name, entry)
+            if not names <= JOB_FILES or paths.daemon_pid() is not None or paths.start_in_progress():
+                continue
+            stamps = [entry.stat().st_mtime] + [(entry / n).stat().st_mtime for n in names & {LOG_NAME, PID_NAME}]
+        except OSError:
+            continue
+        last = max(stamps)
+        if now - last >= PRUNE_GRACE_S and not _locked(entry / LOCK_NAME):
+            finished.append((last, entry))
+    finished.sort(reverse=True)
+    removed = []
+    for index, (last, entry) in enumerate(finished):
+        if index >= keep or now - last > max_age_s:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
+def _locked(lock_file: Path) -> bool:
+    """True if someone holds the job's start lock (a daemon is being started there now)."""
+    try:
+        fd = os.open(lock_file, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # closing releases a lock we took
+    return False
 
 
 def new_secret() -> str:

@@ -196,3 +196,43 @@ def test_a_failure_while_releasing_fails_the_op_instead_of_leaving_it(monkeypatc
     coord.report(1, [entry(mine=[2, 3])], out)
     assert out.messages[0][0]["t"] == "fail" and out.messages[1][0]["code"] == "internal"
     assert not coord.pending
+
+
+NAMES = ["alpha", "beta", "gamma"]
+
+
+def test_errors_name_the_op_kind_and_the_nodes() -> None:
+    """Every failure the coordinator sends says which op (kind, seq, group) and which nodes, by name."""
+    coord = Coordinator(3, SchedulerConfig(), LANES, NAMES)
+    pl = (0, 1, 2)
+    # mismatch between nodes 0 and 1 of a broadcast
+    out = Outbox()
+    coord.report(0, [entry(kind="broadcast", ranks=(0, 1), pl=(0, 1), mine=[0])], out)
+    coord.report(1, [entry(kind="broadcast", ranks=(0, 1), pl=(0, 1), mine=[1], count=5)], out)
+    message = out.messages[0][0]["m"]
+    assert "broadcast #0 on group 'g'" in message and "nodes [0, 1] (alpha, beta)" in message, message
+    # timeout waiting for nodes 1 and 2 of an all-gather
+    out = Outbox()
+    coord.report(0, [entry(group="t", kind="allgather", ranks=(0, 1, 2), pl=pl, mine=[0], to=1.0)], out)
+    coord.expire(coord.pending[("t", 0)].first_at + 5, out)
+    message = out.messages[0][0]["m"]
+    assert "allgather #0 on group 't'" in message and "nodes [1, 2] (beta, gamma)" in message, message
+    # a node dies while an all-reduce waits for it
+    out = Outbox()
+    coord.report(0, [entry(group="d", ranks=(0, 1, 2), pl=pl, mine=[0])], out)
+    coord.node_dead(2, "stopped answering", out)
+    message = out.messages[0][0]["m"]
+    assert message.startswith("allreduce #0 on group 'd' cannot run: node 2 (gamma) stopped answering"), message
+    # a rank dies while a reduce waits for it
+    out = Outbox()
+    coord.report(0, [entry(group="r", kind="reduce", ranks=(0, 1), pl=(0, 1), mine=[0])], out)
+    coord.rank_died(1, 1, "died", out)
+    message = out.messages[0][0]["m"]
+    assert "reduce #0 on group 'r'" in message and "rank 1 (on node 1 (beta)) died" in message, message
+    # a later op for the dead node, and a send to it
+    out = Outbox()
+    coord.report(0, [entry(group="e", kind="gather", ranks=(0, 2), pl=(0, 2), mine=[0])], out)
+    coord.p2p_send(0, {"t": "p2p_send", "key": 1, "dn": 2, "nb": 4, "dst": 1}, out)
+    gather, send = out.messages[0]
+    assert gather["m"].startswith("gather #0 on group 'e' cannot run: node 2 (gamma)"), gather
+    assert "node 2 (gamma) stopped answering" in send["m"], send

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -378,11 +377,11 @@ def run(args: argparse.Namespace) -> int:
             if daemon_code != 0:
                 print(f"commd launch: the commd daemon {describe_exit(daemon_code)}; "
                       f"see {paths.log_file}", file=sys.stderr)
-            elif code == 0 and args.job is None:
-                # A clean run under a throwaway name leaves nothing behind.
-                shutil.rmtree(paths.directory, ignore_errors=True)
+            elif args.job is None:
+                # A run under a throwaway name leaves only its log behind (pruned by later starts).
+                paths.clear_keeping_log()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if code != 0 and daemon is not None:
-        print(f"commd launch: daemon logs for job {job!r} are in {paths.directory}", file=sys.stderr)
+        print(f"commd launch: the daemon log of job {job!r} is {paths.log_file}", file=sys.stderr)
     return code

@@ -193,11 +193,12 @@ def format_status(status: dict[str, Any]) -> str:
     if by_kind:
         lanes = sorted({lane for row in by_kind.values() for lane in row}, key=lambda x: (x != "local", x))
         out.append("")
-        out.append("ops per kind and lane (ops / bytes; 'local': no lane, the node's own ranks)")
+        out.append("ops per kind and lane ('local': no lane, the node's own ranks)")
+        # One column for ops and one for bytes per lane, so every number lines up.
         out += _table(
-            ["kind", *lanes],
-            [[kind] + [f"{row[lane]['ops']:,} / {human_bytes(row[lane]['bytes'])}" if lane in row else "-"
-                       for lane in lanes]
+            ["kind"] + [f"{lane} {what}" for lane in lanes for what in ("ops", "bytes")],
+            [[kind] + [cell for lane in lanes for cell in (
+                (f"{row[lane]['ops']:,}", human_bytes(row[lane]["bytes"])) if lane in row else ("-", "-"))]
              for kind, row in sorted(by_kind.items())],
         )
 
@@ -229,12 +230,13 @@ def format_status(status: dict[str, Any]) -> str:
 
     latency = status.get("latency_us") or {}
     out.append("")
-    out.append("op latency (submit of the first rank to completion)")
+    out.append("op latency (submit of the first rank to completion; percentiles over the 'window' most recent ops)")
     if latency:
         out += _table(
-            ["op", "count", "p50", "p90", "p99"],
-            [[kind, f"{row.get('count', 0):,}", human_us(row.get("p50_us", 0)), human_us(row.get("p90_us", 0)),
-              human_us(row.get("p99_us", 0))] for kind, row in sorted(latency.items())],
+            ["op", "count", "window", "p50", "p90", "p99"],
+            [[kind, f"{row.get('count', 0):,}", f"last {row.get('window', row.get('count', 0)):,}",
+              human_us(row.get("p50_us", 0)), human_us(row.get("p90_us", 0)), human_us(row.get("p99_us", 0))]
+             for kind, row in sorted(latency.items())],
         )
     else:
         out.append("  (no op completed yet)")
@@ -274,6 +276,14 @@ def format_status(status: dict[str, Any]) -> str:
             out.append(f"  {stamp}  {err.get('message')}")
     else:
         out.append("  (none)")
+
+    departures = status.get("departures") or []
+    if departures:
+        out.append("")
+        out.append(f"recent departures ({len(departures)})")
+        for dep in departures[-10:]:
+            stamp = time.strftime("%H:%M:%S", time.localtime(float(dep.get("time", 0))))
+            out.append(f"  {stamp}  {dep.get('message')}")
     return "\n".join(out)
 
 

@@ -40,6 +40,7 @@ from commd.client.spawn import wait_for_secret
 from commd.kernels.reduce import DTYPE_NAMES, TORCH_DTYPES
 from commd.memory.arena import Arena, Segment
 from commd.protocol import schema as s
+from commd.protocol.seqpacket import peer_closed
 from commd.runtime import JobPaths, env_float, env_int, pid_alive
 
 log = logging.getLogger("commd.client")
@@ -258,8 +259,11 @@ class Client:
                 except (BlockingIOError, InterruptedError):
                     return
                 if not frame:
-                    self._daemon_gone("closed the op channel")
-                    return
+                    if peer_closed(sock):
+                        self._daemon_gone("closed the op channel")
+                        return
+                    log.error("commd daemon sent an empty message on the op channel; ignored")
+                    continue
                 self._on_reply(frame)
         except (OSError, ValueError) as exc:
             if not self._closed:

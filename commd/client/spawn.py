@@ -17,7 +17,7 @@ import zmq
 
 from commd.client.errors import ConnectError
 from commd.protocol import schema as s
-from commd.runtime import ConfigError, JobPaths, pid_alive
+from commd.runtime import ConfigError, JobPaths, pid_alive, prune_finished_jobs
 
 SECRET_ENV = "COMMD_SECRET"
 
@@ -57,6 +57,9 @@ def start_daemon(
         command.append("--exit-when-idle")
     command += extra_args or []
     paths.ensure()
+    os.utime(paths.directory)  # "in use now": keeps a concurrent start's pruning away from it
+    # Finished jobs' directories (their logs) are bounded: every daemon start prunes the old ones.
+    prune_finished_jobs(paths.directory.parent, exclude=[paths.job])
     log = open(paths.log_file, "ab")  # the daemon logs to stderr
     proc = subprocess.Popen(
         command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,

@@ -50,6 +50,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("commd.fabric")
 
 HEARTBEAT_S = 0.5
+#: A gap between two watchdog ticks of at least this (and of half the peer timeout) means this
+#: daemon's own loop did not run (stopped, suspended, starved): peers' silence in it is not theirs.
+FROZEN_MIN_S = 1.0
 #: Released ops up to this size run on the event loop when their lane is idle.
 INLINE_LANE_BYTES = 64 * 1024
 #: All-reduces up to this size travel with the negotiation (reduced by the coordinator).
@@ -71,7 +74,8 @@ class FabricNode:
         self.me = fabric.node_rank
         self.peer_timeout = peer_timeout
         self.coordinator = (
-            Coordinator(fabric.nnodes, fabric.config, fabric.lanes) if fabric.is_coordinator else None
+            Coordinator(fabric.nnodes, fabric.config, fabric.lanes, [n.name for n in fabric.nodes])
+            if fabric.is_coordinator else None
         )
         self.links = fabric.links
         self.negotiating: dict[tuple[str, int], tuple[ReadyOp, GroupPlan, tuple]] = {}
@@ -95,6 +99,8 @@ class FabricNode:
         now = time.monotonic()
         self.last_heard = {n.rank: now for n in fabric.nodes}
         self._last_beat = 0.0
+        self._last_tick = now
+        self._frozen: tuple[float, float] | None = None  # (noticed at, seconds) of this daemon's last freeze
         self.fabric_stalls: list[dict[str, Any]] = []
         self._warned: set[tuple[str, int]] = set()
         self.negotiation_us: collections.deque[float] = collections.deque(maxlen=4096)
@@ -172,10 +178,10 @@ class FabricNode:
     def _on_link_closed(self, node: int, why: str) -> None:
         if self.coordinator is not None:
             out = Outbox()
-            self.coordinator.node_dead(node, f"lost its control connection ({why})", out)
+            self.coordinator.node_dead(node, f"lost its control connection ({why}){self._freeze_note()}", out)
             self._dispatch(out)
         else:
-            self._coordinator_lost(f"closed the control connection ({why})")
+            self._coordinator_lost(f"closed the control connection ({why}){self._freeze_note()}")
         self.daemon._flush()
 
     # ---- coordinator side -------------------------------------------------------
@@ -505,16 +511,14 @@ class FabricNode:
         self.daemon._flush()
 
     def _fail_op(self, op: ReadyOp, code: str, message: str) -> None:
-        self.daemon.stats.error(message)
-        for sub in op.subs:
-            self.daemon._send_error(sub, code, message)
+        self.daemon.fail_op(op.subs, code, message)
 
     # ---- point to point ---------------------------------------------------------
     def forward_send(self, sub: Submission, plan: GroupPlan) -> None:
         dst_node = plan.node_of[sub.peer]
         problem = self._unreachable((self.me, dst_node))
         if problem is not None:
-            self.daemon._send_error(sub, s.E_PEER_DIED, f"send to group rank {sub.peer} cannot run: {problem}")
+            self.daemon.fail_op([sub], s.E_PEER_DIED, f"send to group rank {sub.peer} cannot run: {problem}")
             return
         self._send_keys += 1
         key = self._send_keys
@@ -539,9 +543,7 @@ class FabricNode:
         try:
             ready = self.daemon.scheduler.submit(sub)
         except MatchError as exc:
-            self.daemon.stats.error(str(exc))
-            for failed in exc.subs:
-                self.daemon._send_error(failed, exc.code, str(exc))
+            self.daemon.fail_op(exc.subs, exc.code, str(exc))
             return
         if ready is not None:
             self.matched(ready)
@@ -595,7 +597,7 @@ class FabricNode:
             return
         entry = self.remote_sends.pop(item["key"], None)
         if entry is not None:
-            self.daemon._send_error(entry[0], item["code"], item["m"])
+            self.daemon.fail_op([entry[0]], item["code"], item["m"])
 
     # ---- failures ---------------------------------------------------------------
     def _unreachable(self, nodes: tuple[int, ...]) -> str | None:
@@ -620,7 +622,7 @@ class FabricNode:
         for key, (sub, plan) in list(self.remote_sends.items()):
             if plan.node_of[sub.peer] == node:
                 del self.remote_sends[key]
-                self.daemon._send_error(sub, s.E_PEER_DIED, f"send to group rank {sub.peer}: {message}")
+                self.daemon.fail_op([sub], s.E_PEER_DIED, f"send to group rank {sub.peer}: {message}")
 
     def _coordinator_lost(self, why: str) -> None:
         if self.broken is not None:
@@ -632,14 +634,50 @@ class FabricNode:
         self.negotiating.clear()
         self._outstanding.clear()
         for sub, _plan in self.remote_sends.values():
-            self.daemon._send_error(sub, s.E_PEER_DIED, f"send cannot run: {self.broken}")
+            self.daemon.fail_op([sub], s.E_PEER_DIED, f"send cannot run: {self.broken}")
         self.remote_sends.clear()
 
     def rank_died(self, rank: int, why: str) -> None:
         self._up_send({"t": "rank_died", "rank": rank, "why": why})
 
+    def _frozen_threshold(self) -> float:
+        return max(FROZEN_MIN_S, self.peer_timeout / 2)
+
+    def _check_frozen(self, now: float) -> None:
+        """Notice that this daemon's own loop did not run for a while (SIGSTOP, a suspended VM, CPU
+        starvation): the silence of the other nodes over that gap is this daemon's, not theirs, so
+        they get a fresh peer timeout, and verdicts soon after say that this daemon was frozen."""
+        gap = now - self._last_tick
+        self._last_tick = now
+        if gap < self._frozen_threshold():
+            return
+        self._frozen = (now, gap)
+        log.warning("fabric: this daemon (node %d, %s) was not scheduled for %.1fs (its event loop did not run: "
+                    "the process was stopped, suspended or starved of CPU)%s", self.me, self.fabric.nodes[self.me].name,
+                    gap, "; longer than the peer timeout, so the other nodes have probably given it up"
+                    if gap > self.peer_timeout else "")
+        for node in self.last_heard:
+            self.last_heard[node] = max(self.last_heard[node], now)
+
+    def _freeze_note(self) -> str:
+        """What to add to a verdict about a silent or vanished peer when this daemon itself was frozen
+        just before (its own silence is the likelier cause); '' otherwise."""
+        now = time.monotonic()
+        gap = now - self._last_tick
+        if gap >= self._frozen_threshold():  # frozen right now, the watchdog has not run yet
+            seconds = gap
+        elif self._frozen is not None and now - self._frozen[0] <= 2 * self.peer_timeout + 1:
+            seconds = self._frozen[1]
+        else:
+            return ""
+        longer = f", longer than the peer timeout of {self.peer_timeout:g}s" if seconds > self.peer_timeout else ""
+        return (f"; but this daemon (node {self.me}, {self.fabric.nodes[self.me].name}) was itself not scheduled "
+                f"for {seconds:.1f}s just before (stopped, suspended or starved of CPU){longer}, so the silence "
+                f"was most likely its own")
+
     # ---- periodic ---------------------------------------------------------------
     def tick(self, now: float) -> None:
+        self._check_frozen(now)
         for name, items in list(self.early_sends.items()):
             keep = []
             for item in items:
@@ -659,10 +697,11 @@ class FabricNode:
             self.coordinator.expire(now, out)
             for node in range(1, self.fabric.nnodes):
                 if node not in self.dead and now - self.last_heard[node] > self.peer_timeout:
-                    self.coordinator.node_dead(node, f"has not been heard from for {self.peer_timeout:.0f}s", out)
+                    self.coordinator.node_dead(
+                        node, f"has not been heard from for {self.peer_timeout:g}s{self._freeze_note()}", out)
             self._dispatch(out)
         elif self.broken is None and now - self.last_heard[0] > self.peer_timeout:
-            self._coordinator_lost(f"has not been heard from for {self.peer_timeout:.0f}s")
+            self._coordinator_lost(f"has not been heard from for {self.peer_timeout:g}s{self._freeze_note()}")
         if now - self._last_beat < HEARTBEAT_S:
             return
         self._last_beat = now

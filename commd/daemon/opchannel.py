@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from commd.protocol import schema as s
+from commd.protocol.seqpacket import peer_closed
 
 log = logging.getLogger("commd.daemon")
 
@@ -158,7 +159,10 @@ class OpListener:
             except BlockingIOError:
                 return
             except OSError:
-                frame = b""
+                frame = None
+            if frame == b"" and not peer_closed(channel.sock):
+                self.on_message(channel, frame)  # an empty datagram: a bad message, answered as such
+                continue
             if not frame:
                 self.connections.discard(channel)
                 channel.close()

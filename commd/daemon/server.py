@@ -19,6 +19,7 @@ import queue
 import signal
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +30,9 @@ import zmq
 from commd.daemon import notify
 from commd.daemon.cuda import CudaImporter
 from commd.daemon.executor import execute, execute_small, torch_dtype
+from commd.daemon.failure_log import OpFailureLog
 from commd.daemon.hierarchy import GroupPlan
+from commd.daemon.loglimit import RateLimitedLog
 from commd.daemon.opchannel import OpConnection, OpListener
 from commd.kernels.small import NUMPY_DTYPES
 from commd.memory.arena import Segment
@@ -96,6 +99,9 @@ class Daemon:
         self.config = config
         self.stats = Stats()
         self.scheduler = LocalScheduler(self.stats)
+        #: Every line a client can cause goes through this limiter (a bad client cannot flood the log).
+        self.log_limit = RateLimitedLog(log)
+        self.failures = OpFailureLog(self.log_limit, self._group_members)
         self.cuda = CudaImporter()
         self.clients: dict[bytes, ClientRecord] = {}
         self.by_id: dict[int, ClientRecord] = {}
@@ -173,8 +179,7 @@ class Daemon:
         log.info("shutting down: %s", reason)
         notify.stopping(reason)
         message = f"daemon shutting down ({reason})"
-        for sub in self.scheduler.drain_all():
-            self._send_error(sub, s.E_SHUTDOWN, message)
+        self.fail_each([(sub, message) for sub in self.scheduler.drain_all()], s.E_SHUTDOWN)
         # Queued ops are failed by the lane as it drains; wait for the running one.
         self.loop.create_task(self._finish_shutdown())
 
@@ -210,7 +215,8 @@ class Daemon:
         while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
             if len(frames) != 2:
-                log.warning("dropping a message of %d frames", len(frames))
+                self.log_limit.log(logging.WARNING, ("frames", frames[0]), f"bad messages from {frames[0]!r}",
+                                   "dropping a message of %d frames from %r", len(frames), frames[0])
                 continue
             self._dispatch(frames[0], frames[1])
 
@@ -226,7 +232,8 @@ class Daemon:
             log.debug("cannot reach client %r: %s", identity, exc)
 
     def _reply_error(self, identity: bytes, code: str, message: str, op_id: int = -1) -> None:
-        log.warning("error for %r: %s", identity, message)
+        self.log_limit.log(logging.WARNING, ("control", identity, code), f"{code} errors for {identity!r}",
+                           "error for %r: %s", identity, message)
         self.stats.error(message)
         self._send(identity, {"t": s.ERROR, "code": code, "message": message, "id": op_id})
 
@@ -236,6 +243,25 @@ class Daemon:
             client.op_channel.reply(message)
         elif client.reply_identity is not None:
             self._send(client.reply_identity, message)
+
+    def fail_op(self, subs: Sequence[Submission], code: str, message: str) -> None:
+        """Fail one op: a line in the log, an entry in 'last errors', the error to each submission's rank."""
+        self.stats.error(message)
+        self.failures.record(code, message, subs)
+        for sub in subs:
+            self._send_error(sub, code, message)
+
+    def fail_each(self, failed: Sequence[tuple[Submission, str]], code: str) -> None:
+        """Fail (submission, message) pairs, grouped into ops (same group, sequence and message)."""
+        ops: dict[tuple[str, int, str, bool], list[Submission]] = {}
+        for sub, message in failed:
+            ops.setdefault((sub.group, sub.seq, message, sub.kind in ("send", "recv")), []).append(sub)
+        for (_group, _seq, message, _p2p), subs in ops.items():
+            self.fail_op(subs, code, message)
+
+    def _group_members(self, name: str) -> list[int] | None:
+        group = self.scheduler.groups.get(name)
+        return group.ranks if group is not None else None
 
     def _send_error(self, sub: Submission, code: str, message: str) -> None:
         if sub.origin >= 0:  # a send forwarded from another node: the error goes back there
@@ -260,10 +286,13 @@ class Daemon:
                 raise s.ProtocolError(f"only ops travel on the op channel, not {msg['t']!r}")
         except s.ProtocolError as exc:
             self.stats.error(str(exc))
-            log.warning("op channel error: %s", exc)
+            who = f"client {channel.client.client_id}" if channel.client is not None else f"channel {id(channel):x}"
+            self.log_limit.log(logging.WARNING, ("ops", id(channel), exc.code), f"{exc.code} errors from {who}",
+                               "op channel error from %s: %s", who, exc)
             channel.send(s.encode({"t": s.ERROR, "code": exc.code, "message": str(exc), "id": op_id}))
         except Exception as exc:  # never let one bad message stop the daemon
-            log.exception("internal error handling an op")
+            self.log_limit.log(logging.ERROR, ("internal", id(channel)), "internal errors on an op channel",
+                               "internal error handling an op", exc_info=True)
             channel.send(s.encode({"t": s.ERROR, "code": s.E_INTERNAL, "message": f"internal error: {exc}", "id": op_id}))
 
     def _attach_channel(self, channel: OpConnection, msg: dict[str, Any]) -> None:
@@ -329,7 +358,8 @@ class Daemon:
             target = client.reply_identity if client and op_id >= 0 and client.reply_identity else identity
             self._reply_error(target, exc.code, str(exc), op_id)
         except Exception as exc:  # never let one bad message stop the daemon
-            log.exception("internal error handling a message")
+            self.log_limit.log(logging.ERROR, ("internal", identity), f"internal errors for {identity!r}",
+                               "internal error handling a message", exc_info=True)
             self._reply_error(identity, s.E_INTERNAL, f"internal error: {exc}", op_id)
 
     def _client(self, identity: bytes) -> ClientRecord:
@@ -470,7 +500,7 @@ class Daemon:
     def _on_bye(self, identity: bytes) -> None:
         client = self.clients.get(identity)
         if client is not None:
-            self._drop_client(client, "left the job", notify_peers=True)
+            self._drop_client(client, "left the job", notify_peers=True, clean=True)
         self._send(identity, {"t": s.ACK})
 
     def _on_status(self, identity: bytes, msg: dict[str, Any]) -> None:
@@ -502,9 +532,7 @@ class Daemon:
         try:
             ready = self.scheduler.submit(sub)
         except MatchError as exc:
-            self.stats.error(str(exc))
-            for failed in exc.subs:
-                self._send_error(failed, exc.code, str(exc))
+            self.fail_op(exc.subs, exc.code, str(exc))
             return
         if ready is None:
             return
@@ -609,9 +637,7 @@ class Daemon:
         self.stats.finished(op.group, op.kind, op.nbytes, time.monotonic() - op.first_at, error is None, op.lane)
         if error is not None:
             code = s.E_SHUTDOWN if self._closing else (code or s.E_INTERNAL)
-            self.stats.error(error)
-            for sub in op.subs:
-                self._send_error(sub, code, error)
+            self.fail_op(op.subs, code, error)
             return
         for sub in op.subs:
             client = self.by_id.get(sub.client_id)
@@ -633,13 +659,12 @@ class Daemon:
             try:
                 self._check_clients()
                 now = time.monotonic()
-                for sub, message in self.scheduler.expire(now):
-                    self.stats.error(message)
-                    self._send_error(sub, s.E_TIMEOUT, message)
+                self.fail_each(self.scheduler.expire(now), s.E_TIMEOUT)
                 if self.fabric_node is not None:
                     self.fabric_node.tick(now)
                 self._inspect_stalls(now)
                 self._check_idle()
+                self.log_limit.flush()
                 self._flush()
             except Exception:
                 log.exception("watchdog failed")
@@ -649,8 +674,13 @@ class Daemon:
             if not pid_alive(client.pid):
                 self._drop_client(client, f"(pid {client.pid}) died", notify_peers=True)
 
-    def _drop_client(self, client: ClientRecord, why: str, notify_peers: bool) -> None:
+    def _drop_client(self, client: ClientRecord, why: str, notify_peers: bool, clean: bool = False) -> None:
+        """``clean``: the rank said goodbye (a departure, not an error; ops it leaves behind still fail)."""
         log.info("client rank %d %s", client.rank, why)
+        if clean:
+            self.stats.departed(f"rank {client.rank} {why}")
+        else:
+            self.stats.error(f"rank {client.rank} {why}")
         self.clients.pop(client.identity, None)
         self.by_id.pop(client.client_id, None)
         if client.op_channel is not None:
@@ -667,10 +697,7 @@ class Daemon:
 
     def fail_ops_waiting_on(self, rank: int, why: str) -> None:
         """Rank ``rank`` (of this node or another) is gone: fail what waits for it here."""
-        message = f"rank {rank} {why}"
-        self.stats.error(message)
-        for sub, text in self.scheduler.rank_died(rank, why):
-            self._send_error(sub, s.E_PEER_DIED, text)
+        self.fail_each(self.scheduler.rank_died(rank, why), s.E_PEER_DIED)
 
     def _inspect_stalls(self, now: float) -> None:
         """Log ops waiting longer than the stall threshold (once each); optionally shut down."""
@@ -750,6 +777,7 @@ class Daemon:
             "node": self.config.node_name,
             "fabric": self.fabric_node.status() if self.fabric_node is not None else None,
             "last_errors": list(stats.errors),
+            "departures": list(stats.departures),
         }
 
     def _stalls(self, waiting: list[dict[str, Any]]) -> list[dict[str, Any]]:

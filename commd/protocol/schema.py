@@ -125,6 +125,8 @@ def encode(message: dict[str, Any]) -> bytes:
 
 def decode(frame: bytes) -> dict[str, Any]:
     """Parse one control message, checking size, shape and version."""
+    if not frame:
+        raise ProtocolError("empty message (a message must be a msgpack map)")
     if len(frame) > MAX_MESSAGE_BYTES:
         raise ProtocolError(
             f"message of {len(frame)} bytes exceeds the limit of {MAX_MESSAGE_BYTES}"

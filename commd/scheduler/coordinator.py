@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,9 +95,19 @@ def _ranks_at(entry: dict[str, Any]) -> list[int]:
     return entry["mine"]
 
 
+def _op(pending: Pending) -> str:
+    """'allreduce #3 on group 'g'' (the kind as the first report gave it; '#3' alone before any)."""
+    first = next((e for e in pending.entries.values() if "k" in e), None)
+    kind = f"{first['k']} " if first is not None else ""
+    return f"{kind}#{pending.seq} on group '{pending.group}'"
+
+
 class Coordinator:
-    def __init__(self, nnodes: int, config: SchedulerConfig, lanes: dict[str, LaneCapability]) -> None:
+    def __init__(self, nnodes: int, config: SchedulerConfig, lanes: dict[str, LaneCapability],
+                 node_names: Sequence[str] | None = None) -> None:
         self.nnodes = nnodes
+        #: Node names for error messages ("node 1 (gpu-b)"): what an operator finds in their host list.
+        self.node_names = list(node_names) if node_names is not None else None
         self.config = config
         self.lanes = lanes
         self.order = 0
@@ -109,6 +120,18 @@ class Coordinator:
         self.released = 0
         self.fast_path_hits = 0
 
+    def node(self, node: int) -> str:
+        """'node 1 (its name)' for messages."""
+        names = self.node_names
+        return f"node {node} ({names[node]})" if names is not None and 0 <= node < len(names) else f"node {node}"
+
+    def nodes(self, nodes: Sequence[int]) -> str:
+        """'nodes [1, 2] (b, c)' for messages."""
+        names = self.node_names
+        if names is None or not all(0 <= n < len(names) for n in nodes):
+            return f"nodes {list(nodes)}"
+        return f"nodes {list(nodes)} ({', '.join(names[n] for n in nodes)})"
+
     # ---- collectives --------------------------------------------------------
     def report(self, node: int, items: list[dict[str, Any]], out: Outbox) -> None:
         """Take one node's ready ops; may complete and release some."""
@@ -119,7 +142,8 @@ class Coordinator:
                 cached = self.cache.get(cid)
                 if cached is None or node not in cached[0]:
                     out.add(node, {"t": "fail", "g": key[0], "s": key[1], "code": s.E_PROTOCOL,
-                                   "m": f"unknown negotiation cache id {cid}"})
+                                   "m": f"#{key[1]} on group '{key[0]}' from {self.node(node)}: unknown "
+                                        f"negotiation cache id {cid}"})
                     continue
                 entry = cached[0][node]
             else:
@@ -131,12 +155,13 @@ class Coordinator:
                 dead = [n for n in nodes if n in self.dead]
                 if dead:
                     self._fail(pending, out, s.E_PEER_DIED,
-                               f"{entry['k']} #{key[1]} on group '{key[0]}' cannot run: node {dead[0]} "
+                               f"{entry['k']} #{key[1]} on group '{key[0]}' cannot run: {self.node(dead[0])} "
                                f"{self.dead[dead[0]]}", extra=[node])
                     continue
             if node in pending.entries:
                 out.add(node, {"t": "fail", "g": key[0], "s": key[1], "code": s.E_PROTOCOL,
-                               "m": f"node {node} reported #{key[1]} of group '{key[0]}' twice"})
+                               "m": f"{self.node(node)} reported {entry.get('k', 'op')} #{key[1]} of group "
+                                    f"'{key[0]}' twice"})
                 continue
             pending.entries[node] = entry
             if cid is not None:
@@ -153,11 +178,12 @@ class Coordinator:
                 try:
                     self._complete(pending, out)
                 except Exception as exc:  # a bug here must fail the op, never leave it waiting
-                    log.exception("coordinator: completing #%s of group '%s' failed", key[1], key[0])
+                    log.exception("coordinator: completing %s failed", _op(pending))
                     self.pending.pop(key, None)
                     for target in pending.nodes:
                         out.add(target, {"t": "fail", "g": key[0], "s": key[1], "code": s.E_INTERNAL,
-                                         "m": f"the coordinator could not release the op: {exc}"})
+                                         "m": f"the coordinator ({self.node(0)}) could not release "
+                                              f"{_op(pending)}: {exc}"})
 
     def _complete(self, pending: Pending, out: Outbox) -> None:
         del self.pending[(pending.group, pending.seq)]
@@ -171,7 +197,7 @@ class Coordinator:
         else:
             problem = self._mismatch(pending)
             if problem is not None:
-                message = f"mismatched collective #{pending.seq} on group '{pending.group}': {problem}"
+                message = self._mismatch_message(pending, problem)
                 for node in pending.nodes:
                     out.add(node, {"t": "fail", "g": pending.group, "s": pending.seq, "code": s.E_MISMATCH,
                                    "m": message})
@@ -187,7 +213,7 @@ class Coordinator:
             except SelectionError as exc:
                 for node in pending.nodes:
                     out.add(node, {"t": "fail", "g": pending.group, "s": pending.seq, "code": s.E_PROTOCOL,
-                                   "m": str(exc)})
+                                   "m": f"{_op(pending)} on {self.nodes(pending.nodes)}: {exc}"})
                 return
             fuse_key = self._fusion_key(pending.group, first, nbytes, lane)
             if len(self.cache) < MAX_CACHE_ENTRIES:
@@ -239,8 +265,11 @@ class Coordinator:
 
     def _complete_mismatch(self, pending: Pending, out: Outbox, extra: list[int]) -> None:
         problem = self._mismatch(pending) or "nodes disagree on the group's members"
-        message = f"mismatched collective #{pending.seq} on group '{pending.group}': {problem}"
-        self._fail(pending, out, s.E_MISMATCH, message, extra)
+        self._fail(pending, out, s.E_MISMATCH, self._mismatch_message(pending, problem), extra)
+
+    def _mismatch_message(self, pending: Pending, problem: str) -> str:
+        return (f"mismatched collective {_op(pending)} across {self.nodes(sorted(pending.entries))}: "
+                f"{problem}")
 
     def _fail(self, pending: Pending, out: Outbox, code: str, message: str, extra: list[int] | None = None) -> None:
         self.pending.pop((pending.group, pending.seq), None)
@@ -288,7 +317,8 @@ class Coordinator:
         key = (node, item["key"])
         if dst in self.dead or not 0 <= dst < self.nnodes:
             out.add(node, {"t": "p2p_fail", "key": item["key"], "code": s.E_PEER_DIED,
-                           "m": f"send to group rank {item['dst']}: its node {dst} {self.dead.get(dst, 'is unknown')}"})
+                           "m": f"send to group rank {item['dst']}: its {self.node(dst)} "
+                                f"{self.dead.get(dst, 'is unknown')}"})
             return
         self.p2p[key] = (node, dst, item)
         forwarded = dict(item)
@@ -307,8 +337,9 @@ class Coordinator:
             lane = choose_lane("sendrecv", "uint8", None, send["nb"], tuple(sorted((src, dst))), 2,
                                send.get("h"), self.config, self.lanes)
         except SelectionError as exc:
+            message = f"send/recv from {self.node(src)} to {self.node(dst)}: {exc}"
             for target, k in ((src, item["key"]), (dst, item["key"])):
-                out.add(target, {"t": "p2p_fail", "key": k, "sn": src, "code": s.E_PROTOCOL, "m": str(exc)})
+                out.add(target, {"t": "p2p_fail", "key": k, "sn": src, "code": s.E_PROTOCOL, "m": message})
             return
         self.order += 1
         self.released += 1
@@ -330,14 +361,13 @@ class Coordinator:
         self.dead[node] = why
         for pending in list(self.pending.values()):
             if node in pending.nodes:
-                self._fail(pending, out, s.E_PEER_DIED,
-                           f"#{pending.seq} on group '{pending.group}' cannot run: node {node} {why}")
+                self._fail(pending, out, s.E_PEER_DIED, f"{_op(pending)} cannot run: {self.node(node)} {why}")
         for key, (src, dst, _item) in list(self.p2p.items()):
             if node in (src, dst):
                 del self.p2p[key]
                 if src != node:
                     out.add(src, {"t": "p2p_fail", "key": key[1], "code": s.E_PEER_DIED,
-                                  "m": f"send to node {dst}: that node {why}"})
+                                  "m": f"send to {self.node(dst)}: that node {why}"})
         for other in range(self.nnodes):
             if other != node and other not in self.dead:
                 out.add(other, {"t": "node_dead", "node": node, "why": why})
@@ -347,7 +377,7 @@ class Coordinator:
             first = next(iter(pending.entries.values()), None)
             if first is not None and rank in first["ranks"]:
                 self._fail(pending, out, s.E_PEER_DIED,
-                           f"#{pending.seq} on group '{pending.group}' cannot run: rank {rank} {why}")
+                           f"{_op(pending)} cannot run: rank {rank} (on {self.node(node)}) {why}")
         for other in range(self.nnodes):
             if other != node and other not in self.dead:
                 out.add(other, {"t": "rank_died", "rank": rank, "why": why})
@@ -363,7 +393,7 @@ class Coordinator:
             self._fail(
                 pending, out, s.E_TIMEOUT,
                 f"{first['k']} #{pending.seq} on group '{pending.group}' timed out after {pending.timeout:.1f}s "
-                f"waiting for nodes {missing} (ranks {ranks} have not submitted it)",
+                f"waiting for {self.nodes(missing)} (ranks {ranks} have not submitted it)",
             )
 
     # ---- stalls --------------------------------------------------------------

@@ -1,4 +1,10 @@
-"""Counters behind `commd status`: per-group stages, bytes, latencies, errors."""
+"""Counters behind `commd status`: per-group stages, bytes, latencies, errors, departures.
+
+Latency percentiles cover a sliding window (the last ``LATENCY_WINDOW`` ops of
+each kind: recent behaviour, bounded memory); the op count beside them is the
+total since the daemon started, and the window's size is reported with it.
+Ranks that leave normally are departures, not errors.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+#: Latency percentiles cover this many of the most recent ops of each kind.
 LATENCY_WINDOW = 2048
 
 
@@ -28,6 +35,8 @@ class Stats:
     groups: dict[str, GroupStats] = field(default_factory=dict)
     latencies: dict[str, collections.deque] = field(default_factory=dict)
     errors: collections.deque = field(default_factory=lambda: collections.deque(maxlen=20))
+    departures: collections.deque = field(default_factory=lambda: collections.deque(maxlen=20))
+    latency_counts: dict[str, int] = field(default_factory=dict)  # op kind -> ops completed, all time
     ops_done: int = 0
     bytes_moved: int = 0
     #: op kind -> lane ("local": no lane, the node's ranks only) -> [ops, bytes]
@@ -74,6 +83,7 @@ class Stats:
             if window is None:
                 window = self.latencies[kind] = collections.deque(maxlen=LATENCY_WINDOW)
             window.append(seconds)
+            self.latency_counts[kind] = self.latency_counts.get(kind, 0) + 1
 
     def per_kind(self) -> dict[str, dict[str, dict[str, int]]]:
         """Ops and bytes completed per op kind and lane (``commd status``)."""
@@ -93,6 +103,10 @@ class Stats:
     def error(self, message: str) -> None:
         self.errors.append({"time": time.time(), "message": message})
 
+    def departed(self, message: str) -> None:
+        """A rank left normally (bye): shown apart from the errors."""
+        self.departures.append({"time": time.time(), "message": message})
+
     def latency_table(self) -> dict[str, dict[str, float]]:
         table = {}
         for kind, samples in self.latencies.items():
@@ -101,7 +115,8 @@ class Stats:
             arr = np.fromiter(samples, dtype=np.float64) * 1e6
             p50, p90, p99 = np.percentile(arr, [50, 90, 99])
             table[kind] = {
-                "count": len(arr),
+                "count": self.latency_counts.get(kind, len(arr)),
+                "window": len(arr),
                 "p50_us": round(float(p50), 1),
                 "p90_us": round(float(p90), 1),
                 "p99_us": round(float(p99), 1),
