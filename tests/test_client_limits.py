@@ -275,6 +275,7 @@ def test_client_that_stops_reading_replies_is_dropped(
         c.register_group("healthy", [1, 2])
     healthy[0].register_group("with_raw", [0, 1])
     waiting = ops.all_reduce(healthy[0], torch.ones(16), group="with_raw", timeout=60)
+    before = rss_bytes(daemon.pid)
 
     def dropped() -> bool:
         ranks = [c["rank"] for c in raw.status(daemon)["clients"]]
@@ -290,7 +291,10 @@ def test_client_that_stops_reading_replies_is_dropped(
                 break
     except OSError:
         pass  # the daemon closed the channel
+    grown = rss_bytes(daemon.pid) - before
+    print(f"reply flood: the daemon grew by {grown / MIB:.1f} MiB")
     wait_until(dropped, 30, f"the daemon to drop the client that left {sent} replies unread")
+    assert grown <= backlog + RSS_SLACK, f"the daemon grew by {grown / MIB:.0f} MiB while replies piled up"
 
     with pytest.raises(PeerDiedError) as failed:
         waiting.wait(30)
