@@ -355,6 +355,27 @@ def test_limit_settings_are_validated(monkeypatch: pytest.MonkeyPatch) -> None:
         lim.limits_from_args(_args(), 30.0)
 
 
+def test_limits_from_the_config_file(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A [limits] table in the daemon's config: used when no flag or variable says otherwise; checked."""
+    monkeypatch.delenv("COMMD_MAX_PENDING_OPS", raising=False)
+    monkeypatch.delenv("COMMD_MAX_OP_TIMEOUT", raising=False)
+    path = tmp_path / "commd.toml"
+    path.write_text("[limits]\nmax_pending_ops = 100\nmax_op_timeout = 3600\n")
+    section = lim.config_section(str(path))
+    got = lim.limits_from_args(_args(), 30.0, section)
+    assert (got.max_pending_ops, got.max_op_timeout) == (100, 3600.0)
+    assert lim.limits_from_args(_args(max_pending_ops=7), 30.0, section).max_pending_ops == 7
+    monkeypatch.setenv("COMMD_MAX_PENDING_OPS", "9")
+    assert lim.limits_from_args(_args(), 30.0, section).max_pending_ops == 9
+    for text, words in [("[limits]\nmax_pending_ops = 0\n", "max_pending_ops"),
+                        ("[limits]\nmax_pending_bytes = \"lots\"\n", "max_pending_bytes"),
+                        ("[limits]\nmax_ops = 5\n", "unknown"),
+                        ("limits = 5\n", "must be a table")]:
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=words):
+            lim.config_section(str(path))
+
+
 def test_daemon_refuses_a_bad_limit_flag(runtime_dir: Any) -> None:
     proc = subprocess.run([sys.executable, "-m", "commd", "daemon", "--job", "limits-flag-check",
                            "--max-reply-backlog", "0"], capture_output=True, text=True, timeout=60)

@@ -23,7 +23,9 @@ import argparse
 import collections
 import logging
 import os
+import tomllib
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from commd.protocol import schema as s
@@ -149,31 +151,65 @@ class LimitGuard:
 def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("per-client limits")
     group.add_argument("--max-pending-ops", type=int, default=None, metavar="N",
-                       help="ops one client may have submitted and not yet answered "
-                            f"(default: $COMMD_MAX_PENDING_OPS or {DEFAULT_MAX_PENDING_OPS})")
+                       help="ops one client may have submitted and not yet answered (default: "
+                            f"$COMMD_MAX_PENDING_OPS, else the config's [limits], else {DEFAULT_MAX_PENDING_OPS})")
     group.add_argument("--max-pending-bytes", type=int, default=None, metavar="BYTES",
-                       help="inline tensor bytes the daemon holds for one client's pending ops "
-                            f"(default: $COMMD_MAX_PENDING_BYTES or {DEFAULT_MAX_PENDING_BYTES})")
+                       help="inline tensor bytes the daemon holds for one client's pending ops (default: "
+                            f"$COMMD_MAX_PENDING_BYTES, else the config's [limits], else {DEFAULT_MAX_PENDING_BYTES})")
     group.add_argument("--max-reply-backlog", type=int, default=None, metavar="BYTES",
                        help="replies queued for a client that does not read its op channel; past it the client "
-                            f"is dropped (default: $COMMD_MAX_REPLY_BACKLOG or {DEFAULT_MAX_REPLY_BACKLOG})")
+                            "is dropped (default: $COMMD_MAX_REPLY_BACKLOG, else the config's [limits], else "
+                            f"{DEFAULT_MAX_REPLY_BACKLOG})")
     group.add_argument("--max-op-timeout", type=float, default=None, metavar="SECONDS",
                        help="longest op timeout a client may ask for; longer ones are capped (default: "
-                            f"$COMMD_MAX_OP_TIMEOUT or {DEFAULT_MAX_OP_TIMEOUT_S:g}, at least --op-timeout)")
+                            "$COMMD_MAX_OP_TIMEOUT, else the config's [limits], else "
+                            f"{DEFAULT_MAX_OP_TIMEOUT_S:g} or --op-timeout if longer)")
 
 
-def limits_from_args(args: argparse.Namespace, op_timeout: float) -> ClientLimits:
-    """Flags, else environment, else defaults; every value range-checked (``ConfigError`` names it)."""
+def config_section(path: str | None) -> dict[str, Any]:
+    """The ``[limits]`` table of the daemon's TOML config file (``{}`` without one), keys checked."""
+    if not path:
+        return {}
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read config {path}: {exc}") from None
+    section = data.get("limits", {})
+    if not isinstance(section, dict):
+        raise ConfigError(f"{path}: [limits] must be a table")
+    unknown = set(section) - {"max_pending_ops", "max_pending_bytes", "max_reply_backlog", "max_op_timeout"}
+    if unknown:
+        raise ConfigError(f"{path}: unknown [limits] key(s) {sorted(unknown)}")
+    ranges: dict[str, tuple[float, float]] = {
+        "max_pending_ops": MAX_PENDING_OPS_RANGE, "max_pending_bytes": MAX_PENDING_BYTES_RANGE,
+        "max_reply_backlog": MAX_REPLY_BACKLOG_RANGE, "max_op_timeout": MAX_OP_TIMEOUT_RANGE,
+    }
+    for key, value in section.items():
+        wanted = (int, float) if key == "max_op_timeout" else int
+        low, high = ranges[key]
+        if isinstance(value, bool) or not isinstance(value, wanted) or not low <= value <= high:
+            raise ConfigError(f"{path}: [limits] {key} must be a number in [{low}, {high}], got {value!r}")
+    return section
+
+
+def limits_from_args(args: argparse.Namespace, op_timeout: float, config: dict[str, Any] | None = None) -> ClientLimits:
+    """Flags, else environment, else the config's ``[limits]``, else defaults; all range-checked.
+
+    ``ConfigError`` names the flag of a bad value, wherever it came from.
+    """
+    config = config or {}
     pending_ops = _int_setting(args.max_pending_ops, "--max-pending-ops", "COMMD_MAX_PENDING_OPS",
-                               DEFAULT_MAX_PENDING_OPS, MAX_PENDING_OPS_RANGE)
+                               config.get("max_pending_ops", DEFAULT_MAX_PENDING_OPS), MAX_PENDING_OPS_RANGE)
     pending_bytes = _int_setting(args.max_pending_bytes, "--max-pending-bytes", "COMMD_MAX_PENDING_BYTES",
-                                 DEFAULT_MAX_PENDING_BYTES, MAX_PENDING_BYTES_RANGE)
+                                 config.get("max_pending_bytes", DEFAULT_MAX_PENDING_BYTES), MAX_PENDING_BYTES_RANGE)
     backlog = _int_setting(args.max_reply_backlog, "--max-reply-backlog", "COMMD_MAX_REPLY_BACKLOG",
-                           DEFAULT_MAX_REPLY_BACKLOG, MAX_REPLY_BACKLOG_RANGE)
+                           config.get("max_reply_backlog", DEFAULT_MAX_REPLY_BACKLOG), MAX_REPLY_BACKLOG_RANGE)
     low, high = MAX_OP_TIMEOUT_RANGE
     given = args.max_op_timeout
     if given is None and os.environ.get("COMMD_MAX_OP_TIMEOUT"):
         given = env_float("COMMD_MAX_OP_TIMEOUT", DEFAULT_MAX_OP_TIMEOUT_S, low, high)
+    if given is None and "max_op_timeout" in config:
+        given = float(config["max_op_timeout"])
     if given is None:
         max_timeout = max(DEFAULT_MAX_OP_TIMEOUT_S, op_timeout)
     else:
@@ -186,10 +222,13 @@ def limits_from_args(args: argparse.Namespace, op_timeout: float) -> ClientLimit
     return ClientLimits(pending_ops, pending_bytes, backlog, max_timeout)
 
 
-def _int_setting(given: int | None, flag: str, env: str, default: int, bounds: tuple[int, int]) -> int:
+def _int_setting(given: int | None, flag: str, env: str, fallback: int, bounds: tuple[int, int]) -> int:
+    """``given`` (the flag), else ``$env``, else ``fallback`` (the config's value or the default)."""
     low, high = bounds
+    if given is None and os.environ.get(env):
+        return env_int(env, fallback, low, high)
     if given is None:
-        return env_int(env, default, low, high)
+        given = fallback
     if not low <= given <= high:
         raise ConfigError(f"{flag} {given} must lie in [{low}, {high}]")
     return given

@@ -10,7 +10,7 @@ import re
 import socket
 import sys
 
-from commd.daemon.limits import add_limit_arguments, limits_from_args
+from commd.daemon.limits import add_limit_arguments, config_section, limits_from_args
 from commd.daemon.server import Daemon, DaemonConfig
 from commd.fabric.rendezvous import FabricSpec, parse_host_port
 from commd.runtime import ConfigError, JobPaths, env_float, env_int, new_secret
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         )
         if not 0.001 <= op_timeout <= 7 * 24 * 3600:
             raise ConfigError(f"--op-timeout {op_timeout} must lie in [0.001, 604800] seconds")
-        limits = limits_from_args(args, op_timeout)
+        limits = limits_from_args(args, op_timeout, config_section(args.config or os.environ.get("COMMD_CONFIG")))
         threads = env_int("COMMD_KERNEL_THREADS", 1, 1, 1024)
         if args.idle_grace < 0:
             raise ConfigError("--idle-grace must be non-negative")
