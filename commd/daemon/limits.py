@@ -94,7 +94,11 @@ class PendingLedger:
 
 def held_bytes(buffers: dict[str, Any]) -> int:
     """Bytes of an op's buffers that live in the daemon's own memory (inline tensors)."""
-    return sum(ref.nbytes for ref in buffers.values() if ref.inline is not None)
+    held = 0
+    for ref in buffers.values():  # a plain loop: this runs for every op
+        if ref.inline is not None:
+            held += ref.nbytes
+    return held
 
 
 class LimitGuard:
