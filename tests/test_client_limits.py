@@ -261,6 +261,22 @@ def test_pending_ops_are_capped_by_count_and_bytes(
     assert (row["pending_ops"], row["pending_bytes"]) == (0, 0), row
 
 
+def test_an_op_id_still_pending_cannot_be_reused(
+    start_daemon: Callable[..., DaemonProcess], raw_clients: Callable[..., RawOpClient],
+) -> None:
+    """The daemon tracks a client's pending ops by id: a second op under a pending id is refused."""
+    daemon = start_daemon().wait_ready()
+    raw = raw_clients(daemon, 0, 2, {"pair": [0, 1], "solo": [0]})
+    first = raw.submit("pair", **allreduce_inline(16))
+    raw.next_id = first  # the next op reuses the id of the one still waiting for rank 1
+    reply = raw.reply_to(raw.submit("solo", **allreduce_inline(16)))
+    assert reply["t"] == s.ERROR and reply["code"] == s.E_PROTOCOL, reply
+    assert f"op id {first} is already pending" in reply["message"], reply
+    assert raw.reply_to(raw.submit("solo", **allreduce_inline(16)))["t"] == s.DONE
+    row = next(c for c in raw.status(daemon)["clients"] if c["rank"] == 0)
+    assert (row["pending_ops"], row["pending_bytes"]) == (1, 16), row
+
+
 # ---- reply backlog ---------------------------------------------------------------------
 def test_client_that_stops_reading_replies_is_dropped(
     start_daemon: Callable[..., DaemonProcess], raw_clients: Callable[..., RawOpClient],
