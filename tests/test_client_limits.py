@@ -26,6 +26,7 @@ import pytest
 import torch
 from helpers import DaemonProcess, RawSocket, wait_until
 
+from commd.cli.status import format_status
 from commd.client import PeerDiedError, ops
 from commd.daemon import limits as lim
 from commd.protocol import schema as s
@@ -250,6 +251,7 @@ def test_pending_ops_are_capped_by_count_and_bytes(
     assert (row["pending_ops"], row["pending_bytes"]) == (max_ops, admitted_inline * s.INLINE_MAX_BYTES), row
     assert status["limits_hit"] == {lim.PENDING_BYTES: inline_flood - admitted_inline,
                                     lim.PENDING_OPS: barrier_flood - admitted_barriers + 1}, status["limits_hit"]
+    assert f"limits hit: pending_bytes {inline_flood - admitted_inline:,}, pending_ops" in format_status(status)
     healthy_all_reduce(healthy, "healthy", 1)
 
     # The peer leaves: every pending op fails, which frees the client's share; it can submit again.
