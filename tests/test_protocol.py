@@ -354,6 +354,8 @@ def test_bad_buffer_references(daemon: DaemonProcess, raw_client: RawClient, hea
         ("inline data of the wrong length", op(**f32, buf={"data": b"\x00" * 12}), s.E_PROTOCOL, ("12 bytes",)),
         ("inline output over the limit", op(**f32, buf={"inline": s.MAX_MESSAGE_BYTES + 1}), s.E_PROTOCOL,
          ("'inline'",)),
+        ("inline output over the inline limit", op(**f32, buf={"inline": s.INLINE_MAX_BYTES + 4}), s.E_LIMIT,
+         ("'inline'", str(s.INLINE_MAX_BYTES))),
         ("missing kind", op(dtype="float32", count=4, buf={"seg": 0, "off": 0, "n": 16}), s.E_PROTOCOL, ("'kind'",)),
         ("unknown kind", op(**{**f32, "kind": "allreduce2"}, buf={"seg": 0, "off": 0, "n": 16}), s.E_PROTOCOL,
          ("allreduce2",)),

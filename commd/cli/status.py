@@ -267,6 +267,11 @@ def format_status(status: dict[str, Any]) -> str:
     else:
         out.append("  (none)")
 
+    hits = status.get("limits_hit") or {}
+    if hits:  # per-client limits the daemon enforced (ops refused, timeouts capped, clients dropped)
+        out.append("")
+        out.append("limits hit: " + ", ".join(f"{name} {count:,}" for name, count in sorted(hits.items())))
+
     errors = status.get("last_errors") or []
     out.append("")
     out.append(f"last errors ({len(errors)})")

@@ -9,6 +9,7 @@ from commd.client.errors import (
     ConnectError,
     DaemonDiedError,
     DaemonShutdownError,
+    LimitExceededError,
     MismatchError,
     PeerDiedError,
     RequestError,
@@ -18,6 +19,6 @@ from commd.client.spawn import ensure_daemon
 
 __all__ = [
     "AuthError", "Client", "CommTimeoutError", "CommdError", "ConnectError", "DaemonDiedError",
-    "DaemonShutdownError", "Handle", "MismatchError", "PeerDiedError", "RequestError",
+    "DaemonShutdownError", "Handle", "LimitExceededError", "MismatchError", "PeerDiedError", "RequestError",
     "ensure_daemon", "ops",
 ]

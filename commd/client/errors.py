@@ -21,6 +21,10 @@ class RequestError(CommdError):
     """The daemon rejected a request as malformed or out of bounds."""
 
 
+class LimitExceededError(RequestError):
+    """The daemon refused the op: it would pass a per-client limit (inline size, pending ops or bytes)."""
+
+
 class MismatchError(CommdError):
     """Ranks submitted disagreeing ops (kind, dtype, count, op, root...)."""
 
@@ -46,6 +50,7 @@ _BY_CODE: dict[str, type[CommdError]] = {
     s.E_VERSION: RequestError,
     s.E_PROTOCOL: RequestError,
     s.E_BOUNDS: RequestError,
+    s.E_LIMIT: LimitExceededError,
     s.E_MISMATCH: MismatchError,
     s.E_PEER_DIED: PeerDiedError,
     s.E_TIMEOUT: CommTimeoutError,

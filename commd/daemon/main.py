@@ -11,6 +11,7 @@ import socket
 import sys
 
 from commd.daemon import notify
+from commd.daemon.limits import add_limit_arguments, config_section, limits_from_args
 from commd.daemon.server import Daemon, DaemonConfig
 from commd.fabric.rendezvous import FabricSpec, parse_host_port
 from commd.runtime import ConfigError, JobPaths, env_float, env_int, new_secret
@@ -71,6 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tuning.add_argument("--fusion-cycle-ms", type=float, default=None, metavar="MS",
                         help="collect ready ops this long before reporting them (default: "
                              "$COMMD_FUSION_CYCLE_MS, else the config, else 0: once per loop turn)")
+    add_limit_arguments(parser)
     parser.add_argument("--log-file", default=None, help="also append the log to this file")
     parser.add_argument("--log-level", default=os.environ.get("COMMD_LOG_LEVEL", "INFO"))
 
@@ -83,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
         )
         if not 0.001 <= op_timeout <= 7 * 24 * 3600:
             raise ConfigError(f"--op-timeout {op_timeout} must lie in [0.001, 604800] seconds")
+        limits = limits_from_args(args, op_timeout, config_section(args.config or os.environ.get("COMMD_CONFIG")))
         threads = env_int("COMMD_KERNEL_THREADS", 1, 1, 1024)
         if args.idle_grace < 0:
             raise ConfigError("--idle-grace must be non-negative")
@@ -150,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     config = DaemonConfig(
         paths=paths, secret=secret, op_timeout=op_timeout,
         exit_when_idle=args.exit_when_idle, idle_grace=args.idle_grace, owner_pid=args.owner_pid,
-        node_name=node_name, scheduler=scheduler, fabric=fabric, peer_timeout=peer_timeout,
+        node_name=node_name, scheduler=scheduler, fabric=fabric, peer_timeout=peer_timeout, limits=limits,
     )
     daemon = Daemon(config)
     daemon.bind()

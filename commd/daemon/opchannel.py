@@ -36,15 +36,31 @@ REPLY_BATCH = 128
 
 
 class OpConnection:
-    """One client's op channel, with a queue for replies the kernel could not take yet."""
+    """One client's op channel, with a bounded queue for replies the kernel could not take yet.
 
-    def __init__(self, sock: socket.socket, loop: Any) -> None:
+    A client that stops reading would otherwise make the daemon hold every
+    reply it is sent; past ``max_backlog`` bytes the channel closes and
+    ``on_overflow`` tells the daemon, which drops the client.
+    """
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        loop: Any,
+        max_backlog: int = 1 << 62,
+        on_overflow: Callable[[OpConnection], None] | None = None,
+    ) -> None:
         self.sock = sock
         self.loop = loop
         self.client: Any = None
         self._backlog: collections.deque[bytes] = collections.deque()
+        self.backlog_bytes = 0
+        self.max_backlog = max_backlog
+        self._on_overflow = on_overflow
         self._replies: list[dict[str, Any]] = []
         self.closed = False
+        #: Set when the channel was closed for an overlong backlog: the bytes then queued.
+        self.overflowed_at: int | None = None
 
     def reply(self, message: dict[str, Any]) -> None:
         """Queue an op reply; the replies of one loop turn leave as one frame (see ``_flush_replies``)."""
@@ -70,15 +86,32 @@ class OpConnection:
         if self._replies:  # queued replies go first: the channel stays in order
             self._flush_replies()
         if self._backlog:
-            self._backlog.append(frame)
+            self._queue(frame)
             return
         try:
             self.sock.send(frame)
         except BlockingIOError:
-            self._backlog.append(frame)
-            self.loop.add_writer(self.sock.fileno(), self._drain)
+            self._queue(frame)
+            if not self.closed:
+                self.loop.add_writer(self.sock.fileno(), self._drain)
         except OSError as exc:
             log.debug("op channel send failed: %s", exc)
+
+    def _queue(self, frame: bytes) -> None:
+        self._backlog.append(frame)
+        self.backlog_bytes += len(frame)
+        if self.backlog_bytes > self.max_backlog:
+            self._overflow()
+
+    def _overflow(self) -> None:
+        """The client stopped reading: free its replies, close the channel, tell the daemon (once)."""
+        self.overflowed_at = self.backlog_bytes
+        self.close()
+        self._backlog.clear()
+        self.backlog_bytes = 0
+        self._replies.clear()
+        if self._on_overflow is not None:
+            self.loop.call_soon(self._on_overflow, self)
 
     def _drain(self) -> None:
         while self._backlog:
@@ -88,8 +121,9 @@ class OpConnection:
                 return
             except OSError:
                 self._backlog.clear()
+                self.backlog_bytes = 0
                 break
-            self._backlog.popleft()
+            self.backlog_bytes -= len(self._backlog.popleft())
         self.loop.remove_writer(self.sock.fileno())
 
     def close(self) -> None:
@@ -112,11 +146,16 @@ class OpListener:
         loop: Any,
         on_message: Callable[[OpConnection, bytes], None],
         on_closed: Callable[[OpConnection], None],
+        max_backlog: int = 1 << 62,
+        on_overflow: Callable[[OpConnection], None] | None = None,
     ) -> None:
+        """``on_overflow``: a channel was closed because its client left over ``max_backlog`` bytes unread."""
         self.path = path
         self.loop = loop
         self.on_message = on_message
         self.on_closed = on_closed
+        self.max_backlog = max_backlog
+        self.on_overflow = on_overflow
         self.connections: set[OpConnection] = set()
         if path.exists():
             path.unlink()
@@ -148,7 +187,7 @@ class OpListener:
             conn.setblocking(False)
             for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
                 conn.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
-            channel = OpConnection(conn, self.loop)
+            channel = OpConnection(conn, self.loop, self.max_backlog, self._overflowed)
             self.connections.add(channel)
             self.loop.add_reader(conn.fileno(), self._readable, channel)
 
@@ -169,6 +208,11 @@ class OpListener:
                 self.on_closed(channel)
                 return
             self.on_message(channel, frame)
+
+    def _overflowed(self, channel: OpConnection) -> None:
+        self.connections.discard(channel)
+        if self.on_overflow is not None:
+            self.on_overflow(channel)
 
     def close(self) -> None:
         for channel in list(self.connections):

@@ -32,6 +32,7 @@ from commd.daemon.cuda import CudaImporter
 from commd.daemon.executor import execute, execute_small, torch_dtype
 from commd.daemon.failure_log import OpFailureLog
 from commd.daemon.hierarchy import GroupPlan
+from commd.daemon.limits import REPLY_BACKLOG, ClientLimits, LimitGuard, PendingLedger
 from commd.daemon.loglimit import RateLimitedLog
 from commd.daemon.opchannel import OpConnection, OpListener
 from commd.kernels.small import NUMPY_DTYPES
@@ -72,6 +73,7 @@ class DaemonConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     fabric: Fabric | None = None
     peer_timeout: float = 10.0
+    limits: ClientLimits = field(default_factory=ClientLimits)
 
 
 @dataclass
@@ -88,6 +90,7 @@ class ClientRecord:
     views: dict[int, torch.Tensor] = field(default_factory=dict)
     groups: dict[str, int] = field(default_factory=dict)  # group name -> group rank
     op_channel: OpConnection | None = None
+    pending: PendingLedger = field(default_factory=PendingLedger)
 
     @property
     def arena_bytes(self) -> int:
@@ -98,6 +101,7 @@ class Daemon:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
         self.stats = Stats()
+        self.limits = LimitGuard(config.limits)
         self.scheduler = LocalScheduler(self.stats)
         #: Every line a client can cause goes through this limiter (a bad client cannot flood the log).
         self.log_limit = RateLimitedLog(log)
@@ -148,7 +152,8 @@ class Daemon:
         self._stopped = asyncio.Event()
         self.loop.add_reader(self.sock.getsockopt(zmq.FD), self._on_readable)
         self.ops = OpListener(
-            self.config.paths.ops_socket, self.loop, self._on_channel_message, self._on_channel_closed
+            self.config.paths.ops_socket, self.loop, self._on_channel_message, self._on_channel_closed,
+            self.config.limits.max_reply_backlog, self._on_channel_overflow,
         )
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.loop.add_signal_handler(sig, self.shutdown, f"signal {signal.Signals(sig).name}")
@@ -270,6 +275,7 @@ class Daemon:
             return
         client = self.by_id.get(sub.client_id)
         if client is not None:
+            client.pending.release(sub.op_id)
             self._reply(client, {"t": s.ERROR, "code": code, "message": message, "id": sub.op_id})
 
     # ---- op channel -----------------------------------------------------
@@ -314,6 +320,18 @@ class Daemon:
             return
         client.op_channel = None
         self._judge_disconnect(client, time.monotonic() + DISCONNECT_VERDICT_S)
+
+    def _on_channel_overflow(self, channel: OpConnection) -> None:
+        """The client left more replies unread than the limit allows: drop it as if it had died."""
+        client = channel.client
+        if client is None or self.by_id.get(client.client_id) is not client:
+            return
+        client.op_channel = None
+        why = (f"(pid {client.pid}) stopped reading replies ({channel.overflowed_at} bytes unread on its op "
+               f"channel, limit {channel.max_backlog}: --max-reply-backlog)")
+        self.limits.hit(REPLY_BACKLOG, client.rank, f"rank {client.rank} {why}")
+        self._drop_client(client, why, notify_peers=True)
+        self._flush()
 
     def _judge_disconnect(self, client: ClientRecord, deadline: float) -> None:
         """A closed op channel usually means the process is dying: give it a moment to be gone."""
@@ -512,6 +530,19 @@ class Daemon:
         self._on_client_op(self._client(identity), msg)
 
     def _on_client_op(self, client: ClientRecord, msg: dict[str, Any]) -> None:
+        try:
+            self._accept_op(client, msg)
+        except s.LimitError as exc:  # counted, logged once per client and limit; the op alone is refused
+            self.limits.hit(exc.limit, client.rank, str(exc))
+            self.stats.error(str(exc))
+            op_id = msg["id"] if type(msg.get("id")) is int else -1
+            error = {"t": s.ERROR, "code": exc.code, "message": str(exc), "id": op_id}
+            if client.op_channel is not None:
+                client.op_channel.reply(error)
+            elif client.reply_identity is not None:
+                self._send(client.reply_identity, error)
+
+    def _accept_op(self, client: ClientRecord, msg: dict[str, Any]) -> None:
         if client.reply_identity is None and client.op_channel is None:
             raise s.ProtocolError("reply channel not attached")
         if self._closing:
@@ -523,6 +554,8 @@ class Daemon:
         group = self.scheduler.groups[group_name]
         sub = parse_submission(msg, client.client_id, group_rank, len(group.ranks), self.config.op_timeout)
         self._check_bounds(client, sub)
+        sub.timeout = self.limits.cap_timeout(client.rank, sub.timeout)
+        self.limits.admit(client.rank, client.pending, sub.op_id, sub.buffers)
         self.stats.submitted(sub.group, sub.seq)
         plan = self.plans.get(group_name)
         multi_node = plan is not None and plan.multi_node and self.fabric_node is not None
@@ -643,6 +676,7 @@ class Daemon:
             client = self.by_id.get(sub.client_id)
             if client is None:
                 continue
+            client.pending.release(sub.op_id)
             reply: dict[str, Any] = {"t": s.DONE, "id": sub.op_id}
             for name in ("buf", "out"):
                 ref = sub.buffers.get(name)
@@ -691,6 +725,7 @@ class Daemon:
             if self.fabric_node is not None:
                 self.fabric_node.rank_died(client.rank, why)
         self._release(client)
+        self.limits.forget(client.rank)
         self.scheduler.forget_client_groups({c.rank for c in self.clients.values()})
         if not self.clients:
             self._idle_since = time.monotonic()
@@ -752,7 +787,8 @@ class Daemon:
             "uptime_s": round(time.time() - stats.started_at, 3),
             "closing": self._closing,
             "clients": [
-                {"rank": c.rank, "local_rank": c.local_rank, "pid": c.pid, "arena_bytes": c.arena_bytes}
+                {"rank": c.rank, "local_rank": c.local_rank, "pid": c.pid, "arena_bytes": c.arena_bytes,
+                 "pending_ops": len(c.pending.ops), "pending_bytes": c.pending.bytes}
                 for c in sorted(self.clients.values(), key=lambda c: c.rank)
             ],
             "groups": {
@@ -778,6 +814,8 @@ class Daemon:
             "fabric": self.fabric_node.status() if self.fabric_node is not None else None,
             "last_errors": list(stats.errors),
             "departures": list(stats.departures),
+            "limits": self.config.limits.to_status(),
+            "limits_hit": dict(self.limits.hits),
         }
 
     def _stalls(self, waiting: list[dict[str, Any]]) -> list[dict[str, Any]]:

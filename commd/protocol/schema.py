@@ -104,6 +104,10 @@ E_PEER_DIED = "peer_died"
 E_TIMEOUT = "timeout"
 E_SHUTDOWN = "shutdown"
 E_INTERNAL = "internal"
+#: A per-client limit of the daemon (inline size, pending ops or bytes): the op is refused, nothing else changes.
+E_LIMIT = "limit"
+#: The name of the inline-size limit in a ``LimitError`` (and in the daemon's ``limits_hit`` counters).
+INLINE_LIMIT = "inline_bytes"
 
 _SEGMENT_NAME = re.compile(r"^commd-[A-Za-z0-9_.-]{1,200}$")
 _GROUP_NAME = re.compile(r"^[A-Za-z0-9_.:/-]{1,256}$")
@@ -115,6 +119,25 @@ class ProtocolError(ValueError):
     def __init__(self, message: str, code: str = E_PROTOCOL) -> None:
         super().__init__(message)
         self.code = code
+
+
+class LimitError(ProtocolError):
+    """A message within the schema that would pass one of the daemon's limits; ``limit`` names which."""
+
+    def __init__(self, message: str, limit: str) -> None:
+        super().__init__(message, E_LIMIT)
+        self.limit = limit
+
+
+def check_inline_size(name: str, nbytes: int) -> int:
+    """Inline tensors are for small buffers only: larger ones go through the arena."""
+    if nbytes > INLINE_MAX_BYTES:
+        raise LimitError(
+            f"buffer '{name}': 'inline' tensor of {nbytes} bytes exceeds the inline limit of "
+            f"{INLINE_MAX_BYTES} bytes (larger tensors travel through the arena)",
+            INLINE_LIMIT,
+        )
+    return nbytes
 
 
 def encode(message: dict[str, Any]) -> bytes:

@@ -75,14 +75,14 @@ def _ref(msg: dict[str, Any], name: str) -> BufferRef | None:
         raise s.ProtocolError(f"buffer '{name}' must be a map")
     if "data" in raw:
         data = s.field(raw, "data", bytes)
-        return BufferRef(len(data), inline=bytearray(data))
+        return BufferRef(s.check_inline_size(name, len(data)), inline=bytearray(data))
     if "cuda" in raw:
         cuda = s.field(raw, "cuda", dict)
         return BufferRef(
             nbytes=s.int_field(raw, "n", 0), offset=s.int_field(raw, "off", 0), cuda=CudaRef(cuda)
         )
     if "inline" in raw:
-        nbytes = s.int_field(raw, "inline", 0, s.MAX_MESSAGE_BYTES)
+        nbytes = s.check_inline_size(name, s.int_field(raw, "inline", 0, s.MAX_MESSAGE_BYTES))
         return BufferRef(nbytes, inline=bytearray(nbytes))
     return BufferRef(
         nbytes=s.int_field(raw, "n", 0),
