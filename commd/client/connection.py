@@ -36,6 +36,13 @@ from commd.client.errors import (
     from_reply,
 )
 from commd.client.handle import Handle
+from commd.client.trust import (
+    UntrustedDaemonError,
+    read_job_secret,
+    verify_daemon_peer,
+    verify_job_files,
+    wait_for_op_socket,
+)
 from commd.kernels.reduce import DTYPE_NAMES, TORCH_DTYPES
 from commd.memory.arena import Arena, Segment
 from commd.protocol import schema as s
@@ -86,7 +93,7 @@ class Client:
         self.world_size = world_size
         self.local_rank = local_rank
         self.paths = JobPaths.for_job(job)
-        self.secret = secret if secret is not None else self.paths.read_secret()
+        self.secret = secret  # None: read from the job directory once it is verified
         size = arena_bytes if arena_bytes is not None else env_int(
             "COMMD_ARENA_BYTES", DEFAULT_ARENA_BYTES, 1 << 16, 1 << 40
         )
@@ -127,10 +134,19 @@ class Client:
 
     # ---- connection ---------------------------------------------------
     def _connect(self, timeout: float) -> None:
-        if not self.paths.socket.exists():
-            raise ConnectError(
-                f"no commd daemon for job {self.paths.job!r}: {self.paths.socket} does not exist"
-            )
+        # Nothing is sent before the job's files and the daemon process prove to be our own
+        # (commd/client/trust.py says why this order).
+        deadline = time.monotonic() + timeout
+        verify_job_files(self.paths)
+        if self.secret is None:
+            self.secret = read_job_secret(self.paths)
+        wait_for_op_socket(self.paths, deadline)
+        try:
+            self._ops.settimeout(timeout)
+            self._ops.connect(str(self.paths.ops_socket))
+        except OSError as exc:
+            raise ConnectError(f"cannot open the op channel {self.paths.ops_socket}: {exc}") from None
+        peer_pid = verify_daemon_peer(self._ops, self.paths)
         self.arena.new_segment(self.arena.segment_bytes)
         self._req.connect(self.paths.endpoint)
         first = self.arena.segments[0]
@@ -146,6 +162,11 @@ class Client:
         first.unlink()  # the daemon has it mapped now; nothing is left behind in /dev/shm
         self.client_id = welcome["client_id"]
         self.daemon_pid = welcome["daemon_pid"]
+        if peer_pid and self.daemon_pid != peer_pid:
+            raise UntrustedDaemonError(
+                f"refusing job {self.paths.job!r}: the daemon on {self.paths.socket} says it is pid "
+                f"{self.daemon_pid}, but pid {peer_pid} listens on {self.paths.ops_socket}"
+            )
         if self.op_timeout is None:
             self.op_timeout = float(welcome["op_timeout"])
         # CUDA tensors go by IPC handle when the daemon can open them, else via host memory.
@@ -156,8 +177,6 @@ class Client:
             self._cuda = CudaExporter()
         # Ops and their replies travel on the op channel (see commd/daemon/opchannel.py).
         try:
-            self._ops.settimeout(timeout)
-            self._ops.connect(str(self.paths.ops_socket))
             self._ops.send(s.encode({"t": "attach", "client_id": self.client_id, "secret": self.secret}))
             ack = s.decode(self._ops.recv(OPS_RECV_BYTES))
             self._ops.settimeout(0.0)

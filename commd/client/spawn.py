@@ -17,7 +17,7 @@ import zmq
 
 from commd.client.errors import ConnectError
 from commd.protocol import schema as s
-from commd.runtime import JobPaths, pid_alive
+from commd.runtime import ConfigError, JobPaths, pid_alive
 
 SECRET_ENV = "COMMD_SECRET"
 
@@ -89,7 +89,10 @@ def ensure_daemon(
     paths: JobPaths, secret: str | None = None, timeout: float = 60.0, extra_args: list[str] | None = None
 ) -> int:
     """Return the pid of the job's daemon, starting one if needed."""
-    paths.ensure()
+    try:
+        paths.ensure()  # refuses a runtime root or job directory that is not ours
+    except ConfigError as exc:
+        raise ConnectError(f"cannot use the runtime directory of job {paths.job!r}: {exc}") from None
     with open(paths.lock_file, "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
