@@ -34,7 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--owner-pid", type=int, default=None,
         help="exit (as on SIGTERM) when this process dies, e.g. the launcher that started us",
     )
-    fabric = parser.add_argument_group("multi-node fabric (one daemon per node)")
+    fabric = parser.add_argument_group(
+        "multi-node fabric (one daemon per node)",
+        "With a store rendezvous every node needs the same job secret: COMMD_SECRET, or COMMD_SECRET_FILE "
+        "naming a file of yours with mode 0600 (never published in the store). Under mpiexec none is needed.",
+    )
     fabric.add_argument("--nnodes", type=int, default=None,
                         help="number of nodes (daemons) in the job (default: $COMMD_NNODES or 1)")
     fabric.add_argument("--node-rank", type=int, default=None,
