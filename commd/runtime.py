@@ -7,6 +7,7 @@ environment variable commd reads is parsed and validated here too.
 
 from __future__ import annotations
 
+import errno
 import hmac
 import os
 import re
@@ -101,6 +102,19 @@ def check_trusted_ancestry(path: Path) -> None:
     rule ssh's StrictModes applies to a home directory.
     """
     uid = os.getuid()
+    given = Path(os.path.abspath(path))
+    for component in [*reversed(given.parents), given]:
+        # A symlink on the way is as good as its owner: one of someone else's (say, planted in
+        # /tmp) could be re-pointed at any time.
+        try:
+            st = os.lstat(component)
+        except FileNotFoundError:
+            break
+        if stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, uid):
+            raise UntrustedPathError(
+                f"{component} is a symlink of uid {st.st_uid}, neither ours (uid {uid}) nor root's: "
+                f"it could re-point commd's runtime directory {path} anywhere"
+            )
     resolved = Path(os.path.realpath(path))
     for component in [*reversed(resolved.parents), resolved]:
         try:
@@ -183,7 +197,9 @@ def read_private_file(path: Path, what: str) -> str:
     except FileNotFoundError:
         raise  # the caller knows what a missing file means
     except OSError as exc:
-        raise UntrustedPathError(f"cannot open {what} {path} safely (no symlinks allowed): {exc}") from None
+        if exc.errno == errno.ELOOP:
+            raise UntrustedPathError(f"{what} {path} is a symlink: refusing to follow it") from None
+        raise UntrustedPathError(f"cannot open {what} {path}: {exc.strerror}") from None
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -207,10 +223,10 @@ def read_private_file(path: Path, what: str) -> str:
     return text
 
 
-def _private_dir(path: Path) -> Path:
+def _private_dir(path: Path, follow_symlink: bool = False) -> Path:
     """Create ``path`` 0700 if needed; it must be ours (a loose mode of ours is tightened)."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = os.lstat(path)
+    st = os.stat(path) if follow_symlink else os.lstat(path)
     if not stat.S_ISDIR(st.st_mode):
         raise UntrustedPathError(f"runtime directory {path} is not a directory ({_describe(st)})")
     if st.st_uid != os.getuid():
@@ -229,7 +245,7 @@ def _runtime_root_dir(root: Path) -> None:
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
     check_runtime_root(root)
     if os.stat(root).st_uid == os.getuid():
-        _private_dir(root)
+        _private_dir(root, follow_symlink=True)  # its ancestry, symlinks included, was checked above
 
 
 @dataclass(frozen=True)

@@ -168,6 +168,29 @@ def test_runtime_root_under_a_directory_anyone_can_write_is_refused(
 
 
 @needs_root
+def test_runtime_root_reached_through_another_users_symlink_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fakes: list[FakeDaemon]
+) -> None:
+    """A symlink planted in a shared sticky directory (like /tmp/commd-<uid>) can be re-pointed by its
+    owner at any moment, even when it points at a directory of ours now."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    ours = tmp_path / "ours"
+    job = new_job()
+    fake = FakeDaemon(ours / job)
+    fakes.append(fake)
+    ours.chmod(0o700)
+    link = shared / "commd-root"
+    link.symlink_to(ours)
+    os.lchown(link, OTHER_UID, OTHER_UID)
+    monkeypatch.setenv("COMMD_RUNTIME_DIR", str(link))
+    with pytest.raises(ConnectError, match=f"{link} is a symlink of uid {OTHER_UID}"):
+        _connect(job)
+    assert fake.received() == []
+
+
+@needs_root
 def test_daemon_refuses_a_runtime_root_of_another_user(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     root = tmp_path / "theirs"
     root.mkdir(mode=0o755)
@@ -243,7 +266,7 @@ def test_secret_file_must_be_a_private_regular_file_of_ours(runtime_dir: Path, t
     elsewhere.write_text("x" * 64)
     elsewhere.chmod(0o600)
     paths.secret_file.symlink_to(elsewhere)
-    with pytest.raises(ConfigError, match=f"{paths.secret_file}.*symlink"):
+    with pytest.raises(ConfigError, match=f"{paths.secret_file} is a symlink"):
         paths.read_secret()
     paths.secret_file.unlink()
     paths.write_secret("s" * 64)
