@@ -116,8 +116,9 @@ def test_job_directory_of_another_user_is_refused_before_anything_is_sent(
     fakes.append(fake)
     (fake.directory / "daemon.pid").write_text(str(os.getpid()))
     _chown_tree(fake.directory, OTHER_UID)
-    with pytest.raises(ConnectError, match=f"{fake.directory}.*uid {OTHER_UID}"):
+    with pytest.raises(ConnectError, match=f"{fake.directory}.*uid {OTHER_UID}") as refused:
         _connect(job)
+    assert refused.typename == "UntrustedDaemonError"
     assert fake.received() == []
 
 

@@ -33,11 +33,11 @@ from commd.client.errors import (
     DaemonDiedError,
     DaemonShutdownError,
     RequestError,
+    UntrustedDaemonError,
     from_reply,
 )
 from commd.client.handle import Handle
 from commd.client.trust import (
-    UntrustedDaemonError,
     read_job_secret,
     verify_daemon_peer,
     verify_job_files,

@@ -30,15 +30,11 @@ import socket
 import struct
 import time
 
-from commd.client.errors import ConnectError
+from commd.client.errors import ConnectError, UntrustedDaemonError
 from commd.runtime import ConfigError, JobPaths, UntrustedPathError, check_own_socket
 
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 SOCKET_APPEAR_POLL_S = 0.01
-
-
-class UntrustedDaemonError(ConnectError):
-    """The job's directory, sockets or daemon process are not the user's own: nothing was sent."""
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
