@@ -260,6 +260,27 @@ def test_op_channel_of_a_process_other_than_the_recorded_daemon_is_refused(
     assert "control message" not in fake.received()  # no hello (with the secret) went out
 
 
+def test_stale_sockets_of_a_dead_daemon_fail_at_once(runtime_dir: Path, fakes: list[FakeDaemon]) -> None:
+    """A crashed daemon's files: ops.sock refuses and daemon.pid names a dead process."""
+    job = new_job()
+    fake = FakeDaemon(runtime_dir / job, ops_listener=False)
+    fakes.append(fake)
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    stale.bind(str(fake.directory / "ops.sock"))  # bound, never listening: connections are refused
+    os.chmod(fake.directory / "ops.sock", 0o600)
+    dead = subprocess.Popen(["true"])
+    dead.wait(timeout=30)
+    (fake.directory / "daemon.pid").write_text(str(dead.pid))
+    started = time.monotonic()
+    try:
+        with pytest.raises(ConnectError, match=f"no commd daemon answers for job '{job}'"):
+            Client(0, 1, job=job, connect_timeout=30)
+    finally:
+        stale.close()
+    assert time.monotonic() - started < 10, "waited for the connect timeout instead of failing at once"
+    assert fake.received() == []
+
+
 # ---- the secret file ----------------------------------------------------------------------------
 def test_secret_file_must_be_a_private_regular_file_of_ours(runtime_dir: Path, tmp_path: Path) -> None:
     paths = job_paths(runtime_dir, new_job()).ensure()

@@ -37,12 +37,7 @@ from commd.client.errors import (
     from_reply,
 )
 from commd.client.handle import Handle
-from commd.client.trust import (
-    read_job_secret,
-    verify_daemon_peer,
-    verify_job_files,
-    wait_for_op_socket,
-)
+from commd.client.trust import connect_op_channel, read_job_secret, verify_job_files
 from commd.kernels.reduce import DTYPE_NAMES, TORCH_DTYPES
 from commd.memory.arena import Arena, Segment
 from commd.protocol import schema as s
@@ -140,13 +135,8 @@ class Client:
         verify_job_files(self.paths)
         if self.secret is None:
             self.secret = read_job_secret(self.paths)
-        wait_for_op_socket(self.paths, deadline)
-        try:
-            self._ops.settimeout(timeout)
-            self._ops.connect(str(self.paths.ops_socket))
-        except OSError as exc:
-            raise ConnectError(f"cannot open the op channel {self.paths.ops_socket}: {exc}") from None
-        peer_pid = verify_daemon_peer(self._ops, self.paths)
+        self._ops.settimeout(timeout)
+        peer_pid = connect_op_channel(self._ops, self.paths, deadline)
         self.arena.new_segment(self.arena.segment_bytes)
         self._req.connect(self.paths.endpoint)
         first = self.arena.segments[0]

@@ -31,7 +31,7 @@ import struct
 import time
 
 from commd.client.errors import ConnectError, UntrustedDaemonError
-from commd.runtime import ConfigError, JobPaths, UntrustedPathError, check_own_socket
+from commd.runtime import ConfigError, JobPaths, UntrustedPathError, check_own_socket, pid_alive
 
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 SOCKET_APPEAR_POLL_S = 0.01
@@ -65,18 +65,31 @@ def read_job_secret(paths: JobPaths) -> str:
         raise ConnectError(str(exc)) from None
 
 
-def wait_for_op_socket(paths: JobPaths, deadline: float) -> None:
-    """The daemon binds ``ops.sock`` just after ``control.sock``: wait (bounded) for it, then check it."""
-    while not os.path.lexists(paths.ops_socket):
-        if time.monotonic() > deadline or not paths.socket.exists():
-            raise ConnectError(f"no commd daemon for job {paths.job!r}: {paths.ops_socket} does not exist")
+def connect_op_channel(sock: socket.socket, paths: JobPaths, deadline: float) -> int:
+    """Connect ``sock`` to the job's ``ops.sock`` and prove the listener is our daemon; its pid.
+
+    The daemon binds ``ops.sock`` just after ``control.sock`` and listens a moment
+    later, so a missing or refusing socket is retried until ``deadline`` — unless
+    the daemon recorded in ``daemon.pid`` is dead (a stale socket: fail at once).
+    """
+    while True:
+        try:
+            if os.path.lexists(paths.ops_socket):
+                check_own_socket(paths.ops_socket)
+                sock.connect(str(paths.ops_socket))
+                break
+            why = f"{paths.ops_socket} does not exist"
+        except UntrustedPathError as exc:
+            raise UntrustedDaemonError(f"refusing job {paths.job!r}: {exc}") from None
+        except (ConnectionRefusedError, FileNotFoundError) as exc:
+            why = f"{paths.ops_socket}: {exc.strerror}"
+        except (ConfigError, OSError) as exc:
+            raise ConnectError(f"cannot open the op channel {paths.ops_socket}: {exc}") from None
+        recorded = _recorded_pid(paths)
+        if time.monotonic() > deadline or (recorded is not None and not pid_alive(recorded)):
+            raise ConnectError(f"no commd daemon answers for job {paths.job!r}: {why}")
         time.sleep(SOCKET_APPEAR_POLL_S)
-    try:
-        check_own_socket(paths.ops_socket)
-    except UntrustedPathError as exc:
-        raise UntrustedDaemonError(f"refusing job {paths.job!r}: {exc}") from None
-    except ConfigError as exc:
-        raise ConnectError(f"no commd daemon for job {paths.job!r}: {exc}") from None
+    return verify_daemon_peer(sock, paths)
 
 
 def verify_daemon_peer(sock: socket.socket, paths: JobPaths) -> int:
