@@ -269,7 +269,7 @@ def start_fabric(sim: Any, job: str, use_mpi: bool, args: argparse.Namespace, pr
                  mpi_env: dict[str, str]) -> list[subprocess.Popen[Any]]:
     """One daemon per simulated host, formed into one fabric; returns once every daemon answers."""
     from commd.client.spawn import ping
-    from commd.runtime import JobPaths
+    from commd.runtime import JobPaths, new_secret
 
     hosts = sim.hosts
     port = random_port()
@@ -283,6 +283,7 @@ def start_fabric(sim: Any, job: str, use_mpi: bool, args: argparse.Namespace, pr
         return out
 
     started = []
+    secret = {"COMMD_SECRET": new_secret()}  # a store rendezvous needs it on every node
     if use_mpi:
         cmd = [mpiexec_path(args)]
         for i, h in enumerate(hosts):
@@ -295,7 +296,7 @@ def start_fabric(sim: Any, job: str, use_mpi: bool, args: argparse.Namespace, pr
         started.append(procs.start(cmd, base_env(hosts[0], mpi_env), log))
     else:
         for i, h in enumerate(hosts):
-            started.append(procs.start(h.argv(argv(i)), base_env(h), log))
+            started.append(procs.start(h.argv(argv(i)), base_env(h, secret), log))
     deadline = time.monotonic() + DAEMON_START_S
     for h in hosts:
         paths = JobPaths(job, h.runtime_dir / job)

@@ -7,12 +7,14 @@ environment variable commd reads is parsed and validated here too.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hmac
 import os
 import re
 import secrets
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Iterable
@@ -46,10 +48,23 @@ KEEP_FINISHED_JOBS = 10
 KEEP_FINISHED_S = 7 * 24 * 3600.0
 #: A directory touched this recently may belong to a job starting right now: never pruned.
 PRUNE_GRACE_S = 60.0
+SECRET_ENV = "COMMD_SECRET"
+SECRET_FILE_ENV = "COMMD_SECRET_FILE"
+#: A job secret given by the user must be at least this long (a shorter one is guessable).
+MIN_SECRET_CHARS = 16
+MAX_SECRET_BYTES = 4096
 
 
 class ConfigError(ValueError):
     """A setting from the environment, a flag or a file is invalid."""
+
+
+class UntrustedPathError(ConfigError):
+    """A runtime directory, socket or secret file could have been planted by someone else.
+
+    Raised before anything is read from or sent to it: the text names the path
+    and what is wrong (owner uid, mode, file type).
+    """
 
 
 def env_float(name: str, default: float, low: float = 0.0, high: float = 1e9) -> float:
@@ -97,14 +112,163 @@ def runtime_root() -> Path:
     return Path(tempfile.gettempdir()) / f"commd-{os.getuid()}"
 
 
-def _private_dir(path: Path) -> Path:
+def _describe(st: os.stat_result) -> str:
+    return f"owner uid {st.st_uid}, mode {stat.filemode(st.st_mode)} ({stat.S_IMODE(st.st_mode):04o})"
+
+
+def check_trusted_ancestry(path: Path) -> None:
+    """Refuse ``path`` if anyone but us (or root) could replace it or anything above it.
+
+    Every directory from ``/`` down to ``path`` must belong to root or to us,
+    and one writable by group or others must be sticky (like /tmp), so nobody
+    else can rename our entries away and put their own in their place — the
+    rule ssh's StrictModes applies to a home directory.
+    """
+    uid = os.getuid()
+    given = Path(os.path.abspath(path))
+    for component in [*reversed(given.parents), given]:
+        # A symlink on the way is as good as its owner: one of someone else's (say, planted in
+        # /tmp) could be re-pointed at any time.
+        try:
+            st = os.lstat(component)
+        except FileNotFoundError:
+            break
+        if stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, uid):
+            raise UntrustedPathError(
+                f"{component} is a symlink of uid {st.st_uid}, neither ours (uid {uid}) nor root's: "
+                f"it could re-point commd's runtime directory {path} anywhere"
+            )
+    resolved = Path(os.path.realpath(path))
+    for component in [*reversed(resolved.parents), resolved]:
+        try:
+            st = os.stat(component)
+        except FileNotFoundError:
+            return  # not created yet: whoever creates it below us checks it then
+        if not stat.S_ISDIR(st.st_mode):
+            raise UntrustedPathError(f"{component} is not a directory ({_describe(st)})")
+        if st.st_uid not in (0, uid):
+            raise UntrustedPathError(
+                f"{component} belongs to uid {st.st_uid}, neither to us (uid {uid}) nor to root: "
+                f"it could replace commd's runtime directory {path} ({_describe(st)})"
+            )
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            raise UntrustedPathError(
+                f"{component} is writable by group or others and not sticky: anyone could replace "
+                f"commd's runtime directory {path} ({_describe(st)})"
+            )
+
+
+def check_runtime_root(root: Path) -> None:
+    """The runtime root is ours and private, or a shared root-owned sticky directory (like /tmp)."""
+    check_trusted_ancestry(root)
+    st = os.stat(root)
+    uid = os.getuid()
+    shared = st.st_uid == 0 and st.st_mode & stat.S_ISVTX
+    if st.st_uid != uid and not shared:
+        raise UntrustedPathError(
+            f"runtime directory {root} belongs to uid {st.st_uid}, not to us (uid {uid}) ({_describe(st)}); "
+            "use a directory of your own (COMMD_RUNTIME_DIR)"
+        )
+
+
+def check_job_dir(directory: Path) -> None:
+    """A job directory must be a real directory of ours that nobody else can enter (0700)."""
+    uid = os.getuid()
+    try:
+        st = os.lstat(directory)
+    except FileNotFoundError:
+        raise ConfigError(f"job directory {directory} does not exist: is the job's daemon running?") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise UntrustedPathError(f"job directory {directory} is not a directory ({_describe(st)})")
+    if st.st_uid != uid:
+        raise UntrustedPathError(
+            f"job directory {directory} belongs to uid {st.st_uid}, not to us (uid {uid}): "
+            f"refusing a job planted by another user ({_describe(st)})"
+        )
+    if st.st_mode & 0o077:
+        raise UntrustedPathError(
+            f"job directory {directory} is open to group or others (mode {stat.S_IMODE(st.st_mode):04o}, "
+            "must be 0700): refusing it"
+        )
+
+
+def check_own_socket(path: Path) -> None:
+    """A daemon socket must be a socket of ours that only we can use (0600)."""
+    uid = os.getuid()
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise ConfigError(f"{path} does not exist: is the job's daemon running?") from None
+    if not stat.S_ISSOCK(st.st_mode):
+        raise UntrustedPathError(f"{path} is not a socket ({_describe(st)})")
+    if st.st_uid != uid:
+        raise UntrustedPathError(
+            f"daemon socket {path} belongs to uid {st.st_uid}, not to us (uid {uid}): refusing to connect"
+        )
+    if st.st_mode & 0o077:
+        raise UntrustedPathError(
+            f"daemon socket {path} is open to group or others (mode {stat.S_IMODE(st.st_mode):04o}, "
+            "must be 0600): refusing to connect"
+        )
+
+
+def read_private_file(path: Path, what: str) -> str:
+    """The stripped text of a small regular file of ours that only we can read (no symlinks)."""
+    uid = os.getuid()
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise  # the caller knows what a missing file means
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UntrustedPathError(f"{what} {path} is a symlink: refusing to follow it") from None
+        raise UntrustedPathError(f"cannot open {what} {path}: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UntrustedPathError(f"{what} {path} is not a regular file ({_describe(st)})")
+        if st.st_uid != uid:
+            raise UntrustedPathError(f"{what} {path} belongs to uid {st.st_uid}, not to us (uid {uid})")
+        if st.st_mode & 0o077:
+            raise UntrustedPathError(
+                f"{what} {path} is readable or writable by group or others (mode "
+                f"{stat.S_IMODE(st.st_mode):04o}, must be 0600)"
+            )
+        data = f.read(MAX_SECRET_BYTES + 1)
+    if len(data) > MAX_SECRET_BYTES:
+        raise ConfigError(f"{what} {path} is larger than {MAX_SECRET_BYTES} bytes")
+    try:
+        text = data.decode().strip()
+    except UnicodeDecodeError:
+        raise ConfigError(f"{what} {path} is not UTF-8 text") from None
+    if not text:
+        raise ConfigError(f"{what} {path} is empty")
+    return text
+
+
+def _private_dir(path: Path, follow_symlink: bool = False) -> Path:
+    """Create ``path`` 0700 if needed; it must be ours (a loose mode of ours is tightened)."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = path.stat()
+    st = os.stat(path) if follow_symlink else os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UntrustedPathError(f"runtime directory {path} is not a directory ({_describe(st)})")
     if st.st_uid != os.getuid():
-        raise ConfigError(f"runtime directory {path} belongs to uid {st.st_uid}, not to us")
+        raise UntrustedPathError(
+            f"runtime directory {path} belongs to uid {st.st_uid}, not to us (uid {os.getuid()}) "
+            f"({_describe(st)})"
+        )
     if st.st_mode & 0o077:
         os.chmod(path, 0o700)
     return path
+
+
+def _runtime_root_dir(root: Path) -> None:
+    """Create the runtime root if needed; accept it if ours (made private) or shared and sticky."""
+    check_trusted_ancestry(root)
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    check_runtime_root(root)
+    if os.stat(root).st_uid == os.getuid():
+        _private_dir(root, follow_symlink=True)  # its ancestry, symlinks included, was checked above
 
 
 @dataclass(frozen=True)
@@ -120,8 +284,15 @@ class JobPaths:
         return cls(name, runtime_root() / name)
 
     def ensure(self) -> JobPaths:
-        _private_dir(self.directory.parent)
+        """Create the job's directory (0700); refuses a root or job directory that is not ours."""
+        _runtime_root_dir(self.directory.parent)
         _private_dir(self.directory)
+        return self
+
+    def verify(self) -> JobPaths:
+        """Check, without changing anything, that nobody else can have planted this job's files."""
+        check_runtime_root(self.directory.parent)
+        check_job_dir(self.directory)
         return self
 
     @property
@@ -178,15 +349,17 @@ class JobPaths:
         return pid > 0 and pid_alive(pid)
 
     def read_secret(self) -> str:
+        """The job secret, after checking the directories and the file are ours and private."""
         try:
-            return self.secret_file.read_text().strip()
+            self.verify()
+            return read_private_file(self.secret_file, "job secret file")
         except FileNotFoundError:
             raise ConfigError(
                 f"no secret for job {self.job!r} at {self.secret_file}: is its daemon running?"
             ) from None
 
     def write_secret(self, secret: str) -> None:
-        fd = os.open(self.secret_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(self.secret_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
         with os.fdopen(fd, "w") as f:
             f.write(secret)
@@ -288,6 +461,33 @@ def _locked(lock_file: Path) -> bool:
 
 def new_secret() -> str:
     return secrets.token_hex(32)
+
+
+def secret_from_environment(consume: bool = False) -> str | None:
+    """The job secret the user gave: $COMMD_SECRET, else the file named by $COMMD_SECRET_FILE.
+
+    None when neither is set.  The file must be ours, a regular file and
+    readable by nobody else (0600).  ``consume`` removes COMMD_SECRET from
+    this process's environment, so the processes it starts do not inherit it.
+    """
+    raw = os.environ.pop(SECRET_ENV, None) if consume else os.environ.get(SECRET_ENV)
+    if raw:
+        secret, where = raw.strip(), SECRET_ENV
+    else:
+        path = os.environ.get(SECRET_FILE_ENV)
+        if not path:
+            return None
+        try:
+            secret = read_private_file(Path(path), f"{SECRET_FILE_ENV} file")
+        except FileNotFoundError:
+            raise ConfigError(f"{SECRET_FILE_ENV}={path!r} does not exist") from None
+        where = f"{SECRET_FILE_ENV}={path!r}"
+    if len(secret) < MIN_SECRET_CHARS or len(secret.encode()) > MAX_SECRET_BYTES:
+        raise ConfigError(
+            f"the job secret from {where} must be {MIN_SECRET_CHARS} to {MAX_SECRET_BYTES} characters "
+            f"long (got {len(secret)}); e.g. `openssl rand -hex 32`"
+        )
+    return secret
 
 
 def secrets_equal(a: str, b: str) -> bool:

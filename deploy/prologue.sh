@@ -17,12 +17,14 @@
 #   COMMD_RUNTIME_DIR, COMMD_OP_TIMEOUT, COMMD_LOG_LEVEL, COMMD_NODE, COMMD_CONFIG
 #                           passed on to a detached daemon (a systemd unit reads its
 #                           own, see deploy/commd@.service)
-#   COMMD_NNODES, COMMD_NODE_RANK, COMMD_RENDEZVOUS=HOST:PORT, COMMD_SECRET
+#   COMMD_NNODES, COMMD_NODE_RANK, COMMD_RENDEZVOUS=HOST:PORT, COMMD_SECRET or COMMD_SECRET_FILE
 #                           a job on several nodes: run this prologue on every node with
 #                           its node rank; node 0's daemon hosts the rendezvous store at
-#                           HOST:PORT (node 0's address).  Give every node the same
-#                           COMMD_SECRET (e.g. from the scheduler's job credential), or none:
-#                           node 0 then publishes one through the store.  The daemon answers
+#                           HOST:PORT (node 0's address).  Give every node the same secret:
+#                           COMMD_SECRET (e.g. from the scheduler's job credential) or
+#                           COMMD_SECRET_FILE, a file of yours with mode 0600 (required: the
+#                           store is readable by anyone who reaches it, so commd never
+#                           publishes a secret there).  The daemon answers
 #                           only once every node has joined, so raise COMMD_PROLOGUE_TIMEOUT
 #                           to cover the slowest node's start.  (Under MPI instead:
 #                           `mpiexec -n K -ppn 1 commd daemon --job $COMMD_JOB`.)

@@ -23,6 +23,7 @@ from typing import Any
 from helpers import DAEMON_START_S, POLL_S, Workers, job_paths, new_job
 
 from commd.client.spawn import ping
+from commd.runtime import new_secret
 
 MPIEXEC = str(Path(sys.executable).with_name("mpiexec"))
 #: Daemons of simulated hosts under one mpiexec: each its own MPI node, TCP on the host's eth0
@@ -55,6 +56,7 @@ class Cluster:
         self.op_timeout = op_timeout
         self.extra = list(extra or []) + ["--peer-timeout", str(peer_timeout)]
         self.mpi = mpi
+        self.secret = new_secret()  # a store rendezvous needs it on every node (never in the store)
         self.procs: list[subprocess.Popen] = []
         self.workers: list[Workers] = []
 
@@ -69,7 +71,7 @@ class Cluster:
 
     def _env(self, i: int) -> dict[str, str]:
         env = dict(os.environ, COMMD_RUNTIME_DIR=str(self.runtime[i]), COMMD_NODE=self.names[i])
-        env.pop("COMMD_SECRET", None)
+        env["COMMD_SECRET"] = self.secret
         env.pop("COMMD_JOB", None)
         return env
 

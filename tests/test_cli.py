@@ -193,6 +193,7 @@ def test_status_times_out_on_a_silent_daemon(rt: Path, capsys: pytest.CaptureFix
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(paths.endpoint)
+    paths.socket.chmod(0o600)  # as a daemon makes it: status talks only to a private socket of ours
     try:
         start = time.monotonic()
         assert commd_main(["status", "--timeout", "0.5"]) == 1

@@ -19,6 +19,8 @@ import fabric_workers as fw
 import pytest
 from cluster import MPIEXEC, Cluster, free_port
 
+from commd.runtime import new_secret
+
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
@@ -44,16 +46,23 @@ def _results(out: Path, world: int) -> list[dict]:
 
 
 def test_launch_on_two_nodes(tmp_path: Path) -> None:
+    """Node 0's launcher reads the job secret from COMMD_SECRET_FILE, node 1's from COMMD_SECRET."""
     port = free_port()
+    secret = new_secret()
+    secret_file = tmp_path / "job.secret"
+    secret_file.write_text(secret)
+    secret_file.chmod(0o600)
     procs = []
     for i in range(2):
         runtime = tmp_path / f"node{i}"
         runtime.mkdir()
+        env = _env(runtime, f"n{i}")
+        env.update({"COMMD_SECRET_FILE": str(secret_file)} if i == 0 else {"COMMD_SECRET": secret})
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "commd", "launch", "--nnodes", "2", "--node-rank", str(i),
              "--master", f"127.0.0.1:{port}", "--nproc-per-node", "2",
              str(SCRIPTS / "cli_allreduce_worker.py"), str(tmp_path)],
-            env=_env(runtime, f"n{i}"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         ))
     outputs = _communicate_all(procs)
     assert [p.returncode for p in procs] == [0, 0], "\n".join(outputs)
@@ -66,6 +75,7 @@ def test_launch_on_two_nodes(tmp_path: Path) -> None:
 
 def test_torchrun_style_ranks_auto_start_their_node_daemons(tmp_path: Path) -> None:
     port = free_port()
+    secret = new_secret()  # the daemons' shared secret: every rank's environment has it, the store never
     procs = []
     for rank in range(4):
         node = rank // 2
@@ -73,7 +83,7 @@ def test_torchrun_style_ranks_auto_start_their_node_daemons(tmp_path: Path) -> N
         runtime.mkdir(exist_ok=True)
         env = _env(runtime, f"n{node}")
         env.update(RANK=str(rank), WORLD_SIZE="4", LOCAL_RANK=str(rank % 2), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port))
+                   MASTER_PORT=str(port), COMMD_SECRET=secret)
         procs.append(subprocess.Popen([sys.executable, str(SCRIPTS / "cli_allreduce_worker.py"), str(tmp_path), "gloo"],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = _communicate_all(procs)

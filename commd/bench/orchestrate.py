@@ -30,6 +30,7 @@ from typing import Any
 
 from commd.bench.report import Progress
 from commd.bench.spec import BenchSpec, measure_argv
+from commd.runtime import new_secret
 
 PY = sys.executable
 POLL_S = 0.1
@@ -299,10 +300,11 @@ def run_commd_phase(layout: Layout, spec: BenchSpec, sim: Any, work: Path, bar: 
             watch = [(started, log, "commd launch")]
         else:
             master = f"{sim.hosts[0].ip}:{random.randint(20000, 60000)}"  # fresh namespace: any port is free
+            secret = new_secret()  # every node's launcher gets the job secret; it never goes into the store
             watch = []
             for i, host in enumerate(sim.hosts):
                 log = work / f"launch-{host.name}.log"
-                env = base_env({**layout.env, **host.env, "GLOO_SOCKET_IFNAME": "eth0"})
+                env = base_env({**layout.env, **host.env, "GLOO_SOCKET_IFNAME": "eth0", "COMMD_SECRET": secret})
                 argv = host.argv(_launch_argv(layout, spec, rows.path, i, master, host.name))
                 what = f"commd launch on {host.name}"
                 watch.append((procs.start(argv, env, log, what), log, what))

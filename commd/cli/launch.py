@@ -27,7 +27,7 @@ from typing import Any
 
 from commd.client.errors import ConnectError
 from commd.client.spawn import SECRET_ENV, ping, start_daemon
-from commd.runtime import ConfigError, JobPaths, check_job, new_secret
+from commd.runtime import ConfigError, JobPaths, check_job, new_secret, secret_from_environment
 
 POLL_S = 0.05
 DEFAULT_GRACE_S = 10.0
@@ -287,9 +287,21 @@ def _supervise(workers: list[Worker], sigs: _Signals, grace: float, daemon: subp
 
 def _host_or_join_store(args: argparse.Namespace, job: str | None) -> tuple[Any, str, str]:
     """Multi-node: node 0 hosts the job's TCPStore (as torchrun's agent) and publishes the job name
-    and secret there; the other launchers read them.  Returns (store, job, secret)."""
+    there; the other launchers read it.  The secret is never published (anyone who reaches the
+    store's port could read it): every node's launcher must be given the same one through
+    COMMD_SECRET or COMMD_SECRET_FILE.  Returns (store, job, secret)."""
     from torch.distributed import TCPStore
 
+    try:
+        secret = secret_from_environment()
+    except ConfigError as exc:
+        raise LaunchError(str(exc)) from None
+    if secret is None:
+        raise LaunchError(
+            "--nnodes > 1 needs the job secret on every node: set COMMD_SECRET, or COMMD_SECRET_FILE to a "
+            "file only you can read (mode 0600), to the same value on every node (e.g. `openssl rand -hex "
+            "32`); commd does not send it through the job's store, which anyone reaching its port can read"
+        )
     is_host = args.node_rank == 0
     try:
         store = TCPStore(args.master_addr, args.master_port, None, is_host,
@@ -300,10 +312,8 @@ def _host_or_join_store(args: argparse.Namespace, job: str | None) -> tuple[Any,
     if is_host:
         job = job or f"launch-{uuid.uuid4().hex[:12]}"
         store.set("commd/launch/job", job)
-        store.set("commd/launch/secret", new_secret())
     try:
         agreed = store.get("commd/launch/job").decode()
-        secret = store.get("commd/launch/secret").decode()
     except Exception as exc:
         raise LaunchError(f"node 0's launcher did not publish the job within the timeout: {exc}") from None
     if job is not None and job != agreed:
@@ -315,6 +325,10 @@ def _start_or_reuse_daemon(
     args: argparse.Namespace, paths: JobPaths, secret: str | None = None
 ) -> subprocess.Popen | None:
     """Start the job's daemon (owned by us), or None to reuse one that already answers."""
+    try:
+        paths.ensure()  # a runtime root or job directory that is not ours is refused, never reused
+    except ConfigError as exc:
+        raise LaunchError(str(exc)) from None
     existing = paths.daemon_pid()
     if existing is not None and ping(paths, 2.0) == existing:
         if args.job is None:  # pragma: no cover - a fresh uuid name cannot collide

@@ -19,7 +19,7 @@ from typing import Any
 import zmq
 
 from commd.protocol import schema as s
-from commd.runtime import JOB_NAME, ConfigError, JobPaths, runtime_root
+from commd.runtime import JOB_NAME, ConfigError, JobPaths, check_own_socket, runtime_root
 
 DEFAULT_TIMEOUT_S = 5.0
 
@@ -79,7 +79,8 @@ def query_status(paths: JobPaths, timeout: float = DEFAULT_TIMEOUT_S) -> dict[st
     if not paths.socket.exists():
         raise StatusError(f"no daemon for job {paths.job!r}: {paths.socket} does not exist")
     try:
-        secret = paths.read_secret()
+        secret = paths.read_secret()  # checks the job directory is ours and private first
+        check_own_socket(paths.socket)  # the secret goes only to a socket of ours
     except ConfigError as exc:
         raise StatusError(str(exc)) from None
     except PermissionError:

@@ -13,6 +13,7 @@ from commd.client.errors import (
     MismatchError,
     PeerDiedError,
     RequestError,
+    UntrustedDaemonError,
 )
 from commd.client.handle import Handle
 from commd.client.spawn import ensure_daemon
@@ -20,5 +21,5 @@ from commd.client.spawn import ensure_daemon
 __all__ = [
     "AuthError", "Client", "CommTimeoutError", "CommdError", "ConnectError", "DaemonDiedError",
     "DaemonShutdownError", "Handle", "LimitExceededError", "MismatchError", "PeerDiedError", "RequestError",
-    "ensure_daemon", "ops",
+    "UntrustedDaemonError", "ensure_daemon", "ops",
 ]

@@ -33,10 +33,12 @@ from commd.client.errors import (
     DaemonDiedError,
     DaemonShutdownError,
     RequestError,
+    UntrustedDaemonError,
     from_reply,
 )
 from commd.client.handle import Handle
 from commd.client.spawn import wait_for_secret
+from commd.client.trust import connect_op_channel, read_job_secret, verify_job_files
 from commd.kernels.reduce import DTYPE_NAMES, TORCH_DTYPES
 from commd.memory.arena import Arena, Segment
 from commd.protocol import schema as s
@@ -88,6 +90,8 @@ class Client:
         self.world_size = world_size
         self.local_rank = local_rank
         self.paths = JobPaths.for_job(job)
+        # None: read from the job directory (checked to be ours first), waiting while a
+        # cluster prologue is still starting the daemon.
         self.secret = secret if secret is not None else wait_for_secret(self.paths, connect_timeout)
         size = arena_bytes if arena_bytes is not None else env_int(
             "COMMD_ARENA_BYTES", DEFAULT_ARENA_BYTES, 1 << 16, 1 << 40
@@ -135,10 +139,14 @@ class Client:
 
     # ---- connection ---------------------------------------------------
     def _connect(self, timeout: float) -> None:
-        if not self.paths.socket.exists():
-            raise ConnectError(
-                f"no commd daemon for job {self.paths.job!r}: {self.paths.socket} does not exist"
-            )
+        # Nothing is sent before the job's files and the daemon process prove to be our own
+        # (commd/client/trust.py says why this order).
+        deadline = time.monotonic() + timeout
+        verify_job_files(self.paths)
+        if self.secret is None:
+            self.secret = read_job_secret(self.paths)
+        self._ops.settimeout(timeout)
+        peer_pid = connect_op_channel(self._ops, self.paths, deadline)
         self.arena.new_segment(self.arena.segment_bytes)
         self._req.connect(self.paths.endpoint)
         first = self.arena.segments[0]
@@ -154,6 +162,11 @@ class Client:
         first.unlink()  # the daemon has it mapped now; nothing is left behind in /dev/shm
         self.client_id = welcome["client_id"]
         self.daemon_pid = welcome["daemon_pid"]
+        if peer_pid and self.daemon_pid != peer_pid:
+            raise UntrustedDaemonError(
+                f"refusing job {self.paths.job!r}: the daemon on {self.paths.socket} says it is pid "
+                f"{self.daemon_pid}, but pid {peer_pid} listens on {self.paths.ops_socket}"
+            )
         if self.op_timeout is None:
             self.op_timeout = float(welcome["op_timeout"])
         # CUDA tensors go by IPC handle when the daemon can open them, else via host memory.
@@ -164,8 +177,6 @@ class Client:
             self._cuda = CudaExporter()
         # Ops and their replies travel on the op channel (see commd/daemon/opchannel.py).
         try:
-            self._ops.settimeout(timeout)
-            self._ops.connect(str(self.paths.ops_socket))
             self._ops.send(s.encode({"t": "attach", "client_id": self.client_id, "secret": self.secret}))
             ack = s.decode(self._ops.recv(OPS_RECV_BYTES))
             self._ops.settimeout(0.0)

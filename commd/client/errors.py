@@ -13,6 +13,10 @@ class ConnectError(CommdError):
     """The node daemon could not be reached or started."""
 
 
+class UntrustedDaemonError(ConnectError):
+    """The job's directory, sockets or daemon process are not the user's own: nothing was sent to them."""
+
+
 class AuthError(CommdError):
     """The daemon refused us: wrong job secret or wrong job."""
 

@@ -15,7 +15,8 @@ import time
 
 import zmq
 
-from commd.client.errors import ConnectError
+from commd.client.errors import ConnectError, UntrustedDaemonError
+from commd.client.trust import read_job_secret
 from commd.protocol import schema as s
 from commd.runtime import ConfigError, JobPaths, pid_alive, prune_finished_jobs
 
@@ -91,10 +92,12 @@ def wait_for_secret(paths: JobPaths, timeout: float) -> str:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            secret = paths.read_secret()
+            secret = read_job_secret(paths)  # checks the job's files are ours first
             if secret:  # empty: the daemon is writing it right now
                 return secret
-        except ConfigError:
+        except UntrustedDaemonError:
+            raise
+        except ConnectError:
             error = paths.start_error()
             if error is not None:
                 raise ConnectError(f"the commd daemon of job {paths.job!r} could not be started: {error}") from None
@@ -120,7 +123,10 @@ def ensure_daemon(
     paths: JobPaths, secret: str | None = None, timeout: float = 60.0, extra_args: list[str] | None = None
 ) -> int:
     """Return the pid of the job's daemon, starting one if needed."""
-    paths.ensure()
+    try:
+        paths.ensure()  # refuses a runtime root or job directory that is not ours
+    except ConfigError as exc:
+        raise ConnectError(f"cannot use the runtime directory of job {paths.job!r}: {exc}") from None
     with open(paths.lock_file, "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:

@@ -14,13 +14,11 @@ from commd.daemon import notify
 from commd.daemon.limits import add_limit_arguments, config_section, limits_from_args
 from commd.daemon.server import Daemon, DaemonConfig
 from commd.fabric.rendezvous import FabricSpec, parse_host_port
-from commd.runtime import ConfigError, JobPaths, env_float, env_int, new_secret
+from commd.runtime import ConfigError, JobPaths, env_float, env_int, new_secret, secret_from_environment
 from commd.scheduler.selection import SchedulerConfig, load_config
 from commd.scheduler.tuning import TuningTable
 
 NODE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-
-SECRET_ENV = "COMMD_SECRET"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--owner-pid", type=int, default=None,
         help="exit (as on SIGTERM) when this process dies, e.g. the launcher that started us",
     )
-    fabric = parser.add_argument_group("multi-node fabric (one daemon per node)")
+    fabric = parser.add_argument_group(
+        "multi-node fabric (one daemon per node)",
+        "With a store rendezvous every node needs the same job secret: COMMD_SECRET, or COMMD_SECRET_FILE "
+        "naming a file of yours with mode 0600 (never published in the store). Under mpiexec none is needed.",
+    )
     fabric.add_argument("--nnodes", type=int, default=None,
                         help="number of nodes (daemons) in the job (default: $COMMD_NNODES or 1)")
     fabric.add_argument("--node-rank", type=int, default=None,
@@ -112,6 +114,9 @@ def run(args: argparse.Namespace) -> int:
             "COMMD_PEER_TIMEOUT", 10.0, 0.5, 3600)
         if not 0.5 <= peer_timeout <= 3600:
             raise ConfigError(f"--peer-timeout {peer_timeout} must lie in [0.5, 3600] seconds")
+        # The secret comes from the environment (COMMD_SECRET, or the 0600 file COMMD_SECRET_FILE
+        # names) when the user or a launcher gave one; never from argv, which /proc shows everyone.
+        given_secret = secret_from_environment(consume=True)
     except ConfigError as exc:
         print(f"commd daemon: {exc}", file=sys.stderr)
         return 2
@@ -125,9 +130,6 @@ def run(args: argparse.Namespace) -> int:
     if existing is not None and existing != os.getpid():
         print(f"commd daemon: job {paths.job!r} already has a daemon (pid {existing})", file=sys.stderr)
         return 1
-    # The secret comes from the environment when a launcher agreed on it
-    # (never from argv: argv is world-readable in /proc).
-    given_secret = os.environ.pop(SECRET_ENV, None)
     secret = given_secret or new_secret()
     # One kernel thread by default: the node's cores are shared with the ranks,
     # and torch's thread pool stalls on every parallel section when they are

@@ -11,6 +11,8 @@ Control traffic (negotiation, status, errors) then runs on commd's own
 channel (``fabric/channel.py``: msgpack frames on TCP) from every daemon to
 the coordinator (node 0), opened with a challenge/response on the job
 secret, so a process that reaches the port but lacks the secret is refused.
+The secret is given to every node (COMMD_SECRET / COMMD_SECRET_FILE) or, under
+MPI, sent by node 0 over the MPI world; it never goes into a store.
 """
 
 from __future__ import annotations
@@ -136,10 +138,10 @@ def establish(spec: FabricSpec, job: str, secret: str | None, config: SchedulerC
         if spec.rendezvous is None or spec.nnodes is None or spec.node_rank is None:
             raise FabricError("a multi-node daemon needs --nnodes, --node-rank and --rendezvous (or mpiexec)")
         nnodes, rank = spec.nnodes, spec.node_rank
+        secret = _require_secret(secret, rank)
         host, port = spec.rendezvous
         store = _open_store(host, port, rank == 0 and not spec.join_store, deadline)
         keep.append(store)
-        secret = _agree_secret(store, rank, secret)
         ip = spec.advertise or _route_ip(host)
 
     from commd.lanes.tcp import TcpLane
@@ -239,22 +241,20 @@ def _store_get(store: Any, key: str, deadline: float, what: str) -> str:
         raise FabricError(f"timed out waiting for {what}") from None
 
 
-def _agree_secret(store: Any, rank: int, secret: str | None) -> str:
-    """Use the cluster's secret if every node was given one, else node 0's, published in the store."""
-    if rank == 0:
-        if secret:
-            store.set("secret_mode", "given")
-            return secret
-        secret = new_secret()
-        store.set("secret", secret)
-        store.set("secret_mode", "published")
-        return secret
-    mode = _store_get(store, "secret_mode", time.monotonic() + 600, "node 0 to start")
-    if mode == "given":
-        if not secret:
-            raise FabricError("node 0 was given the job secret (COMMD_SECRET) but this node was not")
-        return secret
-    return secret or store.get("secret").decode()
+def _require_secret(secret: str | None, rank: int) -> str:
+    """A store rendezvous needs the job secret given to every node; it never travels in the store.
+
+    Anyone who reaches a TCPStore's port can read (and write) every key, so a
+    secret published there would let them join the fabric or impersonate a node.
+    """
+    if not secret:
+        raise FabricError(
+            f"node {rank}: a job on several nodes needs the same secret on every node: set COMMD_SECRET, "
+            "or COMMD_SECRET_FILE to a file only you can read (mode 0600), in every node's environment "
+            "(e.g. `openssl rand -hex 32`). commd does not publish a secret through the rendezvous "
+            "store: anyone who can reach its port could read it. (Under mpiexec none is needed.)"
+        )
+    return secret
 
 
 def _check_nodes(raw: list[dict[str, Any]], nnodes: int) -> list[NodeInfo]:

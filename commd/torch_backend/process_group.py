@@ -3,9 +3,10 @@
 ``import commd`` (or torch's backend autoloading through the ``torch.backends``
 entry point) registers it, after which ``dist.init_process_group("commd")``
 works with any init method.  The first group created in a process
-bootstraps: ranks agree on a job name and secret through the group's store,
-the first local process starts the node daemon, and every process connects
-its client.  Later groups (``new_group``) reuse that client.
+bootstraps: ranks agree on a job name through the group's store, the first
+local process starts the node daemon, and every process connects its client,
+reading the job secret from the daemon's private job directory (the secret
+never goes into the store, which others may be able to read).  Later groups (``new_group``) reuse that client.
 
 List-shaped torch ops (``all_gather`` into a list, ``scatter`` from a list...)
 are flattened into one contiguous buffer on submission and split back on
@@ -32,7 +33,7 @@ from commd.client.connection import Client
 from commd.client.errors import CommdError, ConnectError
 from commd.client.handle import Handle
 from commd.client.spawn import ensure_daemon
-from commd.runtime import JobPaths, new_secret
+from commd.runtime import ConfigError, JobPaths, secret_from_environment
 
 BACKEND_NAME = "commd"
 _STORE_PREFIX = "commd/"
@@ -428,6 +429,43 @@ def _fabric_args(nodes: list[str], rank: int) -> list[str]:
             "--rendezvous", f"{addr}:{port}", "--join-store", "--node-name", nodes[rank]]
 
 
+def _check_fabric_secret(store: dist.Store, rank: int, size: int, round_: int) -> None:
+    """A job on several nodes: every rank must have the secret its daemons share (never in the store).
+
+    Each rank publishes only whether it has a usable one, so a missing or
+    broken COMMD_SECRET / COMMD_SECRET_FILE fails every rank at once, naming
+    the ranks, instead of leaving the other nodes' daemons waiting.
+    """
+    try:
+        problem = "ok" if secret_from_environment() else "neither COMMD_SECRET nor COMMD_SECRET_FILE is set"
+    except ConfigError as exc:
+        problem = str(exc)
+    store.set(f"{_STORE_PREFIX}secret_check.{round_}/{rank}", problem)
+    problems = {r: store.get(f"{_STORE_PREFIX}secret_check.{round_}/{r}").decode() for r in range(size)}
+    bad = {r: p for r, p in problems.items() if p != "ok"}
+    if bad:
+        raise ConnectError(
+            "this job spans several nodes, so its commd daemons need the same secret on every node: set "
+            "COMMD_SECRET, or COMMD_SECRET_FILE to a file only you can read (mode 0600), for every rank "
+            "(commd never sends it through the store, which anyone reaching its port can read); "
+            + "; ".join(f"rank {r}: {p}" for r, p in sorted(bad.items()))
+        )
+
+
+def _private_store_file(store: dist.Store) -> None:
+    """A file:// store's file (job name, placement) is made readable by us alone, if it is ours."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if not isinstance(store, dist.FileStore):
+        return
+    try:
+        st = os.stat(store.path)
+        if st.st_uid == os.getuid() and st.st_mode & 0o077:
+            os.chmod(store.path, 0o600)
+    except OSError:
+        pass  # gone already (the last user removed it) or not ours: nothing of ours to protect
+
+
 _bootstraps = 0
 
 
@@ -454,15 +492,18 @@ def _bootstrap(store: dist.Store, rank: int, size: int, timeout: timedelta) -> C
     global _client, _bootstraps
     round_ = _bootstraps
     _bootstraps += 1
+    _private_store_file(store)
     launched_job = os.environ.get("COMMD_JOB")
-    if launched_job and _job_daemon_provided(JobPaths.for_job(launched_job)):
-        job, secret = launched_job, None  # started by `commd launch`: the secret is in the job dir
+    launched = bool(launched_job) and _job_daemon_provided(JobPaths.for_job(launched_job))
+    if launched:
+        job = launched_job  # started by `commd launch` or a prologue: the secret is in the job dir
     else:
         job = _agree(store, rank, f"job.{round_}", lambda: f"job-{uuid.uuid4().hex[:16]}")
-        secret = _agree(store, rank, f"secret.{round_}", new_secret)
     nodes = _placement(store, rank, size, round_)
     local_rank = _local_rank(nodes, rank)
     multi_node = len(set(nodes)) > 1
+    if multi_node and not launched:
+        _check_fabric_secret(store, rank, size, round_)
     with _client_lock:
         if _client is not None:
             if _client.paths.job == job and _client.rank == rank and not _client._closed:
@@ -470,13 +511,15 @@ def _bootstrap(store: dist.Store, rank: int, size: int, timeout: timedelta) -> C
             _client.close()
             _client = None
         paths = JobPaths.for_job(job)
-        if secret is not None:
+        if not launched:
+            # The daemon makes the secret (or takes COMMD_SECRET / COMMD_SECRET_FILE from our
+            # environment) and keeps it in the 0600 job directory, where the client reads it.
             if multi_node:
-                ensure_daemon(paths, secret, extra_args=_fabric_args(nodes, rank), timeout=_RENDEZVOUS_S)
+                ensure_daemon(paths, extra_args=_fabric_args(nodes, rank), timeout=_RENDEZVOUS_S)
             else:
-                ensure_daemon(paths, secret)
+                ensure_daemon(paths)
         _client = Client(
-            rank, size, local_rank=local_rank, job=job, secret=secret,
+            rank, size, local_rank=local_rank, job=job,
             op_timeout=op_timeout_s(timeout),
             nodes=nodes if multi_node else None,
         )
