@@ -12,6 +12,7 @@ import sys
 
 from commd.daemon.server import Daemon, DaemonConfig
 from commd.fabric.rendezvous import FabricSpec, parse_host_port
+from commd.observe import cli as observe
 from commd.runtime import ConfigError, JobPaths, env_float, env_int, new_secret
 from commd.scheduler.selection import SchedulerConfig, load_config
 from commd.scheduler.tuning import TuningTable
@@ -70,6 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tuning.add_argument("--fusion-cycle-ms", type=float, default=None, metavar="MS",
                         help="collect ready ops this long before reporting them (default: "
                              "$COMMD_FUSION_CYCLE_MS, else the config, else 0: once per loop turn)")
+    observe.add_arguments(parser)
     parser.add_argument("--log-file", default=None, help="also append the log to this file")
     parser.add_argument("--log-level", default=os.environ.get("COMMD_LOG_LEVEL", "INFO"))
 
@@ -99,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         _fusion_settings(args, scheduler)
+        metrics, trace = observe.daemon_settings(args, config_path)
         spec = _fabric_spec(args, node_name, op_timeout)
         if spec is not None and spec.node_rank in (0, None):  # node 0 loads (MPI: not known yet, all do)
             table_path, explicit = _tuning_path(args, scheduler, node_name, spec.nnodes)
@@ -150,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
         paths=paths, secret=secret, op_timeout=op_timeout,
         exit_when_idle=args.exit_when_idle, idle_grace=args.idle_grace, owner_pid=args.owner_pid,
         node_name=node_name, scheduler=scheduler, fabric=fabric, peer_timeout=peer_timeout,
+        metrics=metrics, trace=trace,
     )
     daemon = Daemon(config)
     daemon.bind()

@@ -32,6 +32,9 @@ from commd.daemon.hierarchy import GroupPlan
 from commd.daemon.opchannel import OpConnection, OpListener
 from commd.kernels.small import NUMPY_DTYPES
 from commd.memory.arena import Segment
+from commd.observe.hooks import DaemonObservers
+from commd.observe.settings import MetricsSettings
+from commd.observe.trace import TraceError
 from commd.protocol import schema as s
 from commd.runtime import JobPaths, pid_alive, secrets_equal
 from commd.scheduler.local import LocalScheduler, MatchError, ReadyOp
@@ -68,6 +71,8 @@ class DaemonConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     fabric: Fabric | None = None
     peer_timeout: float = 10.0
+    metrics: MetricsSettings | None = None  # None: no metrics endpoint or textfile
+    trace: str | None = None  # trace every op into this file from the start
 
 
 @dataclass
@@ -120,6 +125,7 @@ class Daemon:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.observers = DaemonObservers(self, config.metrics, config.trace)  # sets self.tracer
 
     # ---- lifecycle ----------------------------------------------------
     def bind(self) -> None:
@@ -153,6 +159,7 @@ class Daemon:
 
             self.fabric_node = FabricNode(self, self.config.fabric, self.config.peer_timeout)
             self.fabric_node.start(self.loop)
+        self.observers.start(self.loop)
         watchdog = asyncio.ensure_future(self._watchdog())
         log.info("daemon for job %s listening on %s", self.config.paths.job, self.config.paths.endpoint)
         await self._stopped.wait()
@@ -161,6 +168,7 @@ class Daemon:
         self._lane_thread.join(timeout=10)
         if self.fabric_node is not None:
             self.fabric_node.close(self._shutdown_reason)
+        self.observers.close()
         self._cleanup()
 
     def shutdown(self, reason: str = "shutdown requested") -> None:
@@ -226,6 +234,7 @@ class Daemon:
     def _reply_error(self, identity: bytes, code: str, message: str, op_id: int = -1) -> None:
         log.warning("error for %r: %s", identity, message)
         self.stats.error(message)
+        self.stats.error_reply(code)
         self._send(identity, {"t": s.ERROR, "code": code, "message": message, "id": op_id})
 
     def _reply(self, client: ClientRecord, message: dict[str, Any]) -> None:
@@ -242,6 +251,7 @@ class Daemon:
             return
         client = self.by_id.get(sub.client_id)
         if client is not None:
+            self.stats.error_reply(code)
             self._reply(client, {"t": s.ERROR, "code": code, "message": message, "id": sub.op_id})
 
     # ---- op channel -----------------------------------------------------
@@ -259,6 +269,7 @@ class Daemon:
         except s.ProtocolError as exc:
             self.stats.error(str(exc))
             log.warning("op channel error: %s", exc)
+            self.stats.error_reply(exc.code)
             channel.send(s.encode({"t": s.ERROR, "code": exc.code, "message": str(exc), "id": op_id}))
         except Exception as exc:  # never let one bad message stop the daemon
             log.exception("internal error handling an op")
@@ -316,6 +327,8 @@ class Daemon:
                 self._on_segment(identity, msg)
             elif kind == s.STATUS:
                 self._on_status(identity, msg)
+            elif kind == s.TRACE:
+                self._on_trace(identity, msg)
             elif kind == s.BYE:
                 self._on_bye(identity)
             elif kind == s.PING:
@@ -475,6 +488,13 @@ class Daemon:
         self._check_secret(msg)
         self._send(identity, {"t": s.STATUS, "status": self.status()})
 
+    def _on_trace(self, identity: bytes, msg: dict[str, Any]) -> None:
+        self._check_secret(msg)
+        try:
+            self._send(identity, {"t": s.ACK, **self.observers.on_control(msg)})
+        except TraceError as exc:
+            raise s.ProtocolError(str(exc)) from None
+
     # ---- ops ------------------------------------------------------------
     def _on_op(self, identity: bytes, msg: dict[str, Any]) -> None:
         self._on_client_op(self._client(identity), msg)
@@ -568,6 +588,11 @@ class Daemon:
         self._lane.put(op)
 
     def _run(self, op: ReadyOp) -> str | None:
+        if self.tracer.on:
+            return self.tracer.timed_run(op, self._execute)
+        return self._execute(op)
+
+    def _execute(self, op: ReadyOp) -> str | None:
         try:
             if op.on_gpu:
                 device = next(b.cuda.device for x in op.subs for b in x.buffers.values() if b.cuda is not None)
@@ -604,6 +629,8 @@ class Daemon:
         self._flush()
 
     def _complete(self, op: ReadyOp, error: str | None, code: str | None = None) -> None:
+        if self.tracer.on:
+            self.tracer.op_done(op, error)
         self.stats.finished(op.group, op.kind, op.nbytes, time.monotonic() - op.first_at, error is None, op.lane)
         if error is not None:
             code = s.E_SHUTDOWN if self._closing else (code or s.E_INTERNAL)

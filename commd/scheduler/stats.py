@@ -1,7 +1,12 @@
-"""Counters behind `commd status`: per-group stages, bytes, latencies, errors."""
+"""Every counter of the daemon: per-group stages, bytes, latencies, errors.
+
+The one home for them: ``commd status`` and the Prometheus metrics
+(``commd.observe.metrics``) both read these, so the two never disagree.
+"""
 
 from __future__ import annotations
 
+import bisect
 import collections
 import time
 from dataclasses import dataclass, field
@@ -9,6 +14,22 @@ from dataclasses import dataclass, field
 import numpy as np
 
 LATENCY_WINDOW = 2048
+#: Upper bounds (seconds) of the op latency histogram: 10 us to 100 s.
+LATENCY_BUCKETS: tuple[float, ...] = (
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0, 100.0,
+)
+
+
+@dataclass
+class OpTotals:
+    """Completed ops of one (kind, lane, group): counts, bytes and a latency histogram."""
+
+    ops: int = 0
+    bytes: int = 0
+    latency_sum: float = 0.0
+    #: non-cumulative counts per LATENCY_BUCKETS bound, plus one for +Inf
+    buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
 
 
 @dataclass
@@ -32,6 +53,12 @@ class Stats:
     bytes_moved: int = 0
     #: op kind -> lane ("local": no lane, the node's ranks only) -> [ops, bytes]
     by_lane: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+    #: (op kind, lane, group) -> totals: what the metrics export
+    by_op: dict[tuple[str, str, str], OpTotals] = field(default_factory=dict)
+    #: error replies sent to ranks, per error code (timeout, peer_died, mismatch, ...)
+    error_replies: dict[str, int] = field(default_factory=dict)
+    #: requests refused because a configured limit was reached, per limit name
+    limits_hit: dict[str, int] = field(default_factory=dict)
 
     def group_added(self, name: str, size: int) -> None:
         self.groups.setdefault(name, GroupStats(size))
@@ -74,6 +101,13 @@ class Stats:
             if window is None:
                 window = self.latencies[kind] = collections.deque(maxlen=LATENCY_WINDOW)
             window.append(seconds)
+            totals = self.by_op.get((kind, lane, group))
+            if totals is None:
+                totals = self.by_op[(kind, lane, group)] = OpTotals()
+            totals.ops += 1
+            totals.bytes += nbytes
+            totals.latency_sum += seconds
+            totals.buckets[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
 
     def per_kind(self) -> dict[str, dict[str, dict[str, int]]]:
         """Ops and bytes completed per op kind and lane (``commd status``)."""
@@ -92,6 +126,14 @@ class Stats:
 
     def error(self, message: str) -> None:
         self.errors.append({"time": time.time(), "message": message})
+
+    def error_reply(self, code: str) -> None:
+        """An ERROR reply with ``code`` went to a rank (one per rank and failed op)."""
+        self.error_replies[code] = self.error_replies.get(code, 0) + 1
+
+    def limit_hit(self, limit: str) -> None:
+        """A request was refused because the limit named ``limit`` was reached."""
+        self.limits_hit[limit] = self.limits_hit.get(limit, 0) + 1
 
     def latency_table(self) -> dict[str, dict[str, float]]:
         table = {}
