@@ -116,9 +116,9 @@ def test_metrics_scraped_during_a_job_equal_the_ops_run(start_daemon, start_work
 
 
 @pytest.mark.parametrize(("args", "env", "message"), [
-    (["--metrics-port", "70000"], {}, "--metrics-port"),
-    (["--metrics-port", "0", "--metrics-addr", "localhost"], {}, "--metrics-addr"),
-    ([], {"COMMD_METRICS_PORT": "http"}, "COMMD_METRICS_PORT"),
+    (["--metrics-port", "70000"], {}, "--metrics-port 70000 must be a port number"),
+    (["--metrics-port", "0", "--metrics-addr", "localhost"], {}, "--metrics-addr 'localhost' is not an IP address"),
+    ([], {"COMMD_METRICS_PORT": "http"}, "COMMD_METRICS_PORT 'http' is not a port number"),
     (["--metrics-textfile", "/nonexistent-dir/x.prom"], {}, "does not exist"),
     (["--trace", "/nonexistent-dir/t.json"], {}, "does not exist"),
 ])
@@ -260,3 +260,35 @@ def test_torch_profiler_shows_commd_collectives(start_workers) -> None:
     for rank, names in workers.join(timeout=100).items():
         assert "commd:all_reduce" in names, (rank, names)
         assert "commd:broadcast" in names, (rank, names)
+
+
+def test_launch_trace_records_the_jobs_collectives(runtime_dir: Path, tmp_path: Path) -> None:
+    trace = tmp_path / "launch.json"
+    script = Path(__file__).resolve().parent / "scripts" / "cli_allreduce_worker.py"
+    out = subprocess.run([sys.executable, "-m", "commd", "launch", "--nproc-per-node", "2", "--trace", str(trace),
+                          str(script), str(tmp_path)], capture_output=True, text=True, timeout=150)
+    assert out.returncode == 0, out.stderr
+    with open(trace) as f:
+        events = json.load(f)  # the launcher stopped the daemon: the file is finished
+    ops = op_phases(events)
+    sizes = sorted(args["bytes"] for e in events if e.get("ph") == "b" and (args := e.get("args"))
+                   and args["kind"] == "allreduce")
+    assert sizes == [7 * 4, 300_000 * 4], sizes  # the script's two all_reduces (float32)
+    for key, phases in ops.items():
+        assert set(phases) == {"submit", "queue", "lane", "reply"}, (key, phases)
+        assert all(b <= e for b, e in phases.values()), (key, phases)
+
+
+def test_trace_paths_are_validated(runtime_dir: Path, tmp_path: Path) -> None:
+    script = Path(__file__).resolve().parent / "scripts" / "cli_allreduce_worker.py"
+    out = subprocess.run([sys.executable, "-m", "commd", "launch", "--trace", str(tmp_path), str(script)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "is a directory" in out.stderr, out.stderr
+    out = subprocess.run([sys.executable, "-m", "commd", "trace", "stop", "--job", "nosuchjob"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "no daemon for job 'nosuchjob'" in out.stderr, out.stderr
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    out = subprocess.run([sys.executable, "-m", "commd", "trace", "merge", str(tmp_path / "m.json"), str(broken)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "not a trace-event JSON file" in out.stderr, out.stderr
