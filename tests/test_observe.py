@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -129,6 +130,17 @@ def test_bad_metrics_or_trace_settings_stop_the_daemon_with_the_reason(
                          text=True, timeout=60, env=dict(os.environ, **env))
     assert out.returncode == 2, out.stderr
     assert message in out.stderr, out.stderr
+
+
+def test_metrics_port_in_use_stops_the_daemon_with_the_reason(runtime_dir: Path, job: str) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "commd", "daemon", "--job", job, "--metrics-port", str(port)],
+                             capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in out.stderr, out.stderr
 
 
 def test_bad_metrics_config_section_is_refused(runtime_dir: Path, job: str, tmp_path: Path) -> None:

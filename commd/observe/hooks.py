@@ -36,9 +36,18 @@ class DaemonObservers:
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         if self.metrics is not None:
-            self.metrics.start(loop)
+            try:
+                self.metrics.start(loop)
+            except OSError as exc:  # lost the port between the start-up check and now
+                log.error("cannot serve metrics: %s", exc)
+                self.daemon.shutdown(f"cannot serve metrics: {exc}")
+                return
         if self._initial_trace is not None:
-            self.start_trace(self._initial_trace)
+            try:
+                self.start_trace(self._initial_trace)
+            except TraceError as exc:
+                log.error("cannot trace: %s", exc)
+                self.daemon.shutdown(f"cannot trace: {exc}")
 
     def close(self) -> None:
         self.stop_trace()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,4 +124,17 @@ def resolve(port: int | None, addr: str | None, textfile: str | None, interval_s
         out.interval_s = _interval(env["COMMD_METRICS_INTERVAL"], "COMMD_METRICS_INTERVAL")
     elif "interval_s" in section:
         out.interval_s = _interval(section["interval_s"], "[metrics] interval_s")
+    if out.port:
+        check_bindable(out.addr, out.port)
     return out
+
+
+def check_bindable(addr: str, port: int) -> None:
+    """Fail at start, with the reason, when the metrics port cannot be had (in use, no such address)."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the HTTP server will
+        try:
+            probe.bind((addr, port))
+        except OSError as exc:
+            raise ConfigError(f"cannot serve metrics on {addr}:{port}: {exc.strerror or exc}") from None
