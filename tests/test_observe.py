@@ -304,3 +304,47 @@ def test_trace_paths_are_validated(runtime_dir: Path, tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "commd", "trace", "merge", str(tmp_path / "m.json"), str(broken)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "not a trace-event JSON file" in out.stderr, out.stderr
+
+
+def test_trace_started_on_node0_of_a_running_fabric_reaches_every_node(cluster, tmp_path: Path) -> None:
+    c = cluster()
+    workers = c.start_workers(ow.known_ops, 2)
+    everyone = [(w, rank) for w in workers for rank in w.procs]
+    for w, rank in everyone:
+        w.wait_event(rank, "round0")
+    env = dict(os.environ, COMMD_RUNTIME_DIR=str(c.runtime[0]))
+
+    def cli(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "commd", "trace", *argv, "--job", c.job],
+                              capture_output=True, text=True, timeout=60, env=env)
+
+    trace = tmp_path / "live.json"
+    out = cli("start", str(trace))
+    assert out.returncode == 0 and "forwarded to 1 other node" in out.stdout, out.stdout + out.stderr
+    for w, rank in everyone:
+        w.send(rank, "go")
+    for w, rank in everyone:
+        w.wait_event(rank, "round1")
+    out = cli("stop")
+    assert out.returncode == 0, out.stderr
+    files = [tmp_path / "live.node0.json", tmp_path / "live.node1.json"]
+
+    def finished(path: Path) -> Any:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    per_round = sum(count for _, _, count in ow.KNOWN_OPS)
+    for node, path in enumerate(files):
+        events = wait_until(lambda path=path: finished(path), 30, f"node {node}'s trace to be finished")
+        ops = op_phases(events)
+        assert sorted(seq for (n, _, seq) in ops if n == node) == list(range(per_round, 2 * per_round)), node
+        for key, phases in ops.items():
+            check_causal(phases, key)
+    for w, rank in everyone:
+        w.send(rank, "go")
+    for w, rank in everyone:
+        w.wait_event(rank, "mismatched")
+        w.send(rank, "go")
+    assert set(c.join(workers).values()) == {"ok"}
