@@ -10,7 +10,8 @@ id, so ops of one group that overlap in time stay apart):
 - ``reply``: → the ranks were answered.
 
 pid = node rank, tids are the lanes and groups (named by metadata events).
-Events are appended as ops complete and the JSON array is closed on ``close``.
+Events are appended (by a writer thread) as ops complete and the JSON array is
+closed on ``close``.
 When tracing is off the daemon holds a ``NullTrace``, whose ``on`` is False:
 each hook is one attribute test.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -70,7 +72,12 @@ def check_trace_path(raw: Any, where: str) -> str:
 
 
 class Tracer:
-    """Writes one node's timeline; hooks run on the loop, lane marks on any thread."""
+    """Writes one node's timeline.
+
+    The hooks only take timestamps: ``mark`` (any thread) and ``op_done`` (the
+    loop) cost a few dictionary operations and one queue put; a writer thread
+    turns the records into JSON text in batches, off the ops' path.
+    """
 
     on = True
 
@@ -85,23 +92,23 @@ class Tracer:
         # Monotonic clock → microseconds since the epoch, so nodes' files line up when merged.
         self._offset = time.time() - time.monotonic()
         self._marks: dict[int, dict[str, float]] = {}
+        self._records: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        # Writer thread only:
         self._tids: dict[str, int] = {}
+        self._json: dict[str, str] = {}
         self._next_id = 0
-        self._lock = threading.Lock()
         self.events = 0
-        self._write({"ph": "M", "name": "process_name", "pid": node, "tid": 0,
-                     "args": {"name": f"node {node} ({node_name})"}}, first=True)
-        self._write({"ph": "M", "name": "process_sort_index", "pid": node, "tid": 0, "args": {"sort_index": node}})
+        self._write_text(json.dumps({"ph": "M", "name": "process_name", "pid": node, "tid": 0,
+                                     "args": {"name": f"node {node} ({node_name})"}}), first=True)
+        self._write_text(json.dumps({"ph": "M", "name": "process_sort_index", "pid": node, "tid": 0,
+                                     "args": {"sort_index": node}}))
+        self._writer = threading.Thread(target=self._writer_main, name="commd-trace-writer", daemon=True)
+        self._writer.start()
 
     # ---- hooks -------------------------------------------------------------------
     def mark(self, op: Any, what: str) -> None:
         """Record when ``op`` reached ``what`` (released, start, end); any thread."""
-        now = time.monotonic()
-        marks = self._marks.get(id(op))
-        if marks is None:
-            with self._lock:
-                marks = self._marks.setdefault(id(op), {})
-        marks[what] = now
+        self._marks.setdefault(id(op), {})[what] = time.monotonic()
 
     def wrap(self, ops: Iterable[Any], work: Callable[[float], None]) -> Callable[[float], None]:
         """``work`` (a lane call for ``ops``) with its start and end marked."""
@@ -127,48 +134,18 @@ class Tracer:
             self.mark(op, "end")
 
     def op_done(self, op: Any, error: str | None) -> None:
-        """The op was answered: write its phases (loop thread)."""
-        with self._lock:
-            marks = self._marks.pop(id(op), {})
-        if self._file is None:
-            return
-        done = time.monotonic()
-        self._next_id += 1
-        op_id = self._next_id
-        group_tid = self._tid(f"group {op.group}")
-        name = op.describe() if op.kind == "sendrecv" else f"{op.kind} #{op.seq}"
-        args: dict[str, Any] = {
-            "kind": op.kind, "group": op.group, "seq": op.seq, "bytes": op.nbytes, "lane": op.lane,
-            "ranks": [sub.group_rank for sub in op.subs], "node": self.node,
-        }
-        if error is not None:
-            args["error"] = error
-        points = [("submit", op.first_at), ("negotiate", op.ready_at)]
-        released = marks.get("released")
-        if released is not None:
-            points.append(("queue", released))
-        else:
-            points[-1] = ("queue", op.ready_at)
-        start, end = marks.get("start"), marks.get("end")
-        if start is not None:
-            points.append(("lane", start))
-        if end is not None:
-            points.append(("reply", end))
-        base = {"cat": CATEGORY, "id": op_id, "pid": self.node, "tid": group_tid}
-        self._write(dict(base, ph="b", name=name, ts=self._us(op.first_at), args=args))
-        for (phase, begin), nxt in zip(points, [p[1] for p in points[1:]] + [done], strict=True):
-            self._write(dict(base, ph="b", name=phase, ts=self._us(begin)))
-            self._write(dict(base, ph="e", name=phase, ts=self._us(max(begin, nxt))))
-        self._write(dict(base, ph="e", name=name, ts=self._us(done)))
-        if start is not None and end is not None:
-            self._write({"ph": "X", "cat": CATEGORY, "name": name, "pid": self.node,
-                         "tid": self._tid(f"lane {op.lane}"), "ts": self._us(start),
-                         "dur": round((end - start) * 1e6, 3), "args": args})
+        """The op was answered: queue its record for the writer (loop thread)."""
+        marks = self._marks.pop(id(op), None) or {}
+        self._records.put((op.kind, op.group, op.seq, op.nbytes, op.lane, [sub.group_rank for sub in op.subs],
+                           op.first_at, op.ready_at, marks, time.monotonic(), error,
+                           op.describe() if op.kind == "sendrecv" else None))
 
     def close(self) -> None:
-        """Close the JSON array: the file is valid JSON from now on."""
+        """Write what is queued and close the JSON array: the file is valid JSON from then on."""
         if self._file is None:
             return
+        self._records.put(None)
+        self._writer.join(timeout=30)
         file, self._file = self._file, None
         try:
             file.write("\n]\n")
@@ -177,24 +154,85 @@ class Tracer:
             log.warning("cannot finish the trace %s: %s", self.path, exc)
         log.info("trace of %d events written to %s", self.events, self.path)
 
-    # ---- writing -----------------------------------------------------------------
-    def _us(self, t: float) -> float:
-        return round((t + self._offset) * 1e6, 3)
+    # ---- the writer thread -------------------------------------------------------
+    def _writer_main(self) -> None:
+        while True:
+            batch = [self._records.get()]
+            while len(batch) < 4096:
+                try:
+                    batch.append(self._records.get_nowait())
+                except queue.Empty:
+                    break
+            stop = batch[-1] is None
+            try:
+                text = "".join(self._format(record) for record in batch if record is not None)
+            except Exception:  # a bad record must not end the trace
+                log.exception("trace %s: cannot format a batch of %d ops", self.path, len(batch))
+                text = ""
+            self._write_text(text, raw=True)
+            if stop:
+                return
 
-    def _tid(self, track: str) -> int:
+    def _js(self, value: str) -> str:
+        """``value`` as a JSON string (cached: groups, lanes and kinds repeat)."""
+        text = self._json.get(value)
+        if text is None:
+            text = self._json[value] = json.dumps(value)
+        return text
+
+    def _tid(self, track: str, out: list[str]) -> int:
         tid = self._tids.get(track)
         if tid is None:
             tid = self._tids[track] = len(self._tids) + 1
-            self._write({"ph": "M", "name": "thread_name", "pid": self.node, "tid": tid, "args": {"name": track}})
+            out.append(f',\n{{"ph":"M","name":"thread_name","pid":{self.node},"tid":{tid},'
+                       f'"args":{{"name":{self._js(track)}}}}}')
+            self.events += 1
         return tid
 
-    def _write(self, event: dict[str, Any], first: bool = False) -> None:
-        if self._file is None:
+    def _format(self, record: tuple) -> str:
+        kind, group, seq, nbytes, lane, ranks, first_at, ready_at, marks, done, error, label = record
+        out: list[str] = []
+        node = self.node
+        self._next_id += 1
+        group_tid = self._tid(f"group {group}", out)
+        name = self._js(label if label is not None else f"{kind} #{seq}")
+        args = (f'{{"kind":{self._js(kind)},"group":{self._js(group)},"seq":{seq},"bytes":{nbytes},'
+                f'"lane":{self._js(lane)},"ranks":[{",".join(map(str, ranks))}],"node":{node}'
+                + (f',"error":{json.dumps(error)}}}' if error is not None else "}"))
+        head = f',\n{{"cat":"{CATEGORY}","id":{self._next_id},"pid":{node},"tid":{group_tid},'
+        offset = self._offset
+        points = [("submit", first_at)]
+        released = marks.get("released")
+        if released is not None:
+            points += [("negotiate", ready_at), ("queue", released)]
+        else:
+            points.append(("queue", ready_at))
+        start, end = marks.get("start"), marks.get("end")
+        if start is not None:
+            points.append(("lane", start))
+        if end is not None:
+            points.append(("reply", end))
+        out.append(f'{head}"ph":"b","name":{name},"ts":{(first_at + offset) * 1e6:.3f},"args":{args}}}')
+        ends = [p[1] for p in points[1:]] + [done]
+        for (phase, begin), finish in zip(points, ends, strict=True):
+            out.append(f'{head}"ph":"b","name":"{phase}","ts":{(begin + offset) * 1e6:.3f}}}')
+            out.append(f'{head}"ph":"e","name":"{phase}","ts":{(max(begin, finish) + offset) * 1e6:.3f}}}')
+        out.append(f'{head}"ph":"e","name":{name},"ts":{(done + offset) * 1e6:.3f}}}')
+        if start is not None and end is not None:
+            out.append(f',\n{{"ph":"X","cat":"{CATEGORY}","name":{name},"pid":{node},'
+                       f'"tid":{self._tid(f"lane {lane}", out)},"ts":{(start + offset) * 1e6:.3f},'
+                       f'"dur":{(end - start) * 1e6:.3f},"args":{args}}}')
+        self.events += 2 * len(points) + 2 + (start is not None and end is not None)
+        return "".join(out)
+
+    def _write_text(self, text: str, first: bool = False, raw: bool = False) -> None:
+        if self._file is None or not text:
             return
         try:
-            self._file.write(("[\n" if first else ",\n") + json.dumps(event, separators=(",", ":")))
-            self.events += 1
-        except OSError as exc:
+            self._file.write(text if raw else ("[\n" if first else ",\n") + text)
+            if not raw:
+                self.events += 1
+        except (OSError, ValueError) as exc:  # ValueError: closed meanwhile
             log.error("trace %s: write failed (%s); tracing stops", self.path, exc)
             self._file = None
 
