@@ -51,9 +51,7 @@ class Stats:
     errors: collections.deque = field(default_factory=lambda: collections.deque(maxlen=20))
     ops_done: int = 0
     bytes_moved: int = 0
-    #: op kind -> lane ("local": no lane, the node's ranks only) -> [ops, bytes]
-    by_lane: dict[str, dict[str, list[int]]] = field(default_factory=dict)
-    #: (op kind, lane, group) -> totals: what the metrics export
+    #: (op kind, lane, group) -> totals; lane "local": no lane, the node's ranks only
     by_op: dict[tuple[str, str, str], OpTotals] = field(default_factory=dict)
     #: error replies sent to ranks, per error code (timeout, peer_died, mismatch, ...)
     error_replies: dict[str, int] = field(default_factory=dict)
@@ -94,9 +92,6 @@ class Stats:
         if ok:
             self.ops_done += 1
             self.bytes_moved += nbytes
-            row = self.by_lane.setdefault(kind, {}).setdefault(lane, [0, 0])
-            row[0] += 1
-            row[1] += nbytes
             window = self.latencies.get(kind)
             if window is None:
                 window = self.latencies[kind] = collections.deque(maxlen=LATENCY_WINDOW)
@@ -110,18 +105,21 @@ class Stats:
             totals.buckets[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
 
     def per_kind(self) -> dict[str, dict[str, dict[str, int]]]:
-        """Ops and bytes completed per op kind and lane (``commd status``)."""
-        return {kind: {lane: {"ops": row[0], "bytes": row[1]} for lane, row in lanes.items()}
-                for kind, lanes in self.by_lane.items()}
+        """Ops and bytes completed per op kind and lane (``commd status``), all groups together."""
+        out: dict[str, dict[str, dict[str, int]]] = {}
+        for (kind, lane, _group), totals in self.by_op.items():
+            row = out.setdefault(kind, {}).setdefault(lane, {"ops": 0, "bytes": 0})
+            row["ops"] += totals.ops
+            row["bytes"] += totals.bytes
+        return out
 
     def per_lane(self) -> dict[str, dict[str, int]]:
-        """Ops and bytes completed per lane, all kinds together."""
+        """Ops and bytes completed per lane, all kinds and groups together."""
         out: dict[str, dict[str, int]] = {}
-        for lanes in self.by_lane.values():
-            for lane, (ops, nbytes) in lanes.items():
-                total = out.setdefault(lane, {"ops": 0, "bytes": 0})
-                total["ops"] += ops
-                total["bytes"] += nbytes
+        for (_kind, lane, _group), totals in self.by_op.items():
+            row = out.setdefault(lane, {"ops": 0, "bytes": 0})
+            row["ops"] += totals.ops
+            row["bytes"] += totals.bytes
         return out
 
     def error(self, message: str) -> None:
