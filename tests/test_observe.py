@@ -80,9 +80,12 @@ def test_metrics_scraped_during_a_job_equal_the_ops_run(start_daemon, start_work
     assert values[("commd_queue_depth", (("group", "world"), ("stage", "waiting")))] == 0
     assert ("commd_stalled_ops", ()) in values and ("commd_uptime_seconds", ()) in values
     # one home: `commd status` reports the same numbers
-    from commd.cli.status import query_status
+    from commd.cli.status import format_status, query_status
 
     status = query_status(daemon.paths)
+    assert status["observe"] == {"metrics_url": f"http://127.0.0.1:{port}/metrics",
+                                 "metrics_textfile": str(textfile), "trace": None}
+    assert f"metrics http://127.0.0.1:{port}/metrics" in format_status(status)
     assert status["ops_by_lane"]["allreduce"]["local"]["ops"] == values[
         ("commd_ops_total", (("group", "world"), ("kind", "allreduce"), ("lane", "local")))]
     for rank in (0, 1):
@@ -225,7 +228,13 @@ def test_two_node_trace_has_every_op_phase_on_both_nodes_in_causal_order(cluster
 
 def test_trace_started_and_stopped_on_a_running_daemon(start_daemon, start_workers, runtime_dir: Path,
                                                        tmp_path: Path) -> None:
-    daemon = start_daemon().wait_ready()
+    daemon = start_daemon(extra=["--metrics-port", "0"]).wait_ready()  # 0: any free port
+    from commd.cli.status import query_status
+
+    url = query_status(daemon.paths)["observe"]["metrics_url"]
+    assert url.startswith("http://127.0.0.1:") and not url.startswith("http://127.0.0.1:0/"), url
+    with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as reply:
+        assert "commd_clients 0.0" in reply.read().decode()
     workers = start_workers(ow.known_ops, 2, 3)
     for rank in (0, 1):
         workers.wait_event(rank, "round0")
@@ -237,6 +246,7 @@ def test_trace_started_and_stopped_on_a_running_daemon(start_daemon, start_worke
 
     out = cli("start", str(trace))
     assert out.returncode == 0 and str(trace) in out.stdout, out.stderr
+    assert query_status(daemon.paths)["observe"]["trace"] == str(trace)
     again = cli("start", str(tmp_path / "other.json"))
     assert again.returncode == 1 and "already" in again.stderr, again.stderr
     for rank in (0, 1):
@@ -255,6 +265,7 @@ def test_trace_started_and_stopped_on_a_running_daemon(start_daemon, start_worke
     per_round = sum(count for _, _, count in ow.KNOWN_OPS)
     # exactly round 1's ops, each with its single-node phases
     assert sorted(seq for (_, _, seq) in ops) == list(range(per_round, 2 * per_round))
+    assert query_status(daemon.paths)["observe"]["trace"] is None
     for key, phases in ops.items():
         assert set(phases) == {"submit", "queue", "lane", "reply"}, (key, phases)
     bad = cli("start", str(tmp_path / "missing" / "t.json"))

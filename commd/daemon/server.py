@@ -433,6 +433,7 @@ class Daemon:
         if seg_id in client.segments:
             raise s.ProtocolError(f"segment {seg_id} is already registered")
         if client.arena_bytes + size > self.config.max_arena_bytes:
+            self.stats.limit_hit("max_arena_bytes")
             raise s.ProtocolError(f"arena would exceed {self.config.max_arena_bytes} bytes", s.E_BOUNDS)
         try:
             segment = Segment.attach(seg_id, name, size, os.getuid())
@@ -775,6 +776,7 @@ class Daemon:
             "node": self.config.node_name,
             "fabric": self.fabric_node.status() if self.fabric_node is not None else None,
             "last_errors": list(stats.errors),
+            "observe": self.observers.status(),
         }
 
     def _stalls(self, waiting: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -54,6 +54,16 @@ class DaemonObservers:
         if self.metrics is not None:
             self.metrics.close()
 
+    def status(self) -> dict[str, Any]:
+        """Where the metrics are served and written, and the trace file (for ``commd status``)."""
+        metrics = self.metrics
+        return {
+            "metrics_url": (f"http://{metrics.settings.addr}:{metrics.port}/metrics"
+                            if metrics is not None and metrics.port is not None else None),
+            "metrics_textfile": metrics.settings.textfile if metrics is not None else None,
+            "trace": self.daemon.tracer.path,
+        }
+
     # ---- trace ---------------------------------------------------------------------
     def start_trace(self, path: str) -> str:
         """Trace from now on into this node's file for ``path``; returns that file."""
