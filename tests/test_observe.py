@@ -359,3 +359,24 @@ def test_trace_started_on_node0_of_a_running_fabric_reaches_every_node(cluster, 
         w.wait_event(rank, "mismatched")
         w.send(rank, "go")
     assert set(c.join(workers).values()) == {"ok"}
+
+
+def test_metrics_settings_precedence_flag_then_env_then_config(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from commd.observe.settings import resolve
+
+    config = tmp_path / "commd.toml"
+    config.write_text(f'[metrics]\nport = 0\naddr = "127.0.0.1"\ntextfile = "{tmp_path / "c.prom"}"\n'
+                      "interval_s = 2.5\n")
+    for name in ("PORT", "ADDR", "TEXTFILE", "INTERVAL"):
+        monkeypatch.delenv(f"COMMD_METRICS_{name}", raising=False)
+    assert not resolve(None, None, None, None, None).enabled  # off by default
+    from_config = resolve(None, None, None, None, str(config))
+    assert (from_config.port, from_config.textfile, from_config.interval_s) == (0, str(tmp_path / "c.prom"), 2.5)
+    monkeypatch.setenv("COMMD_METRICS_PORT", "0")
+    monkeypatch.setenv("COMMD_METRICS_INTERVAL", "7")
+    monkeypatch.setenv("COMMD_METRICS_TEXTFILE", str(tmp_path / "e.prom"))
+    from_env = resolve(None, None, None, None, str(config))
+    assert (from_env.textfile, from_env.interval_s) == (str(tmp_path / "e.prom"), 7.0)
+    from_flags = resolve(0, "127.0.0.1", str(tmp_path / "f.prom"), 1.0, str(config))
+    assert (from_flags.textfile, from_flags.interval_s) == (str(tmp_path / "f.prom"), 1.0)
