@@ -62,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="MASTER_PORT for the workers (default: a free port)")
     parser.add_argument("--op-timeout", type=float, default=None,
                         help="seconds an op may wait for its peers (passed to the daemon)")
+    parser.add_argument("--trace", default=None, metavar="FILE",
+                        help="trace every op's phases into FILE (Chrome/Perfetto JSON; in a multi-node job "
+                             "node k writes FILE's stem + '.node<k>'; join them with `commd trace merge`)")
     parser.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
                         help="seconds workers get after SIGTERM before SIGKILL (default 10)")
     parser.add_argument("-m", "--module", action="store_true",
@@ -109,6 +112,13 @@ def _validate(args: argparse.Namespace) -> None:
         raise LaunchError(f"--op-timeout {args.op_timeout} must lie in [0.001, 604800] seconds")
     if args.grace < 0:
         raise LaunchError("--grace must be non-negative")
+    if args.trace is not None:
+        from commd.observe.trace import TraceError, check_trace_path
+
+        try:
+            args.trace = check_trace_path(str(Path(args.trace).expanduser().absolute()), "--trace")
+        except TraceError as exc:
+            raise LaunchError(str(exc)) from None
     if args.module:
         if not all(part.isidentifier() for part in args.script.split(".")):
             raise LaunchError(f"-m: {args.script!r} is not a module name")
@@ -337,10 +347,15 @@ def _start_or_reuse_daemon(
               "it is left running afterwards", file=sys.stderr)
         if args.op_timeout is not None:
             print("commd launch: --op-timeout ignored: the daemon is already running", file=sys.stderr)
+        if args.trace is not None:
+            print("commd launch: --trace ignored: the daemon is already running (use `commd trace start`)",
+                  file=sys.stderr)
         return None
     extra = ["--op-timeout", repr(args.op_timeout)] if args.op_timeout is not None else []
     extra += ["--owner-pid", str(os.getpid())]  # never outlive the launcher, even if it is killed
     extra += ["--node-name", args.node_name]
+    if args.trace is not None:
+        extra += ["--trace", args.trace]
     timeout = DAEMON_START_TIMEOUT_S
     if args.nnodes > 1:
         extra += ["--nnodes", str(args.nnodes), "--node-rank", str(args.node_rank),

@@ -1,4 +1,4 @@
-"""The `commd` command: daemon, launch, status, demo, bench, tune."""
+"""The `commd` command: daemon, launch, status, trace, demo, bench, tune."""
 
 from __future__ import annotations
 
@@ -31,6 +31,12 @@ def main(argv: list[str] | None = None) -> int:
 
     demo.add_arguments(p)
     p.set_defaults(run=demo.run)
+
+    from commd.observe import cli as observe_cli
+
+    p = sub.add_parser("trace", help="turn a running job's per-op trace on or off; merge per-node traces")
+    observe_cli.add_trace_arguments(p)
+    p.set_defaults(run=observe_cli.run_trace)
 
     from commd.bench import cli as bench_cli
 

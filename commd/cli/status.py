@@ -159,6 +159,12 @@ def format_status(status: dict[str, Any]) -> str:
     if status.get("closing"):
         head += "   [SHUTTING DOWN]"
     out.append(head)
+    observe = status.get("observe") or {}
+    shown = [f"{label} {observe[key]}" for key, label in
+             (("metrics_url", "metrics"), ("metrics_textfile", "metrics textfile"), ("trace", "tracing to"))
+             if observe.get(key)]
+    if shown:
+        out.append("   ".join(shown))
 
     fabric = status.get("fabric")
     if fabric:

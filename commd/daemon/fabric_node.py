@@ -256,6 +256,8 @@ class FabricNode:
                 self.daemon.shutdown(item.get("why", "the coordinator shut the fabric down"))
             elif kind == "leaving":
                 self._coordinator_lost(f"left the fabric ({item.get('why')})")
+            elif kind == "trace":
+                self.daemon.observers.apply_forwarded(item)
         self._run_released(fused)
 
     def _run_released(self, items: list[dict[str, Any]]) -> None:
@@ -373,6 +375,8 @@ class FabricNode:
         self.negotiation_us.append((time.monotonic() - op.ready_at) * 1e6)
         self.released += 1
         op.lane = item["l"]
+        if self.daemon.tracer.on:
+            self.daemon.tracer.mark(op, "released")
         return op, plan
 
     def _release(self, item: dict[str, Any]) -> Callable[[], None] | None:
@@ -394,6 +398,7 @@ class FabricNode:
             def work(cap: float) -> None:
                 run(op, plan, self.fabric.lanes[lane_name], resolve, min(timeout, cap))
 
+        work = self.daemon.tracer.wrap((op,), work)
         return self._enqueue(lane_name, op.on_gpu, op.group, work,
                              lambda error, code: self._done(op, error, code), op.nbytes)
 
@@ -414,6 +419,8 @@ class FabricNode:
 
         def work(cap: float) -> None:
             run_fused_allreduce(ops, plan, self.fabric.lanes[lane_name], resolve, min(timeout, cap), resolve_array)
+
+        work = self.daemon.tracer.wrap(ops, work)
 
         def done(error: str | None, code: str) -> None:
             for op in ops:
@@ -586,6 +593,7 @@ class FabricNode:
             def work(cap: float) -> None:
                 run_p2p("recv", recv, peer, self.fabric.lanes[lane_name], resolve, min(timeout, cap))
 
+        work = self.daemon.tracer.wrap((op,), work)
         run_now = self._enqueue(lane_name, op.on_gpu, op.group, work,
                                 lambda error, code: self._done(op, error, code), op.nbytes)
         if run_now is not None:
@@ -636,6 +644,17 @@ class FabricNode:
         for sub, _plan in self.remote_sends.values():
             self.daemon.fail_op([sub], s.E_PEER_DIED, f"send cannot run: {self.broken}")
         self.remote_sends.clear()
+
+    def forward_trace(self, action: str, path: str | None) -> int:
+        """The coordinator passes a trace start/stop on to every live node; returns how many."""
+        if self.coordinator is None:
+            return 0
+        out = Outbox()
+        for node in range(1, self.fabric.nnodes):
+            if node not in self.dead:
+                out.add(node, {"t": "trace", "a": action, "p": path})
+        self._dispatch(out)
+        return len(out.messages)
 
     def rank_died(self, rank: int, why: str) -> None:
         self._up_send({"t": "rank_died", "rank": rank, "why": why})

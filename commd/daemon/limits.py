@@ -13,17 +13,17 @@ messages naming 1 MiB inline outputs grew a daemon from 148 to 554 MiB, and
   the client is dropped as if it had died (``opchannel.OpConnection``);
 - op timeouts: a client's timeout is capped at the daemon's maximum.
 
-Every hit is counted in ``LimitGuard.hits`` (shown by ``commd status`` as
+Every hit is counted in the daemon's ``Stats.limits_hit`` (shown by ``commd status`` as
 ``limits_hit``) and logged once per client and limit.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import logging
 import os
 import tomllib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,14 +104,15 @@ def held_bytes(buffers: dict[str, Any]) -> int:
 class LimitGuard:
     """Applies ``ClientLimits`` to the daemon's clients; counts and logs every hit."""
 
-    def __init__(self, limits: ClientLimits) -> None:
+    def __init__(self, limits: ClientLimits, count: Callable[[str], None]) -> None:
+        """``count``: where a hit is counted (the daemon's ``Stats.limit_hit``, the one home of counters)."""
         self.limits = limits
-        self.hits: collections.Counter[str] = collections.Counter()
+        self._count = count
         self._logged: set[tuple[int, str]] = set()
 
     def hit(self, name: str, rank: int, message: str) -> None:
         """Count one hit of limit ``name`` by ``rank``; log the first one of each client and limit."""
-        self.hits[name] += 1
+        self._count(name)
         if (rank, name) not in self._logged:
             self._logged.add((rank, name))
             log.warning("rank %d hit the %s limit: %s (further hits are only counted)", rank, name, message)

@@ -14,6 +14,7 @@ from commd.daemon import notify
 from commd.daemon.limits import add_limit_arguments, config_section, limits_from_args
 from commd.daemon.server import Daemon, DaemonConfig
 from commd.fabric.rendezvous import FabricSpec, parse_host_port
+from commd.observe import cli as observe
 from commd.runtime import ConfigError, JobPaths, env_float, env_int, new_secret, secret_from_environment
 from commd.scheduler.selection import SchedulerConfig, load_config
 from commd.scheduler.tuning import TuningTable
@@ -75,6 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="collect ready ops this long before reporting them (default: "
                              "$COMMD_FUSION_CYCLE_MS, else the config, else 0: once per loop turn)")
     add_limit_arguments(parser)
+    observe.add_arguments(parser)
     parser.add_argument("--log-file", default=None, help="also append the log to this file")
     parser.add_argument("--log-level", default=os.environ.get("COMMD_LOG_LEVEL", "INFO"))
 
@@ -105,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         _fusion_settings(args, scheduler)
+        metrics, trace = observe.daemon_settings(args, config_path)
         spec = _fabric_spec(args, node_name, op_timeout)
         if spec is not None and spec.node_rank in (0, None):  # node 0 loads (MPI: not known yet, all do)
             table_path, explicit = _tuning_path(args, scheduler, node_name, spec.nnodes)
@@ -156,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
         paths=paths, secret=secret, op_timeout=op_timeout,
         exit_when_idle=args.exit_when_idle, idle_grace=args.idle_grace, owner_pid=args.owner_pid,
         node_name=node_name, scheduler=scheduler, fabric=fabric, peer_timeout=peer_timeout, limits=limits,
+        metrics=metrics, trace=trace,
     )
     daemon = Daemon(config)
     daemon.bind()

@@ -37,6 +37,9 @@ from commd.daemon.loglimit import RateLimitedLog
 from commd.daemon.opchannel import OpConnection, OpListener
 from commd.kernels.small import NUMPY_DTYPES
 from commd.memory.arena import Segment
+from commd.observe.hooks import DaemonObservers
+from commd.observe.settings import MetricsSettings
+from commd.observe.trace import TraceError
 from commd.protocol import schema as s
 from commd.runtime import JobPaths, pid_alive, secrets_equal
 from commd.scheduler.local import LocalScheduler, MatchError, ReadyOp
@@ -74,6 +77,8 @@ class DaemonConfig:
     fabric: Fabric | None = None
     peer_timeout: float = 10.0
     limits: ClientLimits = field(default_factory=ClientLimits)
+    metrics: MetricsSettings | None = None  # None: no metrics endpoint or textfile
+    trace: str | None = None  # trace every op into this file from the start
 
 
 @dataclass
@@ -101,7 +106,7 @@ class Daemon:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
         self.stats = Stats()
-        self.limits = LimitGuard(config.limits)
+        self.limits = LimitGuard(config.limits, self.stats.limit_hit)
         self.scheduler = LocalScheduler(self.stats)
         #: Every line a client can cause goes through this limiter (a bad client cannot flood the log).
         self.log_limit = RateLimitedLog(log)
@@ -131,6 +136,7 @@ class Daemon:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.observers = DaemonObservers(self, config.metrics, config.trace)  # sets self.tracer
 
     # ---- lifecycle ----------------------------------------------------
     def bind(self) -> None:
@@ -165,6 +171,7 @@ class Daemon:
 
             self.fabric_node = FabricNode(self, self.config.fabric, self.config.peer_timeout)
             self.fabric_node.start(self.loop)
+        self.observers.start(self.loop)
         watchdog = asyncio.ensure_future(self._watchdog())
         log.info("daemon for job %s listening on %s", self.config.paths.job, self.config.paths.endpoint)
         await self._stopped.wait()
@@ -173,6 +180,7 @@ class Daemon:
         self._lane_thread.join(timeout=10)
         if self.fabric_node is not None:
             self.fabric_node.close(self._shutdown_reason)
+        self.observers.close()
         self._cleanup()
 
     def shutdown(self, reason: str = "shutdown requested") -> None:
@@ -240,6 +248,7 @@ class Daemon:
         self.log_limit.log(logging.WARNING, ("control", identity, code), f"{code} errors for {identity!r}",
                            "error for %r: %s", identity, message)
         self.stats.error(message)
+        self.stats.error_reply(code)
         self._send(identity, {"t": s.ERROR, "code": code, "message": message, "id": op_id})
 
     def _reply(self, client: ClientRecord, message: dict[str, Any]) -> None:
@@ -276,6 +285,7 @@ class Daemon:
         client = self.by_id.get(sub.client_id)
         if client is not None:
             client.pending.release(sub.op_id)
+            self.stats.error_reply(code)
             self._reply(client, {"t": s.ERROR, "code": code, "message": message, "id": sub.op_id})
 
     # ---- op channel -----------------------------------------------------
@@ -295,6 +305,7 @@ class Daemon:
             who = f"client {channel.client.client_id}" if channel.client is not None else f"channel {id(channel):x}"
             self.log_limit.log(logging.WARNING, ("ops", id(channel), exc.code), f"{exc.code} errors from {who}",
                                "op channel error from %s: %s", who, exc)
+            self.stats.error_reply(exc.code)
             channel.send(s.encode({"t": s.ERROR, "code": exc.code, "message": str(exc), "id": op_id}))
         except Exception as exc:  # never let one bad message stop the daemon
             self.log_limit.log(logging.ERROR, ("internal", id(channel)), "internal errors on an op channel",
@@ -365,6 +376,8 @@ class Daemon:
                 self._on_segment(identity, msg)
             elif kind == s.STATUS:
                 self._on_status(identity, msg)
+            elif kind == s.TRACE:
+                self._on_trace(identity, msg)
             elif kind == s.BYE:
                 self._on_bye(identity)
             elif kind == s.PING:
@@ -470,6 +483,7 @@ class Daemon:
         if seg_id in client.segments:
             raise s.ProtocolError(f"segment {seg_id} is already registered")
         if client.arena_bytes + size > self.config.max_arena_bytes:
+            self.stats.limit_hit("max_arena_bytes")
             raise s.ProtocolError(f"arena would exceed {self.config.max_arena_bytes} bytes", s.E_BOUNDS)
         try:
             segment = Segment.attach(seg_id, name, size, os.getuid())
@@ -524,6 +538,13 @@ class Daemon:
     def _on_status(self, identity: bytes, msg: dict[str, Any]) -> None:
         self._check_secret(msg)
         self._send(identity, {"t": s.STATUS, "status": self.status()})
+
+    def _on_trace(self, identity: bytes, msg: dict[str, Any]) -> None:
+        self._check_secret(msg)
+        try:
+            self._send(identity, {"t": s.ACK, **self.observers.on_control(msg)})
+        except TraceError as exc:
+            raise s.ProtocolError(str(exc)) from None
 
     # ---- ops ------------------------------------------------------------
     def _on_op(self, identity: bytes, msg: dict[str, Any]) -> None:
@@ -631,6 +652,11 @@ class Daemon:
         self._lane.put(op)
 
     def _run(self, op: ReadyOp) -> str | None:
+        if self.tracer.on:
+            return self.tracer.timed_run(op, self._execute)
+        return self._execute(op)
+
+    def _execute(self, op: ReadyOp) -> str | None:
         try:
             if op.on_gpu:
                 device = next(b.cuda.device for x in op.subs for b in x.buffers.values() if b.cuda is not None)
@@ -667,6 +693,8 @@ class Daemon:
         self._flush()
 
     def _complete(self, op: ReadyOp, error: str | None, code: str | None = None) -> None:
+        if self.tracer.on:
+            self.tracer.op_done(op, error)
         self.stats.finished(op.group, op.kind, op.nbytes, time.monotonic() - op.first_at, error is None, op.lane)
         if error is not None:
             code = s.E_SHUTDOWN if self._closing else (code or s.E_INTERNAL)
@@ -815,7 +843,8 @@ class Daemon:
             "last_errors": list(stats.errors),
             "departures": list(stats.departures),
             "limits": self.config.limits.to_status(),
-            "limits_hit": dict(self.limits.hits),
+            "limits_hit": dict(self.stats.limits_hit),
+            "observe": self.observers.status(),
         }
 
     def _stalls(self, waiting: list[dict[str, Any]]) -> list[dict[str, Any]]:

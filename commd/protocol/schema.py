@@ -40,6 +40,8 @@ DONE = "done"
 BATCH = "batch"
 ERROR = "error"
 STATUS = "status"
+#: Turn the per-op trace on or off: {"t": "trace", "secret", "action": "start"|"stop", "path"}.
+TRACE = "trace"
 BYE = "bye"
 PING = "ping"
 ACK = "ack"

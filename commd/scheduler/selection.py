@@ -189,9 +189,10 @@ def _int(table: dict[str, Any], key: str, where: str, default: int) -> int:
 
 def parse_config(data: dict[str, Any], where: str = "config") -> SchedulerConfig:
     """Validate a config mapping (the TOML file's contents); errors name the key."""
-    unknown = set(data) - {"scheduler", "rules", "limits"}  # [limits]: commd.daemon.limits reads it
+    # [limits]: commd.daemon.limits reads it; [metrics]: commd.observe.settings
+    unknown = set(data) - {"scheduler", "rules", "limits", "metrics"}
     if unknown:
-        raise ValueError(f"{where}: unknown section(s) {sorted(unknown)}; known: scheduler, rules, limits")
+        raise ValueError(f"{where}: unknown section(s) {sorted(unknown)}; known: scheduler, rules, limits, metrics")
     sched = data.get("scheduler", {})
     if not isinstance(sched, dict):
         raise ValueError(f"{where}: [scheduler] must be a table")

@@ -1,5 +1,7 @@
-"""Counters behind `commd status`: per-group stages, bytes, latencies, errors, departures.
+"""Every counter of the daemon: per-group stages, bytes, latencies, errors, departures, limits hit.
 
+The one home for them: ``commd status`` and the Prometheus metrics
+(``commd.observe.metrics``) both read these, so the two never disagree.
 Latency percentiles cover a sliding window (the last ``LATENCY_WINDOW`` ops of
 each kind: recent behaviour, bounded memory); the op count beside them is the
 total since the daemon started, and the window's size is reported with it.
@@ -8,6 +10,7 @@ Ranks that leave normally are departures, not errors.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import time
 from dataclasses import dataclass, field
@@ -16,6 +19,22 @@ import numpy as np
 
 #: Latency percentiles cover this many of the most recent ops of each kind.
 LATENCY_WINDOW = 2048
+#: Upper bounds (seconds) of the op latency histogram: 10 us to 100 s.
+LATENCY_BUCKETS: tuple[float, ...] = (
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0, 100.0,
+)
+
+
+@dataclass
+class OpTotals:
+    """Completed ops of one (kind, lane, group): counts, bytes and a latency histogram."""
+
+    ops: int = 0
+    bytes: int = 0
+    latency_sum: float = 0.0
+    #: non-cumulative counts per LATENCY_BUCKETS bound, plus one for +Inf
+    buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
 
 
 @dataclass
@@ -39,8 +58,12 @@ class Stats:
     latency_counts: dict[str, int] = field(default_factory=dict)  # op kind -> ops completed, all time
     ops_done: int = 0
     bytes_moved: int = 0
-    #: op kind -> lane ("local": no lane, the node's ranks only) -> [ops, bytes]
-    by_lane: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+    #: (op kind, lane, group) -> totals; lane "local": no lane, the node's ranks only
+    by_op: dict[tuple[str, str, str], OpTotals] = field(default_factory=dict)
+    #: error replies sent to ranks, per error code (timeout, peer_died, mismatch, ...)
+    error_replies: dict[str, int] = field(default_factory=dict)
+    #: requests refused because a configured limit was reached, per limit name
+    limits_hit: dict[str, int] = field(default_factory=dict)
 
     def group_added(self, name: str, size: int) -> None:
         self.groups.setdefault(name, GroupStats(size))
@@ -76,28 +99,35 @@ class Stats:
         if ok:
             self.ops_done += 1
             self.bytes_moved += nbytes
-            row = self.by_lane.setdefault(kind, {}).setdefault(lane, [0, 0])
-            row[0] += 1
-            row[1] += nbytes
             window = self.latencies.get(kind)
             if window is None:
                 window = self.latencies[kind] = collections.deque(maxlen=LATENCY_WINDOW)
             window.append(seconds)
             self.latency_counts[kind] = self.latency_counts.get(kind, 0) + 1
+            totals = self.by_op.get((kind, lane, group))
+            if totals is None:
+                totals = self.by_op[(kind, lane, group)] = OpTotals()
+            totals.ops += 1
+            totals.bytes += nbytes
+            totals.latency_sum += seconds
+            totals.buckets[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
 
     def per_kind(self) -> dict[str, dict[str, dict[str, int]]]:
-        """Ops and bytes completed per op kind and lane (``commd status``)."""
-        return {kind: {lane: {"ops": row[0], "bytes": row[1]} for lane, row in lanes.items()}
-                for kind, lanes in self.by_lane.items()}
+        """Ops and bytes completed per op kind and lane (``commd status``), all groups together."""
+        out: dict[str, dict[str, dict[str, int]]] = {}
+        for (kind, lane, _group), totals in self.by_op.items():
+            row = out.setdefault(kind, {}).setdefault(lane, {"ops": 0, "bytes": 0})
+            row["ops"] += totals.ops
+            row["bytes"] += totals.bytes
+        return out
 
     def per_lane(self) -> dict[str, dict[str, int]]:
-        """Ops and bytes completed per lane, all kinds together."""
+        """Ops and bytes completed per lane, all kinds and groups together."""
         out: dict[str, dict[str, int]] = {}
-        for lanes in self.by_lane.values():
-            for lane, (ops, nbytes) in lanes.items():
-                total = out.setdefault(lane, {"ops": 0, "bytes": 0})
-                total["ops"] += ops
-                total["bytes"] += nbytes
+        for (_kind, lane, _group), totals in self.by_op.items():
+            row = out.setdefault(lane, {"ops": 0, "bytes": 0})
+            row["ops"] += totals.ops
+            row["bytes"] += totals.bytes
         return out
 
     def error(self, message: str) -> None:
@@ -106,6 +136,13 @@ class Stats:
     def departed(self, message: str) -> None:
         """A rank left normally (bye): shown apart from the errors."""
         self.departures.append({"time": time.time(), "message": message})
+    def error_reply(self, code: str) -> None:
+        """An ERROR reply with ``code`` went to a rank (one per rank and failed op)."""
+        self.error_replies[code] = self.error_replies.get(code, 0) + 1
+
+    def limit_hit(self, limit: str) -> None:
+        """A request was refused because the limit named ``limit`` was reached."""
+        self.limits_hit[limit] = self.limits_hit.get(limit, 0) + 1
 
     def latency_table(self) -> dict[str, dict[str, float]]:
         table = {}

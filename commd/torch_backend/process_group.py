@@ -33,6 +33,7 @@ from commd.client.connection import Client
 from commd.client.errors import CommdError, ConnectError
 from commd.client.handle import Handle
 from commd.client.spawn import ensure_daemon
+from commd.observe.profiling import profiled
 from commd.runtime import ConfigError, JobPaths, secret_from_environment
 
 BACKEND_NAME = "commd"
@@ -197,11 +198,13 @@ class ProcessGroupCommd(dist.ProcessGroup):
         return CommdWork(handles if isinstance(handles, list) else [handles], result)
 
     # ---- reductions ---------------------------------------------------
+    @profiled("all_reduce")
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> CommdWork:
         op = _reduce_op(opts.reduceOp) if opts is not None else "sum"
         handles = [ops.all_reduce(self._client, t, op, **self._kw()) for t in tensors]
         return self._work(handles, tensors)
 
+    @profiled("all_reduce_coalesced")
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> CommdWork:
         op = _reduce_op(opts.reduceOp) if opts is not None else "sum"
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -218,11 +221,13 @@ class ProcessGroupCommd(dist.ProcessGroup):
             handles.append(handle)
         return self._work(handles, tensors)
 
+    @profiled("reduce")
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> CommdWork:
         op = _reduce_op(opts.reduceOp)
         handle = ops.reduce(self._client, tensors[0], opts.rootRank, op, **self._kw())
         return self._work(handle, tensors)
 
+    @profiled("reduce_scatter")
     def reduce_scatter(
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any
     ) -> CommdWork:
@@ -237,6 +242,7 @@ class ProcessGroupCommd(dist.ProcessGroup):
         )
         return self._work(handle, outputs)
 
+    @profiled("reduce_scatter_tensor")
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> CommdWork:
         if input.numel() != output.numel() * self.size():
             raise ValueError(
@@ -248,15 +254,18 @@ class ProcessGroupCommd(dist.ProcessGroup):
         )
         return self._work(handle, output)
 
+    @profiled("reduce_scatter_tensor_coalesced")
     def reduce_scatter_single_coalesced(self, outputs: list, inputs: list, opts: Any) -> CommdWork:
         works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
         return self._work([h for w in works for h in w._handles], outputs)
 
     # ---- data movement --------------------------------------------------
+    @profiled("broadcast")
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> CommdWork:
         handles = [ops.broadcast(self._client, t, opts.rootRank, **self._kw()) for t in tensors]
         return self._work(handles, tensors)
 
+    @profiled("all_gather")
     def allgather(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> CommdWork:
@@ -272,6 +281,7 @@ class ProcessGroupCommd(dist.ProcessGroup):
         )
         return self._work(handle, outputs)
 
+    @profiled("all_gather_coalesced")
     def allgather_coalesced(self, outputs: list, inputs: list, opts: Any = None) -> CommdWork:
         """``outputs[r][i]`` receives rank r's ``inputs[i]``."""
         if len(outputs) != self.size() or any(len(per_rank) != len(inputs) for per_rank in outputs):
@@ -283,6 +293,7 @@ class ProcessGroupCommd(dist.ProcessGroup):
             handles += self.allgather([[per_rank[i] for per_rank in outputs]], [inp], opts)._handles
         return self._work(handles, outputs)
 
+    @profiled("all_gather_into_tensor")
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> CommdWork:
         if output.numel() != input.numel() * self.size():
             raise ValueError(
@@ -294,12 +305,14 @@ class ProcessGroupCommd(dist.ProcessGroup):
 
     _allgather_base = all_gather_single
 
+    @profiled("all_gather_into_tensor_coalesced")
     def all_gather_single_coalesced(self, outputs: list, inputs: list, opts: Any = None) -> CommdWork:
         handles = []
         for out, inp in zip(outputs, inputs, strict=True):
             handles += self.all_gather_single(out, inp, opts)._handles
         return self._work(handles, outputs)
 
+    @profiled("gather")
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> CommdWork:
         inp, root = inputs[0], opts.rootRank
         if self.rank() == root:
@@ -316,6 +329,7 @@ class ProcessGroupCommd(dist.ProcessGroup):
             handle = ops.gather(self._client, None, inp, root, counts, **self._kw())
         return self._work(handle, outputs)
 
+    @profiled("scatter")
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> CommdWork:
         out, root = outputs[0], opts.rootRank
         if self.rank() == root:
@@ -326,6 +340,7 @@ class ProcessGroupCommd(dist.ProcessGroup):
             handle = ops.scatter(self._client, out, None, root, [out.numel()] * self.size(), **self._kw())
         return self._work(handle, outputs)
 
+    @profiled("all_to_all")
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> CommdWork:
         flat_out = torch.empty(sum(o.numel() for o in outputs), dtype=inputs[0].dtype)
         handle = self._client.submit(
@@ -336,6 +351,7 @@ class ProcessGroupCommd(dist.ProcessGroup):
         )
         return self._work(handle, outputs)
 
+    @profiled("all_to_all_single")
     def all_to_all_single(
         self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
         input_split_sizes: list[int], opts: Any = None,
@@ -360,17 +376,21 @@ class ProcessGroupCommd(dist.ProcessGroup):
     alltoall_base = all_to_all_single
 
     # ---- point to point ---------------------------------------------------
+    @profiled("send")
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> CommdWork:
         handle = ops.send(self._client, tensors[0], dst, tag, **self._kw())
         return self._work(handle, tensors)
 
+    @profiled("recv")
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> CommdWork:
         handle = ops.recv(self._client, tensors[0], src, tag, **self._kw())
         return self._work(handle, tensors)
 
+    @profiled("recv_anysource")
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> CommdWork:
         return self.recv(tensors, -1, tag)
 
+    @profiled("barrier")
     def barrier(self, opts: Any = None) -> CommdWork:
         return self._work(ops.barrier(self._client, **self._kw()), None)
 

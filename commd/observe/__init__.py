@@ -1,0 +1,1 @@
+"""Observability of the daemon: Prometheus metrics and the per-op timeline trace."""
