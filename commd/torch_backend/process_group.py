@@ -31,6 +31,7 @@ from commd.client.connection import Client
 from commd.client.errors import CommdError, ConnectError
 from commd.client.handle import Handle
 from commd.client.spawn import ensure_daemon
+from commd.memory.budget import check_environment
 from commd.runtime import JobPaths, new_secret
 
 BACKEND_NAME = "commd"
@@ -418,6 +419,7 @@ def _bootstrap(store: dist.Store, rank: int, size: int, timeout: timedelta) -> C
     the previous round's values (every rank bootstraps equally often).
     """
     global _client, _bootstraps
+    check_environment()  # a bad setting fails here, before any daemon is started
     round_ = _bootstraps
     _bootstraps += 1
     launched_job = os.environ.get("COMMD_JOB")
