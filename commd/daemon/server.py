@@ -428,7 +428,7 @@ class Daemon:
     def _attach_segment(self, client: ClientRecord, raw: dict[str, Any], fd: int) -> None:
         seg_id = s.int_field(raw, "seg", 0, 1 << 20)
         name = s.check_segment_name(s.field(raw, "name", str))
-        size = s.int_field(raw, "size", 1, self.config.max_arena_bytes)
+        size = s.int_field(raw, "size", 1)  # the per-client cap below names itself
         if seg_id in client.segments:
             raise s.ProtocolError(f"segment {seg_id} is already registered")
         if len(client.segments) >= self.config.max_segments:

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from commd.runtime import ConfigError, env_bytes
+from commd.runtime import env_bytes
 
 #: The arena a client maps when nothing else is said (it grows on demand).
 DEFAULT_ARENA_BYTES = 64 << 20
@@ -46,35 +46,50 @@ def _meminfo_available(path: str = "/proc/meminfo") -> int | None:
     return None
 
 
+#: cgroup v2 and v1 layouts: (mount, limit file, usage file).
+_CGROUP_LAYOUTS = {
+    "": (Path("/sys/fs/cgroup"), "memory.max", "memory.current"),
+    "memory": (Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes", "memory.usage_in_bytes"),
+}
+#: v1 reports "no limit" as a huge number.
+_UNLIMITED = 1 << 62
+
+
 def _cgroup_room() -> tuple[int, str] | None:
-    """Bytes left below this process's cgroup v2 memory limit (None: no limit or unknown)."""
+    """Bytes left below this process's tightest cgroup memory limit (None: no limit or unknown)."""
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:
         return None
-    relative = next((line[3:] for line in lines if line.startswith("0::")), None)
-    if relative is None:
-        return None
-    directory = Path("/sys/fs/cgroup") / relative.lstrip("/")
     best: tuple[int, str] | None = None
-    # A limit anywhere up the hierarchy applies: take the tightest.
-    for d in (directory, *directory.parents):
-        if d == Path("/sys/fs/cgroup").parent:
-            break
-        try:
-            limit = (d / "memory.max").read_text().strip()
-            current = int((d / "memory.current").read_text().strip())
-        except (OSError, ValueError):
+    for line in lines:
+        _, _, rest = line.partition(":")
+        controllers, _, relative = rest.partition(":")
+        key = "" if controllers == "" else ("memory" if "memory" in controllers.split(",") else None)
+        if key is None:
             continue
-        if limit == "max":
-            continue
-        try:
-            room = max(0, int(limit) - current)
-        except ValueError:
-            continue
-        if best is None or room < best[0]:
-            best = (room, f"the memory limit of cgroup {d} ({int(limit)} bytes, {current} in use)")
+        mount, limit_file, usage_file = _CGROUP_LAYOUTS[key]
+        directory = mount / relative.lstrip("/")
+        # A limit anywhere up the hierarchy applies (in a container the mount is its own cgroup).
+        for d in (directory, *directory.parents):
+            if not d.is_relative_to(mount):
+                break
+            room = _room_in(d, limit_file, usage_file)
+            if room is not None and (best is None or room[0] < best[0]):
+                best = room
     return best
+
+
+def _room_in(directory: Path, limit_file: str, usage_file: str) -> tuple[int, str] | None:
+    try:
+        limit_text = (directory / limit_file).read_text().strip()
+        current = int((directory / usage_file).read_text().strip())
+        limit = _UNLIMITED if limit_text == "max" else int(limit_text)
+    except (OSError, ValueError):
+        return None
+    if limit >= _UNLIMITED:
+        return None
+    return max(0, limit - current), f"the memory limit of cgroup {directory} ({limit} bytes, {current} in use)"
 
 
 def shared_memory_budget() -> Budget:
@@ -108,6 +123,6 @@ def check_environment() -> None:
 
 
 __all__ = [
-    "ARENA_ENV", "Budget", "ConfigError", "DEFAULT_ARENA_BYTES", "SOURCE", "arena_bytes_setting",
+    "ARENA_ENV", "Budget", "DEFAULT_ARENA_BYTES", "SOURCE", "arena_bytes_setting",
     "check_environment", "default_arena_bytes", "shared_memory_budget",
 ]
