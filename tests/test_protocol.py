@@ -408,10 +408,12 @@ def test_bad_segments_are_refused(daemon: DaemonProcess, raw_client: RawClient, 
     regular.write_bytes(b"\x00" * 8192)
     opened: list[int] = []
 
-    def memfd(size: int = 4096, seals: int = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW) -> int:
+    def memfd(size: int = 4096, seals: int = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW, reserve: bool = True) -> int:
         fd = os.memfd_create("commd-test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         opened.append(fd)
         os.ftruncate(fd, size)
+        if reserve:
+            os.posix_fallocate(fd, 0, size)
         if seals:
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
         return fd
@@ -441,6 +443,7 @@ def test_bad_segments_are_refused(daemon: DaemonProcess, raw_client: RawClient, 
             ("a memfd sealed against growing only", register([memfd(seals=fcntl.F_SEAL_GROW)]), s.E_PROTOCOL,
              ("F_SEAL_SHRINK",)),
             ("size beyond the memfd", register([good], size=8192), s.E_PROTOCOL, ("fewer than",)),
+            ("pages not reserved", register([memfd(reserve=False)]), s.E_PROTOCOL, ("posix_fallocate",)),
             ("size zero", register([good], size=0), s.E_PROTOCOL, ("'size'",)),
             ("path as the name", register([good], name="../etc/passwd"), s.E_PROTOCOL, ("not a valid",)),
             ("wrong secret", register([good], secret="0" * 64), s.E_AUTH, ("secret",)),

@@ -119,6 +119,13 @@ class Segment:
             raise ValueError(f"segment {name!r} is not sealed against shrinking (F_SEAL_SHRINK)")
         if st.st_size < size:
             raise ValueError(f"segment {name!r} holds {st.st_size} bytes, fewer than the {size} claimed")
+        if st.st_blksize > mmap.PAGESIZE:
+            # hugetlbfs: a page the pool cannot supply on a later fault is a SIGBUS
+            raise ValueError(f"segment {name!r} is a huge-page memfd (page size {st.st_blksize}); "
+                             "only ordinary shared memory is accepted")
+        if st.st_blocks * 512 < size:
+            raise ValueError(f"segment {name!r}: only {st.st_blocks * 512} of its {size} bytes are reserved "
+                             "(allocate its pages with posix_fallocate before passing it)")
         mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         return cls._wrap(seg_id, name, size, mm)
 
