@@ -182,7 +182,7 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
 
 
 def check_segment_name(name: str) -> str:
-    """Segment names are file names in /dev/shm; refuse anything path-like."""
+    """Segment names label memfds (seen in /proc/<pid>/maps and in logs); refuse anything path-like."""
     if not _SEGMENT_NAME.match(name):
         raise ProtocolError(f"segment name {name!r} is not a valid commd segment name")
     return name
