@@ -230,3 +230,33 @@ def test_connect_error_is_not_masked_by_the_arena(runtime_dir: Path, job: str,
     monkeypatch.setenv("COMMD_ARENA_BYTES", "64KiB")
     with pytest.raises(ConnectError, match="no commd daemon"):
         Client(0, 1, job=job, secret="0" * 64, connect_timeout=5)
+
+
+def test_descriptors_sent_with_messages_are_never_kept(daemon: DaemonProcess) -> None:
+    """Descriptors attached to refused messages, or too many at once, are closed: no client fills the table."""
+    import array
+    import socket
+
+    from commd.protocol import schema as s
+
+    def daemon_fds() -> int:
+        return len(os.listdir(f"/proc/{daemon.pid}/fd"))
+
+    spare = os.open("/dev/null", os.O_RDONLY)
+    try:
+        before = daemon_fds()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+            sock.settimeout(10)
+            sock.connect(str(daemon.paths.ops_socket))
+            for count in (1, 1, 2, 4, 8) * 20:
+                frame = s.encode({"t": s.SEGMENT, "secret": "0" * 64, "client_id": 1, "seg": 0,
+                                  "name": "commd-x", "size": 4096})
+                sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [spare] * count))])
+                reply = s.decode(sock.recv(1 << 16))
+                assert reply["t"] == s.ERROR, reply
+                want = "too many file descriptors" if count > 4 else "secret"
+                assert want in reply["message"], f"{count} descriptors: {reply}"
+        after = daemon_fds()
+    finally:
+        os.close(spare)
+    assert after <= before + 2, f"the daemon holds {after - before} more descriptors after 100 refused messages"
