@@ -64,8 +64,8 @@ class DaemonConfig:
     idle_grace: float = 3.0
     owner_pid: int | None = None
     max_arena_bytes: int = 1 << 40
-    #: Segments one client may register: each is a mapping in the daemon (and was once a
-    #: descriptor); without a cap one client could exhaust them for every other client.
+    #: Segments one client may register: each costs the daemon a mapping (the process's
+    #: count is finite) and a registration; without a cap one client could exhaust them for all.
     max_segments: int = 1024
     node_name: str = "localhost"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
