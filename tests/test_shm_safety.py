@@ -260,3 +260,23 @@ def test_descriptors_sent_with_messages_are_never_kept(daemon: DaemonProcess) ->
     finally:
         os.close(spare)
     assert after <= before + 2, f"the daemon holds {after - before} more descriptors after 100 refused messages"
+
+
+def test_bad_arena_bytes_stops_the_torch_backend_before_a_daemon_starts(runtime_dir: Path, tmp_path: Path) -> None:
+    """init_process_group("commd") with an invalid COMMD_ARENA_BYTES fails naming it, and starts no daemon."""
+    code = (
+        "import torch.distributed as dist, commd\n"
+        f"store = dist.FileStore({str(tmp_path / 'store')!r}, 1)\n"
+        "try:\n"
+        "    dist.init_process_group('commd', store=store, rank=0, world_size=1)\n"
+        "except Exception as exc:\n"
+        "    print('refused:', exc)\n"
+        "else:\n"
+        "    print('accepted')\n"
+    )
+    env = dict(os.environ, COMMD_ARENA_BYTES="64 parsecs", COMMD_RUNTIME_DIR=str(runtime_dir))
+    env.pop("COMMD_JOB", None)
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
+    assert "refused:" in run.stdout and "COMMD_ARENA_BYTES='64 parsecs'" in run.stdout, run.stdout + run.stderr
+    started = sorted(str(p) for p in runtime_dir.glob("*/daemon.log"))
+    assert not started, f"a daemon was started despite the invalid setting: {started}"
