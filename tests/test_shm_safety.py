@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import DaemonProcess
+from helpers import DaemonProcess, wait_until
 
 from commd.client import ConnectError, RequestError, ops
 from commd.memory.arena import Segment, SegmentError
@@ -244,11 +244,15 @@ def test_descriptors_sent_with_messages_are_never_kept(daemon: DaemonProcess) ->
 
     spare = os.open("/dev/null", os.O_RDONLY)
     try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:  # warm-up: lazily opened things
+            sock.connect(str(daemon.paths.ops_socket))
+            sock.send(s.encode({"t": s.SEGMENT, "secret": "0" * 64}))
+            sock.recv(1 << 16)
         before = daemon_fds()
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
             sock.settimeout(10)
             sock.connect(str(daemon.paths.ops_socket))
-            for count in (1, 1, 2, 4, 8) * 20:
+            for count in (1, 1, 2, 4, 8) * 20:  # 320 descriptors sent
                 frame = s.encode({"t": s.SEGMENT, "secret": "0" * 64, "client_id": 1, "seg": 0,
                                   "name": "commd-x", "size": 4096})
                 sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [spare] * count))])
@@ -256,10 +260,11 @@ def test_descriptors_sent_with_messages_are_never_kept(daemon: DaemonProcess) ->
                 assert reply["t"] == s.ERROR, reply
                 want = "too many file descriptors" if count > 4 else "secret"
                 assert want in reply["message"], f"{count} descriptors: {reply}"
-        after = daemon_fds()
     finally:
         os.close(spare)
-    assert after <= before + 2, f"the daemon holds {after - before} more descriptors after 100 refused messages"
+    # Small slack: the daemon may open a file now and then (e.g. a client's /proc entry).
+    wait_until(lambda: daemon_fds() <= before + 8, 10.0,
+               f"the daemon to hold no more descriptors than before 100 refused messages ({before})")
 
 
 def test_bad_arena_bytes_stops_the_torch_backend_before_a_daemon_starts(runtime_dir: Path, tmp_path: Path) -> None:
