@@ -285,3 +285,20 @@ def test_bad_arena_bytes_stops_the_torch_backend_before_a_daemon_starts(runtime_
     assert "refused:" in run.stdout and "COMMD_ARENA_BYTES='64 parsecs'" in run.stdout, run.stdout + run.stderr
     started = sorted(str(p) for p in runtime_dir.glob("*/daemon.log"))
     assert not started, f"a daemon was started despite the invalid setting: {started}"
+
+
+def test_huge_page_memfd_is_refused() -> None:
+    """A hugetlbfs page missing on a later fault is a SIGBUS: such segments are not accepted at all."""
+    import fcntl
+
+    try:
+        fd = os.memfd_create("commd-huge", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | os.MFD_HUGETLB)
+    except OSError as exc:
+        pytest.skip(f"no huge-page memfds here: {exc}")
+    try:
+        os.ftruncate(fd, 2 << 20)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        with pytest.raises(ValueError, match="huge-page"):
+            Segment.from_fd(0, "commd-huge", 4096, fd, os.getuid())
+    finally:
+        os.close(fd)

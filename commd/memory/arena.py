@@ -34,6 +34,23 @@ ALIGNMENT = 64
 SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 
 
+HUGETLBFS_MAGIC = 0x958458F6
+
+
+def _file_system_type(fd: int) -> int | None:
+    """fstatfs(fd).f_type (None if it cannot be read): Python's os has no fstatfs."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux
+        if libc.fstatfs(fd, buf) != 0:
+            return None
+        return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
+    except (OSError, AttributeError):
+        return None
+
+
 class SegmentError(MemoryError):
     """A segment cannot be created or accepted; the text says why, where from and how much."""
 
@@ -119,10 +136,9 @@ class Segment:
             raise ValueError(f"segment {name!r} is not sealed against shrinking (F_SEAL_SHRINK)")
         if st.st_size < size:
             raise ValueError(f"segment {name!r} holds {st.st_size} bytes, fewer than the {size} claimed")
-        if st.st_blksize > mmap.PAGESIZE:
-            # hugetlbfs: a page the pool cannot supply on a later fault is a SIGBUS
-            raise ValueError(f"segment {name!r} is a huge-page memfd (page size {st.st_blksize}); "
-                             "only ordinary shared memory is accepted")
+        if _file_system_type(fd) == HUGETLBFS_MAGIC:
+            # a huge page the pool cannot supply on a later fault (after a hole punch) is a SIGBUS
+            raise ValueError(f"segment {name!r} is a huge-page memfd; only ordinary shared memory is accepted")
         if st.st_blocks * 512 < size:
             raise ValueError(f"segment {name!r}: only {st.st_blocks * 512} of its {size} bytes are reserved "
                              "(allocate its pages with posix_fallocate before passing it)")
