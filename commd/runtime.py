@@ -93,6 +93,38 @@ def env_int(name: str, default: int, low: int = 0, high: int = 1 << 62) -> int:
     return value
 
 
+_SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]?)(i?B?)\s*$", re.IGNORECASE)
+_SIZE_SHIFT = {"": 0, "K": 10, "M": 20, "G": 30, "T": 40}
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count: ``65536``, ``0x10000``, ``64K``, ``1M``, ``64MiB``, ``2GB`` (K/M/G/T are powers of 1024).
+
+    Raises ValueError (callers name the setting).
+    """
+    match = _SIZE.match(text)
+    if match is None or (match.group(3) and not match.group(3).upper().endswith("B")):
+        return int(text, 0)  # plain integers in any base, else the ValueError callers report
+    number, unit = int(match.group(1)), match.group(2).upper()
+    return number << _SIZE_SHIFT[unit]
+
+
+def env_bytes(name: str, default: int, low: int = 0, high: int = 1 << 62) -> int:
+    """A byte count from the environment (see ``parse_bytes``), within [low, high]."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = parse_bytes(raw)
+    except ValueError:
+        raise ConfigError(
+            f"{name}={raw!r} is not a byte count (write e.g. 1048576, 1M, 64MiB or 2G)"
+        ) from None
+    if not low <= value <= high:
+        raise ConfigError(f"{name}={raw!r} ({value} bytes) must lie in [{low}, {high}] bytes")
+    return value
+
+
 def check_job(job: str) -> str:
     if not JOB_NAME.match(job):
         raise ConfigError(

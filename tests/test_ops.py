@@ -725,7 +725,7 @@ def test_arena_gc_during_allocate_does_not_deadlock(job: str) -> None:
                 del node
         finally:
             for segment in arena.segments:
-                segment.unlink()
+                segment.close_fd()
         print("ok")
         """
     )

@@ -9,8 +9,10 @@ clients (ranks 0 and 1 of a 3-rank world; the raw socket plays rank 2).
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import os
+import socket
 import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -226,43 +228,43 @@ def test_malformed_and_unauthenticated_messages(
 
     valid = hello(daemon)
     table = [
-        ("wrong secret", send({"v": 1, **hello(daemon, secret="0" * 64)}), s.E_AUTH, ("authentication",)),
-        ("missing secret", send({"v": 1, **{k: v for k, v in valid.items() if k != "secret"}}), s.E_AUTH, ("secret",)),
-        ("secret of the wrong type", send({"v": 1, **hello(daemon, secret=123)}), s.E_AUTH, ("secret",)),
-        ("wrong job", send({"v": 1, **hello(daemon, job="another-job")}), s.E_AUTH, ("another-job",)),
+        ("wrong secret", send({"v": s.PROTOCOL_VERSION, **hello(daemon, secret="0" * 64)}), s.E_AUTH, ("authentication",)),
+        ("missing secret", send({"v": s.PROTOCOL_VERSION, **{k: v for k, v in valid.items() if k != "secret"}}), s.E_AUTH, ("secret",)),
+        ("secret of the wrong type", send({"v": s.PROTOCOL_VERSION, **hello(daemon, secret=123)}), s.E_AUTH, ("secret",)),
+        ("wrong job", send({"v": s.PROTOCOL_VERSION, **hello(daemon, job="another-job")}), s.E_AUTH, ("another-job",)),
         ("unknown protocol version", send({**valid, "v": 99}), s.E_VERSION, ("99",)),
         ("no protocol version", send({"t": s.PING}), s.E_VERSION, ("version",)),
         ("garbage bytes", send_raw(b"\xc1\x00 not msgpack \xff"), s.E_PROTOCOL, ("msgpack",)),
-        ("truncated msgpack", send_raw(msgpack.packb({"v": 1, **valid})[:-5]), s.E_PROTOCOL, ("msgpack",)),
+        ("truncated msgpack", send_raw(msgpack.packb({"v": s.PROTOCOL_VERSION, **valid})[:-5]), s.E_PROTOCOL, ("msgpack",)),
         ("empty frame", send_raw(b""), s.E_PROTOCOL, ("msgpack",)),
         ("a list, not a map", send([1, "hello", 3]), s.E_PROTOCOL, ("map",)),
         ("a bare integer", send_raw(msgpack.packb(7)), s.E_PROTOCOL, ("map",)),
         ("integer map keys", send_raw(msgpack.packb({1: 2})), s.E_PROTOCOL, ("msgpack",)),
-        ("missing type", send({"v": 1}), s.E_PROTOCOL, ("'t'",)),
-        ("type not a string", send({"v": 1, "t": 5}), s.E_PROTOCOL, ("'t'",)),
-        ("unknown type", send({"v": 1, "t": "launch"}), s.E_PROTOCOL, ("launch",)),
-        ("hello without world_size", send({"v": 1, **hello(daemon, world_size=None)}), s.E_PROTOCOL,
+        ("missing type", send({"v": s.PROTOCOL_VERSION}), s.E_PROTOCOL, ("'t'",)),
+        ("type not a string", send({"v": s.PROTOCOL_VERSION, "t": 5}), s.E_PROTOCOL, ("'t'",)),
+        ("unknown type", send({"v": s.PROTOCOL_VERSION, "t": "launch"}), s.E_PROTOCOL, ("launch",)),
+        ("hello without world_size", send({"v": s.PROTOCOL_VERSION, **hello(daemon, world_size=None)}), s.E_PROTOCOL,
          ("'world_size'",)),
-        ("hello without rank", send({"v": 1, **hello(daemon, rank=None)}), s.E_PROTOCOL, ("'rank'",)),
-        ("hello without segments", send({"v": 1, **hello(daemon, segments=None)}), s.E_PROTOCOL, ("'segments'",)),
-        ("rank as a string", send({"v": 1, **hello(daemon, rank="2")}), s.E_PROTOCOL, ("'rank'", "str")),
-        ("rank as a bool", send({"v": 1, **hello(daemon, rank=True)}), s.E_PROTOCOL, ("'rank'", "bool")),
-        ("rank out of range", send({"v": 1, **hello(daemon, rank=3)}), s.E_PROTOCOL, ("'rank'",)),
-        ("rank already connected", send({"v": 1, **hello(daemon, rank=0)}), s.E_PROTOCOL, ("rank 0",)),
-        ("world size disagrees", send({"v": 1, **hello(daemon, world_size=4)}), s.E_PROTOCOL, ("world size",)),
-        ("negative pid", send({"v": 1, **hello(daemon, pid=-1)}), s.E_PROTOCOL, ("'pid'",)),
-        ("segment path in hello", send({"v": 1, **hello(daemon, segments=[
-            {"seg": 0, "name": "../etc/passwd", "size": 64}])}), s.E_PROTOCOL, ("not a valid commd segment name",)),
-        ("segment entry not a map", send({"v": 1, **hello(daemon, segments=["commd-x"])}), s.E_PROTOCOL,
+        ("hello without rank", send({"v": s.PROTOCOL_VERSION, **hello(daemon, rank=None)}), s.E_PROTOCOL, ("'rank'",)),
+        ("hello without segments", send({"v": s.PROTOCOL_VERSION, **hello(daemon, segments=None)}), s.E_PROTOCOL, ("'segments'",)),
+        ("rank as a string", send({"v": s.PROTOCOL_VERSION, **hello(daemon, rank="2")}), s.E_PROTOCOL, ("'rank'", "str")),
+        ("rank as a bool", send({"v": s.PROTOCOL_VERSION, **hello(daemon, rank=True)}), s.E_PROTOCOL, ("'rank'", "bool")),
+        ("rank out of range", send({"v": s.PROTOCOL_VERSION, **hello(daemon, rank=3)}), s.E_PROTOCOL, ("'rank'",)),
+        ("rank already connected", send({"v": s.PROTOCOL_VERSION, **hello(daemon, rank=0)}), s.E_PROTOCOL, ("rank 0",)),
+        ("world size disagrees", send({"v": s.PROTOCOL_VERSION, **hello(daemon, world_size=4)}), s.E_PROTOCOL, ("world size",)),
+        ("negative pid", send({"v": s.PROTOCOL_VERSION, **hello(daemon, pid=-1)}), s.E_PROTOCOL, ("'pid'",)),
+        ("segment by name in hello", send({"v": s.PROTOCOL_VERSION, **hello(daemon, segments=[
+            {"seg": 0, "name": "commd-x", "size": 64}])}), s.E_PROTOCOL, ("'segments' must be empty", "memfd")),
+        ("segment entry not a map", send({"v": s.PROTOCOL_VERSION, **hello(daemon, segments=["commd-x"])}), s.E_PROTOCOL,
          ("'segments'",)),
-        ("op before hello", send({"v": 1, "t": s.OP, "id": 1, "kind": "barrier", "group": "world", "seq": 0}),
+        ("op before hello", send({"v": s.PROTOCOL_VERSION, "t": s.OP, "id": 1, "kind": "barrier", "group": "world", "seq": 0}),
          s.E_AUTH, ("hello",)),
-        ("segment before hello", send({"v": 1, "t": s.SEGMENT, "seg": 1, "name": "commd-x", "size": 64}),
+        ("segment before hello", send({"v": s.PROTOCOL_VERSION, "t": s.SEGMENT, "seg": 1, "name": "commd-x", "size": 64}),
          s.E_AUTH, ("hello",)),
-        ("group before hello", send({"v": 1, "t": s.GROUP, "name": "g", "ranks": [2]}), s.E_AUTH, ("hello",)),
-        ("attach with a wrong secret", send({"v": 1, "t": "attach", "client_id": 1, "secret": "x"}), s.E_AUTH,
+        ("group before hello", send({"v": s.PROTOCOL_VERSION, "t": s.GROUP, "name": "g", "ranks": [2]}), s.E_AUTH, ("hello",)),
+        ("attach with a wrong secret", send({"v": s.PROTOCOL_VERSION, "t": "attach", "client_id": 1, "secret": "x"}), s.E_AUTH,
          ("secret",)),
-        ("attach to an unknown client", send({"v": 1, "t": "attach", "client_id": 999, "secret": secret}),
+        ("attach to an unknown client", send({"v": s.PROTOCOL_VERSION, "t": "attach", "client_id": 999, "secret": secret}),
          s.E_AUTH, ("client",)),
     ]
     run_table(table, healthy)
@@ -273,7 +275,7 @@ def test_oversized_messages(daemon: DaemonProcess, healthy: Healthy, raw: Callab
     """Over MAX_MESSAGE_BYTES: an error naming the size; far over it: the connection is dropped."""
     sock = raw()
     size = s.MAX_MESSAGE_BYTES + 1
-    frame = msgpack.packb({"v": 1, "t": s.PING, "pad": b"x" * (size - 32)}, use_bin_type=True)
+    frame = msgpack.packb({"v": s.PROTOCOL_VERSION, "t": s.PING, "pad": b"x" * (size - 32)}, use_bin_type=True)
     frame += b"\x00" * (size - len(frame))  # trailing bytes: the size check comes first
     sock.send_raw(frame)
     problem = expect_error(sock.recv(), s.E_PROTOCOL, str(len(frame)), str(s.MAX_MESSAGE_BYTES))
@@ -298,6 +300,7 @@ class RawClient:
     segment_bytes: int
     seq: Iterator[int]
     ids: Iterator[int]
+    client_id: int = 0
 
     def op(self, **fields: Any) -> dict[str, Any]:
         """Submit an op; op errors and completions come back on the reply channel."""
@@ -309,23 +312,42 @@ class RawClient:
         return self.req.request(message)
 
 
+def register_fds(daemon: DaemonProcess, fields: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+    """A segment registration on its own op-socket connection, with ``fds`` attached; the reply."""
+    message = {"t": s.SEGMENT, "secret": daemon.secret(), **fields}
+    frame = s.encode({k: v for k, v in message.items() if v is not None})
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+        sock.settimeout(10)
+        sock.connect(str(daemon.paths.ops_socket))
+        if fds:
+            import array
+
+            sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        else:
+            sock.send(frame)
+        return msgpack.unpackb(sock.recv(1 << 16), raw=False)
+
+
 @pytest.fixture
 def raw_client(daemon: DaemonProcess, healthy: Healthy, raw: Callable[[], RawSocket]) -> Iterator[RawClient]:
     segment = Segment.create(0, f"commd-{daemon.job}-raw", SEGMENT_BYTES)
     try:
         req, rep = raw(), raw()
-        welcome = req.request(hello(daemon, segments=[{"seg": 0, "name": segment.name, "size": SEGMENT_BYTES}]))
+        welcome = req.request(hello(daemon))
         assert welcome["t"] == s.WELCOME, welcome
-        segment.unlink()
+        registered = register_fds(daemon, {"client_id": welcome["client_id"], "seg": 0, "name": segment.name,
+                                           "size": SEGMENT_BYTES}, [segment.fd])
+        assert registered["t"] == s.ACK, registered
         ack = rep.request({"t": "attach", "client_id": welcome["client_id"], "secret": daemon.secret()})
         assert ack["t"] == s.ACK, ack
         assert req.request({"t": s.GROUP, "name": "raw", "ranks": [RAW_RANK]})["t"] == s.ACK
         client = RawClient(req, rep, SEGMENT_BYTES, itertools.count(), itertools.count(1))
+        client.client_id = welcome["client_id"]
         good = client.op(kind="allreduce", dtype="float32", count=4, buf={"seg": 0, "off": 64, "n": 16})
         assert good["t"] == s.DONE, good
         yield client
     finally:
-        segment.unlink()
+        segment.close_fd()
 
 
 def test_bad_buffer_references(daemon: DaemonProcess, raw_client: RawClient, healthy: Healthy) -> None:
@@ -382,36 +404,60 @@ def test_bad_buffer_references(daemon: DaemonProcess, raw_client: RawClient, hea
 
 def test_bad_segments_are_refused(daemon: DaemonProcess, raw_client: RawClient, healthy: Healthy,
                                   tmp_path: Path) -> None:
-    """Segment names are /dev/shm file names: no paths, no symlinks, no lying about sizes."""
+    """A segment is a sealed memfd passed beside its registration: anything else, or a lie about it, is refused."""
     job = daemon.job
-    target = tmp_path / "not-shared-memory"
-    target.write_bytes(b"\x00" * 8192)
-    link = Path("/dev/shm", f"commd-{job}-link")
-    short = Segment.create(9, f"commd-{job}-short", 4096)
-    link.symlink_to(target)
+    regular = tmp_path / "not-shared-memory"
+    regular.write_bytes(b"\x00" * 8192)
+    opened: list[int] = []
+
+    def memfd(size: int = 4096, seals: int = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW, reserve: bool = True) -> int:
+        fd = os.memfd_create("commd-test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        opened.append(fd)
+        os.ftruncate(fd, size)
+        if reserve:
+            os.posix_fallocate(fd, 0, size)
+        if seals:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+        return fd
+
+    def plain_fd(path: Path) -> int:
+        fd = os.open(path, os.O_RDONLY if path.is_dir() else os.O_RDWR)
+        opened.append(fd)
+        return fd
+
+    seg_ids = itertools.count(1)
+
+    def register(fds: list[int], size: int = 4096, name: str | None = None, **fields: Any) -> Callable[[], dict]:
+        def exchange() -> dict[str, Any]:
+            message = {"client_id": raw_client.client_id, "seg": next(seg_ids),
+                       "name": name or f"commd-{job}-x", "size": size, **fields}
+            return register_fds(daemon, message, fds)
+        return exchange
+
     try:
-        seg_ids = itertools.count(1)
-
-        def register(name: str, size: int = 4096) -> Callable[[], dict[str, Any]]:
-            return lambda: raw_client.request({"t": s.SEGMENT, "seg": next(seg_ids), "name": name, "size": size})
-
+        good = memfd()
         table = [
-            ("relative path", register("../etc/passwd"), s.E_PROTOCOL, ("not a valid commd segment name",)),
-            ("path below the prefix", register(f"commd-{job}/../../etc/passwd"), s.E_PROTOCOL, ("not a valid",)),
-            ("absolute path", register("/etc/passwd"), s.E_PROTOCOL, ("not a valid",)),
-            ("dot-dot after the prefix", register("commd-.."), s.E_PROTOCOL, ("commd-..",)),
-            ("name without the prefix", register("passwd"), s.E_PROTOCOL, ("not a valid",)),
-            ("empty name", register(""), s.E_PROTOCOL, ("not a valid",)),
-            ("overlong name", register("commd-" + "a" * 300), s.E_PROTOCOL, ("not a valid",)),
-            ("missing file", register(f"commd-{job}-missing"), s.E_PROTOCOL, ("cannot map",)),
-            ("symlink in /dev/shm", register(link.name), s.E_PROTOCOL, ("cannot map",)),
-            ("size beyond the file", register(short.name, 8192), s.E_PROTOCOL, ("fewer than",)),
-            ("size zero", register(short.name, 0), s.E_PROTOCOL, ("'size'",)),
-            ("segment id reused", lambda: raw_client.request(
-                {"t": s.SEGMENT, "seg": 0, "name": short.name, "size": 4096}), s.E_PROTOCOL, ("already",)),
+            ("no descriptor", register([]), s.E_PROTOCOL, ("exactly one file descriptor", "not 0")),
+            ("two descriptors", register([good, memfd()]), s.E_PROTOCOL, ("exactly one", "not 2")),
+            ("a regular file", register([plain_fd(regular)]), s.E_PROTOCOL, ("not a sealable memfd",)),
+            ("a directory", register([plain_fd(tmp_path)]), s.E_PROTOCOL, ("not a regular file",)),
+            ("a memfd not sealed against shrinking", register([memfd(seals=0)]), s.E_PROTOCOL, ("F_SEAL_SHRINK",)),
+            ("a memfd sealed against growing only", register([memfd(seals=fcntl.F_SEAL_GROW)]), s.E_PROTOCOL,
+             ("F_SEAL_SHRINK",)),
+            ("size beyond the memfd", register([good], size=8192), s.E_PROTOCOL, ("fewer than",)),
+            ("pages not reserved", register([memfd(reserve=False)]), s.E_PROTOCOL, ("posix_fallocate",)),
+            ("size zero", register([good], size=0), s.E_PROTOCOL, ("'size'",)),
+            ("path as the name", register([good], name="../etc/passwd"), s.E_PROTOCOL, ("not a valid",)),
+            ("wrong secret", register([good], secret="0" * 64), s.E_AUTH, ("secret",)),
+            ("unknown client", register([good], client_id=999), s.E_AUTH, ("unknown client",)),
+            ("segment id reused", lambda: register_fds(daemon, {"client_id": raw_client.client_id, "seg": 0,
+                                                                "name": f"commd-{job}-x", "size": 4096}, [good]),
+             s.E_PROTOCOL, ("already",)),
+            ("segment by name on the control socket", lambda: raw_client.request(
+                {"t": s.SEGMENT, "seg": 50, "name": f"commd-{job}-x", "size": 4096}), s.E_PROTOCOL, ("memfd",)),
         ]
         run_table(table, healthy)
     finally:
-        link.unlink(missing_ok=True)
-        short.unlink()
-    assert target.read_bytes() == b"\x00" * 8192
+        for fd in opened:
+            os.close(fd)
+    assert regular.read_bytes() == b"\x00" * 8192

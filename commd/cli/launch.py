@@ -27,6 +27,7 @@ from typing import Any
 
 from commd.client.errors import ConnectError
 from commd.client.spawn import SECRET_ENV, ping, start_daemon
+from commd.memory.budget import check_environment
 from commd.runtime import ConfigError, JobPaths, check_job, new_secret, secret_from_environment
 
 POLL_S = 0.05
@@ -372,6 +373,7 @@ def run(args: argparse.Namespace) -> int:
     store = secret = None
     try:
         _validate(args)
+        check_environment()  # the workers' settings, checked before any process starts
         port = args.master_port if args.master_port is not None else _free_port(args.master_addr)
         if args.nnodes > 1:
             store, job, secret = _host_or_join_store(args, args.job)

@@ -37,17 +37,18 @@ from commd.client.errors import (
     from_reply,
 )
 from commd.client.handle import Handle
+from commd.client.segments import register_segment
 from commd.client.spawn import wait_for_secret
 from commd.client.trust import connect_op_channel, read_job_secret, verify_job_files
 from commd.kernels.reduce import DTYPE_NAMES, TORCH_DTYPES
 from commd.memory.arena import Arena, Segment
+from commd.memory.budget import arena_bytes_setting, default_arena_bytes
 from commd.protocol import schema as s
 from commd.protocol.seqpacket import peer_closed
 from commd.runtime import JobPaths, env_float, env_int, pid_alive
 
 log = logging.getLogger("commd.client")
 
-DEFAULT_ARENA_BYTES = 64 << 20
 #: Extra time a client grants the daemon beyond an op's own timeout before
 #: it gives up on an answer (the daemon normally reports the timeout itself).
 ANSWER_GRACE_S = 10.0
@@ -56,6 +57,8 @@ RECEIVER_POLL_MS = 100
 COPY_BACK_PURGE = 256
 OPS_BUFFER_BYTES = 4 << 20
 OPS_RECV_BYTES = s.MAX_MESSAGE_BYTES + (64 << 10)
+#: How long the daemon may take to map a new arena segment.
+REGISTER_TIMEOUT_S = 30.0
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -93,9 +96,7 @@ class Client:
         # None: read from the job directory (checked to be ours first), waiting while a
         # cluster prologue is still starting the daemon.
         self.secret = secret if secret is not None else wait_for_secret(self.paths, connect_timeout)
-        size = arena_bytes if arena_bytes is not None else env_int(
-            "COMMD_ARENA_BYTES", DEFAULT_ARENA_BYTES, 1 << 16, 1 << 40
-        )
+        size = arena_bytes if arena_bytes is not None else (arena_bytes_setting() or default_arena_bytes())
         token = uuid.uuid4().hex[:12]
         self.arena = Arena(f"commd-{self.paths.job}-r{rank}-{os.getpid()}-{token}", size)
         self.arena.on_new_segment = self._register_segment
@@ -131,7 +132,7 @@ class Client:
             self._connect(connect_timeout)
         except BaseException:
             for segment in self.arena.segments:
-                segment.unlink()
+                segment.close_fd()
             self._closed = True
             self._req.close()
             self._ops.close()
@@ -154,12 +155,11 @@ class Client:
             {
                 "t": s.HELLO, "job": self.paths.job, "secret": self.secret, "rank": self.rank,
                 "local_rank": self.local_rank, "world_size": self.world_size, "pid": os.getpid(),
-                "segments": [{"seg": first.seg_id, "name": first.name, "size": first.size}],
+                "segments": [],
                 **({"nodes": self.nodes} if self.nodes is not None else {}),
             },
             timeout,
         )
-        first.unlink()  # the daemon has it mapped now; nothing is left behind in /dev/shm
         self.client_id = welcome["client_id"]
         self.daemon_pid = welcome["daemon_pid"]
         if peer_pid and self.daemon_pid != peer_pid:
@@ -187,6 +187,7 @@ class Client:
         if ack.get("t") != s.ACK:
             raise from_reply(ack.get("code", ""), ack.get("message", "attach refused"))
         self._receiver: threading.Thread | None = None
+        register_segment(self.paths.ops_socket, self.client_id, self.secret, first, timeout, self.daemon_pid)
 
     def _request(self, message: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
         """Synchronous request/reply on the request socket."""
@@ -215,8 +216,10 @@ class Client:
             raise CommdError("commd client is closed")
 
     def _register_segment(self, segment: Segment) -> None:
-        self._request({"t": s.SEGMENT, "seg": segment.seg_id, "name": segment.name, "size": segment.size})
-        segment.unlink()
+        self._check_usable()
+        register_segment(
+            self.paths.ops_socket, self.client_id, self.secret, segment, REGISTER_TIMEOUT_S, self.daemon_pid
+        )
 
     def register_group(self, name: str, ranks: list[int]) -> None:
         """Tell the daemon about a group (all members must register the same ranks)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
 import os
 import re
@@ -15,7 +16,15 @@ from commd.daemon.limits import add_limit_arguments, config_section, limits_from
 from commd.daemon.server import Daemon, DaemonConfig
 from commd.fabric.rendezvous import FabricSpec, parse_host_port
 from commd.observe import cli as observe
-from commd.runtime import ConfigError, JobPaths, env_float, env_int, new_secret, secret_from_environment
+from commd.runtime import (
+    ConfigError,
+    JobPaths,
+    env_bytes,
+    env_float,
+    env_int,
+    new_secret,
+    secret_from_environment,
+)
 from commd.scheduler.selection import SchedulerConfig, load_config
 from commd.scheduler.tuning import TuningTable
 
@@ -91,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--op-timeout {op_timeout} must lie in [0.001, 604800] seconds")
         limits = limits_from_args(args, op_timeout, config_section(args.config or os.environ.get("COMMD_CONFIG")))
         threads = env_int("COMMD_KERNEL_THREADS", 1, 1, 1024)
+        max_segments = env_int("COMMD_MAX_SEGMENTS", 1024, 1, 1 << 20)
+        max_arena_bytes = env_bytes("COMMD_MAX_ARENA_BYTES", _physical_memory(), 1 << 16, 1 << 50)
         if args.idle_grace < 0:
             raise ConfigError("--idle-grace must be non-negative")
         if args.owner_pid is not None and args.owner_pid <= 0:
@@ -129,6 +140,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=level, format="%(asctime)s commd-daemon[%(process)d] %(levelname)s %(message)s", handlers=handlers,
     )
+    _report_fatal_signals(args.log_file)
+    _raise_descriptor_limit()
     existing = paths.daemon_pid()
     if existing is not None and existing != os.getpid():
         print(f"commd daemon: job {paths.job!r} already has a daemon (pid {existing})", file=sys.stderr)
@@ -159,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
         paths=paths, secret=secret, op_timeout=op_timeout,
         exit_when_idle=args.exit_when_idle, idle_grace=args.idle_grace, owner_pid=args.owner_pid,
         node_name=node_name, scheduler=scheduler, fabric=fabric, peer_timeout=peer_timeout, limits=limits,
-        metrics=metrics, trace=trace,
+        metrics=metrics, trace=trace, max_segments=max_segments, max_arena_bytes=max_arena_bytes,
     )
     daemon = Daemon(config)
     daemon.bind()
@@ -173,6 +186,36 @@ def run(args: argparse.Namespace) -> int:
     with runner:
         runner.run(daemon.run())
     return 0
+
+
+def _physical_memory() -> int:
+    """The machine's memory in bytes: a client's segments cannot sensibly exceed it."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):  # pragma: no cover - Linux has both
+        return 1 << 40
+
+
+def _report_fatal_signals(log_file: str | None) -> None:
+    """A SIGSEGV/SIGBUS/SIGFPE/SIGABRT/SIGILL in the daemon prints every thread's stack to its log.
+
+    The log is stderr (daemon.log when a client or launcher started us) or ``--log-file``:
+    without this a daemon killed by a signal leaves no line anywhere.
+    """
+    target = open(log_file, "a") if log_file else sys.stderr  # noqa: SIM115 - lives as long as the process
+    faulthandler.enable(file=target, all_threads=True)
+
+
+def _raise_descriptor_limit() -> None:
+    """Soft descriptor limit up to the hard one: every client holds several descriptors here."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError) as exc:  # pragma: no cover - best effort
+        logging.getLogger("commd.daemon").debug("cannot raise the descriptor limit: %s", exc)
 
 
 def _fusion_settings(args: argparse.Namespace, scheduler: SchedulerConfig) -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from commd.protocol import schema as s
+from commd.protocol.fdpass import close_all, recv_with_fds
 from commd.protocol.seqpacket import peer_closed
 
 log = logging.getLogger("commd.daemon")
@@ -144,7 +145,7 @@ class OpListener:
         self,
         path: Path,
         loop: Any,
-        on_message: Callable[[OpConnection, bytes], None],
+        on_message: Callable[[OpConnection, bytes, list[int]], None],
         on_closed: Callable[[OpConnection], None],
         max_backlog: int = 1 << 62,
         on_overflow: Callable[[OpConnection], None] | None = None,
@@ -192,22 +193,33 @@ class OpListener:
             self.loop.add_reader(conn.fileno(), self._readable, channel)
 
     def _readable(self, channel: OpConnection) -> None:
+        """Messages with any descriptors passed beside them (a segment's memfd); those are
+        lent to ``on_message`` and always closed here afterwards (it maps, it keeps none)."""
         while not channel.closed:
+            fds: list[int] = []
             try:
-                frame = channel.sock.recv(s.MAX_MESSAGE_BYTES + 1)
+                frame, fds, truncated = recv_with_fds(channel.sock, s.MAX_MESSAGE_BYTES + 1)
             except BlockingIOError:
                 return
             except OSError:
                 frame = None
-            if frame == b"" and not peer_closed(channel.sock):
-                self.on_message(channel, frame)  # an empty datagram: a bad message, answered as such
-                continue
-            if not frame:
-                self.connections.discard(channel)
-                channel.close()
-                self.on_closed(channel)
-                return
-            self.on_message(channel, frame)
+            try:
+                if frame == b"" and not peer_closed(channel.sock):
+                    self.on_message(channel, frame, fds)  # an empty datagram: a bad message, answered as such
+                    continue
+                if not frame:
+                    self.connections.discard(channel)
+                    channel.close()
+                    self.on_closed(channel)
+                    return
+                if truncated:
+                    log.warning("op channel: a message came with more descriptors than allowed; dropped")
+                    channel.send(s.encode({"t": s.ERROR, "code": s.E_PROTOCOL, "id": -1,
+                                           "message": "too many file descriptors with one message"}))
+                    continue
+                self.on_message(channel, frame, fds)
+            finally:
+                close_all(fds)
 
     def _overflowed(self, channel: OpConnection) -> None:
         self.connections.discard(channel)

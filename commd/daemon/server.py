@@ -72,6 +72,9 @@ class DaemonConfig:
     idle_grace: float = 3.0
     owner_pid: int | None = None
     max_arena_bytes: int = 1 << 40
+    #: Segments one client may register: each costs the daemon a mapping (the process's
+    #: count is finite) and a registration; without a cap one client could exhaust them for all.
+    max_segments: int = 1024
     node_name: str = "localhost"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     fabric: Fabric | None = None
@@ -289,12 +292,14 @@ class Daemon:
             self._reply(client, {"t": s.ERROR, "code": code, "message": message, "id": sub.op_id})
 
     # ---- op channel -----------------------------------------------------
-    def _on_channel_message(self, channel: OpConnection, frame: bytes) -> None:
+    def _on_channel_message(self, channel: OpConnection, frame: bytes, fds: list[int]) -> None:
         op_id = -1
         try:
             msg = s.decode(frame)
             op_id = msg["id"] if type(msg.get("id")) is int else -1
-            if channel.client is None:
+            if channel.client is None and msg["t"] == s.SEGMENT:
+                self._on_segment_fd(channel, msg, fds)
+            elif channel.client is None:
                 self._attach_channel(channel, msg)
             elif msg["t"] == s.OP:
                 self._on_client_op(channel.client, msg)
@@ -323,6 +328,17 @@ class Daemon:
             raise s.ProtocolError(f"client {client.client_id} already has an op channel")
         channel.client = client
         client.op_channel = channel
+        channel.send(s.encode({"t": s.ACK}))
+
+    def _on_segment_fd(self, channel: OpConnection, msg: dict[str, Any], fds: list[int]) -> None:
+        """A segment registration: its own short connection to the op socket, the memfd beside it."""
+        self._check_secret(msg)
+        client = self.by_id.get(s.int_field(msg, "client_id", 0))
+        if client is None:
+            raise s.ProtocolError("segment registration names an unknown client id", s.E_AUTH)
+        if len(fds) != 1:
+            raise s.ProtocolError(f"a segment registration must carry exactly one file descriptor, not {len(fds)}")
+        self._attach_segment(client, msg, fds[0])
         channel.send(s.encode({"t": s.ACK}))
 
     def _on_channel_closed(self, channel: OpConnection) -> None:
@@ -425,22 +441,18 @@ class Daemon:
                     f"world size {world_size} disagrees with rank {other.rank}'s {other.world_size}"
                 )
         placement = self._check_placement(msg, rank, world_size)
-        segments = s.field(msg, "segments", list)
+        if s.field(msg, "segments", list):
+            raise s.ProtocolError(
+                "field 'segments' must be empty: segments are registered on the op socket, each with its "
+                "sealed memfd attached"
+            )
         client = ClientRecord(self._next_client, identity, None, rank, local_rank, world_size, pid)
-        try:
-            for raw in segments:
-                if not isinstance(raw, dict):
-                    raise s.ProtocolError("each entry of 'segments' must be a map")
-                self._attach_segment(client, raw)
-        except s.ProtocolError:
-            self._release(client)
-            raise
         self._next_client += 1
         self.placement = placement
         self.clients[identity] = client
         self.by_id[client.client_id] = client
         self._had_clients = True
-        log.info("client rank %d (pid %d) connected, arena %d bytes", rank, pid, client.arena_bytes)
+        log.info("client rank %d (pid %d) connected", rank, pid)
         self._send(
             identity,
             {"t": s.WELCOME, "client_id": client.client_id, "daemon_pid": os.getpid(),
@@ -476,20 +488,31 @@ class Daemon:
             raise s.ProtocolError("field 'nodes' disagrees with the placement the job's other ranks sent")
         return placement
 
-    def _attach_segment(self, client: ClientRecord, raw: dict[str, Any]) -> None:
+    def _attach_segment(self, client: ClientRecord, raw: dict[str, Any], fd: int) -> None:
         seg_id = s.int_field(raw, "seg", 0, 1 << 20)
         name = s.check_segment_name(s.field(raw, "name", str))
-        size = s.int_field(raw, "size", 1, self.config.max_arena_bytes)
+        size = s.int_field(raw, "size", 1)  # the per-client cap below names itself
         if seg_id in client.segments:
             raise s.ProtocolError(f"segment {seg_id} is already registered")
+        if len(client.segments) >= self.config.max_segments:
+            raise s.ProtocolError(
+                f"rank {client.rank} already has {len(client.segments)} segments registered, the limit "
+                f"(COMMD_MAX_SEGMENTS={self.config.max_segments}); allocate fewer, larger arena tensors",
+                s.E_BOUNDS,
+            )
         if client.arena_bytes + size > self.config.max_arena_bytes:
             self.stats.limit_hit("max_arena_bytes")
-            raise s.ProtocolError(f"arena would exceed {self.config.max_arena_bytes} bytes", s.E_BOUNDS)
+            raise s.ProtocolError(
+                f"rank {client.rank}'s arena would reach {client.arena_bytes + size} bytes, over the limit "
+                f"of {self.config.max_arena_bytes} bytes per client (COMMD_MAX_ARENA_BYTES)",
+                s.E_BOUNDS,
+            )
         try:
-            segment = Segment.attach(seg_id, name, size, os.getuid())
+            segment = Segment.from_fd(seg_id, name, size, fd, os.getuid())
         except (OSError, ValueError) as exc:
             raise s.ProtocolError(f"cannot map segment {name!r}: {exc}") from None
         client.segments[seg_id] = segment
+        log.debug("rank %d registered segment %d (%d bytes)", client.rank, seg_id, size)
         client.views[seg_id] = torch.frombuffer(segment.mm, dtype=torch.uint8, count=size)
 
     def _on_attach(self, identity: bytes, msg: dict[str, Any]) -> None:
@@ -501,9 +524,10 @@ class Daemon:
         self._send(identity, {"t": s.ACK})
 
     def _on_segment(self, identity: bytes, msg: dict[str, Any]) -> None:
-        client = self._client(identity)
-        self._attach_segment(client, msg)
-        self._send(identity, {"t": s.ACK})
+        self._client(identity)
+        raise s.ProtocolError(
+            "segments are registered on the op socket with their sealed memfd attached, not by name"
+        )
 
     def _on_group(self, identity: bytes, msg: dict[str, Any]) -> None:
         client = self._client(identity)
@@ -786,8 +810,6 @@ class Daemon:
         # the references unmaps each segment once the last view is gone.
         client.views.clear()
         self.cuda.forget_client(client.client_id)
-        for segment in client.segments.values():
-            segment.unlink()
         client.segments.clear()
 
     def _check_idle(self) -> None:

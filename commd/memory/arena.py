@@ -1,16 +1,23 @@
 """Shared-memory segments: created by a client, mapped by the daemon.
 
-A client owns an *arena*: one or more segments, each a file in /dev/shm that
-both the client and its node's daemon map.  Tensors allocated in the arena are
-zero-copy; everything else is staged through it.  The client unlinks each
-segment file right after the daemon has mapped it, so nothing is left in
-/dev/shm however either process ends.
+A client owns an *arena*: one or more segments that both the client and its
+node's daemon map.  Tensors allocated in the arena are zero-copy; everything
+else is staged through it.
+
+A segment is a memfd (no name in any file system, so nothing is left behind
+however either process ends), its pages reserved when it is created (running
+out of memory is an error then, never a SIGBUS later) and sealed against
+shrinking and growing.  The client passes the file descriptor itself to the
+daemon (SCM_RIGHTS on the op socket); the daemon checks the seal and the size
+before mapping, so no client can shrink a segment under the daemon's reads.
 """
 
 from __future__ import annotations
 
 import bisect
 import collections
+import errno
+import fcntl
 import mmap
 import os
 import stat
@@ -20,21 +27,68 @@ from dataclasses import dataclass
 
 import numpy as np
 
-SHM_DIR = "/dev/shm"
+from commd.memory.budget import SOURCE, shared_memory_budget
+
 ALIGNMENT = 64
+#: Seals every segment carries: its size can never change once mapped.
+SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+
+
+HUGETLBFS_MAGIC = 0x958458F6
+
+
+def _file_system_type(fd: int) -> int | None:
+    """fstatfs(fd).f_type (None if it cannot be read): Python's os has no fstatfs."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux
+        if libc.fstatfs(fd, buf) != 0:
+            return None
+        return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
+    except (OSError, AttributeError):
+        return None
+
+
+class SegmentError(MemoryError):
+    """A segment cannot be created or accepted; the text says why, where from and how much."""
 
 
 def _align(n: int) -> int:
     return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
 
 
-def segment_path(name: str) -> str:
-    return os.path.join(SHM_DIR, name)
+def human_bytes(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} B"
+
+
+def reserve(fd: int, size: int, what: str) -> None:
+    """Allocate every page of ``fd`` now, so no later access can fault for lack of memory."""
+    budget = shared_memory_budget()
+    if size > budget.free:
+        raise SegmentError(
+            f"cannot reserve {human_bytes(size)} of {SOURCE} for {what}: only "
+            f"{human_bytes(budget.free)} free ({budget.limited_by}); lower COMMD_ARENA_BYTES "
+            "or the size of the tensors staged through the arena"
+        )
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise
+        raise SegmentError(
+            f"cannot reserve {human_bytes(size)} of {SOURCE} for {what}: {os.strerror(exc.errno)} "
+            f"({human_bytes(budget.free)} looked free: {budget.limited_by})"
+        ) from None
 
 
 @dataclass
 class Segment:
-    """One mapped shared-memory file."""
+    """One mapped shared-memory segment; ``fd`` stays open until the daemon holds its own."""
 
     seg_id: int
     name: str
@@ -42,35 +96,53 @@ class Segment:
     mm: mmap.mmap
     array: np.ndarray  # uint8 view of the whole mapping
     base: int  # virtual address of the mapping in this process
+    fd: int | None = None
 
     @classmethod
     def create(cls, seg_id: int, name: str, size: int) -> Segment:
-        """Create a fresh segment file (owner-only) and map it."""
-        fd = os.open(segment_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        """A fresh memfd of ``size`` bytes, pages reserved, sealed against resizing, mapped."""
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
+            reserve(fd, size, f"arena segment {name!r}")
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SIZE_SEALS | fcntl.F_SEAL_SEAL)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
+        except BaseException:
             os.close(fd)
-        return cls._wrap(seg_id, name, size, mm)
+            raise
+        segment = cls._wrap(seg_id, name, size, mm)
+        segment.fd = fd
+        return segment
 
     @classmethod
-    def attach(cls, seg_id: int, name: str, size: int, expected_uid: int) -> Segment:
-        """Map a segment a client created, after checking owner and size."""
-        fd = os.open(segment_path(name), os.O_RDWR | os.O_NOFOLLOW)
+    def from_fd(cls, seg_id: int, name: str, size: int, fd: int, expected_uid: int) -> Segment:
+        """Map a segment a client passed as ``fd``, after checking kind, owner, seals and size.
+
+        Never trusts the client: a file that could shrink would turn the
+        daemon's next read of it into a SIGBUS that kills the whole node's job.
+        The caller keeps ownership of ``fd`` (the mapping does not need it).
+        """
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"segment {name!r}: the descriptor is not a regular file")
+        if st.st_uid != expected_uid:
+            raise ValueError(f"segment {name!r} is owned by uid {st.st_uid}, not {expected_uid}")
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise ValueError(f"segment {name!r} is not a regular file")
-            if st.st_uid != expected_uid:
-                raise ValueError(f"segment {name!r} is owned by uid {st.st_uid}, not {expected_uid}")
-            if st.st_size < size:
-                raise ValueError(
-                    f"segment {name!r} holds {st.st_size} bytes, fewer than the {size} claimed"
-                )
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:
+            raise ValueError(f"segment {name!r} is not a sealable memfd (create it with memfd_create "
+                             "and MFD_ALLOW_SEALING)") from None
+        if seals & fcntl.F_SEAL_SHRINK == 0:
+            raise ValueError(f"segment {name!r} is not sealed against shrinking (F_SEAL_SHRINK)")
+        if st.st_size < size:
+            raise ValueError(f"segment {name!r} holds {st.st_size} bytes, fewer than the {size} claimed")
+        if _file_system_type(fd) == HUGETLBFS_MAGIC:
+            # a huge page the pool cannot supply on a later fault (after a hole punch) is a SIGBUS
+            raise ValueError(f"segment {name!r} is a huge-page memfd; only ordinary shared memory is accepted")
+        if st.st_blocks * 512 < size:
+            raise ValueError(f"segment {name!r}: only {st.st_blocks * 512} of its {size} bytes are reserved "
+                             "(allocate its pages with posix_fallocate before passing it)")
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         return cls._wrap(seg_id, name, size, mm)
 
     @classmethod
@@ -78,11 +150,11 @@ class Segment:
         array = np.frombuffer(mm, dtype=np.uint8, count=size)
         return cls(seg_id, name, size, mm, array, int(array.ctypes.data))
 
-    def unlink(self) -> None:
-        try:
-            os.unlink(segment_path(self.name))
-        except FileNotFoundError:
-            pass
+    def close_fd(self) -> None:
+        """Drop the descriptor (the mapping stays): once the daemon has its own, ours is not needed."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
     def contains(self, address: int, nbytes: int) -> bool:
         return self.base <= address and address + nbytes <= self.base + self.size
@@ -186,12 +258,26 @@ class Arena:
                     return self._block(segment, offset, nbytes)
         segment = self.new_segment(max(self.segment_bytes, _align(nbytes)))
         if self.on_new_segment is not None:
-            self.on_new_segment(segment)
+            try:
+                self.on_new_segment(segment)
+            except BaseException:
+                self._discard(segment)
+                raise
         with self._lock:
             offset = self._free[segment.seg_id].allocate(nbytes)
         if offset is None:  # pragma: no cover - the segment was sized for it
             raise MemoryError(f"cannot allocate {nbytes} bytes in a fresh segment")
         return self._block(segment, offset, nbytes)
+
+    def _discard(self, segment: Segment) -> None:
+        """Forget a segment the daemon did not accept: nothing may be allocated in it."""
+        with self._lock:
+            segment.close_fd()
+            if self.segments and self.segments[-1] is segment:
+                self.segments.pop()
+                self._free.pop()
+            else:  # a later segment exists: keep the ids dense, leave this one empty
+                self._free[segment.seg_id] = FreeList(0)
 
     def _block(self, segment: Segment, offset: int, nbytes: int) -> Block:
         array = segment.array[offset : offset + max(nbytes, 1)]

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: arena segments are memfds passed by descriptor
 
 #: Largest control message the daemon accepts; tensor data travels through
 #: shared memory, so only small inline tensors ever come near this.
@@ -211,7 +211,7 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
 
 
 def check_segment_name(name: str) -> str:
-    """Segment names are file names in /dev/shm; refuse anything path-like."""
+    """Segment names label memfds (seen in /proc/<pid>/maps and in logs); refuse anything path-like."""
     if not _SEGMENT_NAME.match(name):
         raise ProtocolError(f"segment name {name!r} is not a valid commd segment name")
     return name

@@ -33,6 +33,7 @@ from commd.client.connection import Client
 from commd.client.errors import CommdError, ConnectError
 from commd.client.handle import Handle
 from commd.client.spawn import ensure_daemon
+from commd.memory.budget import check_environment
 from commd.observe.profiling import profiled
 from commd.runtime import ConfigError, JobPaths, secret_from_environment
 
@@ -510,6 +511,7 @@ def _bootstrap(store: dist.Store, rank: int, size: int, timeout: timedelta) -> C
     the previous round's values (every rank bootstraps equally often).
     """
     global _client, _bootstraps
+    check_environment()  # a bad setting fails here, before any daemon is started
     round_ = _bootstraps
     _bootstraps += 1
     _private_store_file(store)
