@@ -10,6 +10,8 @@ import re
 import socket
 import sys
 
+from commd.daemon import torch_loader
+from commd.daemon.cuda import gpu_device_present
 from commd.daemon.server import Daemon, DaemonConfig
 from commd.fabric.rendezvous import FabricSpec, parse_host_port
 from commd.runtime import ConfigError, JobPaths, env_float, env_int, new_secret
@@ -128,11 +130,10 @@ def run(args: argparse.Namespace) -> int:
     # One kernel thread by default: the node's cores are shared with the ranks,
     # and torch's thread pool stalls on every parallel section when they are
     # oversubscribed (measured: 64 MiB add+copy 33 ms with 1 thread, >1 s with 2).
-    import torch
-
-    torch.set_num_threads(threads)
+    torch_loader.configure(threads)
     fabric = None
     if spec is not None:
+        torch_loader.torch_module()  # the fabric's lanes and kernels use torch directly
         from commd.fabric.rendezvous import FabricError, establish
 
         try:
@@ -153,6 +154,8 @@ def run(args: argparse.Namespace) -> int:
     )
     daemon = Daemon(config)
     daemon.bind()
+    if gpu_device_present():  # clients' hellos ask whether torch sees a GPU: load it before they come
+        torch_loader.warm_up()
     try:
         import uvloop
 
@@ -194,7 +197,7 @@ def _tuning_path(
         if given:
             return (None, True) if given == "off" else (given, True)
     if nnodes is None:  # an MPI start learns the node count from the world
-        from commd.lanes.mpi import mpi_world_size_from_env
+        from commd.lanes.mpi_env import mpi_world_size_from_env
 
         nnodes = mpi_world_size_from_env()
     return (str(default_table_path(node_name, nnodes)), False) if nnodes else (None, False)
@@ -215,7 +218,7 @@ def _load_table(path: str, explicit: bool) -> tuple[TuningTable | None, str]:
 
 def _fabric_spec(args: argparse.Namespace, node_name: str, op_timeout: float) -> FabricSpec | None:
     """None for a single-node daemon; else what the rendezvous needs (validated)."""
-    from commd.lanes.mpi import mpi_world_size_from_env
+    from commd.lanes.mpi_env import mpi_world_size_from_env
 
     # Cluster start-up (systemd EnvironmentFile, job prologue) sets these instead of flags.
     if args.nnodes is None and os.environ.get("COMMD_NNODES"):

@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 import zmq
 
+from commd.daemon import torch_loader
 from commd.daemon.cuda import CudaImporter
-from commd.daemon.executor import execute, execute_small, torch_dtype
-from commd.daemon.hierarchy import GroupPlan
+from commd.daemon.numpy_executor import execute_small
 from commd.daemon.opchannel import OpConnection, OpListener
+from commd.daemon.plan import GroupPlan
 from commd.kernels.small import NUMPY_DTYPES
 from commd.memory.arena import Segment
 from commd.protocol import schema as s
@@ -40,6 +40,8 @@ from commd.scheduler.selection import SchedulerConfig
 from commd.scheduler.stats import Stats
 
 if TYPE_CHECKING:
+    import torch
+
     from commd.daemon.fabric_node import FabricNode
     from commd.fabric.rendezvous import Fabric
 
@@ -81,7 +83,7 @@ class ClientRecord:
     pid: int
     connected_at: float = field(default_factory=time.time)
     segments: dict[int, Segment] = field(default_factory=dict)
-    views: dict[int, torch.Tensor] = field(default_factory=dict)
+    views: dict[int, torch.Tensor] = field(default_factory=dict)  # made on first use (torch loads lazily)
     groups: dict[str, int] = field(default_factory=dict)  # group name -> group rank
     op_channel: OpConnection | None = None
 
@@ -383,6 +385,9 @@ class Daemon:
             {"t": s.WELCOME, "client_id": client.client_id, "daemon_pid": os.getpid(),
              "op_timeout": self.config.op_timeout, "cuda": self.cuda.available()},
         )
+        me = self.config.fabric.node_rank if self.config.fabric is not None else 0
+        if len(self.clients) >= placement.count(me):  # every local rank is here: load torch now, off the loop
+            torch_loader.warm_up()
 
     def _check_placement(self, msg: dict[str, Any], rank: int, world_size: int) -> list[int]:
         """The node of every rank, from the hello's 'nodes' (node names); all clients must agree."""
@@ -426,7 +431,6 @@ class Daemon:
         except (OSError, ValueError) as exc:
             raise s.ProtocolError(f"cannot map segment {name!r}: {exc}") from None
         client.segments[seg_id] = segment
-        client.views[seg_id] = torch.frombuffer(segment.mm, dtype=torch.uint8, count=size)
 
     def _on_attach(self, identity: bytes, msg: dict[str, Any]) -> None:
         self._check_secret(msg)
@@ -539,7 +543,8 @@ class Daemon:
 
     def _resolve(self, sub: Submission, name: str) -> torch.Tensor:
         ref = sub.buffers[name]
-        dtype = torch_dtype(sub.dtype)
+        torch = torch_loader.torch_module()
+        dtype = torch_loader.executor().torch_dtype(sub.dtype)
         if ref.nbytes == 0:
             return torch.empty(0, dtype=dtype)
         if ref.inline is not None:
@@ -547,7 +552,11 @@ class Daemon:
         if ref.cuda is not None:
             return self.cuda.tensor(sub.client_id, ref.cuda, ref.offset, ref.nbytes, dtype)
         client = self.by_id[sub.client_id]
-        return client.views[ref.segment][ref.offset : ref.offset + ref.nbytes].view(dtype)
+        view = client.views.get(ref.segment)
+        if view is None:
+            segment = client.segments[ref.segment]
+            view = client.views[ref.segment] = torch.frombuffer(segment.mm, dtype=torch.uint8, count=segment.size)
+        return view[ref.offset : ref.offset + ref.nbytes].view(dtype)
 
     def _resolve_array(self, sub: Submission, name: str) -> np.ndarray:
         ref = sub.buffers[name]
@@ -571,11 +580,11 @@ class Daemon:
         try:
             if op.on_gpu:
                 device = next(b.cuda.device for x in op.subs for b in x.buffers.values() if b.cuda is not None)
-                with torch.cuda.stream(self.cuda.stream(device)):
-                    execute(op, self._resolve)
+                with torch_loader.torch_module().cuda.stream(self.cuda.stream(device)):
+                    torch_loader.executor().execute(op, self._resolve)
                 self.cuda.synchronize()  # results are visible to the clients when we answer
             elif not execute_small(op, self._resolve_array):
-                execute(op, self._resolve)
+                torch_loader.executor().execute(op, self._resolve)
             return None
         except Exception as exc:
             log.exception("executing %s failed", op.describe())
