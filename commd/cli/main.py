@@ -51,13 +51,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="commd", description="per-node communication daemon for distributed training")
     sub = parser.add_subparsers(dest="command", required=True)
     chosen = _chosen(argv)
+    subparser = parser
     for name, command in COMMANDS.items():
         p = sub.add_parser(name, help=command.help)
         if name == chosen:
             module = importlib.import_module(command.module)
             getattr(module, command.add_arguments)(p)
             p.set_defaults(run=getattr(module, command.run))
-    args = parser.parse_args(argv)
+            subparser = p
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # argparse would show the top-level usage; the subcommand's is the useful one
+        subparser.error(f"unrecognized arguments: {' '.join(unknown)}")
     return int(args.run(args) or 0)
 
 
