@@ -302,7 +302,7 @@ def _start_workers(args: argparse.Namespace, job: str, port: int, sigs: _Signals
         global_rank = args.node_rank * args.nproc + rank
         for pipe, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
             if pipe is not None:
-                worker.outputs.append(RankOutput(global_rank, pipe, sink.buffer))
+                worker.outputs.append(RankOutput(global_rank, pipe, sink))
         sigs.workers.append(worker)
 
 

@@ -9,7 +9,7 @@ interleave mid-line and each rank's lines keep their order.
 from __future__ import annotations
 
 import threading
-from typing import BinaryIO
+from typing import BinaryIO, TextIO
 
 #: How long the launcher waits, after the workers exit, for their pipes to drain.  A
 #: worker's own child can hold a pipe open forever; its output is then left behind.
@@ -25,7 +25,7 @@ def prefix(rank: int) -> bytes:
 class RankOutput:
     """Copies one worker pipe to ``sink`` line by line, each line prefixed with the rank."""
 
-    def __init__(self, rank: int, pipe: BinaryIO, sink: BinaryIO) -> None:
+    def __init__(self, rank: int, pipe: BinaryIO, sink: TextIO) -> None:
         self._prefix = prefix(rank)
         self._pipe = pipe
         self._sink = sink
@@ -39,12 +39,22 @@ class RankOutput:
                     line += b"\n"  # the worker's last line had no newline: keep ours separate
                 with _write_lock:
                     try:
-                        self._sink.write(self._prefix + line)
-                        self._sink.flush()
+                        self._write(self._prefix + line)
                     except (OSError, ValueError):  # our own stream is gone (closed pipe): keep draining
                         pass
         finally:
             self._pipe.close()
+
+    def _write(self, data: bytes) -> None:
+        """Bytes as they came where the sink has a byte layer; else decoded (a captured stream)."""
+        buffer = getattr(self._sink, "buffer", None)
+        self._sink.flush()
+        if buffer is not None:
+            buffer.write(data)
+            buffer.flush()
+        else:
+            self._sink.write(data.decode(errors="replace"))
+            self._sink.flush()
 
     def join(self, timeout: float) -> bool:
         """Wait for the pipe to reach its end; False if it did not within ``timeout``."""
