@@ -12,14 +12,15 @@ works whatever the import order and whether torch's backend autoloading
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import sys
 import threading
 import warnings
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from importlib.machinery import ModuleSpec
 
 #: Modules whose completed import may make torch.distributed usable.
 _TRIGGERS = ("torch", "torch.distributed")
@@ -53,14 +54,17 @@ def _register(just_loaded: str | None = None) -> bool:
     return True
 
 
-class _ThenRegister(importlib.abc.Loader):
-    """Runs the real loader, then registers the backend if torch is now usable."""
+class _ThenRegister:
+    """Runs the real loader, then registers the backend if torch is now usable.
+
+    (The import system only needs ``create_module`` and ``exec_module``; importlib.abc
+    is not imported for a base class, to keep ``import commd`` light.)"""
 
     def __init__(self, loader: Any, finder: _RegisterAfterTorch) -> None:
         self._loader = loader
         self._finder = finder
 
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+    def create_module(self, spec: ModuleSpec) -> ModuleType | None:
         return self._loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
@@ -72,12 +76,12 @@ class _ThenRegister(importlib.abc.Loader):
         self._finder.loaded(module.__name__)
 
 
-class _RegisterAfterTorch(importlib.abc.MetaPathFinder):
+class _RegisterAfterTorch:
     """A finder that finds nothing itself: it wraps the loaders of torch and torch.distributed."""
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
+    ) -> ModuleSpec | None:
         if fullname not in _TRIGGERS:
             return None
         for finder in list(sys.meta_path):
