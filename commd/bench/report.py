@@ -188,9 +188,8 @@ def figure(meta: dict[str, Any], rows: list[dict[str, Any]]) -> Any:
     """
     import matplotlib.pyplot as plt
 
-    ops = [op for op in OPS if any(r["op"] == op for r in rows)]
-    sized = [op for op in ops if op != "barrier"]
-    if not sized:
+    ops = [op for op in OPS if op != "barrier" and any(r["op"] == op for r in rows)]  # barrier: in the table
+    if not ops:
         raise ValueError("--plot: no sized op was measured (barrier has no bandwidth)")
     cols = min(3, len(ops))
     bands = (len(ops) + cols - 1) // cols  # each band: a busbw row above a latency row
@@ -200,11 +199,10 @@ def figure(meta: dict[str, Any], rows: list[dict[str, Any]]) -> Any:
         mine = [r for r in rows if r["op"] == op]
         for label in dict.fromkeys(r["path"] for r in mine):
             pts = sorted((r["bytes"], r["busbw_gbs"], r["median_us"], r["p95_us"]) for r in mine if r["path"] == label)
-            sizes = [max(p[0], 1) for p in pts]
+            sizes = [p[0] for p in pts]
             line = lat_ax.plot(sizes, [p[2] for p in pts], marker="o", label=f"{label} median")[0]
             lat_ax.plot(sizes, [p[3] for p in pts], linestyle=":", color=line.get_color(), label=f"{label} p95")
-            if op != "barrier":
-                bw_ax.plot(sizes, [p[1] for p in pts], marker="o", label=label, color=line.get_color())
+            bw_ax.plot(sizes, [p[1] for p in pts], marker="o", label=label, color=line.get_color())
         for ax, what in ((bw_ax, "busbw (GB/s)"), (lat_ax, "latency (us)")):
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
@@ -215,8 +213,6 @@ def figure(meta: dict[str, Any], rows: list[dict[str, Any]]) -> Any:
                 ax.legend(fontsize="small")
         bw_ax.set_title(f"{op}: bandwidth")
         lat_ax.set_title(f"{op}: latency")
-        if op == "barrier":
-            bw_ax.set_visible(False)
     for i in range(len(ops), bands * cols):
         axes[2 * (i // cols)][i % cols].set_visible(False)
         axes[2 * (i // cols) + 1][i % cols].set_visible(False)
