@@ -77,6 +77,17 @@ def _cli_imports_torch(argv: list[str]) -> tuple[bool, str]:
 @pytest.fixture
 def daemon(rt: Path) -> Iterator[subprocess.Popen]:
     """A job daemon started the way the torch backend starts one (answering when this returns)."""
+    yield from _daemon()
+
+
+@pytest.fixture
+def lazy_daemon(rt: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[subprocess.Popen]:
+    """A daemon that loads torch only when an op needs it (no warm-up)."""
+    monkeypatch.setenv("COMMD_TORCH_WARMUP", "0")
+    yield from _daemon()
+
+
+def _daemon() -> Iterator[subprocess.Popen]:
     paths = JobPaths.for_job(new_job())
     proc = start_daemon(paths, new_secret(), exit_when_idle=False, timeout=SUBPROCESS_S)
     try:
@@ -142,6 +153,35 @@ def test_a_daemon_loads_torch_once_its_ranks_are_connected_and_runs_torch_kernel
             handle.wait(SUBPROCESS_S)
         for t in tensors:
             assert torch.equal(t, expected)
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_small_ops_run_without_torch_and_a_bfloat16_op_loads_it(lazy_daemon: subprocess.Popen) -> None:
+    import torch
+
+    from commd.client import ops
+    from commd.client.connection import Client
+
+    clients = [Client(rank, 2, local_rank=rank, job=_job_of(lazy_daemon)) for rank in (0, 1)]
+    try:
+        for c in clients:
+            c.register_group("world", [0, 1])
+
+        def all_reduce(dtype: torch.dtype, n: int) -> None:
+            tensors = [torch.arange(n, dtype=torch.float32).to(dtype) * (rank + 1) for rank in (0, 1)]
+            expected = tensors[0] * 3
+            for handle in [ops.all_reduce(c, t) for c, t in zip(clients, tensors, strict=True)]:
+                handle.wait(SUBPROCESS_S)
+            for t in tensors:
+                assert torch.equal(t, expected)
+
+        for dtype in (torch.float32, torch.int64, torch.float16):
+            all_reduce(dtype, 1000)
+        assert not _maps_torch(lazy_daemon.pid), "small NumPy-kernel all-reduces loaded torch in the daemon"
+        all_reduce(torch.bfloat16, 1000)  # NumPy has no bfloat16: torch's kernels
+        assert _maps_torch(lazy_daemon.pid)
     finally:
         for c in clients:
             c.close()

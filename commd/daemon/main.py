@@ -85,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
         if not 0.001 <= op_timeout <= 7 * 24 * 3600:
             raise ConfigError(f"--op-timeout {op_timeout} must lie in [0.001, 604800] seconds")
         threads = env_int("COMMD_KERNEL_THREADS", 1, 1, 1024)
+        warm_up_torch = bool(env_int("COMMD_TORCH_WARMUP", 1, 0, 1))
         if args.idle_grace < 0:
             raise ConfigError("--idle-grace must be non-negative")
         if args.owner_pid is not None and args.owner_pid <= 0:
@@ -130,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     # One kernel thread by default: the node's cores are shared with the ranks,
     # and torch's thread pool stalls on every parallel section when they are
     # oversubscribed (measured: 64 MiB add+copy 33 ms with 1 thread, >1 s with 2).
-    torch_loader.configure(threads)
+    torch_loader.configure(threads, warm_up_torch)
     fabric = None
     if spec is not None:
         torch_loader.torch_module()  # the fabric's lanes and kernels use torch directly

@@ -20,15 +20,18 @@ log = logging.getLogger("commd.daemon")
 
 _lock = threading.Lock()
 _threads = 1
+_warm_up_allowed = True
 _torch: ModuleType | None = None
 _warm_up: threading.Thread | None = None
 
 
-def configure(threads: int) -> None:
-    """The intra-op thread count torch gets when it is loaded (applied at once if it already is)."""
-    global _threads
+def configure(threads: int, warm_up_allowed: bool = True) -> None:
+    """The intra-op thread count torch gets when it is loaded (applied at once if it already is), and
+    whether ``warm_up`` may load torch before an op needs it ($COMMD_TORCH_WARMUP)."""
+    global _threads, _warm_up_allowed
     with _lock:
         _threads = threads
+        _warm_up_allowed = warm_up_allowed
         if _torch is not None:
             _torch.set_num_threads(threads)
 
@@ -65,10 +68,11 @@ def warm_up() -> None:
     """Load the torch executor on a background thread, once, so that the first large op does not wait.
 
     A failure is logged here and raised again, with its reason, by the first op that needs torch.
+    Nothing happens when warming up is switched off: torch then loads when an op first needs it.
     """
     global _warm_up
     with _lock:
-        if _warm_up is not None or _torch is not None:
+        if _warm_up is not None or _torch is not None or not _warm_up_allowed:
             return
         _warm_up = threading.Thread(target=_load_quietly, name="commd-torch-warm-up", daemon=True)
         _warm_up.start()
