@@ -19,13 +19,22 @@ ResolveArray = Callable[[Submission, str], np.ndarray]
 SMALL_BYTES = 64 * 1024
 
 
+def runs_on_numpy(op: ReadyOp) -> bool:
+    """Whether ``execute_small`` runs ``op`` (then torch is not needed): barriers, and small
+    all-reduce/reduce/broadcast of a dtype NumPy has."""
+    if op.kind == "barrier":
+        return True
+    return (op.kind in ("allreduce", "reduce", "broadcast") and op.subs[0].dtype in small.NUMPY_DTYPES
+            and op.nbytes <= SMALL_BYTES)
+
+
 def execute_small(op: ReadyOp, resolve: ResolveArray) -> bool:
-    """Run a small all-reduce/reduce/broadcast with NumPy; False if not applicable."""
+    """Run ``op`` with NumPy if ``runs_on_numpy``; False if not applicable."""
+    if not runs_on_numpy(op):
+        return False
+    if op.kind == "barrier":
+        return True
     first = op.subs[0]
-    if op.kind not in ("allreduce", "reduce", "broadcast") or first.dtype not in small.NUMPY_DTYPES:
-        return False
-    if op.nbytes > SMALL_BYTES:
-        return False
     bufs = [resolve(s, "buf") for s in op.subs]
     if op.kind == "allreduce":
         small.reduce_into(bufs[0], bufs, first.reduce_op, first.scale)

@@ -27,7 +27,7 @@ import zmq
 
 from commd.daemon import torch_loader
 from commd.daemon.cuda import CudaImporter
-from commd.daemon.numpy_executor import execute_small
+from commd.daemon.numpy_executor import execute_small, runs_on_numpy
 from commd.daemon.opchannel import OpConnection, OpListener
 from commd.daemon.plan import GroupPlan
 from commd.kernels.small import NUMPY_DTYPES
@@ -567,7 +567,8 @@ class Daemon:
         return segment.array[ref.offset : ref.offset + ref.nbytes].view(dtype)
 
     def _start(self, op: ReadyOp) -> None:
-        if self._lane_busy == 0 and op.nbytes <= INLINE_EXEC_BYTES:
+        # An op that needs torch before it is loaded goes to the lane: the loop never waits for the import.
+        if self._lane_busy == 0 and op.nbytes <= INLINE_EXEC_BYTES and (torch_loader.loaded() or runs_on_numpy(op)):
             self.stats.started(op.group, queued=False)
             error = self._run(op)
             self._complete(op, error)
