@@ -121,7 +121,8 @@ def test_cli_help_does_not_import_torch(argv: list[str]) -> None:
     assert not imported, f"`commd {' '.join(argv)}` imported torch"
 
 
-def test_status_against_a_running_daemon_imports_torch_nowhere(daemon: subprocess.Popen) -> None:
+def test_status_against_a_running_daemon_imports_torch_nowhere(lazy_daemon: subprocess.Popen) -> None:
+    daemon = lazy_daemon
     job = _job_of(daemon)
     imported, output = _cli_imports_torch(["status", "--job", job, "--json"])
     assert "exit 0" in output, output
@@ -131,10 +132,8 @@ def test_status_against_a_running_daemon_imports_torch_nowhere(daemon: subproces
     assert not _maps_torch(daemon.pid), "a daemon that has run nothing loaded torch"
 
 
-def test_a_daemon_loads_torch_once_its_ranks_are_connected_and_runs_torch_kernels(
-    daemon: subprocess.Popen, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The lazy path works: a bfloat16 all-reduce (no NumPy kernel) gives the right sums."""
+def test_a_daemon_warms_torch_up_in_the_background_and_runs_torch_kernels(daemon: subprocess.Popen) -> None:
+    """By default torch loads in the background; a bfloat16 all-reduce (no NumPy kernel) gives the right sums."""
     import torch
 
     from commd.client import ops

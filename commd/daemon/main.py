@@ -76,6 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default=os.environ.get("COMMD_LOG_LEVEL", "INFO"))
 
 
+#: When a daemon loads torch in the background if no trigger came earlier (every local rank
+#: connected, an op that needs it): ranks that connect at once never meet the import.
+TORCH_WARM_UP_AFTER_S = 1.0
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         paths = JobPaths.for_job(args.job).ensure()
@@ -157,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
     daemon.bind()
     if gpu_device_present():  # clients' hellos ask whether torch sees a GPU: load it before they come
         torch_loader.warm_up()
+    else:
+        torch_loader.warm_up_later(TORCH_WARM_UP_AFTER_S)
     try:
         import uvloop
 

@@ -64,6 +64,18 @@ def executor() -> ModuleType:
     return module
 
 
+def warm_up_later(delay_s: float) -> None:
+    """``warm_up`` after ``delay_s`` seconds (or earlier, if something calls ``warm_up`` first).
+
+    A daemon started ahead of its ranks (``commd launch``, a job prologue) loads torch while the
+    ranks import theirs, instead of after they connect; the delay keeps the import (whose native
+    library loads while holding the GIL) away from the daemon's first answers.
+    """
+    timer = threading.Timer(delay_s, warm_up)
+    timer.daemon = True
+    timer.start()
+
+
 def warm_up() -> None:
     """Load the torch executor on a background thread, once, so that the first large op does not wait.
 
