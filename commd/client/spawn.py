@@ -20,8 +20,8 @@ from commd.protocol import schema as s
 from commd.runtime import JobPaths, pid_alive
 
 SECRET_ENV = "COMMD_SECRET"
-#: Between readiness checks of a starting daemon.  A check before the control socket
-#: exists is one stat(); a daemon starts in about 0.2 s, so 20 ms steps added 5-10%.
+#: Between readiness checks of a starting daemon.  A check before the control socket exists
+#: is one stat(); 20 ms steps added up to 20 ms to a start that no longer imports torch.
 READY_POLL_S = 0.005
 
 
