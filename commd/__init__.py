@@ -1,30 +1,38 @@
 """commd: a per-node communication daemon for distributed training.
 
-``import commd`` registers the torch.distributed backend ``"commd"``.
+``import commd`` registers the torch.distributed backend ``"commd"``: at once
+if torch is already imported, else as soon as it is.  Importing commd does not
+import torch itself, so the ``commd`` command and the daemon start fast; the
+client names below are loaded on first use.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
 
-from commd.client import (  # noqa: E402
-    Client,
-    CommdError,
-    CommTimeoutError,
-    MismatchError,
-    PeerDiedError,
-)
+from commd.client.errors import CommdError, CommTimeoutError, MismatchError, PeerDiedError  # noqa: E402
+from commd.torch_backend.autoregister import register_when_torch_loads  # noqa: E402
+
+register_when_torch_loads()
+
+if TYPE_CHECKING:
+    from commd.client.connection import Client
+    from commd.torch_backend.process_group import Options  # pg_options: the lane of a group
 
 
-def _register() -> None:
-    from commd.torch_backend.process_group import register_backend
+def __getattr__(name: str) -> Any:
+    """``commd.Client`` and ``commd.Options`` import torch, so they load on first use."""
+    if name == "Client":
+        from commd.client.connection import Client
 
-    register_backend()
+        return Client
+    if name == "Options":
+        from commd.torch_backend.process_group import Options
 
-
-_register()
-
-from commd.torch_backend.process_group import Options  # noqa: E402  (pg_options: the lane of a group)
+        return Options
+    raise AttributeError(f"module 'commd' has no attribute {name!r}")
 
 
 def empty(shape, dtype=None):  # type: ignore[no-untyped-def]

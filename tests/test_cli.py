@@ -108,7 +108,7 @@ def test_launch_propagates_failure_and_stops_peers(rt: Path, tmp_path: Path) -> 
         (["--nproc-per-node", "0", "{script}"], "at least 1"),
         (["--master-port", "70000", "{script}"], "[1, 65535]"),
         (["--job", "bad/name", "{script}"], "job name"),
-        (["no_such_script.py"], "does not exist"),
+        (["no_such_script.py"], "no such script"),
     ],
 )
 def test_launch_rejects_bad_arguments(

@@ -54,7 +54,8 @@ def run_bench(args: argparse.Namespace) -> int:
             except ImportError:
                 raise SpecError("--plot needs matplotlib (pip install matplotlib)") from None
         meta, rows = orchestrate.run(layout, spec)
-        report.finish(meta, rows, json_path=args.json, plot_path=args.plot)
+        report.finish(meta, rows, json_path=args.json, plot_path=args.plot,
+                      extra={"arguments": report.arguments_json(args)})
     except (SpecError, orchestrate.BenchError) as exc:
         print(f"commd bench: {exc}", file=sys.stderr)
         return 2

@@ -7,9 +7,11 @@ Ratios set each commd row beside the direct peers measured in the same run:
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import platform
+import socket
 import sys
 import time
 from pathlib import Path
@@ -120,7 +122,38 @@ def _layout(meta: dict[str, Any]) -> str:
             "time; median and p95 over the timed iterations")
 
 
+#: Packages whose versions a result depends on (read from their metadata: nothing is imported).
+VERSIONED = ("torch", "numpy", "mpi4py", "pyzmq", "msgpack", "uvloop")
+
+
+def versions() -> dict[str, str | None]:
+    """commd's, Python's and the measured stack's versions (None: not installed)."""
+    from commd import __version__
+
+    found: dict[str, str | None] = {"commd": __version__, "python": platform.python_version()}
+    for name in VERSIONED:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def host() -> dict[str, Any]:
+    """The machine the run was made on."""
+    return {"hostname": socket.gethostname(), "machine": platform.machine(), "cpus": os.cpu_count(),
+            "system": platform.system(), "kernel": platform.release(), "platform": platform.platform(),
+            "python": platform.python_version(), "python_implementation": platform.python_implementation()}
+
+
+def arguments_json(args: Any) -> dict[str, Any]:
+    """Every option of a parsed command line, defaults included (callables left out)."""
+    return {k: v for k, v in sorted(vars(args).items()) if not callable(v)}
+
+
 def write_json(path: str, meta: dict[str, Any], rows: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> None:
+    """The rows with their ratios, the layout, and what a reader needs to reproduce the run: the
+    spec, every argument, the versions and the host."""
     direct = _direct(rows)
     out_rows = []
     for r in rows:
@@ -129,42 +162,63 @@ def write_json(path: str, meta: dict[str, Any], rows: list[dict[str, Any]], extr
         if ratio:
             row["ratios"] = ratio
         out_rows.append(row)
-    data = {"format": "commd-bench", "version": 1, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()},
+    data = {"format": "commd-bench", "version": 2, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "versions": versions(), "host": host(), "spec": meta.get("spec"),
             "layout": meta, "rows": out_rows, **(extra or {})}
     Path(path).write_text(json.dumps(data, indent=1) + "\n")
 
 
 def plot(path: str, meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:
-    """busbw against size, one panel per op, one line per path (PNG through matplotlib's Agg backend)."""
+    """Write ``figure``'s plot to ``path`` (PNG through matplotlib's Agg backend)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ops = [op for op in OPS if op != "barrier" and any(r["op"] == op for r in rows)]
+    fig = figure(meta, rows)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def figure(meta: dict[str, Any], rows: list[dict[str, Any]]) -> Any:
+    """Per op two panels, both log-log: busbw against size, and latency (median and p95) against size.
+
+    Log scales on both axes keep sizes below 64 KiB readable: on a linear axis their busbw
+    (and the large sizes' latency) are flattened against zero by the large sizes'.
+    """
+    import matplotlib.pyplot as plt
+
+    ops = [op for op in OPS if op != "barrier" and any(r["op"] == op for r in rows)]  # barrier: in the table
     if not ops:
         raise ValueError("--plot: no sized op was measured (barrier has no bandwidth)")
     cols = min(3, len(ops))
-    nrows = (len(ops) + cols - 1) // cols
-    fig, axes = plt.subplots(nrows, cols, figsize=(5.2 * cols, 3.8 * nrows), squeeze=False)
-    for ax, op in zip(axes.flat, ops, strict=False):
+    bands = (len(ops) + cols - 1) // cols  # each band: a busbw row above a latency row
+    fig, axes = plt.subplots(2 * bands, cols, figsize=(5.2 * cols, 3.6 * 2 * bands), squeeze=False)
+    for i, op in enumerate(ops):
+        bw_ax, lat_ax = axes[2 * (i // cols)][i % cols], axes[2 * (i // cols) + 1][i % cols]
         mine = [r for r in rows if r["op"] == op]
         for label in dict.fromkeys(r["path"] for r in mine):
-            pts = sorted((r["bytes"], r["busbw_gbs"]) for r in mine if r["path"] == label)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-        ax.set_xscale("log", base=2)
-        ax.set_title(op)
-        ax.set_xlabel("size S (bytes)")
-        ax.set_ylabel("busbw (GB/s)")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize="small")
-    for ax in list(axes.flat)[len(ops):]:
-        ax.set_visible(False)
+            pts = sorted((r["bytes"], r["busbw_gbs"], r["median_us"], r["p95_us"]) for r in mine if r["path"] == label)
+            sizes = [p[0] for p in pts]
+            line = lat_ax.plot(sizes, [p[2] for p in pts], marker="o", label=f"{label} median")[0]
+            lat_ax.plot(sizes, [p[3] for p in pts], linestyle=":", color=line.get_color(), label=f"{label} p95")
+            bw_ax.plot(sizes, [p[1] for p in pts], marker="o", label=label, color=line.get_color())
+        for ax, what in ((bw_ax, "busbw (GB/s)"), (lat_ax, "latency (us)")):
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("size S (bytes)")
+            ax.set_ylabel(what)
+            ax.grid(True, which="both", alpha=0.3)
+            if ax.lines:
+                ax.legend(fontsize="small")
+        bw_ax.set_title(f"{op}: bandwidth")
+        lat_ax.set_title(f"{op}: latency")
+    for i in range(len(ops), bands * cols):
+        axes[2 * (i // cols)][i % cols].set_visible(False)
+        axes[2 * (i // cols) + 1][i % cols].set_visible(False)
     fig.suptitle(_layout(meta).split(";")[0], fontsize="medium")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
 
 
 def finish(meta: dict[str, Any], rows: list[dict[str, Any]], json_path: str | None = None,

@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         from commd.bench import report
 
-        report.write_json(args.json, meta, rows, {"table": table.to_json()})
+        report.write_json(args.json, meta, rows, {"table": table.to_json(), "arguments": report.arguments_json(args)})
     print(table.grid())
     print(f"\nsaved {out}")
     return 0

@@ -25,6 +25,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from commd.cli.rank_output import DRAIN_TIMEOUT_S, RankOutput
 from commd.client.errors import ConnectError
 from commd.client.spawn import SECRET_ENV, ping, start_daemon
 from commd.memory.budget import check_environment
@@ -68,6 +69,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "node k writes FILE's stem + '.node<k>'; join them with `commd trace merge`)")
     parser.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
                         help="seconds workers get after SIGTERM before SIGKILL (default 10)")
+    parser.add_argument("--no-prefix", dest="prefix", action="store_false",
+                        help="leave the workers' output as it is (default: each line starts with [rankN]:)")
+    parser.add_argument("--local-ranks-filter", default=None, metavar="RANKS",
+                        help="show the standard output of these local ranks only, e.g. 0 or 0,3 "
+                             "(the others' standard error is still shown)")
     parser.add_argument("-m", "--module", action="store_true",
                         help="treat the script as a module name and run it with `python -m`")
     parser.add_argument("script", help="training script (or module with -m)")
@@ -123,17 +129,47 @@ def _validate(args: argparse.Namespace) -> None:
     if args.module:
         if not all(part.isidentifier() for part in args.script.split(".")):
             raise LaunchError(f"-m: {args.script!r} is not a module name")
+        if not _module_exists(args.script.split(".")[0]):
+            raise LaunchError(f"no such module: {args.script!r} (python -m would not find it from {os.getcwd()})")
     else:
         script = Path(args.script)
         if not script.exists():
-            raise LaunchError(f"script {args.script!r} does not exist")
+            raise LaunchError(f"no such script: {args.script!r} (from {os.getcwd()})")
         if not script.is_file():
             raise LaunchError(f"script {args.script!r} is not a file")
+    args.shown_ranks = _parse_ranks_filter(args.local_ranks_filter, args.nproc)
     if args.job is not None:
         try:
             check_job(args.job)
         except ConfigError as exc:
             raise LaunchError(str(exc)) from None
+
+
+def _module_exists(top: str) -> bool:
+    """Whether ``python -m`` in this directory finds the top-level package ``top`` (nothing is imported)."""
+    import importlib.machinery
+    import importlib.util
+
+    if importlib.machinery.PathFinder.find_spec(top, [os.getcwd()]) is not None:
+        return True
+    try:
+        return importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _parse_ranks_filter(text: str | None, nproc: int) -> set[int] | None:
+    """--local-ranks-filter as a set of local ranks (None: all)."""
+    if text is None:
+        return None
+    try:
+        ranks = {int(part) for part in text.split(",") if part.strip()}
+    except ValueError:
+        raise LaunchError(f"--local-ranks-filter {text!r} must list local ranks, e.g. 0 or 0,3") from None
+    bad = sorted(r for r in ranks if not 0 <= r < nproc)
+    if not ranks or bad:
+        raise LaunchError(f"--local-ranks-filter {text!r}: local ranks must lie in [0, {nproc})")
+    return ranks
 
 
 def worker_env(
@@ -165,6 +201,7 @@ def worker_env(
 class Worker:
     rank: int
     proc: subprocess.Popen
+    outputs: list[RankOutput] = field(default_factory=list)
 
     @property
     def code(self) -> int | None:
@@ -260,12 +297,23 @@ def _start_workers(args: argparse.Namespace, job: str, port: int, sigs: _Signals
             return
         env = worker_env(dict(os.environ), rank, args.nproc, job, args.master_addr, port,
                          args.node_rank, args.nnodes, args.node_name)
+        shown = args.shown_ranks is None or rank in args.shown_ranks
+        stdout = subprocess.PIPE if args.prefix and shown else None if shown else subprocess.DEVNULL
+        stderr = subprocess.PIPE if args.prefix else None
+        if args.prefix:
+            env.setdefault("PYTHONUNBUFFERED", "1")  # a pipe would hold the worker's lines back
         # Own session per worker (as torchrun): a terminal Ctrl-C reaches them
         # once, through our forwarding, not twice.
         proc = subprocess.Popen(
             [sys.executable, *target, *args.script_args], env=env, start_new_session=True,
+            stdout=stdout, stderr=stderr,
         )
-        sigs.workers.append(Worker(rank, proc))
+        worker = Worker(rank, proc)
+        global_rank = args.node_rank * args.nproc + rank
+        for pipe, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+            if pipe is not None:
+                worker.outputs.append(RankOutput(global_rank, pipe, sink))
+        sigs.workers.append(worker)
 
 
 def _supervise(workers: list[Worker], sigs: _Signals, grace: float, daemon: subprocess.Popen | None) -> int:
@@ -294,6 +342,16 @@ def _supervise(workers: list[Worker], sigs: _Signals, grace: float, daemon: subp
             print(f"commd launch: the commd daemon {describe_exit(daemon.returncode)} while workers run; "
                   "their collectives will fail", file=sys.stderr)
         time.sleep(POLL_S)
+
+
+def _drain_output(workers: list[Worker]) -> None:
+    """Copy what the workers wrote last; say so if a pipe stays open (a worker's child holds it)."""
+    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+    for w in workers:
+        for out in w.outputs:
+            if not out.join(max(0.0, deadline - time.monotonic())):
+                print(f"commd launch: rank {w.rank}'s output is still open after it exited "
+                      "(a process it started holds it); not waiting for it", file=sys.stderr)
 
 
 def _host_or_join_store(args: argparse.Namespace, job: str | None) -> tuple[Any, str, str]:
@@ -403,6 +461,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         # Whatever happened above, no worker may outlive the launcher.
         stop_workers(sigs.workers, args.grace)
+        _drain_output(sigs.workers)
         if daemon is not None:
             daemon_code = stop_daemon(daemon)
             if daemon_code != 0:

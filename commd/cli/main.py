@@ -1,61 +1,71 @@
-"""The `commd` command: daemon, launch, status, trace, demo, bench, tune."""
+"""The `commd` command: daemon, launch, status, trace, demo, bench, tune, slurm-plan.
+
+Only the module of the subcommand being run is imported (the others only
+lend their one-line help), so that ``commd status`` or ``commd --help`` never
+imports torch or the daemon.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from typing import NamedTuple
+
+
+class Command(NamedTuple):
+    """A subcommand: its help line, and where its argument definitions and entry point live."""
+
+    help: str
+    module: str
+    add_arguments: str
+    run: str
+
+
+COMMANDS: dict[str, Command] = {
+    "daemon": Command("run the node daemon for a job (foreground)", "commd.daemon.main", "add_arguments", "run"),
+    "launch": Command("start the node daemon and N training processes", "commd.cli.launch", "add_arguments", "run"),
+    "status": Command("show a job daemon's clients, queues and latencies", "commd.cli.status", "add_arguments",
+                      "run"),
+    "demo": Command("train a small DDP model through commd and through Gloo", "commd.cli.demo", "add_arguments",
+                    "run"),
+    "bench": Command("measure commd's collectives per lane (busbw, latency), optionally beside Gloo and MPI",
+                     "commd.bench.cli", "add_bench_arguments", "run_bench"),
+    "tune": Command("measure every lane per op and size and save the winners as a tuning table",
+                    "commd.bench.cli", "add_tune_arguments", "run_tune"),
+    "trace": Command("turn a running job's per-op trace on or off; merge per-node traces", "commd.observe.cli",
+                     "add_trace_arguments", "run_trace"),
+    "slurm-plan": Command("for the Slurm prolog: this node's rank and the job's rendezvous", "commd.deploy.slurm",
+                          "add_arguments", "run"),
+}
+
+
+def _chosen(argv: list[str]) -> str | None:
+    """The subcommand named in ``argv`` (the first word that is one; the top level has no valued options)."""
+    for word in argv:
+        if word in COMMANDS:
+            return word
+        if not word.startswith("-"):
+            return None
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="commd", description="per-node communication daemon for distributed training")
     sub = parser.add_subparsers(dest="command", required=True)
-
-    from commd.daemon import main as daemon_main
-
-    p = sub.add_parser("daemon", help="run the node daemon for a job (foreground)")
-    daemon_main.add_arguments(p)
-    p.set_defaults(run=daemon_main.run)
-
-    from commd.cli import launch, status
-
-    p = sub.add_parser("launch", help="start the node daemon and N training processes")
-    launch.add_arguments(p)
-    p.set_defaults(run=launch.run)
-
-    p = sub.add_parser("status", help="show a job daemon's clients, queues and latencies")
-    status.add_arguments(p)
-    p.set_defaults(run=status.run)
-
-    p = sub.add_parser("demo", help="train a small DDP model through commd and through Gloo")
-    from commd.cli import demo
-
-    demo.add_arguments(p)
-    p.set_defaults(run=demo.run)
-
-    from commd.observe import cli as observe_cli
-
-    p = sub.add_parser("trace", help="turn a running job's per-op trace on or off; merge per-node traces")
-    observe_cli.add_trace_arguments(p)
-    p.set_defaults(run=observe_cli.run_trace)
-
-    from commd.bench import cli as bench_cli
-
-    p = sub.add_parser("bench", help="measure commd's collectives per lane (busbw, latency), optionally beside "
-                                     "Gloo and MPI")
-    bench_cli.add_bench_arguments(p)
-    p.set_defaults(run=bench_cli.run_bench)
-
-    p = sub.add_parser("tune", help="measure every lane per op and size and save the winners as a tuning table")
-    bench_cli.add_tune_arguments(p)
-    p.set_defaults(run=bench_cli.run_tune)
-
-    from commd.deploy import slurm
-
-    p = sub.add_parser("slurm-plan", help="for the Slurm prolog: this node's rank and the job's rendezvous")
-    slurm.add_arguments(p)
-    p.set_defaults(run=slurm.run)
-
-    args = parser.parse_args(argv)
+    chosen = _chosen(argv)
+    subparser = parser
+    for name, command in COMMANDS.items():
+        p = sub.add_parser(name, help=command.help)
+        if name == chosen:
+            module = importlib.import_module(command.module)
+            getattr(module, command.add_arguments)(p)
+            p.set_defaults(run=getattr(module, command.run))
+            subparser = p
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # argparse would show the top-level usage; the subcommand's is the useful one
+        subparser.error(f"unrecognized arguments: {' '.join(unknown)}")
     return int(args.run(args) or 0)
 
 

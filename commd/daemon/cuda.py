@@ -8,10 +8,24 @@ synchronizes that stream before it answers.
 
 from __future__ import annotations
 
-import torch
+import os
+from typing import TYPE_CHECKING
 
+from commd.daemon.torch_loader import torch_module
 from commd.protocol import schema as s
 from commd.protocol.cuda import CudaRef
+
+if TYPE_CHECKING:
+    import torch
+
+#: Device files of the GPU drivers torch.cuda can use (NVIDIA, AMD ROCm, WSL).  Without any of
+#: them there is no GPU to open, and the daemon need not import torch to say so.
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
+
+
+def gpu_device_present() -> bool:
+    """Whether this machine has a GPU driver's device file (torch decides whether it is usable)."""
+    return any(os.path.exists(path) for path in GPU_DEVICE_FILES)
 
 
 class CudaImporter:
@@ -21,15 +35,15 @@ class CudaImporter:
         self._storages: dict[tuple[int, bytes, int], torch.UntypedStorage] = {}
         self._events: dict[tuple[int, bytes], torch.cuda.Event] = {}
         self._streams: dict[int, torch.cuda.Stream] = {}
+        self._device_files = gpu_device_present()
 
-    @staticmethod
-    def available() -> bool:
-        return torch.cuda.is_available()
+    def available(self) -> bool:
+        return self._device_files and torch_module().cuda.is_available()
 
     def check(self, ref: CudaRef, offset: int, nbytes: int) -> None:
         if not self.available():
             raise s.ProtocolError("this daemon has no CUDA device: send host tensors", s.E_BOUNDS)
-        if ref.device >= torch.cuda.device_count():
+        if ref.device >= torch_module().cuda.device_count():
             raise s.ProtocolError(f"CUDA device {ref.device} does not exist on this node", s.E_BOUNDS)
         if offset + nbytes > ref.size:
             raise s.ProtocolError(
@@ -38,6 +52,7 @@ class CudaImporter:
             )
 
     def tensor(self, client_id: int, ref: CudaRef, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        torch = torch_module()
         key = (client_id, ref.handle, ref.offset)
         storage = self._storages.get(key)
         if storage is None:
@@ -56,7 +71,7 @@ class CudaImporter:
     def stream(self, device: int) -> torch.cuda.Stream:
         stream = self._streams.get(device)
         if stream is None:
-            stream = self._streams[device] = torch.cuda.Stream(device=device)
+            stream = self._streams[device] = torch_module().cuda.Stream(device=device)
         return stream
 
     def synchronize(self) -> None:

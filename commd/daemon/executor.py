@@ -13,10 +13,9 @@ import concurrent.futures
 import os
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
-from commd.kernels import small
+from commd.daemon.numpy_executor import SMALL_BYTES, execute_small
 from commd.kernels.layout import block_offsets
 from commd.kernels.reduce import TORCH_DTYPES, reduce_into
 from commd.runtime import env_int
@@ -28,9 +27,9 @@ from commd.scheduler.ops import Submission
 BLOCK_BYTES = 1 << 20
 
 Resolve = Callable[[Submission, str], torch.Tensor]
-ResolveArray = Callable[[Submission, str], np.ndarray]
-#: Ops up to this size run with NumPy kernels (cheaper per call than torch).
-SMALL_BYTES = 64 * 1024
+
+__all__ = ["SMALL_BYTES", "execute", "execute_small", "kernel_pool_size", "parallel_copy",
+           "parallel_reduce_into", "torch_dtype"]
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -97,29 +96,6 @@ def execute(op: ReadyOp, resolve: Resolve) -> None:
         _alltoall(subs, resolve)
     else:  # pragma: no cover - kinds are validated on submission
         raise ValueError(f"no executor for op kind {kind!r}")
-
-
-def execute_small(op: ReadyOp, resolve: ResolveArray) -> bool:
-    """Run a small all-reduce/reduce/broadcast with NumPy; False if not applicable."""
-    first = op.subs[0]
-    if op.kind not in ("allreduce", "reduce", "broadcast") or first.dtype not in small.NUMPY_DTYPES:
-        return False
-    if op.nbytes > SMALL_BYTES:
-        return False
-    bufs = [resolve(s, "buf") for s in op.subs]
-    if op.kind == "allreduce":
-        small.reduce_into(bufs[0], bufs, first.reduce_op, first.scale)
-        for other in bufs[1:]:
-            np.copyto(other, bufs[0])
-    elif op.kind == "reduce":
-        root = first.root
-        ordered = [bufs[root]] + [b for i, b in enumerate(bufs) if i != root]
-        small.reduce_into(bufs[root], ordered, first.reduce_op, first.scale)
-    else:
-        for i, buf in enumerate(bufs):
-            if i != first.root:
-                np.copyto(buf, bufs[first.root])
-    return True
 
 
 def _inputs_safe_from(

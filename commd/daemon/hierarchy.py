@@ -9,14 +9,13 @@ take part; ranks keep their group-rank order whatever the placement.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from commd.daemon.executor import parallel_copy, parallel_reduce_into
+from commd.daemon.plan import GroupPlan
 from commd.kernels.layout import block_offsets, byte_view
 from commd.kernels.reduce import TORCH_DTYPES, reduce_into
 from commd.kernels.small import NUMPY_DTYPES
@@ -27,41 +26,9 @@ from commd.scheduler.local import ReadyOp
 from commd.scheduler.ops import Submission
 from commd.scheduler.selection import lane_reduce_op
 
+__all__ = ["GroupPlan", "apply_result", "run", "run_fused_allreduce", "run_p2p", "scratch_like"]
+
 Resolve = Callable[[Submission, str], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class GroupPlan:
-    """Where a group's ranks live: ``node_of[g]`` is the node of group rank g."""
-
-    name: str
-    ranks: tuple[int, ...]  # global rank per group rank
-    node_of: tuple[int, ...]
-    me: int
-
-    # Derived once per group (a plan lives as long as its group), not per op.
-    @functools.cached_property
-    def nodes(self) -> tuple[int, ...]:
-        return tuple(sorted(set(self.node_of)))
-
-    @functools.cached_property
-    def _members(self) -> dict[int, list[int]]:
-        by_node: dict[int, list[int]] = {n: [] for n in self.nodes}
-        for g, n in enumerate(self.node_of):
-            by_node[n].append(g)
-        return by_node
-
-    def members(self, node: int) -> list[int]:
-        """The group ranks on ``node``, in group-rank order."""
-        return self._members.get(node, [])
-
-    @property
-    def local(self) -> list[int]:
-        return self.members(self.me)
-
-    @functools.cached_property
-    def multi_node(self) -> bool:
-        return self.nodes != (self.me,)
 
 
 class _Staging:

@@ -11,7 +11,8 @@ import re
 import socket
 import sys
 
-from commd.daemon import notify
+from commd.daemon import notify, torch_loader
+from commd.daemon.cuda import gpu_device_present
 from commd.daemon.limits import add_limit_arguments, config_section, limits_from_args
 from commd.daemon.server import Daemon, DaemonConfig
 from commd.fabric.rendezvous import FabricSpec, parse_host_port
@@ -90,6 +91,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default=os.environ.get("COMMD_LOG_LEVEL", "INFO"))
 
 
+#: When a daemon loads torch in the background if no trigger came earlier (every local rank
+#: connected, an op that needs it): ranks that connect at once never meet the import.
+TORCH_WARM_UP_AFTER_S = 1.0
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         paths = JobPaths.for_job(args.job).ensure()
@@ -102,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
         threads = env_int("COMMD_KERNEL_THREADS", 1, 1, 1024)
         max_segments = env_int("COMMD_MAX_SEGMENTS", 1024, 1, 1 << 20)
         max_arena_bytes = env_bytes("COMMD_MAX_ARENA_BYTES", _physical_memory(), 1 << 16, 1 << 50)
+        warm_up_torch = bool(env_int("COMMD_TORCH_WARMUP", 1, 0, 1))
         if args.idle_grace < 0:
             raise ConfigError("--idle-grace must be non-negative")
         if args.owner_pid is not None and args.owner_pid <= 0:
@@ -150,11 +157,10 @@ def run(args: argparse.Namespace) -> int:
     # One kernel thread by default: the node's cores are shared with the ranks,
     # and torch's thread pool stalls on every parallel section when they are
     # oversubscribed (measured: 64 MiB add+copy 33 ms with 1 thread, >1 s with 2).
-    import torch
-
-    torch.set_num_threads(threads)
+    torch_loader.configure(threads, warm_up_torch)
     fabric = None
     if spec is not None:
+        torch_loader.torch_module()  # the fabric's lanes and kernels use torch directly
         from commd.fabric.rendezvous import FabricError, establish
 
         try:
@@ -177,6 +183,10 @@ def run(args: argparse.Namespace) -> int:
     daemon = Daemon(config)
     daemon.bind()
     notify.ready(paths.job)  # clients can connect from here on (systemd Type=notify)
+    if gpu_device_present():  # clients' hellos ask whether torch sees a GPU: load it before they come
+        torch_loader.warm_up()
+    else:
+        torch_loader.warm_up_later(TORCH_WARM_UP_AFTER_S)
     try:
         import uvloop
 
@@ -248,7 +258,7 @@ def _tuning_path(
         if given:
             return (None, True) if given == "off" else (given, True)
     if nnodes is None:  # an MPI start learns the node count from the world
-        from commd.lanes.mpi import mpi_world_size_from_env
+        from commd.lanes.mpi_env import mpi_world_size_from_env
 
         nnodes = mpi_world_size_from_env()
     return (str(default_table_path(node_name, nnodes)), False) if nnodes else (None, False)
@@ -269,7 +279,7 @@ def _load_table(path: str, explicit: bool) -> tuple[TuningTable | None, str]:
 
 def _fabric_spec(args: argparse.Namespace, node_name: str, op_timeout: float) -> FabricSpec | None:
     """None for a single-node daemon; else what the rendezvous needs (validated)."""
-    from commd.lanes.mpi import mpi_world_size_from_env
+    from commd.lanes.mpi_env import mpi_world_size_from_env
 
     # Cluster start-up (systemd EnvironmentFile, job prologue) sets these instead of flags.
     if args.nnodes is None and os.environ.get("COMMD_NNODES"):

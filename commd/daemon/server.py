@@ -24,17 +24,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 import zmq
 
-from commd.daemon import notify
+from commd.daemon import notify, torch_loader
 from commd.daemon.cuda import CudaImporter
-from commd.daemon.executor import execute, execute_small, torch_dtype
 from commd.daemon.failure_log import OpFailureLog
-from commd.daemon.hierarchy import GroupPlan
 from commd.daemon.limits import REPLY_BACKLOG, ClientLimits, LimitGuard, PendingLedger
 from commd.daemon.loglimit import RateLimitedLog
+from commd.daemon.numpy_executor import execute_small, runs_on_numpy
 from commd.daemon.opchannel import OpConnection, OpListener
+from commd.daemon.plan import GroupPlan
 from commd.kernels.small import NUMPY_DTYPES
 from commd.memory.arena import Segment
 from commd.observe.hooks import DaemonObservers
@@ -48,6 +47,8 @@ from commd.scheduler.selection import SchedulerConfig
 from commd.scheduler.stats import Stats
 
 if TYPE_CHECKING:
+    import torch
+
     from commd.daemon.fabric_node import FabricNode
     from commd.fabric.rendezvous import Fabric
 
@@ -95,7 +96,7 @@ class ClientRecord:
     pid: int
     connected_at: float = field(default_factory=time.time)
     segments: dict[int, Segment] = field(default_factory=dict)
-    views: dict[int, torch.Tensor] = field(default_factory=dict)
+    views: dict[int, torch.Tensor] = field(default_factory=dict)  # made on first use (torch loads lazily)
     groups: dict[str, int] = field(default_factory=dict)  # group name -> group rank
     op_channel: OpConnection | None = None
     pending: PendingLedger = field(default_factory=PendingLedger)
@@ -458,6 +459,9 @@ class Daemon:
             {"t": s.WELCOME, "client_id": client.client_id, "daemon_pid": os.getpid(),
              "op_timeout": self.config.op_timeout, "cuda": self.cuda.available()},
         )
+        me = self.config.fabric.node_rank if self.config.fabric is not None else 0
+        if len(self.clients) >= placement.count(me):  # every local rank is here: load torch now, off the loop
+            torch_loader.warm_up()
 
     def _check_placement(self, msg: dict[str, Any], rank: int, world_size: int) -> list[int]:
         """The node of every rank, from the hello's 'nodes' (node names); all clients must agree."""
@@ -513,7 +517,6 @@ class Daemon:
             raise s.ProtocolError(f"cannot map segment {name!r}: {exc}") from None
         client.segments[seg_id] = segment
         log.debug("rank %d registered segment %d (%d bytes)", client.rank, seg_id, size)
-        client.views[seg_id] = torch.frombuffer(segment.mm, dtype=torch.uint8, count=size)
 
     def _on_attach(self, identity: bytes, msg: dict[str, Any]) -> None:
         self._check_secret(msg)
@@ -647,7 +650,8 @@ class Daemon:
 
     def _resolve(self, sub: Submission, name: str) -> torch.Tensor:
         ref = sub.buffers[name]
-        dtype = torch_dtype(sub.dtype)
+        torch = torch_loader.torch_module()
+        dtype = torch_loader.executor().torch_dtype(sub.dtype)
         if ref.nbytes == 0:
             return torch.empty(0, dtype=dtype)
         if ref.inline is not None:
@@ -655,7 +659,11 @@ class Daemon:
         if ref.cuda is not None:
             return self.cuda.tensor(sub.client_id, ref.cuda, ref.offset, ref.nbytes, dtype)
         client = self.by_id[sub.client_id]
-        return client.views[ref.segment][ref.offset : ref.offset + ref.nbytes].view(dtype)
+        view = client.views.get(ref.segment)
+        if view is None:
+            segment = client.segments[ref.segment]
+            view = client.views[ref.segment] = torch.frombuffer(segment.mm, dtype=torch.uint8, count=segment.size)
+        return view[ref.offset : ref.offset + ref.nbytes].view(dtype)
 
     def _resolve_array(self, sub: Submission, name: str) -> np.ndarray:
         ref = sub.buffers[name]
@@ -666,7 +674,8 @@ class Daemon:
         return segment.array[ref.offset : ref.offset + ref.nbytes].view(dtype)
 
     def _start(self, op: ReadyOp) -> None:
-        if self._lane_busy == 0 and op.nbytes <= INLINE_EXEC_BYTES:
+        # An op that needs torch before it is loaded goes to the lane: the loop never waits for the import.
+        if self._lane_busy == 0 and op.nbytes <= INLINE_EXEC_BYTES and (torch_loader.loaded() or runs_on_numpy(op)):
             self.stats.started(op.group, queued=False)
             error = self._run(op)
             self._complete(op, error)
@@ -684,11 +693,11 @@ class Daemon:
         try:
             if op.on_gpu:
                 device = next(b.cuda.device for x in op.subs for b in x.buffers.values() if b.cuda is not None)
-                with torch.cuda.stream(self.cuda.stream(device)):
-                    execute(op, self._resolve)
+                with torch_loader.torch_module().cuda.stream(self.cuda.stream(device)):
+                    torch_loader.executor().execute(op, self._resolve)
                 self.cuda.synchronize()  # results are visible to the clients when we answer
             elif not execute_small(op, self._resolve_array):
-                execute(op, self._resolve)
+                torch_loader.executor().execute(op, self._resolve)
             return None
         except Exception as exc:
             log.exception("executing %s failed", op.describe())

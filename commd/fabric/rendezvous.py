@@ -28,13 +28,15 @@ import socket
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from commd.fabric.channel import ChannelClosed, Connection
-from commd.lanes.base import Lane
 from commd.protocol import schema as s
 from commd.runtime import new_secret
 from commd.scheduler.selection import SchedulerConfig, config_from_wire
+
+if TYPE_CHECKING:
+    from commd.lanes.base import Lane  # the lanes import torch: only a fabric that forms needs them
 
 log = logging.getLogger("commd.fabric")
 

@@ -14,6 +14,11 @@ from __future__ import annotations
 
 import torch
 
+from commd.kernels.dtypes import UnsupportedReduction, check_supported
+
+__all__ = ["DTYPE_NAMES", "TORCH_DTYPES", "UnsupportedReduction", "check_supported", "reduce_into",
+           "reduce_pair_into"]
+
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
@@ -29,24 +34,6 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "complex128": torch.complex128,
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
-
-_FLOATING = {"float16", "bfloat16", "float32", "float64"}
-_COMPLEX = {"complex64", "complex128"}
-_INTEGER = {"int8", "uint8", "int16", "int32", "int64"}
-
-
-class UnsupportedReduction(ValueError):
-    """The reduce op is not defined for the dtype."""
-
-
-def check_supported(op: str, dtype: str) -> None:
-    """Raise UnsupportedReduction naming both if ``op`` makes no sense on ``dtype``."""
-    if op in ("band", "bor", "bxor") and dtype not in _INTEGER | {"bool"}:
-        raise UnsupportedReduction(f"reduce op {op.upper()} needs an integer or bool dtype, got {dtype}")
-    if op in ("min", "max") and dtype in _COMPLEX:
-        raise UnsupportedReduction(f"reduce op {op.upper()} is undefined for complex dtype {dtype}")
-    if op in ("avg", "premul_sum") and dtype not in _FLOATING | _COMPLEX:
-        raise UnsupportedReduction(f"reduce op {op.upper()} needs a floating or complex dtype, got {dtype}")
 
 
 def _accumulate(acc: torch.Tensor, other: torch.Tensor, op: str) -> None:

@@ -15,7 +15,6 @@ for an MPI job, or hang a singleton init in some launchers).
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from typing import Any
@@ -26,12 +25,9 @@ import torch
 from commd.kernels.layout import block_offsets, byte_view
 from commd.kernels.reduce import DTYPE_NAMES
 from commd.lanes.base import LaneError, check_nodes, node_index, refusal
+from commd.lanes.mpi_env import WORLD_SIZE_ENV, mpi_world_size_from_env
 
-#: Launcher variables holding the world size, checked in order: PMI_SIZE (MPICH's Hydra,
-#: Intel MPI, Slurm's PMI-1/PMI-2), OMPI_COMM_WORLD_SIZE (Open MPI), MV2_COMM_WORLD_SIZE
-#: (MVAPICH2).  MPI_LOCALNRANKS (Hydra) is deliberately not used: it counts the ranks on
-#: this host, which is 1 for one daemon per node whatever the world size.
-WORLD_SIZE_ENV = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+__all__ = ["WORLD_SIZE_ENV", "MpiLane", "init_mpi", "mpi_can_run", "mpi_world_size_from_env"]
 
 #: MPI datatypes (attribute names of mpi4py.MPI) for reductions; float16/bfloat16 have none
 #: that is portable (MPIX_C_FLOAT16 is an MPICH extension without bfloat16).
@@ -76,19 +72,6 @@ MAX_SLEEP_S = 1e-3
 #: The fast window: this long, plus the op's bytes at this rate.
 FAST_WINDOW_S = 5e-3
 FAST_WINDOW_BYTES_PER_S = 500e6
-
-
-def mpi_world_size_from_env(environ: dict[str, str] | None = None) -> int | None:
-    """The world size an MPI launcher announced in the environment, or None if not started by one.
-
-    Reads only ``WORLD_SIZE_ENV``; mpi4py is not imported.
-    """
-    env = os.environ if environ is None else environ
-    for name in WORLD_SIZE_ENV:
-        value = env.get(name, "").strip()
-        if value.isdigit() and int(value) > 0:
-            return int(value)
-    return None
 
 
 def init_mpi() -> Any:

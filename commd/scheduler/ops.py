@@ -238,7 +238,7 @@ def _check_shape(sub: Submission) -> None:
             raise s.ProtocolError(f"rank {me} cannot {kind} to itself")
         _need(sub, "in" if kind == "send" else "out", sub.count)
     if kind in REDUCING:
-        from commd.kernels.reduce import UnsupportedReduction, check_supported
+        from commd.kernels.dtypes import UnsupportedReduction, check_supported
 
         try:
             check_supported(sub.reduce_op, sub.dtype)
