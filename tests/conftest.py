@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cluster import Cluster
-from helpers import DaemonProcess, Workers, new_job
+from cluster import Cluster, free_port
+from helpers import DaemonProcess, Workers, kill_pid, new_job
 from simhosts import sim_hosts  # noqa: F401 - fixture for tests with simulated hosts
 
 
@@ -35,6 +35,22 @@ def runtime_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Mo
     monkeypatch.delenv("COMMD_JOB", raising=False)
     monkeypatch.delenv("COMMD_SECRET", raising=False)
     return path
+
+
+@pytest.fixture
+def backend_env(runtime_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """torch ranks started by the test: MASTER_ADDR/PORT for env://, no launcher job, no inherited
+    rank or timeout settings; kills any daemon the ranks started."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "COMMD_JOB", "COMMD_OP_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
+    yield runtime_dir
+    for pid_file in runtime_dir.glob("*/daemon.pid"):
+        try:
+            kill_pid(int(pid_file.read_text()))
+        except (OSError, ValueError):
+            pass
 
 
 @pytest.fixture

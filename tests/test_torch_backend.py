@@ -10,9 +10,8 @@ store, so Gloo is the reference wherever it supports the op, NumPy elsewhere.
 from __future__ import annotations
 
 import os
-import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -22,19 +21,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
-from helpers import kill_pid, wait_until
+from helpers import wait_until
 
 from commd.runtime import pid_alive
 
 WORLD = 2
 INIT_TIMEOUT = timedelta(seconds=30)  # also the commd op timeout of the groups
 SPAWN_TIMEOUT_S = 100.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def spawn(fn: Callable[..., None], args: tuple[Any, ...], timeout: float = SPAWN_TIMEOUT_S) -> None:
@@ -54,21 +47,6 @@ def spawn(fn: Callable[..., None], args: tuple[Any, ...], timeout: float = SPAWN
 
 def _daemon_logs(runtime_dir: Path) -> list[Path]:
     return sorted(runtime_dir.glob("*/daemon.log"))
-
-
-@pytest.fixture
-def backend_env(runtime_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """MASTER_ADDR/PORT for env:// and no launcher job; kills any daemon the ranks started."""
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "COMMD_JOB"):
-        monkeypatch.delenv(name, raising=False)
-    yield runtime_dir
-    for pid_file in runtime_dir.glob("*/daemon.pid"):
-        try:
-            kill_pid(int(pid_file.read_text()))
-        except (OSError, ValueError):
-            pass
 
 
 def assert_daemon_came_and_went(runtime_dir: Path) -> None:

@@ -12,7 +12,7 @@ import multiprocessing as mp
 import os
 import queue
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -20,29 +20,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from cluster import free_port
-from helpers import kill_pid
 
 pytestmark = pytest.mark.timeout(240)
 
 WORLD = 2
 #: Bound on a whole test's ranks; every wait below is shorter.
 RANKS_BOUND_S = 90.0
-
-
-@pytest.fixture
-def torch_env(runtime_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """env:// rendezvous for the ranks; kills whatever daemon they started."""
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "COMMD_JOB", "COMMD_OP_TIMEOUT"):
-        monkeypatch.delenv(name, raising=False)
-    yield runtime_dir
-    for pid_file in runtime_dir.glob("*/daemon.pid"):
-        try:
-            kill_pid(int(pid_file.read_text()))
-        except (OSError, ValueError):
-            pass
 
 
 class Ranks:
@@ -186,7 +169,7 @@ def _late_peer(rank: int, events: Any, pg_timeout_s: float | None) -> None:
 
 
 # ---- tests ---------------------------------------------------------------------------
-def test_mismatch_reaches_future_wait_and_exception_on_every_rank(torch_env: Path) -> None:
+def test_mismatch_reaches_future_wait_and_exception_on_every_rank(backend_env: Path) -> None:
     ranks = Ranks(_mismatch_everywhere)
     try:
         for rank in range(WORLD):
@@ -202,7 +185,7 @@ def test_mismatch_reaches_future_wait_and_exception_on_every_rank(torch_env: Pat
         ranks.close()
 
 
-def test_ddp_rank_exit_stops_every_rank(torch_env: Path) -> None:
+def test_ddp_rank_exit_stops_every_rank(backend_env: Path) -> None:
     """Rank 1 hard-exits at step 3: rank 0 raises at step 3, naming rank 1, and never steps on."""
     ranks = Ranks(_ddp_training, "exit", 20.0)
     try:
@@ -214,7 +197,7 @@ def test_ddp_rank_exit_stops_every_rank(torch_env: Path) -> None:
         ranks.close()
 
 
-def test_ddp_stalled_rank_times_out_within_the_group_timeout(torch_env: Path) -> None:
+def test_ddp_stalled_rank_times_out_within_the_group_timeout(backend_env: Path) -> None:
     """Rank 1 stops calling at step 3 under a 5 s group timeout: rank 0 raises and never steps on."""
     ranks = Ranks(_ddp_training, "stall", 5.0)
     try:
@@ -239,7 +222,7 @@ def test_ddp_stalled_rank_times_out_within_the_group_timeout(torch_env: Path) ->
     ids=["COMMD_OP_TIMEOUT-without-timeout-arg", "explicit-timeout-arg-wins"],
 )
 def test_op_timeout_rule(
-    torch_env: Path, monkeypatch: pytest.MonkeyPatch, env_timeout: str, pg_timeout: float | None, expected: float
+    backend_env: Path, monkeypatch: pytest.MonkeyPatch, env_timeout: str, pg_timeout: float | None, expected: float
 ) -> None:
     """torch's default group timeout no longer hides commd's: COMMD_OP_TIMEOUT, or an explicit timeout=."""
     monkeypatch.setenv("COMMD_OP_TIMEOUT", env_timeout)

@@ -10,35 +10,18 @@ the other.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from cluster import free_port
-from helpers import kill_pid
 from test_torch_backend import spawn
 
 pytestmark = pytest.mark.timeout(240)
 
 WORLD = 2
 STEPS = 3
-
-
-@pytest.fixture
-def torch_env(runtime_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "COMMD_JOB"):
-        monkeypatch.delenv(name, raising=False)
-    yield runtime_dir
-    for pid_file in runtime_dir.glob("*/daemon.pid"):
-        try:
-            kill_pid(int(pid_file.read_text()))
-        except (OSError, ValueError):
-            pass
 
 
 def _init(rank: int) -> Any:
@@ -143,13 +126,13 @@ def _checkpoint_rank(rank: int, directory: str) -> None:
     dist.destroy_process_group()
 
 
-def test_fsdp2_matches_gloo_bit_for_bit(torch_env: Path) -> None:
+def test_fsdp2_matches_gloo_bit_for_bit(backend_env: Path) -> None:
     spawn(_fsdp2_rank, ())
 
 
-def test_dtensor_tensor_parallel_matches_gloo_and_one_process(torch_env: Path) -> None:
+def test_dtensor_tensor_parallel_matches_gloo_and_one_process(backend_env: Path) -> None:
     spawn(_tensor_parallel_rank, ())
 
 
-def test_distributed_checkpoint_round_trips_between_backends(torch_env: Path, tmp_path: Path) -> None:
+def test_distributed_checkpoint_round_trips_between_backends(backend_env: Path, tmp_path: Path) -> None:
     spawn(_checkpoint_rank, (str(tmp_path),))

@@ -74,8 +74,13 @@ def resolve_job(job: str | None, env_job: str | None) -> JobPaths:
     return JobPaths.for_job(jobs[0][0])
 
 
-def query_status(paths: JobPaths, timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
-    """Ask the job's daemon for its status map (raises StatusError with a readable reason)."""
+def control_request(paths: JobPaths, message: dict[str, Any], timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+    """Send one control message (the job secret added) to the job's daemon; its reply.
+
+    The secret goes out only after the job directory, the secret file and the socket
+    proved to be ours (``JobPaths.read_secret``, ``check_own_socket``).  Raises
+    StatusError with a readable reason, also when the daemon refuses.
+    """
     if not paths.socket.exists():
         raise StatusError(f"no daemon for job {paths.job!r}: {paths.socket} does not exist")
     try:
@@ -89,7 +94,7 @@ def query_status(paths: JobPaths, timeout: float = DEFAULT_TIMEOUT_S) -> dict[st
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(paths.endpoint)
-        sock.send(s.encode({"t": s.STATUS, "secret": secret}))
+        sock.send(s.encode({**message, "secret": secret}))
         if not sock.poll(int(timeout * 1000)):
             pid = paths.daemon_pid()
             why = f"pid {pid} is alive but busy or stuck" if pid else "it is not running"
@@ -101,6 +106,12 @@ def query_status(paths: JobPaths, timeout: float = DEFAULT_TIMEOUT_S) -> dict[st
         sock.close()
     if reply.get("t") == s.ERROR:
         raise StatusError(f"the daemon of job {paths.job!r} refused: {reply.get('message')}")
+    return reply
+
+
+def query_status(paths: JobPaths, timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+    """Ask the job's daemon for its status map (raises StatusError with a readable reason)."""
+    reply = control_request(paths, {"t": s.STATUS}, timeout)
     status = reply.get("status")
     if reply.get("t") != s.STATUS or not isinstance(status, dict):
         raise StatusError(f"unexpected reply from the daemon of job {paths.job!r}: {reply.get('t')!r}")

@@ -14,9 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import zmq
-
-from commd.cli.status import StatusError, resolve_job
+from commd.cli.status import StatusError, control_request, resolve_job
 from commd.observe import settings
 from commd.observe.trace import TraceError, check_trace_path, merge
 from commd.protocol import schema as s
@@ -80,28 +78,7 @@ def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
 def send_trace_control(paths: JobPaths, action: str, path: str | None,
                        timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
     """Ask the job's daemon to start or stop tracing; its answer (raises StatusError)."""
-    if not paths.socket.exists():
-        raise StatusError(f"no daemon for job {paths.job!r}: {paths.socket} does not exist")
-    try:
-        secret = paths.read_secret()
-    except ConfigError as exc:
-        raise StatusError(str(exc)) from None
-    except PermissionError:
-        raise StatusError(f"cannot read {paths.secret_file}: the job belongs to another user") from None
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(paths.endpoint)
-        sock.send(s.encode({"t": s.TRACE, "secret": secret, "action": action, "path": path}))
-        if not sock.poll(int(timeout * 1000)):
-            raise StatusError(f"the daemon of job {paths.job!r} did not answer within {timeout:g}s")
-        reply = s.decode(sock.recv())
-    except (zmq.ZMQError, s.ProtocolError) as exc:
-        raise StatusError(f"cannot talk to the daemon of job {paths.job!r}: {exc}") from None
-    finally:
-        sock.close()
-    if reply.get("t") == s.ERROR:
-        raise StatusError(f"the daemon of job {paths.job!r} refused: {reply.get('message')}")
+    reply = control_request(paths, {"t": s.TRACE, "action": action, "path": path}, timeout)
     if reply.get("t") != s.ACK:
         raise StatusError(f"unexpected reply from the daemon of job {paths.job!r}: {reply.get('t')!r}")
     return reply
