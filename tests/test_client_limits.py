@@ -43,6 +43,13 @@ PER_OP_RECORD = 4096
 DAY_MS = 24 * 3600 * 1000
 
 
+def settled_rss(raw: RawOpClient, daemon: DaemonProcess) -> int:
+    """The daemon's RSS once it has loaded torch (it does so in the background, ~200 MiB, soon after
+    its ranks connect): a baseline taken before would charge that load to the flood."""
+    wait_until(lambda: raw.status(daemon)["torch_loaded"], 60, "the daemon to load torch")
+    return rss_bytes(daemon.pid)
+
+
 def rss_bytes(pid: int) -> int:
     """Resident memory of ``pid`` (VmRSS from /proc/<pid>/status)."""
     with open(f"/proc/{pid}/status") as f:
@@ -183,7 +190,7 @@ def test_oversized_inline_buffers_are_refused_and_pin_no_memory(
     for c in healthy:
         c.register_group("healthy", [1, 2])
     assert raw.reply_to(raw.submit("solo", **allreduce_inline(16)))["t"] == s.DONE
-    before = rss_bytes(daemon.pid)
+    before = settled_rss(raw, daemon)
 
     flood = 400
     for _ in range(flood):  # each message is ~100 bytes; the old daemon allocated 1 MiB for each
@@ -223,7 +230,7 @@ def test_pending_ops_are_capped_by_count_and_bytes(
         c.register_group("healthy", [1, 2])
     absent = connect(3, 4)
     assert raw.reply_to(raw.submit("solo", **allreduce_inline(16)))["t"] == s.DONE
-    before = rss_bytes(daemon.pid)
+    before = settled_rss(raw, daemon)
 
     inline_flood, barrier_flood = 40_000, 2_000
     for _ in range(inline_flood):  # 4 KiB inline each: the old daemon held all 160 MiB
@@ -293,7 +300,7 @@ def test_client_that_stops_reading_replies_is_dropped(
         c.register_group("healthy", [1, 2])
     healthy[0].register_group("with_raw", [0, 1])
     waiting = ops.all_reduce(healthy[0], torch.ones(16), group="with_raw", timeout=60)
-    before = rss_bytes(daemon.pid)
+    before = settled_rss(raw, daemon)
 
     def dropped() -> bool:
         ranks = [c["rank"] for c in raw.status(daemon)["clients"]]

@@ -845,6 +845,7 @@ class Daemon:
             "pid": os.getpid(),
             "uptime_s": round(time.time() - stats.started_at, 3),
             "closing": self._closing,
+            "torch_loaded": torch_loader.loaded(),
             "clients": [
                 {"rank": c.rank, "local_rank": c.local_rank, "pid": c.pid, "arena_bytes": c.arena_bytes,
                  "pending_ops": len(c.pending.ops), "pending_bytes": c.pending.bytes}

@@ -19,6 +19,7 @@ import atexit
 import os
 import socket
 import threading
+import time
 import uuid
 from datetime import timedelta
 from typing import Any
@@ -39,6 +40,8 @@ from commd.runtime import ConfigError, JobPaths, secret_from_environment
 
 BACKEND_NAME = "commd"
 _STORE_PREFIX = "commd/"
+#: How long rank 0 keeps the store up for the other ranks to read a failed secret check.
+_VERDICT_READ_S = 10.0
 #: How long an auto-started multi-node daemon may wait for the other nodes' daemons.
 _RENDEZVOUS_S = 300.0
 
@@ -465,6 +468,13 @@ def _check_fabric_secret(store: dist.Store, rank: int, size: int, round_: int) -
     problems = {r: store.get(f"{_STORE_PREFIX}secret_check.{round_}/{r}").decode() for r in range(size)}
     bad = {r: p for r, p in problems.items() if p != "ok"}
     if bad:
+        # Rank 0 usually hosts the store: it waits (briefly) until every rank has read the
+        # verdict, so nobody meets a vanished store instead of the reason.
+        read = store.add(f"{_STORE_PREFIX}secret_check_read.{round_}", 1)
+        deadline = time.monotonic() + _VERDICT_READ_S
+        while rank == 0 and read < size and time.monotonic() < deadline:
+            time.sleep(0.01)
+            read = store.add(f"{_STORE_PREFIX}secret_check_read.{round_}", 0)
         raise ConnectError(
             "this job spans several nodes, so its commd daemons need the same secret on every node: set "
             "COMMD_SECRET, or COMMD_SECRET_FILE to a file only you can read (mode 0600), for every rank "
