@@ -26,7 +26,8 @@ PER_TEST_TIMEOUT_S = 120
 # Grace for the runner to kill its workers and write results after SIGTERM.
 TERMINATE_GRACE_S = 120
 
-pytestmark = pytest.mark.conformance
+# Minutes long: `make conformance` (or `make test-all`) runs it; `make test` leaves it out.
+pytestmark = [pytest.mark.conformance, pytest.mark.slow]
 
 
 def _commd_import_error() -> str | None:
