@@ -411,3 +411,20 @@ def test_bad_config_file_is_refused_at_start(start_daemon: Callable[..., DaemonP
     daemon = start_daemon(extra=["--config", str(config)])
     assert daemon.proc.wait(timeout=60) == 2
     assert "'lane' must be one of" in daemon.log_tail()
+
+
+def test_auto_started_daemon_that_no_client_reaches_exits(start_daemon: Callable[..., DaemonProcess]) -> None:
+    """Whoever auto-started the daemon died before connecting: it must not serve an empty job forever."""
+    daemon = start_daemon(extra=["--exit-when-idle", "--first-client-grace", "1"]).wait_ready()
+    try:
+        code = daemon.proc.wait(timeout=30)
+    except Exception as exc:
+        raise AssertionError(f"the daemon still runs 30 s after a 1 s first-client grace:\n{daemon.log_tail()}") from exc
+    assert code == 0, daemon.log_tail()
+    assert "no client connected within 1s of the start" in daemon.log_tail(), daemon.log_tail()
+
+
+def test_first_client_grace_is_validated(start_daemon: Callable[..., DaemonProcess]) -> None:
+    daemon = start_daemon(extra=["--exit-when-idle", "--first-client-grace", "0"])
+    assert daemon.proc.wait(timeout=60) != 0
+    assert "--first-client-grace 0.0 must lie in" in daemon.log_tail(), daemon.log_tail()

@@ -44,6 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--idle-grace", type=float, default=3.0, help="seconds idle before --exit-when-idle exits")
     parser.add_argument(
+        "--first-client-grace", type=float, default=60.0,
+        help="with --exit-when-idle: exit if no client has connected this many seconds after the daemon "
+             "started serving (whoever started it is gone; default 60)",
+    )
+    parser.add_argument(
         "--owner-pid", type=int, default=None,
         help="exit (as on SIGTERM) when this process dies, e.g. the launcher that started us",
     )
@@ -111,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
         warm_up_torch = bool(env_int("COMMD_TORCH_WARMUP", 1, 0, 1))
         if args.idle_grace < 0:
             raise ConfigError("--idle-grace must be non-negative")
+        if not 0 < args.first_client_grace <= 7 * 24 * 3600:
+            raise ConfigError(f"--first-client-grace {args.first_client_grace} must lie in (0, 604800] seconds")
         if args.owner_pid is not None and args.owner_pid <= 0:
             raise ConfigError(f"--owner-pid {args.owner_pid} is not a process id")
         level = getattr(logging, str(args.log_level).upper(), None)
@@ -176,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("commd.daemon").info("lane choice: %s", scheduler.tuning_note)
     config = DaemonConfig(
         paths=paths, secret=secret, op_timeout=op_timeout,
-        exit_when_idle=args.exit_when_idle, idle_grace=args.idle_grace, owner_pid=args.owner_pid,
+        exit_when_idle=args.exit_when_idle, idle_grace=args.idle_grace,
+        first_client_grace=args.first_client_grace, owner_pid=args.owner_pid,
         node_name=node_name, scheduler=scheduler, fabric=fabric, peer_timeout=peer_timeout, limits=limits,
         metrics=metrics, trace=trace, max_segments=max_segments, max_arena_bytes=max_arena_bytes,
     )

@@ -71,6 +71,9 @@ class DaemonConfig:
     op_timeout: float = 30.0
     exit_when_idle: bool = False
     idle_grace: float = 3.0
+    #: With exit_when_idle: an auto-started daemon that no client reaches within this long after it
+    #: starts serving exits (the process that started it died before connecting).
+    first_client_grace: float = 60.0
     owner_pid: int | None = None
     max_arena_bytes: int = 1 << 40
     #: Segments one client may register: each costs the daemon a mapping (the process's
@@ -178,6 +181,7 @@ class Daemon:
         self.observers.start(self.loop)
         watchdog = asyncio.ensure_future(self._watchdog())
         log.info("daemon for job %s listening on %s", self.config.paths.job, self.config.paths.endpoint)
+        self._idle_since = time.monotonic()  # serving from now: the first client's grace starts here
         await self._stopped.wait()
         watchdog.cancel()
         self._lane.put(None)
@@ -825,13 +829,13 @@ class Daemon:
         if self.config.owner_pid is not None and not pid_alive(self.config.owner_pid):
             self.shutdown(f"its owner (pid {self.config.owner_pid}) is gone")
             return
-        if (
-            self.config.exit_when_idle
-            and self._had_clients
-            and not self.clients
-            and time.monotonic() - self._idle_since >= self.config.idle_grace
-        ):
+        if not self.config.exit_when_idle or self.clients:
+            return
+        idle = time.monotonic() - self._idle_since
+        if self._had_clients and idle >= self.config.idle_grace:
             self.shutdown("the job's last client left")
+        elif not self._had_clients and idle >= self.config.first_client_grace:
+            self.shutdown(f"no client connected within {self.config.first_client_grace:g}s of the start")
 
     # ---- status -----------------------------------------------------------
     def status(self) -> dict[str, Any]:
