@@ -10,6 +10,7 @@ import ipaddress
 import os
 import socket
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,32 +99,26 @@ def resolve(port: int | None, addr: str | None, textfile: str | None, interval_s
             config_path: str | None) -> MetricsSettings:
     """Flags (given as arguments), then COMMD_METRICS_* variables, then the config's ``[metrics]``."""
     section = config_section(config_path)
-    env = os.environ
     out = MetricsSettings()
-    if port is not None:
-        out.port = _port(port, "--metrics-port")
-    elif env.get("COMMD_METRICS_PORT"):
-        out.port = _port(env["COMMD_METRICS_PORT"], "COMMD_METRICS_PORT")
-    elif "port" in section:
-        out.port = _port(section["port"], "[metrics] port")
-    if addr is not None:
-        out.addr = _addr(addr, "--metrics-addr")
-    elif env.get("COMMD_METRICS_ADDR"):
-        out.addr = _addr(env["COMMD_METRICS_ADDR"], "COMMD_METRICS_ADDR")
-    elif "addr" in section:
-        out.addr = _addr(section["addr"], "[metrics] addr")
-    if textfile is not None:
-        out.textfile = _textfile(textfile, "--metrics-textfile")
-    elif env.get("COMMD_METRICS_TEXTFILE"):
-        out.textfile = _textfile(env["COMMD_METRICS_TEXTFILE"], "COMMD_METRICS_TEXTFILE")
-    elif "textfile" in section:
-        out.textfile = _textfile(section["textfile"], "[metrics] textfile")
-    if interval_s is not None:
-        out.interval_s = _interval(interval_s, "--metrics-interval")
-    elif env.get("COMMD_METRICS_INTERVAL"):
-        out.interval_s = _interval(env["COMMD_METRICS_INTERVAL"], "COMMD_METRICS_INTERVAL")
-    elif "interval_s" in section:
-        out.interval_s = _interval(section["interval_s"], "[metrics] interval_s")
+
+    def first(flag: Any, flag_name: str, env_name: str, key: str, parse: Callable[[Any, str], Any]) -> Any:
+        """The flag's value, else the variable's, else the config key's (parsed, naming its source); None."""
+        if flag is not None:
+            return parse(flag, flag_name)
+        if os.environ.get(env_name):
+            return parse(os.environ[env_name], env_name)
+        if key in section:
+            return parse(section[key], f"[metrics] {key}")
+        return None
+
+    for field_name, value in (
+        ("port", first(port, "--metrics-port", "COMMD_METRICS_PORT", "port", _port)),
+        ("addr", first(addr, "--metrics-addr", "COMMD_METRICS_ADDR", "addr", _addr)),
+        ("textfile", first(textfile, "--metrics-textfile", "COMMD_METRICS_TEXTFILE", "textfile", _textfile)),
+        ("interval_s", first(interval_s, "--metrics-interval", "COMMD_METRICS_INTERVAL", "interval_s", _interval)),
+    ):
+        if value is not None:
+            setattr(out, field_name, value)
     if out.port:
         check_bindable(out.addr, out.port)
     return out
