@@ -29,8 +29,8 @@ from commd.cli.status import format_status
 from commd.client import ops
 from commd.client.connection import Client
 from commd.client.errors import CommdError
+from commd.observe.stats import LATENCY_WINDOW, Stats
 from commd.protocol import schema as s
-from commd.scheduler.stats import LATENCY_WINDOW, Stats
 
 WAIT_S = 30.0
 
@@ -386,9 +386,9 @@ def test_finished_job_directories_older_than_a_week_are_pruned_even_when_few(tmp
 
 def test_failure_line_levels_and_point_to_point_description() -> None:
     """A lane error is an ERROR line naming the op; a p2p failure names send/recv and both ranks."""
+    from commd.core.ops import Submission
     from commd.daemon.failure_log import OpFailureLog
     from commd.daemon.loglimit import RateLimitedLog
-    from commd.scheduler.ops import Submission
 
     records: list[logging.LogRecord] = []
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from commd.daemon.executor import PARALLEL_MIN_BYTES
+from commd.execution.local import PARALLEL_MIN_BYTES
 
 REFERENCE = {
     "sum": lambda a, b: a + b,

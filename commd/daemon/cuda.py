@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from commd.daemon.torch_loader import torch_module
+from commd.execution.torch_loader import torch_module
 from commd.protocol import schema as s
 from commd.protocol.cuda import CudaRef
 

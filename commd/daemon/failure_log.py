@@ -16,9 +16,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
+from commd.core.ops import Submission
 from commd.daemon.loglimit import RateLimitedLog
 from commd.protocol import schema as s
-from commd.scheduler.ops import Submission
 
 #: Error codes that the ranks' own requests cause; the rest are failures of the system.
 RANK_CAUSED = frozenset({s.E_MISMATCH, s.E_TIMEOUT, s.E_PROTOCOL, s.E_BOUNDS, s.E_AUTH, s.E_VERSION, s.E_SHUTDOWN})

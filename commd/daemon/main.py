@@ -11,10 +11,11 @@ import re
 import socket
 import sys
 
-from commd.daemon import notify, torch_loader
+from commd.daemon import notify
 from commd.daemon.cuda import gpu_device_present
 from commd.daemon.limits import add_limit_arguments, config_section, limits_from_args
 from commd.daemon.server import Daemon, DaemonConfig
+from commd.execution import torch_loader
 from commd.fabric.rendezvous import FabricSpec, parse_host_port
 from commd.observe import cli as observe
 from commd.runtime import (

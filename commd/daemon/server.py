@@ -26,30 +26,32 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import zmq
 
-from commd.daemon import notify, torch_loader
+from commd.core.ops import MatchError, ReadyOp, Submission
+from commd.core.placement import GroupPlacement
+from commd.daemon import notify
 from commd.daemon.cuda import CudaImporter
 from commd.daemon.failure_log import OpFailureLog
 from commd.daemon.limits import REPLY_BACKLOG, ClientLimits, LimitGuard, PendingLedger
 from commd.daemon.loglimit import RateLimitedLog
-from commd.daemon.numpy_executor import execute_small, runs_on_numpy
 from commd.daemon.opchannel import OpConnection, OpListener
-from commd.daemon.plan import GroupPlan
+from commd.execution import torch_loader
+from commd.execution.small import execute_small, runs_on_numpy
 from commd.kernels.small import NUMPY_DTYPES
 from commd.memory.arena import Segment
 from commd.observe.hooks import DaemonObservers
 from commd.observe.settings import MetricsSettings
+from commd.observe.stats import Stats
 from commd.observe.trace import TraceError
 from commd.protocol import schema as s
 from commd.runtime import JobPaths, pid_alive, secrets_equal
-from commd.scheduler.local import LocalScheduler, MatchError, ReadyOp
-from commd.scheduler.ops import Submission, parse_submission
+from commd.scheduler.agreement import parse_submission
+from commd.scheduler.local import LocalScheduler
 from commd.scheduler.selection import SchedulerConfig
-from commd.scheduler.stats import Stats
 
 if TYPE_CHECKING:
     import torch
 
-    from commd.daemon.fabric_node import FabricNode
+    from commd.fabric.member import FabricMember
     from commd.fabric.rendezvous import Fabric
 
 log = logging.getLogger("commd.daemon")
@@ -132,8 +134,8 @@ class Daemon:
         self._stopped: asyncio.Event | None = None  # created in run(), on the loop
         #: Node rank of every global rank of the job (from the clients' hello); None until known.
         self.placement: list[int] | None = None
-        self.plans: dict[str, GroupPlan] = {}
-        self.fabric_node: FabricNode | None = None
+        self.plans: dict[str, GroupPlacement] = {}
+        self.fabric_member: FabricMember | None = None
         self._stall_warned: set[tuple[str, int]] = set()
         self._last_stall_scan = 0.0
         self.ctx = zmq.Context.instance()
@@ -174,10 +176,10 @@ class Daemon:
         self._lane_thread.start()
         self.loop.call_soon(self._on_readable)
         if self.config.fabric is not None:
-            from commd.daemon.fabric_node import FabricNode
+            from commd.fabric.member import FabricMember
 
-            self.fabric_node = FabricNode(self, self.config.fabric, self.config.peer_timeout)
-            self.fabric_node.start(self.loop)
+            self.fabric_member = FabricMember(self, self.config.fabric, self.config.peer_timeout)
+            self.fabric_member.start(self.loop)
         self.observers.start(self.loop)
         watchdog = asyncio.ensure_future(self._watchdog())
         log.info("daemon for job %s listening on %s", self.config.paths.job, self.config.paths.endpoint)
@@ -186,8 +188,8 @@ class Daemon:
         watchdog.cancel()
         self._lane.put(None)
         self._lane_thread.join(timeout=10)
-        if self.fabric_node is not None:
-            self.fabric_node.close(self._shutdown_reason)
+        if self.fabric_member is not None:
+            self.fabric_member.close(self._shutdown_reason)
         self.observers.close()
         self._cleanup()
 
@@ -287,8 +289,8 @@ class Daemon:
 
     def _send_error(self, sub: Submission, code: str, message: str) -> None:
         if sub.origin >= 0:  # a send forwarded from another node: the error goes back there
-            if self.fabric_node is not None:
-                self.fabric_node.fail_remote(sub, code, message)
+            if self.fabric_member is not None:
+                self.fabric_member.fail_remote(sub, code, message)
             return
         client = self.by_id.get(sub.client_id)
         if client is not None:
@@ -549,7 +551,7 @@ class Daemon:
         if client.rank not in ranks:
             raise s.ProtocolError(f"rank {client.rank} is not a member of group '{name}'")
         me = self.config.fabric.node_rank if self.config.fabric is not None else 0
-        plan = GroupPlan(name, tuple(ranks), tuple(self.placement[r] for r in ranks), me)
+        plan = GroupPlacement(name, tuple(ranks), tuple(self.placement[r] for r in ranks), me)
         try:
             self.scheduler.register_group(name, ranks, plan.local)
         except ValueError as exc:
@@ -557,8 +559,8 @@ class Daemon:
         self.plans[name] = plan
         client.groups[name] = ranks.index(client.rank)
         self._send(identity, {"t": s.ACK})
-        if self.fabric_node is not None:
-            self.fabric_node.group_registered(name)
+        if self.fabric_member is not None:
+            self.fabric_member.group_registered(name)
 
     def _on_bye(self, identity: bytes) -> None:
         client = self.clients.get(identity)
@@ -610,9 +612,9 @@ class Daemon:
         self.limits.admit(client.rank, client.pending, sub.op_id, sub.buffers)
         self.stats.submitted(sub.group, sub.seq)
         plan = self.plans.get(group_name)
-        multi_node = plan is not None and plan.multi_node and self.fabric_node is not None
+        multi_node = plan is not None and plan.multi_node and self.fabric_member is not None
         if multi_node and sub.kind == "send" and plan.node_of[sub.peer] != plan.me:
-            self.fabric_node.forward_send(sub, plan)
+            self.fabric_member.forward_send(sub, plan)
             return
         try:
             ready = self.scheduler.submit(sub)
@@ -624,9 +626,9 @@ class Daemon:
         if not multi_node:
             self._start(ready)
         elif ready.kind != "sendrecv":
-            self.fabric_node.negotiate(ready, plan)
+            self.fabric_member.negotiate(ready, plan)
         elif ready.subs[0].origin >= 0:
-            self.fabric_node.matched(ready)
+            self.fabric_member.matched(ready)
         else:
             self._start(ready)
 
@@ -759,8 +761,8 @@ class Daemon:
                 self._check_clients()
                 now = time.monotonic()
                 self.fail_each(self.scheduler.expire(now), s.E_TIMEOUT)
-                if self.fabric_node is not None:
-                    self.fabric_node.tick(now)
+                if self.fabric_member is not None:
+                    self.fabric_member.tick(now)
                 self._inspect_stalls(now)
                 self._check_idle()
                 self.log_limit.flush()
@@ -787,8 +789,8 @@ class Daemon:
             client.op_channel = None
         if notify_peers:
             self.fail_ops_waiting_on(client.rank, why)
-            if self.fabric_node is not None:
-                self.fabric_node.rank_died(client.rank, why)
+            if self.fabric_member is not None:
+                self.fabric_member.rank_died(client.rank, why)
         self._release(client)
         self.limits.forget(client.rank)
         self.scheduler.forget_client_groups({c.rank for c in self.clients.values()})
@@ -813,7 +815,7 @@ class Daemon:
                 self._stall_warned.add(key)
                 log.warning("stalled: %s #%s on group '%s' has waited %.0fs for ranks %s to submit it",
                             row["kind"], row["seq"], row["group"], row["waiting_s"], row["missing_ranks"])
-            if config.stall_shutdown_s and row["waiting_s"] >= config.stall_shutdown_s and self.fabric_node is None:
+            if config.stall_shutdown_s and row["waiting_s"] >= config.stall_shutdown_s and self.fabric_member is None:
                 self.shutdown(f"{row['kind']} #{row['seq']} on group '{row['group']}' stalled for "
                               f"{row['waiting_s']:.0f}s waiting for ranks {row['missing_ranks']}")
                 return
@@ -875,7 +877,7 @@ class Daemon:
             "oldest_waiting": waiting[0] if waiting else None,
             "stalls": self._stalls(waiting),
             "node": self.config.node_name,
-            "fabric": self.fabric_node.status() if self.fabric_node is not None else None,
+            "fabric": self.fabric_member.status() if self.fabric_member is not None else None,
             "last_errors": list(stats.errors),
             "departures": list(stats.departures),
             "limits": self.config.limits.to_status(),
@@ -886,6 +888,6 @@ class Daemon:
     def _stalls(self, waiting: list[dict[str, Any]]) -> list[dict[str, Any]]:
         threshold = self.config.scheduler.stall_warning_s
         rows = [dict(r, missing_nodes=[]) for r in waiting if r["waiting_s"] >= threshold]
-        if self.fabric_node is not None:
-            rows += [r for r in self.fabric_node.fabric_stalls]
+        if self.fabric_member is not None:
+            rows += [r for r in self.fabric_member.fabric_stalls]
         return rows

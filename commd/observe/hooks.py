@@ -93,8 +93,8 @@ class DaemonObservers:
         if action == "start":
             path = check_trace_path(path, "field 'path'")
         written = self.apply({"action": action, "path": path})
-        fabric_node = self.daemon.fabric_node
-        forwarded = fabric_node.forward_trace(action, path) if fabric_node is not None else 0
+        fabric_member = self.daemon.fabric_member
+        forwarded = fabric_member.forward_trace(action, path) if fabric_member is not None else 0
         return {"file": written, "forwarded_to": forwarded}
 
     def apply(self, item: dict[str, Any]) -> str | None:

@@ -1,7 +1,7 @@
 """The daemon's Prometheus metrics: an HTTP endpoint and a node_exporter textfile.
 
 Nothing here counts anything: a custom collector reads the daemon's own
-counters (``commd.scheduler.stats.Stats``) and its status map at scrape time,
+counters (``commd.observe.stats.Stats``) and its status map at scrape time,
 so ``commd status`` and the metrics are the same numbers.  The snapshot is
 taken on the daemon's event loop (the only thread that changes them), so a
 scrape never sees a half-updated map; the HTTP server runs on its own thread.
@@ -25,7 +25,7 @@ from prometheus_client.core import (
 )
 
 from commd.observe.settings import MetricsSettings
-from commd.scheduler.stats import LATENCY_BUCKETS
+from commd.observe.stats import LATENCY_BUCKETS
 
 log = logging.getLogger("commd.metrics")
 

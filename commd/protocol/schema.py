@@ -28,6 +28,8 @@ MAX_TENSORS_PER_OP = 1024
 MAX_NAME_LEN = 256
 #: The longest op timeout anything accepts (a week); the daemon may cap it lower.
 MAX_OP_TIMEOUT_S = 7 * 24 * 3600
+#: The transports a fabric may have; an op's lane hint names one of them.
+LANE_NAMES = ("tcp", "gloo", "mpi", "nccl")
 
 # Message types.
 HELLO = "hello"

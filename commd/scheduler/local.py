@@ -17,43 +17,9 @@ import collections
 import time
 from dataclasses import dataclass, field
 
-from commd.scheduler.ops import Submission, find_mismatch
-from commd.scheduler.stats import Stats
-
-
-class MatchError(Exception):
-    """Raised with the submissions that must all receive the same error."""
-
-    def __init__(self, message: str, code: str, subs: list[Submission]) -> None:
-        super().__init__(message)
-        self.code = code
-        self.subs = subs
-
-
-@dataclass
-class ReadyOp:
-    """A matched op: one submission per participating group rank."""
-
-    kind: str
-    group: str
-    seq: int
-    subs: list[Submission]
-    first_at: float
-    ready_at: float = field(default_factory=time.monotonic)
-
-    nbytes: int = -1
-    on_gpu: bool = False
-    lane: str = "local"  # the lane that ran its inter-node phase ("local": none)
-
-    def __post_init__(self) -> None:
-        if self.nbytes < 0:
-            self.nbytes = max(sub.nbytes for sub in self.subs)
-        self.on_gpu = any(sub.on_gpu for sub in self.subs)
-
-    def describe(self) -> str:
-        if self.kind in ("send", "recv"):
-            return f"send/recv on group '{self.group}'"
-        return f"{self.kind} #{self.seq} on group '{self.group}'"
+from commd.core.ops import MatchError, ReadyOp, Submission
+from commd.observe.stats import Stats
+from commd.scheduler.agreement import find_mismatch
 
 
 @dataclass

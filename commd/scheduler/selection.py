@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from commd.protocol import schema as s
+from commd.protocol.schema import LANE_NAMES
 from commd.scheduler.tuning import TuningTable
 
 #: Every lane name a rule or hint may name.
-LANE_NAMES = ("tcp", "gloo", "mpi", "nccl")
 DEFAULT_LANE = "tcp"
 #: Chosen by measurement (see the README's performance section): fused buffers up to
 #: 64 KiB stay on the tcp lane's direct all-reduce, whose result per element does not

@@ -157,7 +157,7 @@ class Options:
     """
 
     def __init__(self, lane: str | None = None) -> None:
-        from commd.scheduler.selection import LANE_NAMES
+        from commd.protocol.schema import LANE_NAMES
 
         if lane is not None and lane not in LANE_NAMES:
             raise ValueError(f"unknown lane {lane!r}; known: {list(LANE_NAMES)}")

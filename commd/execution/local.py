@@ -15,12 +15,11 @@ from collections.abc import Callable
 
 import torch
 
-from commd.daemon.numpy_executor import SMALL_BYTES, execute_small
+from commd.core.ops import ReadyOp, Submission
+from commd.execution.small import SMALL_BYTES, execute_small
 from commd.kernels.layout import block_offsets
 from commd.kernels.reduce import TORCH_DTYPES, reduce_into
 from commd.runtime import env_int
-from commd.scheduler.local import ReadyOp
-from commd.scheduler.ops import Submission
 
 #: Elements per block in blocked kernels: 1 MiB of float32, which keeps a
 #: block of every rank in L2/L3 while it is reduced and copied back out.

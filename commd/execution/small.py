@@ -10,9 +10,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from commd.core.ops import ReadyOp, Submission
 from commd.kernels import small
-from commd.scheduler.local import ReadyOp
-from commd.scheduler.ops import Submission
 
 ResolveArray = Callable[[Submission, str], np.ndarray]
 #: Ops up to this size run with NumPy kernels (cheaper per call than torch).

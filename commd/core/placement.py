@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class GroupPlan:
+class GroupPlacement:
     """Where a group's ranks live: ``node_of[g]`` is the node of group rank g."""
 
     name: str

@@ -1,70 +1,16 @@
-"""What one rank asked for (a Submission) and the checks on it.
-
-``parse_submission`` validates a single client's op message against the
-schema and against the sizes of its own buffers; ``find_mismatch`` compares
-the submissions of all members of a group for the same sequence number, so
-disagreeing ranks get an error naming the fields instead of a hang.
-"""
+"""Agreement: ``parse_submission`` validates one rank's op message against the schema and its own
+buffers; ``find_mismatch`` compares the submissions of all members of a group for one sequence
+number, so disagreeing ranks get an error naming the fields instead of a hang."""
 
 from __future__ import annotations
 
 import functools
-import time
-from dataclasses import dataclass, field
 from typing import Any
 
+from commd.core.ops import COUNTED, REDUCING, ROOTED, BufferRef, Submission
 from commd.protocol import schema as s
 from commd.protocol.cuda import CudaRef
-from commd.scheduler.selection import LANE_NAMES
-
-ROOTED = frozenset({"reduce", "broadcast", "gather", "scatter"})
-REDUCING = frozenset({"allreduce", "reduce", "reduce_scatter"})
-COUNTED = frozenset({"allgather", "gather", "scatter", "reduce_scatter"})
-
-
-@dataclass(slots=True)
-class BufferRef:
-    """A client buffer: a range of one of its segments, or inline bytes."""
-
-    nbytes: int
-    segment: int = -1
-    offset: int = 0
-    inline: bytearray | None = None
-    cuda: CudaRef | None = None
-
-
-@dataclass(slots=True)
-class Submission:
-    """One rank's validated request for one op."""
-
-    client_id: int
-    op_id: int
-    group: str
-    group_rank: int
-    group_size: int
-    seq: int
-    kind: str
-    dtype: str
-    count: int = 0
-    reduce_op: str = "sum"
-    root: int = 0
-    peer: int = -1
-    tag: int = 0
-    scale: float = 1.0
-    counts: list[int] | None = None
-    splits_in: list[int] | None = None
-    splits_out: list[int] | None = None
-    buffers: dict[str, BufferRef] = field(default_factory=dict)
-    timeout: float = 30.0
-    submitted_at: float = field(default_factory=time.monotonic)
-    nbytes: int = 0
-    on_gpu: bool = False
-    #: Lane hint ("" = let the scheduler choose); part of the agreed fields.
-    lane: str = ""
-    #: For a send forwarded from another node: that node (the sender is not a local client).
-    origin: int = -1
-    #: The fields every member must agree on, for a cheap equality check.
-    signature: tuple = ()
+from commd.protocol.schema import LANE_NAMES
 
 
 def _ref(msg: dict[str, Any], name: str) -> BufferRef | None:

@@ -14,19 +14,18 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from commd.daemon.executor import parallel_copy, parallel_reduce_into
-from commd.daemon.plan import GroupPlan
+from commd.core.ops import ReadyOp, Submission
+from commd.core.placement import GroupPlacement
+from commd.execution.local import parallel_copy, parallel_reduce_into
 from commd.kernels.layout import block_offsets, byte_view
 from commd.kernels.reduce import TORCH_DTYPES, reduce_into
 from commd.kernels.small import NUMPY_DTYPES
 from commd.kernels.small import reduce_into as small_reduce_into
 from commd.lanes.base import Lane
 from commd.protocol import schema as s
-from commd.scheduler.local import ReadyOp
-from commd.scheduler.ops import Submission
 from commd.scheduler.selection import lane_reduce_op
 
-__all__ = ["GroupPlan", "apply_result", "run", "run_fused_allreduce", "run_p2p", "scratch_like"]
+__all__ = ["GroupPlacement", "apply_result", "run", "run_fused_allreduce", "run_p2p", "scratch_like"]
 
 Resolve = Callable[[Submission, str], torch.Tensor]
 
@@ -54,14 +53,14 @@ class _Staging:
             torch.cuda.synchronize()
 
 
-def run(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeout: float) -> None:
+def run(op: ReadyOp, plan: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float) -> None:
     """Execute one released multi-node collective; ``op.subs`` are the local ranks', in group-rank order."""
     staging = _Staging(resolve)
     _RUNNERS[op.kind](op, plan, lane, staging, timeout)
     staging.finish()
 
 
-def _allreduce(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeout: float) -> None:
+def _allreduce(op: ReadyOp, plan: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float) -> None:
     first = op.subs[0]
     bufs = [resolve(x, "buf") for x in op.subs]
     local_op = "sum" if first.reduce_op == "avg" else first.reduce_op
@@ -74,7 +73,7 @@ def _allreduce(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeo
     parallel_copy(bufs[1:], acc)
 
 
-def run_fused_allreduce(ops: list[ReadyOp], plan: GroupPlan, lane: Lane, resolve: Resolve, timeout: float,
+def run_fused_allreduce(ops: list[ReadyOp], plan: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float,
                         resolve_array: Callable[[Submission, str], np.ndarray] | None = None) -> None:
     """Several small all-reduces of one group, dtype and reduce op as one lane call on one buffer.
 
@@ -110,7 +109,7 @@ def run_fused_allreduce(ops: list[ReadyOp], plan: GroupPlan, lane: Lane, resolve
     staging.finish()
 
 
-def _fused_allreduce_numpy(ops: list[ReadyOp], plan: GroupPlan, lane: Lane,
+def _fused_allreduce_numpy(ops: list[ReadyOp], plan: GroupPlacement, lane: Lane,
                            resolve_array: Callable[[Submission, str], np.ndarray], timeout: float) -> None:
     first = ops[0].subs[0]
     local_op = "sum" if first.reduce_op == "avg" else first.reduce_op
@@ -132,7 +131,7 @@ def _fused_allreduce_numpy(ops: list[ReadyOp], plan: GroupPlan, lane: Lane,
         offset += n
 
 
-def _reduced_copy(op: ReadyOp, plan: GroupPlan, lane: Lane, inputs: list[torch.Tensor], timeout: float) -> torch.Tensor:
+def _reduced_copy(op: ReadyOp, plan: GroupPlacement, lane: Lane, inputs: list[torch.Tensor], timeout: float) -> torch.Tensor:
     """The reduction over every rank of the group, in a scratch buffer (the ranks' buffers untouched)."""
     first = op.subs[0]
     scratch = torch.empty_like(inputs[0])
@@ -144,7 +143,7 @@ def _reduced_copy(op: ReadyOp, plan: GroupPlan, lane: Lane, inputs: list[torch.T
     return scratch
 
 
-def _reduce(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeout: float) -> None:
+def _reduce(op: ReadyOp, plan: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float) -> None:
     first = op.subs[0]
     bufs = [resolve(x, "buf") for x in op.subs]
     scratch = _reduced_copy(op, plan, lane, bufs, timeout)
@@ -153,7 +152,7 @@ def _reduce(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeout:
             buf.copy_(scratch)
 
 
-def _broadcast(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeout: float) -> None:
+def _broadcast(op: ReadyOp, plan: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float) -> None:
     first = op.subs[0]
     bufs = [resolve(x, "buf") for x in op.subs]
     root_node = plan.node_of[first.root]
@@ -165,11 +164,11 @@ def _broadcast(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeo
     parallel_copy(bufs, src)
 
 
-def _node_bytes(plan: GroupPlan, counts: list[int], itemsize: int) -> list[int]:
+def _node_bytes(plan: GroupPlacement, counts: list[int], itemsize: int) -> list[int]:
     return [sum(counts[g] for g in plan.members(n)) * itemsize for n in plan.nodes]
 
 
-def _allgather(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeout: float) -> None:
+def _allgather(op: ReadyOp, plan: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float) -> None:
     first = op.subs[0]
     itemsize = s.ITEMSIZE[first.dtype]
     counts = first.counts
@@ -192,7 +191,7 @@ def _allgather(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeo
         out.copy_(outs[0])
 
 
-def _gather(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeout: float) -> None:
+def _gather(op: ReadyOp, plan: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float) -> None:
     first = op.subs[0]
     itemsize = s.ITEMSIZE[first.dtype]
     counts = first.counts
@@ -217,7 +216,7 @@ def _gather(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeout:
             at += size
 
 
-def _scatter(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeout: float) -> None:
+def _scatter(op: ReadyOp, plan: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float) -> None:
     first = op.subs[0]
     itemsize = s.ITEMSIZE[first.dtype]
     counts = first.counts
@@ -244,7 +243,7 @@ def _scatter(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeout
         at += size
 
 
-def _reduce_scatter(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeout: float) -> None:
+def _reduce_scatter(op: ReadyOp, plan: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float) -> None:
     first = op.subs[0]
     counts = first.counts
     offsets = block_offsets(counts)
@@ -254,7 +253,7 @@ def _reduce_scatter(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, 
         resolve(sub, "out").copy_(scratch[offsets[g] : offsets[g] + counts[g]])
 
 
-def _alltoall(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeout: float) -> None:
+def _alltoall(op: ReadyOp, plan: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float) -> None:
     itemsize = s.ITEMSIZE[op.subs[0].dtype]
     inputs = [byte_view(resolve(x, "in")) for x in op.subs]
     outs = [byte_view(resolve(x, "out")) for x in op.subs]
@@ -286,7 +285,7 @@ def _alltoall(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeou
                 at += length
 
 
-def _barrier(op: ReadyOp, plan: GroupPlan, lane: Lane, resolve: Resolve, timeout: float) -> None:
+def _barrier(op: ReadyOp, plan: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float) -> None:
     lane.barrier(plan.nodes, timeout)
 
 
@@ -303,7 +302,7 @@ _RUNNERS = {
 }
 
 
-def apply_result(op: ReadyOp, plan: GroupPlan, result: bytes, resolve: Resolve) -> None:
+def apply_result(op: ReadyOp, plan: GroupPlacement, result: bytes, resolve: Resolve) -> None:
     """Write an all-reduce result the coordinator computed into every local rank's buffer."""
     first = op.subs[0]
     acc = torch.frombuffer(bytearray(result), dtype=TORCH_DTYPES[first.dtype])

@@ -57,9 +57,9 @@ def loaded() -> bool:
 
 
 def executor() -> ModuleType:
-    """``commd.daemon.executor`` (torch kernels for every op kind), loaded on first use."""
+    """``commd.execution.local`` (torch kernels for every op kind), loaded on first use."""
     torch_module()
-    from commd.daemon import executor as module
+    from commd.execution import local as module
 
     return module
 

@@ -32,15 +32,22 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from commd.daemon.hierarchy import GroupPlan, apply_result, run, run_fused_allreduce, run_p2p, scratch_like
+from commd.core.ops import COUNTED, MatchError, ReadyOp, Submission
+from commd.execution.hierarchy import (
+    GroupPlacement,
+    apply_result,
+    run,
+    run_fused_allreduce,
+    run_p2p,
+    scratch_like,
+)
 from commd.fabric.rendezvous import Fabric
 from commd.kernels.reduce import reduce_into
 from commd.lanes.base import LaneError
 from commd.protocol import schema as s
 from commd.runtime import env_float, env_int
+from commd.scheduler.agreement import agreed_values
 from commd.scheduler.coordinator import Coordinator, Outbox
-from commd.scheduler.local import MatchError, ReadyOp
-from commd.scheduler.ops import COUNTED, Submission, agreed_values
 from commd.scheduler.overlap import PendingRanges
 from commd.scheduler.selection import executor_key
 
@@ -67,7 +74,7 @@ def _frozen(value: Any) -> Any:
     return value
 
 
-class FabricNode:
+class FabricMember:
     def __init__(self, daemon: Daemon, fabric: Fabric, peer_timeout: float) -> None:
         self.daemon = daemon
         self.fabric = fabric
@@ -78,9 +85,9 @@ class FabricNode:
             if fabric.is_coordinator else None
         )
         self.links = fabric.links
-        self.negotiating: dict[tuple[str, int], tuple[ReadyOp, GroupPlan, tuple]] = {}
+        self.negotiating: dict[tuple[str, int], tuple[ReadyOp, GroupPlacement, tuple]] = {}
         self.neg_cache: dict[tuple, int] = {}
-        self.remote_sends: dict[int, tuple[Submission, GroupPlan]] = {}  # our sends waiting at a receiver
+        self.remote_sends: dict[int, tuple[Submission, GroupPlacement]] = {}  # our sends waiting at a receiver
         self.remote_matched: dict[tuple[int, int], ReadyOp] = {}  # (src node, key) -> matched send/recv
         self.early_sends: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
         self._send_keys = 0
@@ -271,12 +278,12 @@ class FabricNode:
                 run_now()
 
     # ---- collectives -----------------------------------------------------------
-    def negotiate(self, op: ReadyOp, plan: GroupPlan) -> None:
+    def negotiate(self, op: ReadyOp, plan: GroupPlacement) -> None:
         started = time.thread_time_ns()
         self._negotiate(op, plan)
         self.sched_ns += time.thread_time_ns() - started
 
-    def _negotiate(self, op: ReadyOp, plan: GroupPlan) -> None:
+    def _negotiate(self, op: ReadyOp, plan: GroupPlacement) -> None:
         problem = self._unreachable(plan.nodes)
         if problem is not None:
             self._fail_op(op, s.E_PEER_DIED, f"{op.describe()} cannot run: {problem}")
@@ -362,7 +369,7 @@ class FabricNode:
         if run_now is not None:
             run_now()
 
-    def _take_released(self, item: dict[str, Any]) -> tuple[ReadyOp, GroupPlan] | None:
+    def _take_released(self, item: dict[str, Any]) -> tuple[ReadyOp, GroupPlacement] | None:
         """The op a release names, no longer negotiating (None: not one of ours)."""
         entry = self.negotiating.pop((item["g"], item["s"]), None)
         if entry is None:
@@ -521,7 +528,7 @@ class FabricNode:
         self.daemon.fail_op(op.subs, code, message)
 
     # ---- point to point ---------------------------------------------------------
-    def forward_send(self, sub: Submission, plan: GroupPlan) -> None:
+    def forward_send(self, sub: Submission, plan: GroupPlacement) -> None:
         dst_node = plan.node_of[sub.peer]
         problem = self._unreachable((self.me, dst_node))
         if problem is not None:

@@ -1,0 +1,1 @@
+"""The op model: what a rank submits, what a matched op is, where a group lives."""

@@ -1,0 +1,1 @@
+"""Running matched ops: the local executor, the hierarchical (local → lane → local) phases, worker threads."""
