@@ -210,7 +210,7 @@ class Daemon:
         deadline = time.monotonic() + 10
         while self._lane_busy and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        self._flush()
+        self.flush()
         self._stopped.set()
 
     def _cleanup(self) -> None:
@@ -243,7 +243,7 @@ class Daemon:
                 continue
             self._dispatch(frames[0], frames[1])
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
         # zmq's FD is edge-triggered: sends may have consumed a read edge.
         if self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             self.loop.call_soon(self._on_readable)
@@ -365,7 +365,7 @@ class Daemon:
                f"channel, limit {channel.max_backlog}: --max-reply-backlog)")
         self.limits.hit(REPLY_BACKLOG, client.rank, f"rank {client.rank} {why}")
         self._drop_client(client, why, notify_peers=True)
-        self._flush()
+        self.flush()
 
     def _judge_disconnect(self, client: ClientRecord, deadline: float) -> None:
         """A closed op channel usually means the process is dying: give it a moment to be gone."""
@@ -378,7 +378,7 @@ class Daemon:
         else:
             self.loop.call_later(0.01, self._judge_disconnect, client, deadline)
             return
-        self._flush()
+        self.flush()
 
     # ---- dispatch -----------------------------------------------------
     def _dispatch(self, identity: bytes, frame: bytes) -> None:
@@ -654,7 +654,7 @@ class Daemon:
                     f"buffer '{name}' offset {ref.offset} is not aligned to {sub.dtype}", s.E_BOUNDS
                 )
 
-    def _resolve(self, sub: Submission, name: str) -> torch.Tensor:
+    def resolve(self, sub: Submission, name: str) -> torch.Tensor:
         ref = sub.buffers[name]
         torch = torch_loader.torch_module()
         dtype = torch_loader.executor().torch_dtype(sub.dtype)
@@ -671,7 +671,7 @@ class Daemon:
             view = client.views[ref.segment] = torch.frombuffer(segment.mm, dtype=torch.uint8, count=segment.size)
         return view[ref.offset : ref.offset + ref.nbytes].view(dtype)
 
-    def _resolve_array(self, sub: Submission, name: str) -> np.ndarray:
+    def resolve_array(self, sub: Submission, name: str) -> np.ndarray:
         ref = sub.buffers[name]
         dtype = NUMPY_DTYPES[sub.dtype]
         if ref.inline is not None:
@@ -684,7 +684,7 @@ class Daemon:
         if self._lane_busy == 0 and op.nbytes <= INLINE_EXEC_BYTES and (torch_loader.loaded() or runs_on_numpy(op)):
             self.stats.started(op.group, queued=False)
             error = self._run(op)
-            self._complete(op, error)
+            self.complete(op, error)
             return
         self.stats.queued(op.group)
         self._lane_busy += 1
@@ -700,10 +700,10 @@ class Daemon:
             if op.on_gpu:
                 device = next(b.cuda.device for x in op.subs for b in x.buffers.values() if b.cuda is not None)
                 with torch_loader.torch_module().cuda.stream(self.cuda.stream(device)):
-                    torch_loader.executor().execute(op, self._resolve)
+                    torch_loader.executor().execute(op, self.resolve)
                 self.cuda.synchronize()  # results are visible to the clients when we answer
-            elif not execute_small(op, self._resolve_array):
-                torch_loader.executor().execute(op, self._resolve)
+            elif not execute_small(op, self.resolve_array):
+                torch_loader.executor().execute(op, self.resolve)
             return None
         except Exception as exc:
             log.exception("executing %s failed", op.describe())
@@ -728,10 +728,10 @@ class Daemon:
 
     def _lane_done(self, op: ReadyOp, error: str | None) -> None:
         self._lane_busy -= 1
-        self._complete(op, error)
-        self._flush()
+        self.complete(op, error)
+        self.flush()
 
-    def _complete(self, op: ReadyOp, error: str | None, code: str | None = None) -> None:
+    def complete(self, op: ReadyOp, error: str | None, code: str | None = None) -> None:
         if self.tracer.on:
             self.tracer.op_done(op, error)
         self.stats.finished(op.group, op.kind, op.nbytes, time.monotonic() - op.first_at, error is None, op.lane)
@@ -766,7 +766,7 @@ class Daemon:
                 self._inspect_stalls(now)
                 self._check_idle()
                 self.log_limit.flush()
-                self._flush()
+                self.flush()
             except Exception:
                 log.exception("watchdog failed")
 
@@ -838,6 +838,24 @@ class Daemon:
             self.shutdown("the job's last client left")
         elif not self._had_clients and idle >= self.config.first_client_grace:
             self.shutdown(f"no client connected within {self.config.first_client_grace:g}s of the start")
+
+    # ---- what the fabric member may use (fabric.services.NodeServices) ----------
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    def group_size(self, name: str) -> int | None:
+        group = self.scheduler.groups.get(name)
+        return len(group.ranks) if group is not None else None
+
+    def match(self, sub: Submission) -> ReadyOp | None:
+        return self.scheduler.submit(sub)
+
+    def waiting_summary(self) -> list[dict[str, Any]]:
+        return self.scheduler.waiting_summary()
+
+    def apply_trace(self, item: dict[str, Any]) -> None:
+        self.observers.apply_forwarded(item)
 
     # ---- status -----------------------------------------------------------
     def status(self) -> dict[str, Any]:

@@ -52,7 +52,7 @@ from commd.scheduler.overlap import PendingRanges
 from commd.scheduler.selection import executor_key
 
 if TYPE_CHECKING:
-    from commd.daemon.server import Daemon
+    from commd.fabric.services import NodeServices
 
 log = logging.getLogger("commd.fabric")
 
@@ -75,8 +75,8 @@ def _frozen(value: Any) -> Any:
 
 
 class FabricMember:
-    def __init__(self, daemon: Daemon, fabric: Fabric, peer_timeout: float) -> None:
-        self.daemon = daemon
+    def __init__(self, node: NodeServices, fabric: Fabric, peer_timeout: float) -> None:
+        self.node = node
         self.fabric = fabric
         self.me = fabric.node_rank
         self.peer_timeout = peer_timeout
@@ -180,7 +180,7 @@ class FabricMember:
                 self._on_down(items)
         except Exception:
             log.exception("control channel: bad message from node %d dropped", node)
-        self.daemon._flush()
+        self.node.flush()
 
     def _on_link_closed(self, node: int, why: str) -> None:
         if self.coordinator is not None:
@@ -189,7 +189,7 @@ class FabricMember:
             self._dispatch(out)
         else:
             self._coordinator_lost(f"closed the control connection ({why}){self._freeze_note()}")
-        self.daemon._flush()
+        self.node.flush()
 
     # ---- coordinator side -------------------------------------------------------
     def _coordinate(self, node: int, items: list[dict[str, Any]]) -> None:
@@ -256,15 +256,15 @@ class FabricMember:
             elif kind == "node_dead":
                 self._node_dead(item["node"], item["why"])
             elif kind == "rank_died":
-                self.daemon.fail_ops_waiting_on(item["rank"], item["why"])
+                self.node.fail_ops_waiting_on(item["rank"], item["why"])
             elif kind == "hb":
                 self.fabric_stalls = item.get("stalls", [])
             elif kind == "shutdown":
-                self.daemon.shutdown(item.get("why", "the coordinator shut the fabric down"))
+                self.node.shutdown(item.get("why", "the coordinator shut the fabric down"))
             elif kind == "leaving":
                 self._coordinator_lost(f"left the fabric ({item.get('why')})")
             elif kind == "trace":
-                self.daemon.observers.apply_forwarded(item)
+                self.node.apply_trace(item)
         self._run_released(fused)
 
     def _run_released(self, items: list[dict[str, Any]]) -> None:
@@ -354,7 +354,7 @@ class FabricMember:
             return None
         first = op.subs[0]
         try:
-            bufs = [self.daemon._resolve(x, "buf") for x in op.subs]
+            bufs = [self.node.resolve(x, "buf") for x in op.subs]
         except KeyError:  # a rank left meanwhile: take the lane path, which copes with that
             return None
         local_op = "sum" if first.reduce_op == "avg" else first.reduce_op
@@ -382,8 +382,8 @@ class FabricMember:
         self.negotiation_us.append((time.monotonic() - op.ready_at) * 1e6)
         self.released += 1
         op.lane = item["l"]
-        if self.daemon.tracer.on:
-            self.daemon.tracer.mark(op, "released")
+        if self.node.tracer.on:
+            self.node.tracer.mark(op, "released")
         return op, plan
 
     def _release(self, item: dict[str, Any]) -> Callable[[], None] | None:
@@ -405,7 +405,7 @@ class FabricMember:
             def work(cap: float) -> None:
                 run(op, plan, self.fabric.lanes[lane_name], resolve, min(timeout, cap))
 
-        work = self.daemon.tracer.wrap((op,), work)
+        work = self.node.tracer.wrap((op,), work)
         return self._enqueue(lane_name, op.on_gpu, op.group, work,
                              lambda error, code: self._done(op, error, code), op.nbytes)
 
@@ -427,7 +427,7 @@ class FabricMember:
         def work(cap: float) -> None:
             run_fused_allreduce(ops, plan, self.fabric.lanes[lane_name], resolve, min(timeout, cap), resolve_array)
 
-        work = self.daemon.tracer.wrap(ops, work)
+        work = self.node.tracer.wrap(ops, work)
 
         def done(error: str | None, code: str) -> None:
             for op in ops:
@@ -495,7 +495,7 @@ class FabricMember:
             if chaos.random() < 0.3:
                 time.sleep(chaos.random() * self.chaos_delay_s)
         try:
-            if self.daemon._closing:
+            if self.node.closing:
                 return "daemon shutting down before the op could run", s.E_SHUTDOWN
             work(cap)
             return None, s.E_INTERNAL
@@ -507,7 +507,7 @@ class FabricMember:
 
     def _resolver(self, as_array: bool = False) -> Callable[[Submission, str], Any]:
         """Buffers of released ops (torch tensors, or NumPy arrays), with a stand-in for a rank that died."""
-        find = self.daemon._resolve_array if as_array else self.daemon._resolve
+        find = self.node.resolve_array if as_array else self.node.resolve
 
         def resolve(sub: Submission, name: str) -> Any:
             try:
@@ -521,18 +521,18 @@ class FabricMember:
     def _done(self, op: ReadyOp, error: str | None, code: str) -> None:
         if error is not None:
             error = f"{op.describe()} failed between nodes: {error}"
-        self.daemon._complete(op, error, code)
-        self.daemon._flush()
+        self.node.complete(op, error, code)
+        self.node.flush()
 
     def _fail_op(self, op: ReadyOp, code: str, message: str) -> None:
-        self.daemon.fail_op(op.subs, code, message)
+        self.node.fail_op(op.subs, code, message)
 
     # ---- point to point ---------------------------------------------------------
     def forward_send(self, sub: Submission, plan: GroupPlacement) -> None:
         dst_node = plan.node_of[sub.peer]
         problem = self._unreachable((self.me, dst_node))
         if problem is not None:
-            self.daemon.fail_op([sub], s.E_PEER_DIED, f"send to group rank {sub.peer} cannot run: {problem}")
+            self.node.fail_op([sub], s.E_PEER_DIED, f"send to group rank {sub.peer} cannot run: {problem}")
             return
         self._send_keys += 1
         key = self._send_keys
@@ -544,20 +544,20 @@ class FabricMember:
         })
 
     def _remote_send(self, item: dict[str, Any]) -> None:
-        group = self.daemon.scheduler.groups.get(item["g"])
-        if group is None:  # no local rank registered the group yet
+        group_size = self.node.group_size(item["g"])
+        if group_size is None:  # no local rank registered the group yet
             item["arrived"] = time.monotonic()
             self.early_sends[item["g"]].append(item)
             return
         sub = Submission(
-            client_id=-1, op_id=item["key"], group=item["g"], group_rank=item["src"], group_size=len(group.ranks),
+            client_id=-1, op_id=item["key"], group=item["g"], group_rank=item["src"], group_size=group_size,
             seq=0, kind="send", dtype=item["dtype"], count=item["count"], peer=item["dst"], tag=item["tag"],
             timeout=item["to"], nbytes=item["nb"], origin=item["sn"], lane=item.get("h") or "",
         )
         try:
-            ready = self.daemon.scheduler.submit(sub)
+            ready = self.node.match(sub)
         except MatchError as exc:
-            self.daemon.fail_op(exc.subs, exc.code, str(exc))
+            self.node.fail_op(exc.subs, exc.code, str(exc))
             return
         if ready is not None:
             self.matched(ready)
@@ -600,7 +600,7 @@ class FabricMember:
             def work(cap: float) -> None:
                 run_p2p("recv", recv, peer, self.fabric.lanes[lane_name], resolve, min(timeout, cap))
 
-        work = self.daemon.tracer.wrap((op,), work)
+        work = self.node.tracer.wrap((op,), work)
         run_now = self._enqueue(lane_name, op.on_gpu, op.group, work,
                                 lambda error, code: self._done(op, error, code), op.nbytes)
         if run_now is not None:
@@ -612,7 +612,7 @@ class FabricMember:
             return
         entry = self.remote_sends.pop(item["key"], None)
         if entry is not None:
-            self.daemon.fail_op([entry[0]], item["code"], item["m"])
+            self.node.fail_op([entry[0]], item["code"], item["m"])
 
     # ---- failures ---------------------------------------------------------------
     def _unreachable(self, nodes: tuple[int, ...]) -> str | None:
@@ -637,7 +637,7 @@ class FabricMember:
         for key, (sub, plan) in list(self.remote_sends.items()):
             if plan.node_of[sub.peer] == node:
                 del self.remote_sends[key]
-                self.daemon.fail_op([sub], s.E_PEER_DIED, f"send to group rank {sub.peer}: {message}")
+                self.node.fail_op([sub], s.E_PEER_DIED, f"send to group rank {sub.peer}: {message}")
 
     def _coordinator_lost(self, why: str) -> None:
         if self.broken is not None:
@@ -649,7 +649,7 @@ class FabricMember:
         self.negotiating.clear()
         self._outstanding.clear()
         for sub, _plan in self.remote_sends.values():
-            self.daemon.fail_op([sub], s.E_PEER_DIED, f"send cannot run: {self.broken}")
+            self.node.fail_op([sub], s.E_PEER_DIED, f"send cannot run: {self.broken}")
         self.remote_sends.clear()
 
     def forward_trace(self, action: str, path: str | None) -> int:
@@ -754,7 +754,7 @@ class FabricMember:
                 out.add(node, {"t": "hb", "stalls": rows})
             self._dispatch(out)
         else:
-            stalled = [[r["group"], r["seq"], r["missing_ranks"]] for r in self.daemon.scheduler.waiting_summary()
+            stalled = [[r["group"], r["seq"], r["missing_ranks"]] for r in self.node.waiting_summary()
                        if r["seq"] is not None and r["waiting_s"] >= 1.0]
             self._up_send({"t": "hb", "stalled": stalled})
 
@@ -780,7 +780,7 @@ class FabricMember:
             "coordinator_us_per_report": (
                 round(self.coord_ns / 1000 / self.coord_items, 1) if self.coord_items else None
             ),
-            "lane_ops": self.daemon.stats.per_lane(),
+            "lane_ops": self.node.stats.per_lane(),
             "fusion": {
                 "threshold_bytes": self.fabric.config.fusion_threshold_bytes if self.fabric.config else None,
                 "cycle_ms": self.fabric.config.fusion_cycle_ms if self.fabric.config else None,
