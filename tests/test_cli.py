@@ -23,6 +23,7 @@ from commd.cli import status as status_cli
 from commd.cli.launch import stop_daemon
 from commd.cli.main import main as commd_main
 from commd.client import ops
+from commd.client import status as status_client
 from commd.client.connection import Client
 from commd.client.spawn import start_daemon
 from commd.runtime import JobPaths, new_secret, pid_alive
@@ -57,7 +58,7 @@ def _commd(args: list[str], timeout: float, cwd: Path = ROOT) -> subprocess.Comp
 
 
 def _no_live_daemon(root: Path) -> bool:
-    return status_cli.live_jobs(root) == []
+    return status_client.live_jobs(root) == []
 
 
 # ---- launch -------------------------------------------------------------------------
