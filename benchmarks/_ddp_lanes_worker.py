@@ -47,7 +47,7 @@ def main() -> int:
         times.append(time.perf_counter() - started)
     dist.barrier()
     if rank == 0:
-        from commd.cli.status import query_status
+        from commd.client.status import query_status
         from commd.runtime import JobPaths
 
         status = query_status(JobPaths.for_job(os.environ["COMMD_JOB"]), timeout=10.0)

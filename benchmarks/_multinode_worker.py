@@ -196,7 +196,7 @@ def _local_latency(cfg: dict[str, Any], client: Any, rank: int) -> dict[str, Any
 
 
 def _fabric_snapshot(paths: Any) -> dict[str, Any]:
-    from commd.cli.status import query_status
+    from commd.client.status import query_status
 
     fabric = query_status(paths, timeout=20.0).get("fabric") or {}
     keys = ("node", "reported", "fast_path", "scheduling_us_per_op", "coordinator_us_per_report",

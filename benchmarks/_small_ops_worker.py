@@ -61,7 +61,7 @@ def main() -> int:
             results.append({"bytes": nbytes, "ops": cfg["ops"], "seconds": elapsed, "ops_per_s": cfg["ops"] / elapsed})
             ops.barrier(client).wait(timeout)
         if rank == 0:
-            from commd.cli.status import query_status
+            from commd.client.status import query_status
             from commd.runtime import JobPaths
 
             status = query_status(JobPaths.for_job(os.environ["COMMD_JOB"]), timeout=10.0)

@@ -87,7 +87,7 @@ def main() -> int:
         for repeat in range(args.repeats):
             for mode in modes:
                 if mode == "on":
-                    from commd.observe.cli import send_trace_control
+                    from commd.client.status import send_trace_control
 
                     send_trace_control(paths, "start", str(runtime / f"trace{repeat}.json"))
                 results[mode].append(one_run())

@@ -2,7 +2,9 @@
 
 The daemon, the client library and the CLI all find a job's control socket,
 secret and pid file here, so the naming rules live in one module.  Every
-environment variable commd reads is parsed and validated here too.
+environment variable commd reads is parsed and validated here too, and the
+small process-level helpers the command line and the tests share live here
+(``free_port``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import re
 import secrets
 import shutil
+import socket
 import stat
 import tempfile
 import time
@@ -540,3 +543,17 @@ def pid_alive(pid: int) -> bool:
         return state not in (b"Z", b"X")
     except (FileNotFoundError, IndexError):
         return False
+
+
+def free_port(addr: str = "127.0.0.1") -> int:
+    """A TCP port the OS says is free on ``addr`` now (torchrun does the same; racy but good enough).
+
+    An address this host cannot bind falls back to any address."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((addr, 0))
+        except OSError:
+            sock.bind(("", 0))
+        return int(sock.getsockname()[1])

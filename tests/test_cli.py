@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -23,9 +24,10 @@ from commd.cli import status as status_cli
 from commd.cli.launch import stop_daemon
 from commd.cli.main import main as commd_main
 from commd.client import ops
+from commd.client import status as status_client
 from commd.client.connection import Client
 from commd.client.spawn import start_daemon
-from commd.runtime import JobPaths, new_secret, pid_alive
+from commd.runtime import JobPaths, free_port, new_secret, pid_alive
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -57,7 +59,7 @@ def _commd(args: list[str], timeout: float, cwd: Path = ROOT) -> subprocess.Comp
 
 
 def _no_live_daemon(root: Path) -> bool:
-    return status_cli.live_jobs(root) == []
+    return status_client.live_jobs(root) == []
 
 
 # ---- launch -------------------------------------------------------------------------
@@ -212,6 +214,17 @@ def test_human_sizes() -> None:
 
 # ---- demo ---------------------------------------------------------------------------
 @pytest.mark.timeout(200)
+def test_free_port_is_bindable_and_falls_back_for_a_foreign_address() -> None:
+    """``runtime.free_port`` (the launcher's and the demo's master port) gives a port a server can bind;
+    an address this host does not have still yields a port (any address) instead of an error."""
+    for addr in ("127.0.0.1", "192.0.2.1"):  # 192.0.2.0/24 is TEST-NET-1: never a local address
+        port = free_port(addr)
+        assert 1024 <= port <= 65535, (addr, port)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            server.bind(("127.0.0.1", port))  # raises if the port were taken
+
+
 def test_demo_tiny_runs_both_backends(rt: Path) -> None:
     proc = _commd(["demo", "--nproc", "2", "--steps", "3", "--size", "64", "--layers", "1",
                    "--bench-iters", "1", "--timeout", "80"], timeout=180)

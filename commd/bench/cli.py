@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from commd.bench import orchestrate
+from commd.bench.orchestrate import add_layout_arguments, layout_from_args
 from commd.bench.spec import SpecError, add_measure_arguments, spec_from_args
 
 #: The tune sweep's defaults: every tuned kind, 1 KiB..16 MiB in steps of 4, a time budget per cell
@@ -14,23 +15,6 @@ TUNE_OPS = "allreduce,broadcast,allgather,alltoall,sendrecv"
 TUNE_TIME_PER_SIZE = 1.0
 TUNE_WARMUP = 2
 TUNE_ITERS = 60
-
-
-def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc", type=int, default=2, metavar="N",
-                        help="ranks per node (default 2)")
-    parser.add_argument("--hosts", type=int, default=0, metavar="H",
-                        help="run on H simulated hosts (network namespaces on one bridge; needs root); "
-                             "default: this host only")
-    parser.add_argument("--rate", default=None, help="with --hosts: link rate per host and direction, e.g. 10gbit")
-    parser.add_argument("--delay-ms", type=float, default=None, help="with --hosts: one-way link delay in ms")
-    parser.add_argument("--timeout", type=float, default=900.0,
-                        help="seconds the whole run may take before it is stopped (default 900)")
-
-
-def layout_from_args(args: argparse.Namespace) -> orchestrate.Layout:
-    return orchestrate.Layout(nproc=args.nproc, hosts=args.hosts, rate=args.rate, delay_ms=args.delay_ms,
-                              timeout=args.timeout)
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:

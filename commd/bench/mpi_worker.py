@@ -19,7 +19,7 @@ from commd.bench.cases import CheckError, make_case
 from commd.bench.measure import measure_cell
 from commd.bench.paths import MpiPath, MpiSync
 from commd.bench.spec import SpecError, add_measure_arguments, spec_from_args
-from commd.bench.worker import EXIT_CHECK, EXIT_SETUP, RowSink, _nodes_in
+from commd.bench.worker import EXIT_CHECK, EXIT_SETUP, RowSink, nodes_in
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                 if case is None:
                     continue
                 row = measure_cell(path, sync, case, spec)
-                row.update(dtype=spec.dtype, nodes=_nodes_in(op, nodes))
+                row.update(dtype=spec.dtype, nodes=nodes_in(op, nodes))
                 if rank == 0:
                     sink.row(row)
     except CheckError as exc:

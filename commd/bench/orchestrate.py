@@ -13,6 +13,7 @@ phase that outlives ``--timeout`` is stopped and reported with its log tail.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
@@ -72,6 +73,25 @@ class Layout:
     @property
     def world(self) -> int:
         return self.nproc * max(1, self.hosts)
+
+
+def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options that say where the ranks run (shared by `commd bench` and `commd tune`)."""
+    parser.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc", type=int, default=2, metavar="N",
+                        help="ranks per node (default 2)")
+    parser.add_argument("--hosts", type=int, default=0, metavar="H",
+                        help="run on H simulated hosts (network namespaces on one bridge; needs root); "
+                             "default: this host only")
+    parser.add_argument("--rate", default=None, help="with --hosts: link rate per host and direction, e.g. 10gbit")
+    parser.add_argument("--delay-ms", type=float, default=None, help="with --hosts: one-way link delay in ms")
+    parser.add_argument("--timeout", type=float, default=900.0,
+                        help="seconds the whole run may take before it is stopped (default 900)")
+
+
+def layout_from_args(args: argparse.Namespace) -> Layout:
+    """The Layout that ``add_layout_arguments``' options describe (checked later by ``check_layout``)."""
+    return Layout(nproc=args.nproc, hosts=args.hosts, rate=args.rate, delay_ms=args.delay_ms,
+                  timeout=args.timeout)
 
 
 def check_layout(layout: Layout) -> None:

@@ -70,7 +70,6 @@ def show(target: str | None) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.show is not None:
         return show(args.show or None)
-    from commd.bench.cli import layout_from_args
     from commd.scheduler.tuning import TUNED_KINDS, default_table_path
 
     try:
@@ -78,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         bad = [op for op in spec.ops if op not in TUNED_KINDS]
         if bad:
             raise SpecError(f"--ops: commd tune measures the tuned kinds {','.join(TUNED_KINDS)}; not {','.join(bad)}")
-        layout = layout_from_args(args)
+        layout = orchestrate.layout_from_args(args)
         layout.env["COMMD_TUNING"] = "off"  # measure the lanes, not an older table's choices
         if not layout.hosts:
             raise orchestrate.BenchError(

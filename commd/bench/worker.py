@@ -87,7 +87,7 @@ def resolve_lanes(spec: BenchSpec, multi_node: bool, fabric_lanes: list[str]) ->
 
 
 def _fabric_lanes(job: str) -> list[str]:
-    from commd.cli.status import StatusError, query_status
+    from commd.client.status import StatusError, query_status
     from commd.runtime import JobPaths
 
     try:
@@ -109,7 +109,7 @@ def plan_cells(spec: BenchSpec, paths: list[BenchPath]) -> list[tuple[str, Bench
     return cells
 
 
-def _nodes_in(op: str, nodes: list[str]) -> int:
+def nodes_in(op: str, nodes: list[str]) -> int:
     """Nodes taking part in one op of the world group (sendrecv: rank 0's and the last rank's)."""
     return len({nodes[ROOT], nodes[-1]}) if op == "sendrecv" else len(set(nodes))
 
@@ -239,7 +239,7 @@ def _measure_all(args: argparse.Namespace, spec: BenchSpec, cells: list[tuple[st
                 rows = [measure_cell(path, sync, case, spec, corrupt=args.corrupt == op and path.rank == path.world - 1)
                         for path, case in cases]
             for row in rows:
-                row.update(dtype=spec.dtype, nodes=_nodes_in(op, nodes))
+                row.update(dtype=spec.dtype, nodes=nodes_in(op, nodes))
                 if rank == 0:
                     sink.row(row)
             bar.update(len(paths))

@@ -24,8 +24,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from commd.cli.launch import _free_port, stop_daemon
-from commd.cli.status import StatusError, format_status, human_bytes, query_status
+from commd.cli.launch import stop_daemon
+from commd.cli.status import format_status, human_bytes
+from commd.client.status import StatusError, query_status
+from commd.runtime import free_port
 
 BACKENDS = ("commd", "gloo")
 #: DDP's default bucket_cap_mb: the size of the all-reduces DDP issues.
@@ -374,7 +376,7 @@ def run(args: argparse.Namespace) -> int:
         for backend in backends:
             cfg = RunConfig(
                 backend=backend, nproc=args.nproc, steps=args.steps, size=args.size, layers=args.layers,
-                batch=args.batch, bench_iters=args.bench_iters, seed=args.seed, port=_free_port("127.0.0.1"),
+                batch=args.batch, bench_iters=args.bench_iters, seed=args.seed, port=free_port("127.0.0.1"),
                 job=f"demo-{uuid.uuid4().hex[:12]}", result_dir=result_dir,
                 op_timeout=min(30.0, args.timeout), threads=threads,
             )
@@ -384,7 +386,7 @@ def run(args: argparse.Namespace) -> int:
             if isinstance(outcome, str) and "in use" in outcome.lower():
                 # Another process took the free port we picked (it is only free
                 # when picked): once more with a fresh one.
-                cfg.port = _free_port("127.0.0.1")
+                cfg.port = free_port("127.0.0.1")
                 outcome = _run_backend(cfg, args.timeout)
             if isinstance(outcome, str):
                 print(f"commd demo: {outcome}", file=sys.stderr)

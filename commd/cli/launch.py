@@ -29,7 +29,7 @@ from commd.cli.rank_output import DRAIN_TIMEOUT_S, RankOutput
 from commd.client.errors import ConnectError
 from commd.client.spawn import SECRET_ENV, ping, start_daemon
 from commd.memory.budget import check_environment
-from commd.runtime import ConfigError, JobPaths, check_job, new_secret, secret_from_environment
+from commd.runtime import ConfigError, JobPaths, check_job, free_port, new_secret, secret_from_environment
 
 POLL_S = 0.05
 DEFAULT_GRACE_S = 10.0
@@ -78,18 +78,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="treat the script as a module name and run it with `python -m`")
     parser.add_argument("script", help="training script (or module with -m)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
-
-
-def _free_port(addr: str) -> int:
-    """A port the OS says is free now (torchrun does the same; racy but good enough)."""
-    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((addr, 0))
-        except OSError:
-            sock.bind(("", 0))
-        return int(sock.getsockname()[1])
 
 
 def _validate(args: argparse.Namespace) -> None:
@@ -432,7 +420,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         _validate(args)
         check_environment()  # the workers' settings, checked before any process starts
-        port = args.master_port if args.master_port is not None else _free_port(args.master_addr)
+        port = args.master_port if args.master_port is not None else free_port(args.master_addr)
         if args.nnodes > 1:
             store, job, secret = _host_or_join_store(args, args.job)
         else:

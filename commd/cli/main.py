@@ -33,8 +33,8 @@ COMMANDS: dict[str, Command] = {
                      "commd.bench.cli", "add_bench_arguments", "run_bench"),
     "tune": Command("measure every lane per op and size and save the winners as a tuning table",
                     "commd.bench.cli", "add_tune_arguments", "run_tune"),
-    "trace": Command("turn a running job's per-op trace on or off; merge per-node traces", "commd.observe.cli",
-                     "add_trace_arguments", "run_trace"),
+    "trace": Command("turn a running job's per-op trace on or off; merge per-node traces", "commd.cli.trace",
+                     "add_arguments", "run"),
     "slurm-plan": Command("for the Slurm prolog: this node's rank and the job's rendezvous", "commd.deploy.slurm",
                           "add_arguments", "run"),
 }

@@ -1,9 +1,9 @@
 """`commd status`: show a job daemon's clients, queues, latencies and errors.
 
-Asks the daemon over its control socket (a STATUS request carrying the job
-secret, read from the private job directory, so only the job's owner can
-look) and prints either a table for people or stable JSON for scripts.
-``format_status`` is shared with ``commd demo``.
+Asks the daemon over its control socket through ``commd.client.status`` (a
+STATUS request carrying the job secret, read from the private job directory,
+so only the job's owner can look) and prints either a table for people or
+stable JSON for scripts.  ``format_status`` is shared with ``commd demo``.
 """
 
 from __future__ import annotations
@@ -13,19 +13,13 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-import zmq
+from commd.client.status import DEFAULT_TIMEOUT_S, StatusError, query_status, resolve_job
+from commd.runtime import ConfigError
 
-from commd.protocol import schema as s
-from commd.runtime import JOB_NAME, ConfigError, JobPaths, check_own_socket, runtime_root
-
-DEFAULT_TIMEOUT_S = 5.0
-
-
-class StatusError(Exception):
-    """The status cannot be had: no daemon, several to choose from, no answer."""
+__all__ = ["DEFAULT_TIMEOUT_S", "StatusError", "add_arguments", "format_status", "human_bytes", "query_status",
+           "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,85 +31,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                         help=f"seconds to wait for the daemon's answer (default {DEFAULT_TIMEOUT_S:g})")
-
-
-# ---- finding and asking the daemon ------------------------------------------
-def live_jobs(root: Path | None = None) -> list[tuple[str, int]]:
-    """(job, daemon pid) for every job directory under the runtime root with a live daemon."""
-    root = root if root is not None else runtime_root()
-    try:
-        entries = sorted(root.iterdir())
-    except (FileNotFoundError, NotADirectoryError, PermissionError):
-        return []
-    found = []
-    for entry in entries:
-        if not entry.is_dir() or not JOB_NAME.match(entry.name):
-            continue
-        pid = JobPaths(entry.name, entry).daemon_pid()
-        if pid is not None:
-            found.append((entry.name, pid))
-    return found
-
-
-def resolve_job(job: str | None, env_job: str | None) -> JobPaths:
-    """The job to ask: --job, else $COMMD_JOB, else the only job with a live daemon."""
-    name = job or env_job
-    if name:
-        return JobPaths.for_job(name)
-    root = runtime_root()
-    jobs = live_jobs(root)
-    if not jobs:
-        raise StatusError(f"no running commd daemon found under {root}; start a job with "
-                          "`commd launch`, or name one with --job (set COMMD_RUNTIME_DIR if it "
-                          "uses another runtime directory)")
-    if len(jobs) > 1:
-        listing = "\n".join(f"  {name}  (daemon pid {pid})" for name, pid in jobs)
-        raise StatusError(f"several jobs have a running daemon under {root}; choose one with --job:\n{listing}")
-    return JobPaths.for_job(jobs[0][0])
-
-
-def control_request(paths: JobPaths, message: dict[str, Any], timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
-    """Send one control message (the job secret added) to the job's daemon; its reply.
-
-    The secret goes out only after the job directory, the secret file and the socket
-    proved to be ours (``JobPaths.read_secret``, ``check_own_socket``).  Raises
-    StatusError with a readable reason, also when the daemon refuses.
-    """
-    if not paths.socket.exists():
-        raise StatusError(f"no daemon for job {paths.job!r}: {paths.socket} does not exist")
-    try:
-        secret = paths.read_secret()  # checks the job directory is ours and private first
-        check_own_socket(paths.socket)  # the secret goes only to a socket of ours
-    except ConfigError as exc:
-        raise StatusError(str(exc)) from None
-    except PermissionError:
-        raise StatusError(f"cannot read {paths.secret_file}: the job belongs to another user") from None
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(paths.endpoint)
-        sock.send(s.encode({**message, "secret": secret}))
-        if not sock.poll(int(timeout * 1000)):
-            pid = paths.daemon_pid()
-            why = f"pid {pid} is alive but busy or stuck" if pid else "it is not running"
-            raise StatusError(f"the daemon of job {paths.job!r} did not answer within {timeout:g}s ({why})")
-        reply = s.decode(sock.recv())
-    except (zmq.ZMQError, s.ProtocolError) as exc:
-        raise StatusError(f"cannot talk to the daemon of job {paths.job!r}: {exc}") from None
-    finally:
-        sock.close()
-    if reply.get("t") == s.ERROR:
-        raise StatusError(f"the daemon of job {paths.job!r} refused: {reply.get('message')}")
-    return reply
-
-
-def query_status(paths: JobPaths, timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
-    """Ask the job's daemon for its status map (raises StatusError with a readable reason)."""
-    reply = control_request(paths, {"t": s.STATUS}, timeout)
-    status = reply.get("status")
-    if reply.get("t") != s.STATUS or not isinstance(status, dict):
-        raise StatusError(f"unexpected reply from the daemon of job {paths.job!r}: {reply.get('t')!r}")
-    return status
 
 
 # ---- formatting ---------------------------------------------------------------

@@ -230,6 +230,10 @@ class Client:
     def group_rank(self, group: str) -> int:
         return self._groups[group].index(self.rank)
 
+    def group_size(self, group: str) -> int:
+        """How many ranks the registered group ``group`` has."""
+        return len(self._groups[group])
+
     def close(self) -> None:
         """Leave the job: fail nothing, tell the daemon, release the arena."""
         if self._closed:
@@ -310,23 +314,23 @@ class Client:
     def wait_for(self, handle: Handle, timeout: float | None) -> None:
         """Block until ``handle`` completes or ``timeout`` passes, receiving replies meanwhile."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not handle._done:
+        while not handle.is_completed():
             slice_s = RECEIVER_POLL_MS / 1000
             if deadline is not None:
                 slice_s = min(slice_s, deadline - time.monotonic())
                 if slice_s <= 0:
                     return
             if self._closed:
-                handle._block(slice_s)
+                handle.block(slice_s)
             elif self._rx_lock.acquire(blocking=False):
                 try:
-                    if not handle._done:
+                    if not handle.is_completed():
                         self._pump_locked(slice_s)
                 finally:
                     self._rx_lock.release()
             else:
                 # Another thread is receiving; it completes us, or we take over shortly.
-                handle._block(min(slice_s, 0.001))
+                handle.block(min(slice_s, 0.001))
 
     def start_receiver(self) -> None:
         """Run a background receiver so futures complete without anyone waiting."""
@@ -374,9 +378,9 @@ class Client:
                     log.error("commd daemon: %s", reply.get("message"))
             return
         if reply.get("t") == s.DONE:
-            handle._complete(reply)
+            handle.complete(reply)
         else:
-            handle._fail(from_reply(reply.get("code", ""), reply.get("message", "op failed")))
+            handle.fail(from_reply(reply.get("code", ""), reply.get("message", "op failed")))
 
     def _check_deadlines(self) -> None:
         if not self._pending:
@@ -393,14 +397,14 @@ class Client:
             for h in late:
                 del self._pending[h.op_id]
         for h in late:
-            h._fail(CommTimeoutError(f"{h.description}: no answer from the commd daemon in time"))
+            h.fail(CommTimeoutError(f"{h.description}: no answer from the commd daemon in time"))
 
     def _fail_all(self, error: CommdError) -> None:
         with self._pending_lock:
             handles = list(self._pending.values())
             self._pending.clear()
         for h in handles:
-            h._fail(type(error)(f"{h.description}: {error}"))
+            h.fail(type(error)(f"{h.description}: {error}"))
 
     # ---- buffers ------------------------------------------------------
     def empty(self, shape: tuple[int, ...] | list[int] | int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

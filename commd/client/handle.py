@@ -55,19 +55,21 @@ class Handle:
     def description(self) -> str:
         return f"{self.kind} on group '{self.group}' (rank {self.client.rank})"
 
-    # ---- completion ----------------------------------------------------
-    def _complete(self, reply: dict[str, Any]) -> None:
+    # ---- completion (called by the Client that received the op's reply) ----
+    def complete(self, reply: dict[str, Any]) -> None:
+        """The op succeeded: copy the result out (``finish``) and wake every waiter."""
         try:
             if self._finish is not None:
                 self._finish(reply)
         except Exception as exc:  # a failed copy-out is the op's failure
-            self._fail(CommdError(f"{self.description}: copying the result out failed: {exc}"))
+            self.fail(CommdError(f"{self.description}: copying the result out failed: {exc}"))
             return
         self.src = reply.get("src")
         self._keep = None
         self._settle(None)
 
-    def _fail(self, error: CommdError) -> None:
+    def fail(self, error: CommdError) -> None:
+        """The op failed with ``error``: wake every waiter, who raises it."""
         self._keep = None
         self._settle(error)
 
@@ -86,7 +88,7 @@ class Handle:
             else:
                 future.set_exception(error)
 
-    def _block(self, timeout: float) -> None:
+    def block(self, timeout: float) -> None:
         """Sleep until completed by another thread, at most ``timeout`` seconds."""
         with _STATE_LOCK:
             if self._done:

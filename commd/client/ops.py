@@ -39,14 +39,14 @@ def broadcast(client: Client, tensor: torch.Tensor, root: int, group: str = WORL
 def all_gather(client: Client, output: torch.Tensor, input: torch.Tensor, counts: list[int] | None = None,
                group: str = WORLD, timeout: float | None = None, lane: str | None = None) -> Handle:
     """output = concatenation of every rank's input (``counts``: elements per rank)."""
-    counts = counts or [input.numel()] * len(client._groups[group])
+    counts = counts or [input.numel()] * client.group_size(group)
     return client.submit("allgather", group, {"in": (input, "in"), "out": (output, "out")}, input.dtype,
                          result=output, counts=counts, timeout=timeout, lane=lane)
 
 
 def gather(client: Client, output: torch.Tensor | None, input: torch.Tensor, root: int,
            counts: list[int] | None = None, group: str = WORLD, timeout: float | None = None, lane: str | None = None) -> Handle:
-    counts = counts or [input.numel()] * len(client._groups[group])
+    counts = counts or [input.numel()] * client.group_size(group)
     buffers = {"in": (input, "in")}
     if output is not None:
         buffers["out"] = (output, "out")
@@ -56,7 +56,7 @@ def gather(client: Client, output: torch.Tensor | None, input: torch.Tensor, roo
 
 def scatter(client: Client, output: torch.Tensor, input: torch.Tensor | None, root: int,
             counts: list[int] | None = None, group: str = WORLD, timeout: float | None = None, lane: str | None = None) -> Handle:
-    counts = counts or [output.numel()] * len(client._groups[group])
+    counts = counts or [output.numel()] * client.group_size(group)
     buffers = {"out": (output, "out")}
     if input is not None:
         buffers["in"] = (input, "in")
@@ -67,7 +67,7 @@ def scatter(client: Client, output: torch.Tensor, input: torch.Tensor | None, ro
 def reduce_scatter(client: Client, output: torch.Tensor, input: torch.Tensor, op: str = "sum",
                    counts: list[int] | None = None, group: str = WORLD, scale: float | None = None,
                    timeout: float | None = None, lane: str | None = None) -> Handle:
-    counts = counts or [output.numel()] * len(client._groups[group])
+    counts = counts or [output.numel()] * client.group_size(group)
     return client.submit("reduce_scatter", group, {"in": (input, "in"), "out": (output, "out")},
                          input.dtype, result=output, counts=counts, op=op, scale=scale, timeout=timeout, lane=lane)
 

@@ -1,26 +1,20 @@
-"""Command-line side of observability: the daemon's metrics/trace flags and `commd trace`.
+"""The daemon's metrics and trace flags (``commd daemon --metrics-port ... --trace FILE``).
 
-``commd trace start FILE`` / ``commd trace stop`` turn the per-op trace of a
-running job on and off (a ``trace`` control message, authenticated with the
-job secret like ``commd status``); ``commd trace merge OUT IN...`` joins the
-per-node files of a fabric into one Chrome / Perfetto trace.
+Defined next to the settings they resolve (``observe.settings``,
+``observe.trace``), so the daemon's argument parser and the config file read
+the same defaults.  The ``commd trace`` command, which talks to a running
+daemon, is in ``commd.cli.trace``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
-from typing import Any
 
-from commd.cli.status import StatusError, control_request, resolve_job
 from commd.observe import settings
-from commd.observe.trace import TraceError, check_trace_path, merge
-from commd.protocol import schema as s
-from commd.runtime import ConfigError, JobPaths
-
-DEFAULT_TIMEOUT_S = 10.0
+from commd.observe.trace import TraceError, check_trace_path
+from commd.runtime import ConfigError
 
 
 # ---- the daemon's flags -------------------------------------------------------------
@@ -57,60 +51,3 @@ def daemon_settings(args: argparse.Namespace, config_path: str | None
         except TraceError as exc:
             raise ConfigError(str(exc)) from None
     return metrics, trace
-
-
-# ---- commd trace ----------------------------------------------------------------------
-def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="action", required=True)
-    start = sub.add_parser("start", help="trace every op of a running job into FILE (in a fabric: ask node 0; "
-                                          "every node writes FILE's stem + '.node<k>')")
-    start.add_argument("file", help="trace file (Chrome/Perfetto JSON)")
-    stop = sub.add_parser("stop", help="finish the running trace (the file is valid JSON from then on)")
-    for p in (start, stop):
-        p.add_argument("--job", help="job name (default: $COMMD_JOB, else the only job with a live daemon)")
-        p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
-                       help=f"seconds to wait for the daemon (default {DEFAULT_TIMEOUT_S:g})")
-    joined = sub.add_parser("merge", help="join per-node trace files into one")
-    joined.add_argument("output", help="merged trace file to write")
-    joined.add_argument("inputs", nargs="+", help="per-node trace files")
-
-
-def send_trace_control(paths: JobPaths, action: str, path: str | None,
-                       timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
-    """Ask the job's daemon to start or stop tracing; its answer (raises StatusError)."""
-    reply = control_request(paths, {"t": s.TRACE, "action": action, "path": path}, timeout)
-    if reply.get("t") != s.ACK:
-        raise StatusError(f"unexpected reply from the daemon of job {paths.job!r}: {reply.get('t')!r}")
-    return reply
-
-
-def run_trace(args: argparse.Namespace) -> int:
-    if args.action == "merge":
-        try:
-            count = merge(args.inputs, args.output)
-        except (TraceError, OSError) as exc:
-            print(f"commd trace merge: {exc}", file=sys.stderr)
-            return 1
-        print(f"{count} events from {len(args.inputs)} files written to {args.output}")
-        return 0
-    if args.timeout <= 0:
-        print(f"commd trace {args.action}: --timeout must be positive", file=sys.stderr)
-        return 2
-    path = None
-    try:
-        if args.action == "start":
-            path = check_trace_path(str(Path(args.file).expanduser().absolute()), "FILE")
-        paths = resolve_job(args.job, os.environ.get("COMMD_JOB"))
-        reply = send_trace_control(paths, args.action, path, args.timeout)
-    except (StatusError, ConfigError, TraceError) as exc:
-        print(f"commd trace {args.action}: {exc}", file=sys.stderr)
-        return 1
-    others = reply.get("forwarded_to") or 0
-    where = f" (and forwarded to {others} other node{'s' if others != 1 else ''})" if others else ""
-    if args.action == "start":
-        print(f"tracing into {reply.get('file')}{where}")
-    elif reply.get("file"):
-        print(f"trace finished: {reply.get('file')}{where}")
-    else:
-        print(f"no trace was running on this node{where}")
-    return 0

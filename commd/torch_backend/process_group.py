@@ -35,8 +35,8 @@ from commd.client.errors import CommdError, ConnectError
 from commd.client.handle import Handle
 from commd.client.spawn import ensure_daemon
 from commd.memory.budget import check_environment
-from commd.observe.profiling import profiled
 from commd.runtime import ConfigError, JobPaths, secret_from_environment
+from commd.torch_backend.profiling import profiled
 
 BACKEND_NAME = "commd"
 _STORE_PREFIX = "commd/"
@@ -83,6 +83,11 @@ class CommdWork(dist._Work):
         self._handles = handles
         self._result = result
         self._future: Future | None = None
+
+    @property
+    def handles(self) -> list[Handle]:
+        """The commd handles this work completes with (coalesced ops join several works' handles)."""
+        return self._handles
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         limit = None
@@ -261,7 +266,7 @@ class ProcessGroupCommd(dist.ProcessGroup):
     @profiled("reduce_scatter_tensor_coalesced")
     def reduce_scatter_single_coalesced(self, outputs: list, inputs: list, opts: Any) -> CommdWork:
         works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
-        return self._work([h for w in works for h in w._handles], outputs)
+        return self._work([h for w in works for h in w.handles], outputs)
 
     # ---- data movement --------------------------------------------------
     @profiled("broadcast")
@@ -294,7 +299,7 @@ class ProcessGroupCommd(dist.ProcessGroup):
             )
         handles = []
         for i, inp in enumerate(inputs):
-            handles += self.allgather([[per_rank[i] for per_rank in outputs]], [inp], opts)._handles
+            handles += self.allgather([[per_rank[i] for per_rank in outputs]], [inp], opts).handles
         return self._work(handles, outputs)
 
     @profiled("all_gather_into_tensor")
@@ -313,7 +318,7 @@ class ProcessGroupCommd(dist.ProcessGroup):
     def all_gather_single_coalesced(self, outputs: list, inputs: list, opts: Any = None) -> CommdWork:
         handles = []
         for out, inp in zip(outputs, inputs, strict=True):
-            handles += self.all_gather_single(out, inp, opts)._handles
+            handles += self.all_gather_single(out, inp, opts).handles
         return self._work(handles, outputs)
 
     @profiled("gather")
