@@ -93,6 +93,36 @@ def check_alltoallv_sizes(lane: str, nodes: tuple[int, ...], in_sizes: list[int]
                         f"nodes {nodes}, inp {inp_bytes} bytes and out {out_bytes} bytes")
 
 
+def pair_nodes(lane: str, what: str, node_rank: int, peer: int) -> tuple[int, ...]:
+    """The sorted (this node, peer) pair of a send/recv; LaneError if ``peer`` is this node."""
+    if peer == node_rank:
+        raise LaneError(f"{lane} {what}: node {peer} is this node")
+    return tuple(sorted((node_rank, int(peer))))
+
+
+def check_contiguous(lane: str, what: str, tensor: torch.Tensor) -> None:
+    """Results land in the caller's memory only if no view below has to copy it."""
+    if not tensor.is_contiguous():
+        raise LaneError(f"{lane} {what}: tensors must be contiguous, got strides {tensor.stride()}")
+
+
+def check_cpu_tensors(lane: str, what: str, *tensors: torch.Tensor) -> None:
+    """LaneError unless every tensor is on the CPU and contiguous (a view of a copy would lose results)."""
+    for tensor in tensors:
+        if tensor.device.type != "cpu":
+            raise LaneError(f"{lane} {what}: tensors must be on the CPU, got {tensor.device}")
+        check_contiguous(lane, what, tensor)
+
+
+def allreduce_dtype(lane: Lane, nodes: tuple[int, ...], buf: torch.Tensor, op: str) -> str:
+    """``buf``'s dtype name; LaneError saying why unless ``lane`` can reduce it with ``op`` on ``nodes``."""
+    dtype = DTYPE_NAMES.get(buf.dtype, str(buf.dtype))
+    reason = lane.can_run("allreduce", dtype, op, nodes)
+    if reason is not None:
+        raise LaneError(f"{lane.name} allreduce: {reason}")
+    return dtype
+
+
 def memory_view(tensor: torch.Tensor) -> memoryview:
     """A writable, zero-copy byte view of a flat contiguous CPU tensor of any dtype (what a
     :class:`Transport` moves)."""

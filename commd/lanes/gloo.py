@@ -26,18 +26,26 @@ import torch
 import torch.distributed as dist
 
 from commd.kernels.layout import byte_view
-from commd.kernels.reduce import DTYPE_NAMES
-from commd.lanes.base import LaneError, check_nodes, node_index, refusal
+from commd.lanes.base import (
+    BITWISE_OPS,
+    COMPLEX_DTYPES,
+    INTEGER_DTYPES,
+    LaneError,
+    allreduce_dtype,
+    check_allgatherv_sizes,
+    check_alltoallv_sizes,
+    check_cpu_tensors,
+    check_nodes,
+    node_index,
+    pair_nodes,
+    refusal,
+)
 
 # torch.distributed does not re-export AllgatherOptions (the other *Options it does).
 _AllgatherOptions = torch._C._distributed_c10d.AllgatherOptions
 
-_COMPLEX = frozenset({"complex64", "complex128"})
-_INTEGER = frozenset({"int8", "uint8", "int16", "int32", "int64"})
-_BITWISE = frozenset({"band", "bor", "bxor"})
-
 #: torch's ReduceOp for each lane op (bool is remapped first, see ``_BOOL_OPS``).
-_REDUCE_OPS = {
+TORCH_REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
     "product": dist.ReduceOp.PRODUCT,
     "min": dist.ReduceOp.MIN,
@@ -73,12 +81,6 @@ def classify_error(text: str) -> str:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return (text.splitlines()[0] if text else type(exc).__name__)[:500]
-
-
-def check_contiguous(lane: str, what: str, tensor: torch.Tensor) -> None:
-    """Results land in the caller's memory only if no view below has to copy it."""
-    if not tensor.is_contiguous():
-        raise LaneError(f"{lane} {what}: tensors must be contiguous, got strides {tensor.stride()}")
 
 
 #: Lanes not closed yet.  Their groups are closed at interpreter exit, before module
@@ -178,9 +180,7 @@ class TorchGroupLane:
                     raise
 
     def _check_tensor(self, what: str, tensor: torch.Tensor) -> None:
-        if tensor.device.type != "cpu":
-            raise LaneError(f"{self.name} {what}: tensors must be on the CPU, got {tensor.device}")
-        check_contiguous(self.name, what, tensor)
+        check_cpu_tensors(self.name, what, tensor)
 
     # ---- capability ---------------------------------------------------------------
     def can_run(self, primitive: str, dtype: str, reduce_op: str | None, nodes: tuple[int, ...]) -> str | None:
@@ -188,9 +188,9 @@ class TorchGroupLane:
         reason = refusal(self.name, primitive, dtype, reduce_op, nodes, self.nnodes)
         if reason is not None or primitive != "allreduce":
             return reason  # everything but allreduce moves bytes
-        if reduce_op in _BITWISE and dtype not in _INTEGER | {"bool"}:
+        if reduce_op in BITWISE_OPS and dtype not in INTEGER_DTYPES | {"bool"}:
             return f"reduce op {reduce_op.upper()} needs an integer or bool dtype, got {dtype}"
-        if reduce_op in ("min", "max") and dtype in _COMPLEX:
+        if reduce_op in ("min", "max") and dtype in COMPLEX_DTYPES:
             return f"reduce op {reduce_op.upper()} is undefined for complex dtype {dtype}"
         return self._reduce_refusal(dtype, reduce_op)
 
@@ -282,10 +282,7 @@ class TorchGroupLane:
         """In place element-wise reduction of ``buf`` over ``nodes`` (the backend's ring: same bits everywhere)."""
         nodes = self._check_nodes("allreduce", nodes)
         self._check_tensor("allreduce", buf)
-        dtype = DTYPE_NAMES.get(buf.dtype, str(buf.dtype))
-        reason = self.can_run("allreduce", dtype, op, nodes)
-        if reason is not None:
-            raise LaneError(f"{self.name} allreduce: {reason}")
+        dtype = allreduce_dtype(self, nodes, buf, op)
         if len(nodes) == 1 or buf.numel() == 0:
             return
         opts = dist.AllreduceOptions()
@@ -334,9 +331,7 @@ class TorchGroupLane:
         sizes = [int(s) for s in sizes]
         me = nodes.index(self.node_rank)
         src, dst = byte_view(inp), byte_view(out)
-        if len(sizes) != len(nodes) or src.numel() != sizes[me] or dst.numel() != sum(sizes):
-            raise LaneError(f"{self.name} allgatherv: sizes {sizes} do not match nodes {nodes}, "
-                            f"inp {src.numel()} bytes and out {dst.numel()} bytes")
+        check_allgatherv_sizes(self.name, nodes, me, sizes, src.numel(), dst.numel())
         n, top = len(nodes), max(sizes)
         if n == 1:
             dst.copy_(src)
@@ -395,10 +390,7 @@ class TorchGroupLane:
         self._check_tensor("alltoallv", out)
         in_sizes, out_sizes = [int(s) for s in in_sizes], [int(s) for s in out_sizes]
         src, dst = byte_view(inp), byte_view(out)
-        if (len(in_sizes) != len(nodes) or len(out_sizes) != len(nodes) or src.numel() != sum(in_sizes)
-                or dst.numel() != sum(out_sizes)):
-            raise LaneError(f"{self.name} alltoallv: in_sizes {in_sizes} / out_sizes {out_sizes} do not match "
-                            f"nodes {nodes}, inp {src.numel()} bytes and out {dst.numel()} bytes")
+        check_alltoallv_sizes(self.name, nodes, in_sizes, out_sizes, src.numel(), dst.numel())
         if len(nodes) == 1:
             dst.copy_(src)
             return
@@ -411,9 +403,7 @@ class TorchGroupLane:
         self._run("alltoallv", nodes, timeout, start)
 
     def _pair(self, peer: int, what: str) -> tuple[int, ...]:
-        if peer == self.node_rank:
-            raise LaneError(f"{self.name} {what}: node {peer} is this node")
-        return self._check_nodes(what, tuple(sorted((self.node_rank, peer))))
+        return self._check_nodes(what, pair_nodes(self.name, what, self.node_rank, peer))
 
     @staticmethod
     def _next_tag(seqs: dict[int, int], peer: int) -> int:
@@ -521,9 +511,9 @@ class GlooLane(TorchGroupLane):
         # arithmetic ops; bool goes through BOR/BAND (see _BOOL_OPS).
         if dtype == "int16":
             return "Gloo has no int16 reductions (torch's Gloo fails with 'Invalid scalar type')"
-        if dtype in _COMPLEX and op != "sum":
+        if dtype in COMPLEX_DTYPES and op != "sum":
             return f"Gloo reduces complex tensors with SUM only, not {op.upper()}"
         return None
 
     def _torch_reduce_op(self, dtype: str, op: str) -> dist.ReduceOp:
-        return _REDUCE_OPS[_BOOL_OPS[op] if dtype == "bool" else op]
+        return TORCH_REDUCE_OPS[_BOOL_OPS[op] if dtype == "bool" else op]

@@ -19,14 +19,17 @@ from collections.abc import Callable
 
 import torch
 
-from commd.kernels.reduce import DTYPE_NAMES, UnsupportedReduction, check_supported
+from commd.kernels.reduce import UnsupportedReduction, check_supported
 from commd.lanes.base import (
     LaneError,
+    Transport,
     TransportError,
+    allreduce_dtype,
     check_allgatherv_sizes,
     check_alltoallv_sizes,
     check_nodes,
     memory_view,
+    pair_nodes,
     refusal,
 )
 from commd.lanes.tcp import algorithms
@@ -208,10 +211,7 @@ class TcpLane:
         """In-place reduction over ``nodes``: whole-buffer exchange when small, ring when large."""
         nodes, me = self._check_nodes("allreduce", nodes)
         self._check_tensor("allreduce", buf)
-        dtype = DTYPE_NAMES.get(buf.dtype, str(buf.dtype))
-        reason = self.can_run("allreduce", dtype, op, nodes)
-        if reason is not None:
-            raise LaneError(f"tcp allreduce: {reason}")
+        dtype = allreduce_dtype(self, nodes, buf, op)
         flat = buf.detach().reshape(-1)
         if len(nodes) == 1 or flat.numel() == 0:
             self._usable("allreduce", nodes)
@@ -276,32 +276,24 @@ class TcpLane:
         self._run(f"alltoallv({len(src)} bytes out, {len(dst)} in)", "alltoallv", nodes, timeout,
                   lambda ex: algorithms.pairwise_alltoallv(ex, nodes, me, src, in_sizes, dst, out_sizes))
 
-    def _pair(self, what: str, peer: int) -> tuple[int, ...]:
-        if peer == self.node_rank:
-            raise LaneError(f"tcp {what}: node {peer} is this node")
-        return self._check_nodes(what, tuple(sorted((self.node_rank, int(peer)))))[0]
-
     def send(self, dst: int, buf: torch.Tensor, timeout: float) -> None:
         """``buf``'s bytes to ``dst`` (returns once they are handed to the kernel)."""
-        nodes = self._pair(f"send to {dst}", dst)
-        self._check_tensor("send", buf)
-        view = memory_view(buf)
-        if len(view) == 0:
-            self._usable(f"send to {dst}", nodes)
-            return
-        self._run(f"send to {dst} ({len(view)} bytes)", "p2p", nodes, timeout,
-                  lambda ex: algorithms.send_to(ex, dst, view))
+        self._p2p("send", f"send to {dst}", dst, buf, timeout, algorithms.send_to)
 
     def recv(self, src: int, buf: torch.Tensor, timeout: float) -> None:
         """Exactly ``buf``'s size in bytes from ``src``, straight into ``buf``."""
-        nodes = self._pair(f"recv from {src}", src)
-        self._check_tensor("recv", buf)
+        self._p2p("recv", f"recv from {src}", src, buf, timeout, algorithms.recv_from)
+
+    def _p2p(self, primitive: str, what: str, peer: int, buf: torch.Tensor, timeout: float,
+             move: Callable[[Transport, int, memoryview], None]) -> None:
+        """One direct transfer with ``peer``; ``move`` is the algorithm (send_to or recv_from)."""
+        nodes = self._check_nodes(what, pair_nodes("tcp", what, self.node_rank, peer))[0]
+        self._check_tensor(primitive, buf)
         view = memory_view(buf)
         if len(view) == 0:
-            self._usable(f"recv from {src}", nodes)
+            self._usable(what, nodes)
             return
-        self._run(f"recv from {src} ({len(view)} bytes)", "p2p", nodes, timeout,
-                  lambda ex: algorithms.recv_from(ex, src, view))
+        self._run(f"{what} ({len(view)} bytes)", "p2p", nodes, timeout, lambda ex: move(ex, peer, view))
 
     def barrier(self, nodes: tuple[int, ...], timeout: float) -> None:
         """Return once every node of ``nodes`` has entered (dissemination: log2 rounds of headers)."""
