@@ -20,7 +20,7 @@ or compressed collectives) can be written once and run over any transport.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -215,6 +215,7 @@ class TransportError(Exception):
 Done = Callable[[], None]
 
 
+@runtime_checkable
 class Transport(Protocol):
     """Byte movement among nodes for one lane call: what collective algorithms are written against.
 
