@@ -1,7 +1,7 @@
 """The NCCL lane: torch's ProcessGroupNCCL between the daemons' GPUs.
 
 Same scheme as the Gloo lane (one process group per node subset, created
-lazily under a PrefixStore named after it, see :mod:`commd.lanes.gloo`), but
+lazily under a PrefixStore named after it, see :mod:`commd.lanes.torch_group`), but
 the tensors are CUDA tensors on the lane's device and completion is polled:
 
 * NCCL's communicator init blocks without a timeout until every member
@@ -34,7 +34,7 @@ from commd.lanes.base import (
     check_contiguous,
     refusal,
 )
-from commd.lanes.gloo import TORCH_REDUCE_OPS, TorchGroupLane
+from commd.lanes.torch_group import TORCH_REDUCE_OPS, TorchGroupLane
 
 #: Seconds torch's NCCL watchdog waits beyond a call's own deadline.
 WATCHDOG_GRACE_S = 60.0
