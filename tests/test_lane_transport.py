@@ -10,9 +10,9 @@ these tests could not pass.  Results are checked against NumPy references.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import queue
 import socket
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -97,24 +97,13 @@ def network(n: int, chunk_bytes: int = 256, wait_s: float = WAIT_S) -> list[Fake
 
 
 def on_nodes(fns: Sequence[Callable[[], Any]]) -> list[Any]:
-    """``fns[i]`` in thread i; the results, or each exception raised; fails if a thread hangs."""
-    results: list[Any] = [None] * len(fns)
-
-    def work(i: int) -> None:
-        try:
-            results[i] = fns[i]()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            results[i] = exc
-
-    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(len(fns))]
-    for thread in threads:
-        thread.start()
-    deadline = time.monotonic() + JOIN_S
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    stuck = [i for i, thread in enumerate(threads) if thread.is_alive()]
-    assert not stuck, f"node thread(s) {stuck} still running after {JOIN_S} s"
-    return results
+    """``fns[i]`` on a thread of its own; the results, or each exception raised; fails if one hangs."""
+    pool = concurrent.futures.ThreadPoolExecutor(len(fns))
+    futures = [pool.submit(fn) for fn in fns]
+    _, stuck = concurrent.futures.wait(futures, timeout=JOIN_S)
+    pool.shutdown(wait=False)
+    assert not stuck, f"node thread(s) {[futures.index(f) for f in stuck]} still running after {JOIN_S} s"
+    return [f.exception() or f.result() for f in futures]
 
 
 def run_ok(fns: Sequence[Callable[[], Any]]) -> list[Any]:

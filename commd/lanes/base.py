@@ -34,8 +34,9 @@ PRIMITIVES = ("allreduce", "broadcast", "allgatherv", "alltoallv", "send", "recv
 
 #: Dtype families the lanes' reduce refusals speak of (by name, as in ``DTYPE_NAMES``).
 COMPLEX_DTYPES = frozenset({"complex64", "complex128"})
-INTEGER_DTYPES = frozenset({"int8", "uint8", "int16", "int32", "int64"})
 BITWISE_OPS = frozenset({"band", "bor", "bxor"})
+#: The dtypes bitwise ops are defined on: integers and bool.
+BITWISE_DTYPES = frozenset({"int8", "uint8", "int16", "int32", "int64", "bool"})
 
 
 def refusal(lane: str, primitive: str, dtype: str, reduce_op: str | None, nodes: tuple[int, ...],

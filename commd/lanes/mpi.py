@@ -24,9 +24,9 @@ import torch
 
 from commd.kernels.layout import block_offsets, byte_view
 from commd.lanes.base import (
+    BITWISE_DTYPES,
     BITWISE_OPS,
     COMPLEX_DTYPES,
-    INTEGER_DTYPES,
     LaneError,
     allreduce_dtype,
     check_allgatherv_sizes,
@@ -132,7 +132,7 @@ def mpi_can_run(primitive: str, dtype: str, reduce_op: str | None, nodes: tuple[
         return reason  # everything but allreduce moves as MPI_BYTE
     if dtype not in MPI_TYPES:
         return f"MPI has no portable datatype for {dtype} reductions (use the gloo or tcp lane)"
-    if reduce_op in BITWISE_OPS and dtype not in INTEGER_DTYPES | {"bool"}:
+    if reduce_op in BITWISE_OPS and dtype not in BITWISE_DTYPES:
         return f"reduce op {reduce_op.upper()} needs an integer or bool dtype, got {dtype}"
     if dtype in COMPLEX_DTYPES and reduce_op not in ("sum", "product"):
         return f"MPI reduces complex {dtype} with SUM and PROD only, not {reduce_op.upper()}"

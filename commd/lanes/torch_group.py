@@ -27,9 +27,9 @@ import torch.distributed as dist
 
 from commd.kernels.layout import byte_view
 from commd.lanes.base import (
+    BITWISE_DTYPES,
     BITWISE_OPS,
     COMPLEX_DTYPES,
-    INTEGER_DTYPES,
     LaneError,
     allreduce_dtype,
     check_allgatherv_sizes,
@@ -183,7 +183,7 @@ class TorchGroupLane:
         reason = refusal(self.name, primitive, dtype, reduce_op, nodes, self.nnodes)
         if reason is not None or primitive != "allreduce":
             return reason  # everything but allreduce moves bytes
-        if reduce_op in BITWISE_OPS and dtype not in INTEGER_DTYPES | {"bool"}:
+        if reduce_op in BITWISE_OPS and dtype not in BITWISE_DTYPES:
             return f"reduce op {reduce_op.upper()} needs an integer or bool dtype, got {dtype}"
         if reduce_op in ("min", "max") and dtype in COMPLEX_DTYPES:
             return f"reduce op {reduce_op.upper()} is undefined for complex dtype {dtype}"
