@@ -23,8 +23,9 @@ import torch.distributed as dist
 
 from commd.kernels.reduce import TORCH_DTYPES, reduce_into
 from commd.lanes.base import LANE_REDUCE_OPS, PRIMITIVES, LaneError
-from commd.lanes.gloo import GlooLane, classify_error
+from commd.lanes.gloo import GlooLane
 from commd.lanes.nccl import NcclLane, nccl_can_run, nccl_unavailable
+from commd.lanes.torch_group import classify_error
 
 JOIN_S = 30.0  # bound on one run of all nodes' threads
 T = 10.0  # per-call timeout of calls that must succeed

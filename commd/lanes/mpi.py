@@ -23,8 +23,20 @@ import numpy as np
 import torch
 
 from commd.kernels.layout import block_offsets, byte_view
-from commd.kernels.reduce import DTYPE_NAMES
-from commd.lanes.base import LaneError, check_nodes, node_index, refusal
+from commd.lanes.base import (
+    BITWISE_DTYPES,
+    BITWISE_OPS,
+    COMPLEX_DTYPES,
+    LaneError,
+    allreduce_dtype,
+    check_allgatherv_sizes,
+    check_alltoallv_sizes,
+    check_cpu_tensors,
+    check_nodes,
+    node_index,
+    pair_nodes,
+    refusal,
+)
 from commd.lanes.mpi_env import WORLD_SIZE_ENV, mpi_world_size_from_env
 
 __all__ = ["WORLD_SIZE_ENV", "MpiLane", "init_mpi", "mpi_can_run", "mpi_world_size_from_env"]
@@ -52,9 +64,6 @@ MPI_OPS = {"sum": "SUM", "product": "PROD", "min": "MIN", "max": "MAX", "band": 
 #: sum/max/bor are OR, product/min/band are AND, bxor is XOR.
 MPI_BOOL_OPS = {"sum": "LOR", "max": "LOR", "bor": "LOR", "product": "LAND", "min": "LAND", "band": "LAND",
                 "bxor": "LXOR"}
-
-_COMPLEX = frozenset({"complex64", "complex128"})
-_BITWISE_DTYPES = frozenset({"int8", "uint8", "int16", "int32", "int64", "bool"})
 
 #: Tags the lane uses on the parent communicator (the subset communicators are private).
 HANDSHAKE_TAG = 0x6D70
@@ -123,9 +132,9 @@ def mpi_can_run(primitive: str, dtype: str, reduce_op: str | None, nodes: tuple[
         return reason  # everything but allreduce moves as MPI_BYTE
     if dtype not in MPI_TYPES:
         return f"MPI has no portable datatype for {dtype} reductions (use the gloo or tcp lane)"
-    if reduce_op in ("band", "bor", "bxor") and dtype not in _BITWISE_DTYPES:
+    if reduce_op in BITWISE_OPS and dtype not in BITWISE_DTYPES:
         return f"reduce op {reduce_op.upper()} needs an integer or bool dtype, got {dtype}"
-    if dtype in _COMPLEX and reduce_op not in ("sum", "product"):
+    if dtype in COMPLEX_DTYPES and reduce_op not in ("sum", "product"):
         return f"MPI reduces complex {dtype} with SUM and PROD only, not {reduce_op.upper()}"
     return None
 
@@ -237,23 +246,12 @@ class MpiLane:
         request = self._start(what, lambda: begin(comm))
         self._wait([request], keep, deadline, what, timeout, sum(a.nbytes for a in keep))
 
-    @staticmethod
-    def _cpu(what: str, *tensors: torch.Tensor) -> None:
-        for tensor in tensors:
-            if tensor.device.type != "cpu":
-                raise LaneError(f"mpi {what}: tensors must be on the CPU, got {tensor.device}")
-            if not tensor.is_contiguous():  # a NumPy view of a copy would lose the result
-                raise LaneError(f"mpi {what}: tensors must be contiguous, got strides {tensor.stride()}")
-
     # ---- primitives ---------------------------------------------------------------
     def allreduce(self, nodes: tuple[int, ...], buf: torch.Tensor, op: str, timeout: float) -> None:
         """In place Iallreduce with the dtype's MPI type (bool as C_BOOL with LOR/LAND/LXOR)."""
         nodes = self._usable("allreduce", nodes)
-        self._cpu("allreduce", buf)
-        dtype = DTYPE_NAMES.get(buf.dtype, str(buf.dtype))
-        reason = self.can_run("allreduce", dtype, op, nodes)
-        if reason is not None:
-            raise LaneError(f"mpi allreduce: {reason}")
+        check_cpu_tensors("mpi", "allreduce", buf)
+        dtype = allreduce_dtype(self, nodes, buf, op)
         if len(nodes) == 1 or buf.numel() == 0:
             return
         MPI = _mpi()
@@ -266,7 +264,7 @@ class MpiLane:
     def broadcast(self, nodes: tuple[int, ...], buf: torch.Tensor, root: int, timeout: float) -> None:
         """Ibcast of ``buf``'s bytes from ``root``."""
         nodes = self._usable("broadcast", nodes)
-        self._cpu("broadcast", buf)
+        check_cpu_tensors("mpi", "broadcast", buf)
         index = node_index("mpi", "broadcast", nodes, root)
         array = _bytes(buf)
         if len(nodes) == 1 or array.size == 0:
@@ -280,13 +278,11 @@ class MpiLane:
     ) -> None:
         """Iallgatherv of bytes straight into ``out``."""
         nodes = self._usable("allgatherv", nodes)
-        self._cpu("allgatherv", inp, out)
+        check_cpu_tensors("mpi", "allgatherv", inp, out)
         sizes = [int(s) for s in sizes]
         src, dst = _bytes(inp), _bytes(out)
         me = nodes.index(self.node_rank)
-        if len(sizes) != len(nodes) or src.size != sizes[me] or dst.size != sum(sizes):
-            raise LaneError(f"mpi allgatherv: sizes {sizes} do not match nodes {nodes}, "
-                            f"inp {src.size} bytes and out {dst.size} bytes")
+        check_allgatherv_sizes("mpi", nodes, me, sizes, src.size, dst.size)
         if len(nodes) == 1:
             dst[:] = src
             return
@@ -309,13 +305,10 @@ class MpiLane:
     ) -> None:
         """Ialltoallv of byte blocks."""
         nodes = self._usable("alltoallv", nodes)
-        self._cpu("alltoallv", inp, out)
+        check_cpu_tensors("mpi", "alltoallv", inp, out)
         in_sizes, out_sizes = [int(s) for s in in_sizes], [int(s) for s in out_sizes]
         src, dst = _bytes(inp), _bytes(out)
-        if (len(in_sizes) != len(nodes) or len(out_sizes) != len(nodes) or src.size != sum(in_sizes)
-                or dst.size != sum(out_sizes)):
-            raise LaneError(f"mpi alltoallv: in_sizes {in_sizes} / out_sizes {out_sizes} do not match "
-                            f"nodes {nodes}, inp {src.size} bytes and out {dst.size} bytes")
+        check_alltoallv_sizes("mpi", nodes, in_sizes, out_sizes, src.size, dst.size)
         if len(nodes) == 1:
             dst[:] = src
             return
@@ -325,10 +318,8 @@ class MpiLane:
         self._collective("alltoallv", nodes, timeout, lambda comm: comm.Ialltoallv(send, recv), [src, dst])
 
     def _p2p(self, what: str, peer: int, buf: torch.Tensor, timeout: float, sending: bool) -> None:
-        if peer == self.node_rank:
-            raise LaneError(f"mpi {what}: node {peer} is this node")
-        self._usable(what, tuple(sorted((self.node_rank, peer))))
-        self._cpu(what, buf)
+        self._usable(what, pair_nodes("mpi", what, self.node_rank, peer))
+        check_cpu_tensors("mpi", what, buf)
         array = _bytes(buf)
         if array.size == 0:
             return

@@ -1,7 +1,7 @@
 """The NCCL lane: torch's ProcessGroupNCCL between the daemons' GPUs.
 
 Same scheme as the Gloo lane (one process group per node subset, created
-lazily under a PrefixStore named after it, see :mod:`commd.lanes.gloo`), but
+lazily under a PrefixStore named after it, see :mod:`commd.lanes.torch_group`), but
 the tensors are CUDA tensors on the lane's device and completion is polled:
 
 * NCCL's communicator init blocks without a timeout until every member
@@ -26,21 +26,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commd.lanes.base import LANE_REDUCE_OPS, LaneError, refusal
-from commd.lanes.gloo import TorchGroupLane, check_contiguous
+from commd.lanes.base import (
+    BITWISE_OPS,
+    COMPLEX_DTYPES,
+    LANE_REDUCE_OPS,
+    LaneError,
+    check_contiguous,
+    refusal,
+)
+from commd.lanes.torch_group import TORCH_REDUCE_OPS, TorchGroupLane
 
 #: Seconds torch's NCCL watchdog waits beyond a call's own deadline.
 WATCHDOG_GRACE_S = 60.0
 
 #: NCCL reduces uint8-coded bools: OR is MAX and AND is MIN on 0/1 bytes (there is no XOR).
 _BOOL_OPS = {"sum": "max", "max": "max", "bor": "max", "product": "min", "min": "min", "band": "min"}
-_REDUCE_OPS = {
-    "sum": dist.ReduceOp.SUM,
-    "product": dist.ReduceOp.PRODUCT,
-    "min": dist.ReduceOp.MIN,
-    "max": dist.ReduceOp.MAX,
-}
-_COMPLEX = frozenset({"complex64", "complex128"})
 
 MIN_SLEEP_S = 20e-6
 MAX_SLEEP_S = 1e-3
@@ -77,11 +77,11 @@ def nccl_can_run(primitive: str, dtype: str, reduce_op: str | None, nodes: tuple
         return "NCCL has no int16 datatype"
     if dtype == "bool":
         return None if reduce_op in _BOOL_OPS else "NCCL has no XOR reduction (bool BXOR)"
-    if reduce_op in ("band", "bor", "bxor"):
-        if dtype in _COMPLEX or dtype.startswith(("float", "bfloat")):
+    if reduce_op in BITWISE_OPS:
+        if dtype in COMPLEX_DTYPES or dtype.startswith(("float", "bfloat")):
             return f"reduce op {reduce_op.upper()} needs an integer or bool dtype, got {dtype}"
         return f"NCCL has no bitwise reductions ({reduce_op.upper()} on {dtype})"
-    if dtype in _COMPLEX and reduce_op != "sum":
+    if dtype in COMPLEX_DTYPES and reduce_op != "sum":
         if reduce_op in ("min", "max"):
             return f"reduce op {reduce_op.upper()} is undefined for complex dtype {dtype}"
         return f"NCCL reduces complex tensors with SUM only, not {reduce_op.upper()}"
@@ -159,7 +159,7 @@ class NcclLane(TorchGroupLane):
         return nccl_can_run("allreduce", dtype, op, (), self.nnodes)
 
     def _torch_reduce_op(self, dtype: str, op: str) -> dist.ReduceOp:
-        return _REDUCE_OPS[_BOOL_OPS[op] if dtype == "bool" else op]
+        return TORCH_REDUCE_OPS[_BOOL_OPS[op] if dtype == "bool" else op]
 
     def barrier(self, nodes: tuple[int, ...], timeout: float) -> None:
         """A one-byte MAX allreduce on the device (ProcessGroupNCCL's barrier guesses its device)."""

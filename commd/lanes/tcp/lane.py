@@ -1,0 +1,325 @@
+"""commd's own TCP lane: a full mesh of authenticated connections between the daemons.
+
+:class:`TcpLane` implements the :class:`~commd.lanes.base.Lane` contract in
+three parts kept apart: the byte transport (:mod:`.transport`: ``Mesh``,
+``Peer``, ``Exchange``), the connection set-up and mutual authentication
+(:mod:`.handshake`), and the collective algorithms (:mod:`.algorithms`, written
+against the public :class:`~commd.lanes.base.Transport`).  This module picks an
+algorithm by size, checks the arguments, and keeps the failure bookkeeping the
+Lane contract asks for (a failed call makes the streams to its peers unusable).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from commd.kernels.reduce import UnsupportedReduction, check_supported
+from commd.lanes.base import (
+    LaneError,
+    Transport,
+    TransportError,
+    allreduce_dtype,
+    check_allgatherv_sizes,
+    check_alltoallv_sizes,
+    check_nodes,
+    memory_view,
+    pair_nodes,
+    refusal,
+)
+from commd.lanes.tcp import algorithms
+from commd.lanes.tcp.handshake import MeshConnector, listen
+from commd.lanes.tcp.transport import Exchange, Mesh
+
+log = logging.getLogger("commd.lanes.tcp")
+
+#: All-reduces of at most this many bytes exchange whole buffers (one round trip, every node
+#: reduces all contributions in node order); larger ones use the ring (bandwidth-optimal).
+SMALL_ALLREDUCE_BYTES = 64 * 1024
+#: Broadcasts of at most this many bytes go from the root to each node directly; larger ones
+#: take the pipelined chain.
+SMALL_BROADCAST_BYTES = 64 * 1024
+#: Smallest accepted ``chunk_bytes`` (below this the per-chunk overhead dominates everything).
+MIN_CHUNK_BYTES = 256
+
+
+class TcpLane:
+    """commd's own inter-node lane: point-to-point TCP between the job's daemons.
+
+    Single-threaded by contract (the daemon's tcp lane thread), except
+    ``close``, which may come from any thread and makes a pending call fail.
+    """
+
+    name = "tcp"
+
+    def __init__(self, node_rank: int, nnodes: int, secret: str, host: str, port: int = 0,
+                 chunk_bytes: int = 1 << 20) -> None:
+        for what, value in (("node_rank", node_rank), ("nnodes", nnodes), ("port", port),
+                            ("chunk_bytes", chunk_bytes)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{what} must be an int, got {value!r}")
+        if nnodes < 1:
+            raise ValueError(f"nnodes must be at least 1, got {nnodes}")
+        if not 0 <= node_rank < nnodes:
+            raise ValueError(f"node_rank {node_rank} is not in [0, {nnodes})")
+        if not isinstance(secret, str) or not secret:
+            raise ValueError("secret must be a non-empty string (the job secret)")
+        if not isinstance(host, str) or not host:
+            raise ValueError(f"host must be a non-empty string, got {host!r}")
+        if not 0 <= port <= 65535:
+            raise ValueError(f"port {port} is not in [0, 65535]")
+        if chunk_bytes < MIN_CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes must be at least {MIN_CHUNK_BYTES}, got {chunk_bytes}")
+        self.node_rank = node_rank
+        self.nnodes = nnodes
+        self.chunk_bytes = chunk_bytes
+        self._key = secret.encode()
+        self._listener = listen(host, port, nnodes)
+        name = self._listener.getsockname()
+        self._endpoint: tuple[str, int] = (str(name[0]), int(name[1]))
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._mesh = Mesh(node_rank, chunk_bytes, self._wake_r)
+        self._connected = False
+        self._connect_error: LaneError | None = None
+        self._closed = False
+        self._op_lock = threading.Lock()  # one call at a time; close() waits for it to let go
+
+    @property
+    def endpoint(self) -> tuple[str, int]:
+        """The (host, port) the listening socket is bound to (the real port when 0 was asked)."""
+        return self._endpoint
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "connected" if self._connected else "unconnected"
+        host, port = self._endpoint
+        return f"<TcpLane node {self.node_rank}/{self.nnodes} at {host}:{port}, {state}>"
+
+    # ---- connecting ---------------------------------------------------------------------
+    def connect(self, endpoints: list[tuple[str, int]], timeout: float) -> None:
+        """Connect to every other node (dial the lower ranks, accept the higher) within ``timeout`` s.
+
+        Raises LaneError("timeout") naming the nodes still missing; a failed
+        connect leaves the lane unusable.
+        """
+        if len(endpoints) != self.nnodes:
+            raise LaneError(f"tcp connect: {len(endpoints)} endpoints given for {self.nnodes} nodes")
+        if timeout <= 0:
+            raise LaneError(f"tcp connect: timeout must be positive, got {timeout}")
+        with self._op_lock:
+            if self._closed:
+                raise LaneError("tcp lane is closed")
+            if self._connected or self._connect_error is not None:
+                raise LaneError("tcp connect: already called on this lane")
+            try:
+                MeshConnector(self.node_rank, self.nnodes, self._key, self._listener, self._wake_r,
+                              self._mesh).run(endpoints, time.monotonic() + timeout, timeout)
+            except LaneError as exc:
+                self._connect_error = exc
+                self._mesh.close()
+                raise
+            finally:
+                self._listener.close()
+            self._connected = True
+
+    # ---- capability and plumbing ----------------------------------------------------------
+    def can_run(
+        self, primitive: str, dtype: str, reduce_op: str | None, nodes: tuple[int, ...]
+    ) -> str | None:
+        """None if this lane runs ``primitive`` on ``dtype``/``reduce_op`` among ``nodes``; else why not.
+
+        A pure function of its arguments (the coordinator asks it for every
+        daemon), so it says nothing about the state of connections.
+        """
+        reason = refusal("tcp", primitive, dtype, reduce_op, nodes, self.nnodes)
+        if reason is not None or primitive != "allreduce":
+            return reason
+        try:
+            check_supported(reduce_op, dtype)
+        except UnsupportedReduction as exc:
+            return str(exc)
+        return None
+
+    def _check_nodes(self, what: str, nodes: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
+        """Normalised ``nodes`` and this node's index in it; LaneError if they make no sense."""
+        nodes = check_nodes("tcp", what, nodes, self.node_rank, self.nnodes)
+        return nodes, nodes.index(self.node_rank)
+
+    @staticmethod
+    def _check_tensor(what: str, tensor: torch.Tensor, uint8: bool = False) -> None:
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise LaneError(f"tcp {what}: tensors must be contiguous and on the CPU, got {tensor.device}")
+        if uint8 and tensor.dtype != torch.uint8:
+            raise LaneError(f"tcp {what}: expected a uint8 tensor, got {tensor.dtype}")
+
+    def _usable(self, what: str, nodes: tuple[int, ...]) -> None:
+        """Refuse at once when closed, unconnected, or a peer's stream broke earlier."""
+        if self._closed:
+            raise LaneError(f"tcp lane is closed ({what} on nodes {nodes})")
+        if self._connect_error is not None:
+            raise LaneError(f"tcp lane unusable ({what}): connect failed: {self._connect_error}",
+                            self._connect_error.code)
+        if not self._connected and len(nodes) > 1:
+            raise LaneError(f"tcp {what}: the lane is not connected yet")
+        for rank in nodes:
+            peer = self._mesh.peers.get(rank)
+            if peer is not None and peer.failure is not None:
+                raise LaneError(f"tcp lane refuses {what} on nodes {nodes}: the stream to node {rank} is "
+                                f"unusable since an earlier failure: {peer.failure}", peer.failure.code)
+
+    def _run(self, what: str, kind: str, nodes: tuple[int, ...], timeout: float,
+             body: Callable[[Exchange], None]) -> None:
+        """Run one call's transfers under its deadline; on failure mark the call's peers unusable.
+
+        Every peer of the call is marked, not only the one at fault: the others
+        may be part-way through a transfer, so their streams are out of step too.
+        """
+        deadline = time.monotonic() + timeout
+        if not self._op_lock.acquire(timeout=max(0.0, timeout)):
+            raise LaneError(f"tcp {what}: another call on this lane did not finish in time", "timeout")
+        try:
+            self._usable(what, nodes)
+            try:
+                body(Exchange(self._mesh, kind, deadline, timeout, self.chunk_bytes))
+            except TransportError as failure:
+                self._failed(what, nodes, failure.code, failure.message)
+            except LaneError:
+                raise
+            except Exception as exc:
+                self._failed(what, nodes, "internal", f"{type(exc).__name__}: {exc}", exc)
+        finally:
+            self._op_lock.release()
+
+    def _failed(self, what: str, nodes: tuple[int, ...], code: str, message: str,
+                cause: BaseException | None = None) -> None:
+        if self._closed:
+            self._mesh.drop_queues()
+            raise LaneError(f"tcp lane closed during {what} on nodes {nodes}") from cause
+        error = LaneError(f"tcp {what} on nodes {nodes} failed: {message}", code)
+        self._mesh.break_peers([n for n in nodes if n != self.node_rank], error)
+        log.debug("tcp lane node %d: %s", self.node_rank, error)
+        raise error from cause
+
+    # ---- primitives -----------------------------------------------------------------------
+    def allreduce(self, nodes: tuple[int, ...], buf: torch.Tensor, op: str, timeout: float) -> None:
+        """In-place reduction over ``nodes``: whole-buffer exchange when small, ring when large."""
+        nodes, me = self._check_nodes("allreduce", nodes)
+        self._check_tensor("allreduce", buf)
+        dtype = allreduce_dtype(self, nodes, buf, op)
+        flat = buf.detach().reshape(-1)
+        if len(nodes) == 1 or flat.numel() == 0:
+            self._usable("allreduce", nodes)
+            return
+        nbytes = flat.numel() * flat.element_size()
+        algo = algorithms.direct_allreduce if nbytes <= SMALL_ALLREDUCE_BYTES else algorithms.ring_allreduce
+        self._run(f"allreduce({dtype}, {op}, {nbytes} bytes)", "allreduce", nodes, timeout,
+                  lambda ex: algo(ex, nodes, me, flat, op))
+
+    def broadcast(self, nodes: tuple[int, ...], buf: torch.Tensor, root: int, timeout: float) -> None:
+        """``root``'s bytes into everyone's ``buf``: direct when small, pipelined chain when large."""
+        nodes, me = self._check_nodes("broadcast", nodes)
+        self._check_tensor("broadcast", buf)
+        if root not in nodes:
+            raise LaneError(f"tcp broadcast: root {root} is not in {nodes}")
+        view = memory_view(buf)
+        if len(nodes) == 1 or len(view) == 0:
+            self._usable("broadcast", nodes)
+            return
+        algo = (algorithms.direct_broadcast if len(view) <= SMALL_BROADCAST_BYTES
+                else algorithms.chain_broadcast)
+        self._run(f"broadcast(root {root}, {len(view)} bytes)", "broadcast", nodes, timeout,
+                  lambda ex: algo(ex, nodes, me, root, view))
+
+    def allgatherv(
+        self, nodes: tuple[int, ...], inp: torch.Tensor, out: torch.Tensor, sizes: list[int], timeout: float
+    ) -> None:
+        """Every node's ``inp`` bytes, in node order, into everyone's ``out`` (pipelined ring)."""
+        nodes, me = self._check_nodes("allgatherv", nodes)
+        self._check_tensor("allgatherv", inp, uint8=True)
+        self._check_tensor("allgatherv", out, uint8=True)
+        sizes = [int(s) for s in sizes]
+        src, dst = memory_view(inp), memory_view(out)
+        check_allgatherv_sizes("tcp", nodes, me, sizes, len(src), len(dst))
+        if len(nodes) == 1 or sum(sizes) == 0:
+            self._usable("allgatherv", nodes)
+            dst[:] = src
+            return
+        self._run(f"allgatherv({sum(sizes)} bytes)", "allgatherv", nodes, timeout,
+                  lambda ex: algorithms.ring_allgatherv(ex, nodes, me, src, dst, sizes))
+
+    def alltoallv(
+        self,
+        nodes: tuple[int, ...],
+        inp: torch.Tensor,
+        in_sizes: list[int],
+        out: torch.Tensor,
+        out_sizes: list[int],
+        timeout: float,
+    ) -> None:
+        """Personalised exchange of byte blocks, pairwise (step s: to me + s, from me - s)."""
+        nodes, me = self._check_nodes("alltoallv", nodes)
+        self._check_tensor("alltoallv", inp, uint8=True)
+        self._check_tensor("alltoallv", out, uint8=True)
+        in_sizes, out_sizes = [int(s) for s in in_sizes], [int(s) for s in out_sizes]
+        src, dst = memory_view(inp), memory_view(out)
+        check_alltoallv_sizes("tcp", nodes, in_sizes, out_sizes, len(src), len(dst))
+        if len(nodes) == 1:
+            self._usable("alltoallv", nodes)
+            dst[:] = src
+            return
+        self._run(f"alltoallv({len(src)} bytes out, {len(dst)} in)", "alltoallv", nodes, timeout,
+                  lambda ex: algorithms.pairwise_alltoallv(ex, nodes, me, src, in_sizes, dst, out_sizes))
+
+    def send(self, dst: int, buf: torch.Tensor, timeout: float) -> None:
+        """``buf``'s bytes to ``dst`` (returns once they are handed to the kernel)."""
+        self._p2p("send", f"send to {dst}", dst, buf, timeout, algorithms.send_to)
+
+    def recv(self, src: int, buf: torch.Tensor, timeout: float) -> None:
+        """Exactly ``buf``'s size in bytes from ``src``, straight into ``buf``."""
+        self._p2p("recv", f"recv from {src}", src, buf, timeout, algorithms.recv_from)
+
+    def _p2p(self, primitive: str, what: str, peer: int, buf: torch.Tensor, timeout: float,
+             move: Callable[[Transport, int, memoryview], None]) -> None:
+        """One direct transfer with ``peer``; ``move`` is the algorithm (send_to or recv_from)."""
+        nodes = self._check_nodes(what, pair_nodes("tcp", what, self.node_rank, peer))[0]
+        self._check_tensor(primitive, buf)
+        view = memory_view(buf)
+        if len(view) == 0:
+            self._usable(what, nodes)
+            return
+        self._run(f"{what} ({len(view)} bytes)", "p2p", nodes, timeout, lambda ex: move(ex, peer, view))
+
+    def barrier(self, nodes: tuple[int, ...], timeout: float) -> None:
+        """Return once every node of ``nodes`` has entered (dissemination: log2 rounds of headers)."""
+        nodes, me = self._check_nodes("barrier", nodes)
+        if len(nodes) == 1:
+            self._usable("barrier", nodes)
+            return
+        self._run("barrier", "barrier", nodes, timeout, lambda ex: algorithms.dissemination_barrier(ex, nodes, me))
+
+    def close(self) -> None:
+        """Close every socket; a pending call fails with LaneError, later calls are refused.  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        self._mesh.shutdown()  # a call stuck anywhere in a socket operation fails now
+        if self._op_lock.acquire(timeout=10.0):
+            try:
+                self._mesh.close()
+                self._listener.close()
+                self._wake_r.close()
+                self._wake_w.close()
+            finally:
+                self._op_lock.release()
+        else:  # a call is still in progress and did not notice: leave the fds to the GC
+            log.warning("tcp lane node %d: closed while a call was still running", self.node_rank)
