@@ -67,8 +67,8 @@ THIRD_PARTY_PRIVATE: dict[str, set[str]] = {
     "commd.daemon.cuda": {"_new_shared_cuda"},
     # Gloo/NCCL groups built by hand (own device, timeouts) and Gloo's flat all-gather.
     # torch.distributed does not re-export AllgatherOptions (it lives in torch._C._distributed_c10d).
-    "commd.lanes.gloo": {"_Options", "_devices", "_timeout", "_set_default_timeout", "_allgather_base", "_C",
-                         "_distributed_c10d"},
+    "commd.lanes.gloo": {"_Options", "_devices", "_timeout", "_set_default_timeout"},
+    "commd.lanes.torch_group": {"_allgather_base", "_C", "_distributed_c10d"},
     "commd.lanes.nccl": {"_timeout"},
 }
 
