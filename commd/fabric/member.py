@@ -305,8 +305,8 @@ class FabricMember:
         cid = self.neg_cache.get(key)
         if cid is not None:
             self.reported_cached += 1
-            self._up_send(wire.Ready(op.group, op.seq, cache_id=cid, contribution=contribution,
-                                     no_fusion=not self._may_fuse(op)))
+            # (positional on this per-op path: pattern, cache id, contribution, no fusion)
+            self._up_send(wire.Ready(op.group, op.seq, None, cid, contribution, not self._may_fuse(op)))
             return
         pattern = wire.OpPattern(
             kind=op.kind, signature=agreed_values(first), ranks=list(placement.ranks),

@@ -32,7 +32,12 @@ things each way):
 | ``rank_died`` | ``RankDied`` | both | a rank is gone: fail what waits for it | rank ``rank``, why ``why`` |
 | ``leaving`` | ``Leaving`` | both | this node leaves the fabric (shutdown) | why ``why`` |
 
-Plain data only: nothing here imports above ``protocol/``.
+Plain data only: nothing here imports above ``protocol/``.  The classes are slotted
+dataclasses, not frozen ones: a frozen dataclass's constructor sets each field through
+``object.__setattr__`` and costs about ten times as much, and a report and a release
+are built and decoded on the critical path of every multi-node op.  Slots still refuse
+any attribute that is not a field, so nothing local can be written into a received
+message; the code treats every message as immutable.
 """
 
 from __future__ import annotations
@@ -126,7 +131,7 @@ def _map(item: dict[str, Any], t: str, key: str, name: str) -> dict[str, Any]:
 # ---- member → coordinator ----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class OpPattern:
     """What a full report says about a collective besides its sequence number (cached by id)."""
 
@@ -162,7 +167,7 @@ class OpPattern:
                    splits)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Ready:
     """A report: every local rank of a collective has submitted it."""
 
@@ -198,13 +203,26 @@ class Ready:
 
     @classmethod
     def from_wire(cls, item: dict[str, Any]) -> Ready:
+        try:
+            group, seq, cache_id = item["g"], item["s"], item["c"]
+        except KeyError:
+            return cls.checked(item)
+        data = item.get("d")
+        if (type(cache_id) is int and type(group) is str and type(seq) is int
+                and (data is None or type(data) is bytes)):  # the cached fast path, valid: no more checks
+            return cls(group, seq, None, cache_id, data, bool(item.get("nf")))
+        return cls.checked(item)
+
+    @classmethod
+    def checked(cls, item: dict[str, Any]) -> Ready:
+        """``from_wire`` field by field (names the first bad field)."""
         group, seq = _str(item, "ready", "g", "group"), _int(item, "ready", "s", "seq")
         cache_id = _opt_int(item, "ready", "c", "cache id")
         pattern = OpPattern.from_wire(item) if cache_id is None else None
         return cls(group, seq, pattern, cache_id, _opt_bytes(item, "ready", "d", "contribution"), bool(item.get("nf")))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class P2pSend:
     """A send whose receiver lives on another node (``key``: the sender's node numbers its sends)."""
 
@@ -235,7 +253,7 @@ class P2pSend:
                    _opt_str(item, t, "h", "lane hint"))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class P2pMatch:
     """The receiver's node matched a forwarded send: the coordinator orders the transfer."""
 
@@ -251,7 +269,7 @@ class P2pMatch:
         return cls(_int(item, "p2p_match", "sn", "sender's node"), _int(item, "p2p_match", "key", "key"))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SendFailed:
     """The receiver's node failed a forwarded send (mismatch, timeout): the sender must hear of it."""
 
@@ -271,7 +289,7 @@ class SendFailed:
                    _str(item, t, "m", "message"))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Heartbeat:
     """A member's liveness beat, with the ops its ranks have partly submitted (for stall rows)."""
 
@@ -296,7 +314,7 @@ class Heartbeat:
 # ---- coordinator → member ----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Go:
     """A release: run the collective at place ``order`` of the global order, on ``lane``."""
 
@@ -321,12 +339,26 @@ class Go:
 
     @classmethod
     def from_wire(cls, item: dict[str, Any]) -> Go:
+        try:
+            group, seq, order, lane = item["g"], item["s"], item["o"], item["l"]
+        except KeyError:
+            return cls.checked(item)
+        cache_id, result, fused_with = item.get("c"), item.get("r"), item.get("fz")
+        if (type(group) is str and type(seq) is int and type(order) is int and type(lane) is str
+                and (cache_id is None or type(cache_id) is int) and (result is None or type(result) is bytes)
+                and (fused_with is None or type(fused_with) is int)):  # valid: no more checks
+            return cls(group, seq, order, lane, cache_id, result, fused_with)
+        return cls.checked(item)
+
+    @classmethod
+    def checked(cls, item: dict[str, Any]) -> Go:
+        """``from_wire`` field by field (names the first bad field)."""
         return cls(_str(item, "go", "g", "group"), _int(item, "go", "s", "seq"), _int(item, "go", "o", "order"),
                    _str(item, "go", "l", "lane"), _opt_int(item, "go", "c", "cache id"),
                    _opt_bytes(item, "go", "r", "result"), _opt_int(item, "go", "fz", "fused set"))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Fail:
     """A collective fails on every node that holds a part of it."""
 
@@ -345,7 +377,7 @@ class Fail:
                    _str(item, "fail", "m", "message"))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RemoteSend:
     """A send forwarded by the coordinator to its receiver's node, to be matched there."""
 
@@ -364,7 +396,7 @@ class RemoteSend:
         return cls(P2pSend.from_wire(item, "remote_send"), _int(item, "remote_send", "sn", "sender's node"))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class P2pGo:
     """The release of a cross-node transfer, to both ends (the receiver also gets ``sender_node``)."""
 
@@ -397,7 +429,7 @@ class P2pGo:
                    _int(item, t, "peer", "peer node"))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class P2pFail:
     """A cross-node transfer fails (``sender_node`` set: the receiver's side of it)."""
 
@@ -422,7 +454,7 @@ class P2pFail:
                    _str(item, t, "m", "message"))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class NodeDead:
     """A node is gone (its control link closed, it left, or it fell silent)."""
 
@@ -438,7 +470,7 @@ class NodeDead:
         return cls(_int(item, "node_dead", "node", "node"), _str(item, "node_dead", "why", "why"))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class CoordinatorHeartbeat:
     """The coordinator's liveness beat, with the fabric's stall rows (for ``commd status``)."""
 
@@ -456,7 +488,7 @@ class CoordinatorHeartbeat:
         return cls(stalls)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Shutdown:
     """Stop this node: the coordinator shuts the fabric down."""
 
@@ -471,7 +503,7 @@ class Shutdown:
         return cls(_opt_str(item, "shutdown", "why", "why"))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Trace:
     """Start or stop the per-op trace on this node (``commd trace`` on node 0)."""
 
@@ -490,7 +522,7 @@ class Trace:
 # ---- both directions ---------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RankDied:
     """A rank is gone (up: from its node; down: to every other node)."""
 
@@ -506,7 +538,7 @@ class RankDied:
         return cls(_int(item, "rank_died", "rank", "rank"), _str(item, "rank_died", "why", "why"))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Leaving:
     """The sender leaves the fabric (it shuts down): no need to wait out the peer timeout."""
 
@@ -545,7 +577,8 @@ def decode(item: Any, vocabulary: dict[str, Any]) -> Any:
     """One received item as its message type (``FabricMessageError``: malformed or not of this direction)."""
     if type(item) is not dict:
         raise FabricMessageError(f"fabric item must be a map, got {type(item).__name__}")
-    cls = vocabulary.get(item.get("t"))
+    t = item.get("t")
+    cls = vocabulary.get(t) if type(t) is str else None
     if cls is None:
         raise FabricMessageError(f"fabric item of unknown type {item.get('t')!r} (expected one of {sorted(vocabulary)})")
     return cls.from_wire(item)
@@ -562,9 +595,14 @@ def decode_batch(envelope: dict[str, Any], vocabulary: dict[str, Any]) -> tuple[
         raise FabricMessageError(f"fabric batch: field 'items' must be a list, got {type(items).__name__}")
     messages: list[Any] = []
     problems: list[str] = []
+    append = messages.append
     for item in items:
         try:
-            messages.append(decode(item, vocabulary))
+            try:
+                cls = vocabulary[item["t"]] if type(item) is dict else None
+            except (KeyError, TypeError):  # no type, or one this direction does not know
+                cls = None
+            append(cls.from_wire(item) if cls is not None else decode(item, vocabulary))
         except FabricMessageError as exc:
             problems.append(str(exc))
     return messages, problems

@@ -238,9 +238,9 @@ class Coordinator:
         key, size = fuse_key if fusible else (None, 0)
         head = out.fuse(key, self.order, size, self.config.fusion_threshold_bytes)
         for node in pending.nodes:
+            # (positional: this runs for every node of every op; fields: cache id, result, fused with)
             out.add(node, Go(pending.group, pending.seq, self.order, lane,
-                             cache_id=cid if cid is not None and pending.cids.get(node) != cid else None,
-                             result=result, fused_with=head))
+                             cid if cid is not None and pending.cids.get(node) != cid else None, result, head))
 
     def _fusion_key(self, group: str, first: OpPattern, nbytes: int, lane: str) -> tuple[tuple, int] | None:
         """What fused all-reduces share (group, dtype, reduce op, scale, lane) and the op's bytes; None: never fused."""
