@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from commd.protocol.fabric import P2pMatch, P2pSend, Ready
 from commd.scheduler.coordinator import Coordinator, Outbox
 from commd.scheduler.selection import (
     LaneRule,
@@ -36,49 +37,63 @@ def entry(group="g", seq=0, kind="allreduce", mine=(0, 1), count=4, ranks=(0, 1,
     return item
 
 
+def ready(items: list[dict]) -> list[Ready]:
+    """Reports as the coordinator receives them: decoded from the wire form ``entry`` builds."""
+    return [Ready.from_wire(item) for item in items]
+
+
+def sent(out: Outbox) -> dict[int, list[dict]]:
+    """What the coordinator sends each node, in wire form."""
+    return {node: [m.to_wire() for m in messages] for node, messages in out.messages.items()}
+
+
+def p2p_send(key: int, dst_node: int, nbytes: int, dst: int) -> P2pSend:
+    return P2pSend(key, dst_node, "g", 0, dst, 0, "uint8", nbytes, nbytes, 30.0, None)
+
+
 def test_release_waits_for_every_node_and_numbers_globally() -> None:
     coord = Coordinator(2, SchedulerConfig(), LANES)
     out = Outbox()
-    coord.report(0, [entry(seq=0), entry(group="h", seq=0)], out)
+    coord.report(0, ready([entry(seq=0), entry(group="h", seq=0)]), out)
     assert not out.messages  # node 1 has not reported yet
-    coord.report(1, [entry(group="h", seq=0, mine=[2, 3]), entry(seq=0, mine=[2, 3])], out)
-    orders = {(m["g"], m["o"]) for m in out.messages[0]}
+    coord.report(1, ready([entry(group="h", seq=0, mine=[2, 3]), entry(seq=0, mine=[2, 3])]), out)
+    orders = {(m["g"], m["o"]) for m in sent(out)[0]}
     assert orders == {("h", 1), ("g", 2)}  # released in the order they became complete
-    assert [m["o"] for m in out.messages[0]] == [m["o"] for m in out.messages[1]]
-    assert all(m["l"] == "tcp" for m in out.messages[0])
+    assert [m["o"] for m in sent(out)[0]] == [m["o"] for m in sent(out)[1]]
+    assert all(m["l"] == "tcp" for m in sent(out)[0])
 
 
 def test_cached_pattern_takes_the_fast_path() -> None:
     coord = Coordinator(2, SchedulerConfig(), LANES)
     out = Outbox()
-    coord.report(0, [entry(seq=0)], out)
-    coord.report(1, [entry(seq=0, mine=[2, 3])], out)
-    cid = out.messages[0][0]["c"]
-    assert out.messages[1][0]["c"] == cid
+    coord.report(0, ready([entry(seq=0)]), out)
+    coord.report(1, ready([entry(seq=0, mine=[2, 3])]), out)
+    cid = sent(out)[0][0]["c"]
+    assert sent(out)[1][0]["c"] == cid
     out = Outbox()
-    coord.report(0, [{"t": "ready", "g": "g", "s": 1, "c": cid}], out)
-    coord.report(1, [{"t": "ready", "g": "g", "s": 1, "c": cid}], out)
-    assert out.messages[0][0]["t"] == "go" and coord.fast_path_hits == 1
+    coord.report(0, ready([{"t": "ready", "g": "g", "s": 1, "c": cid}]), out)
+    coord.report(1, ready([{"t": "ready", "g": "g", "s": 1, "c": cid}]), out)
+    assert sent(out)[0][0]["t"] == "go" and coord.fast_path_hits == 1
     # one node cached, the other sends a different pattern: compared in full, mismatch found
     out = Outbox()
-    coord.report(0, [{"t": "ready", "g": "g", "s": 2, "c": cid}], out)
-    coord.report(1, [entry(seq=2, mine=[2, 3], count=5)], out)
-    assert out.messages[1][0]["t"] == "fail"
-    assert "'count' differs: ranks [0, 1] 4, ranks [2, 3] 5" in out.messages[1][0]["m"]
+    coord.report(0, ready([{"t": "ready", "g": "g", "s": 2, "c": cid}]), out)
+    coord.report(1, ready([entry(seq=2, mine=[2, 3], count=5)]), out)
+    assert sent(out)[1][0]["t"] == "fail"
+    assert "'count' differs: ranks [0, 1] 4, ranks [2, 3] 5" in sent(out)[1][0]["m"]
 
 
 @pytest.mark.parametrize(
     ("change", "field"),
-    [({"kind": "broadcast"}, "'kind'"), ({"ranks": (0, 1, 2)}, "'group members'"),
+    [({"kind": "broadcast"}, "'kind'"), ({"ranks": (0, 1, 2, 4)}, "'group members'"),
      ({"sig": {"dtype": "int32"}}, "'dtype'"), ({"sig": {"reduce_op": "max"}}, "'reduce_op'"),
      ({"sig": {"lane": "gloo"}}, "'lane'")],
 )
 def test_mismatch_names_field_and_ranks(change, field) -> None:
     coord = Coordinator(2, SchedulerConfig(), LANES)
     out = Outbox()
-    coord.report(0, [entry()], out)
-    coord.report(1, [entry(mine=[2, 3], **change)], out)
-    messages = out.messages[0] + out.messages[1]
+    coord.report(0, ready([entry()]), out)
+    coord.report(1, ready([entry(mine=[2, 3], **change)]), out)
+    messages = sent(out)[0] + sent(out)[1]
     assert all(m["t"] == "fail" and m["code"] == "mismatch" for m in messages)
     assert field in messages[0]["m"] and "ranks [0, 1]" in messages[0]["m"]
 
@@ -87,46 +102,46 @@ def test_alltoall_split_disagreement_is_reported() -> None:
     coord = Coordinator(2, SchedulerConfig(), LANES)
     out = Outbox()
     sig = {"reduce_op": None}
-    coord.report(0, [entry(kind="alltoall", sig=sig, a2a=[[0, [1, 1, 1, 1], [1, 1, 1, 1]],
-                                                          [1, [1, 1, 1, 1], [1, 1, 1, 1]]])], out)
-    coord.report(1, [entry(kind="alltoall", mine=[2, 3], sig=sig, a2a=[[2, [1, 1, 1, 1], [2, 1, 1, 1]],
-                                                                       [3, [1, 1, 1, 1], [1, 1, 1, 1]]])], out)
-    assert "rank 0 sends 1 elements to rank 2, which expects 2" in out.messages[0][0]["m"]
+    coord.report(0, ready([entry(kind="alltoall", sig=sig, a2a=[[0, [1, 1, 1, 1], [1, 1, 1, 1]],
+                                                                [1, [1, 1, 1, 1], [1, 1, 1, 1]]])]), out)
+    coord.report(1, ready([entry(kind="alltoall", mine=[2, 3], sig=sig, a2a=[[2, [1, 1, 1, 1], [2, 1, 1, 1]],
+                                                                             [3, [1, 1, 1, 1], [1, 1, 1, 1]]])]), out)
+    assert "rank 0 sends 1 elements to rank 2, which expects 2" in sent(out)[0][0]["m"]
 
 
 def test_timeout_names_missing_nodes_and_ranks() -> None:
     coord = Coordinator(3, SchedulerConfig(), LANES)
     out = Outbox()
     pl = (0, 1, 2)
-    coord.report(0, [entry(ranks=(0, 1, 2), pl=pl, mine=[0], to=1.0)], out)
+    coord.report(0, ready([entry(ranks=(0, 1, 2), pl=pl, mine=[0], to=1.0)]), out)
     coord.partial[2] = {}
     rows = coord.stalls(coord.pending[("g", 0)].first_at + 5, 1.0)
     assert rows[0]["missing_nodes"] == [1, 2] and rows[0]["missing_ranks"] == [1, 2]
     coord.expire(coord.pending[("g", 0)].first_at + 5, out)
-    assert out.messages[0][0]["code"] == "timeout"
-    assert "nodes [1, 2]" in out.messages[0][0]["m"]
+    assert sent(out)[0][0]["code"] == "timeout"
+    assert "nodes [1, 2]" in sent(out)[0][0]["m"]
 
 
 def test_dead_node_fails_pending_and_later_reports() -> None:
     coord = Coordinator(2, SchedulerConfig(), LANES)
     out = Outbox()
-    coord.report(0, [entry()], out)
+    coord.report(0, ready([entry()]), out)
     coord.node_dead(1, "stopped answering", out)
-    assert out.messages[0][0]["code"] == "peer_died"
+    assert sent(out)[0][0]["code"] == "peer_died"
     out = Outbox()
-    coord.report(0, [entry(seq=1)], out)
-    assert out.messages[0][0]["t"] == "fail" and "node 1 stopped answering" in out.messages[0][0]["m"]
+    coord.report(0, ready([entry(seq=1)]), out)
+    assert sent(out)[0][0]["t"] == "fail" and "node 1 stopped answering" in sent(out)[0][0]["m"]
 
 
 def test_p2p_is_forwarded_then_ordered_on_both_nodes() -> None:
     coord = Coordinator(2, SchedulerConfig(), LANES)
     out = Outbox()
-    coord.p2p_send(0, {"t": "p2p_send", "key": 7, "dn": 1, "nb": 16, "dst": 3}, out)
-    assert out.messages[1][0]["t"] == "remote_send" and out.messages[1][0]["sn"] == 0
+    coord.p2p_send(0, p2p_send(7, 1, 16, 3), out)
+    assert sent(out)[1][0]["t"] == "remote_send" and sent(out)[1][0]["sn"] == 0
     out = Outbox()
-    coord.p2p_match(1, {"t": "p2p_match", "sn": 0, "key": 7}, out)
-    assert out.messages[0][0]["role"] == "send" and out.messages[1][0]["role"] == "recv"
-    assert out.messages[0][0]["o"] == out.messages[1][0]["o"]
+    coord.p2p_match(1, P2pMatch(0, 7), out)
+    assert sent(out)[0][0]["role"] == "send" and sent(out)[1][0]["role"] == "recv"
+    assert sent(out)[0][0]["o"] == sent(out)[1][0]["o"]
 
 
 def test_lane_choice_order_hint_rules_default() -> None:
@@ -177,24 +192,24 @@ def test_tiny_allreduce_is_reduced_by_the_coordinator_in_node_order() -> None:
     coord = Coordinator(2, SchedulerConfig(), LANES)
     out = Outbox()
     a, b = np.array([1.5, 2.0], np.float32), np.array([0.25, -1.0], np.float32)
-    coord.report(0, [dict(entry(count=2), d=a.tobytes())], out)
-    coord.report(1, [dict(entry(count=2, mine=[2, 3]), d=b.tobytes())], out)
-    results = {np.frombuffer(m["r"], np.float32).tobytes() for n in (0, 1) for m in out.messages[n]}
+    coord.report(0, ready([dict(entry(count=2), d=a.tobytes())]), out)
+    coord.report(1, ready([dict(entry(count=2, mine=[2, 3]), d=b.tobytes())]), out)
+    results = {np.frombuffer(m["r"], np.float32).tobytes() for n in (0, 1) for m in sent(out)[n]}
     assert results == {(a + b).tobytes()}
     # one node without its contribution (or a lane other than tcp): the lane runs it
     out = Outbox()
-    coord.report(0, [dict(entry(seq=1, count=2), d=a.tobytes())], out)
-    coord.report(1, [entry(seq=1, count=2, mine=[2, 3])], out)
-    assert "r" not in out.messages[0][0]
+    coord.report(0, ready([dict(entry(seq=1, count=2), d=a.tobytes())]), out)
+    coord.report(1, ready([entry(seq=1, count=2, mine=[2, 3])]), out)
+    assert "r" not in sent(out)[0][0]
 
 
 def test_a_failure_while_releasing_fails_the_op_instead_of_leaving_it(monkeypatch) -> None:
     coord = Coordinator(2, SchedulerConfig(), LANES)
     monkeypatch.setattr(coord, "_eager_result", lambda *a: 1 / 0)
     out = Outbox()
-    coord.report(0, [entry()], out)
-    coord.report(1, [entry(mine=[2, 3])], out)
-    assert out.messages[0][0]["t"] == "fail" and out.messages[1][0]["code"] == "internal"
+    coord.report(0, ready([entry()]), out)
+    coord.report(1, ready([entry(mine=[2, 3])]), out)
+    assert sent(out)[0][0]["t"] == "fail" and sent(out)[1][0]["code"] == "internal"
     assert not coord.pending
 
 
@@ -207,32 +222,32 @@ def test_errors_name_the_op_kind_and_the_nodes() -> None:
     pl = (0, 1, 2)
     # mismatch between nodes 0 and 1 of a broadcast
     out = Outbox()
-    coord.report(0, [entry(kind="broadcast", ranks=(0, 1), pl=(0, 1), mine=[0])], out)
-    coord.report(1, [entry(kind="broadcast", ranks=(0, 1), pl=(0, 1), mine=[1], count=5)], out)
-    message = out.messages[0][0]["m"]
+    coord.report(0, ready([entry(kind="broadcast", ranks=(0, 1), pl=(0, 1), mine=[0])]), out)
+    coord.report(1, ready([entry(kind="broadcast", ranks=(0, 1), pl=(0, 1), mine=[1], count=5)]), out)
+    message = sent(out)[0][0]["m"]
     assert "broadcast #0 on group 'g'" in message and "nodes [0, 1] (alpha, beta)" in message, message
     # timeout waiting for nodes 1 and 2 of an all-gather
     out = Outbox()
-    coord.report(0, [entry(group="t", kind="allgather", ranks=(0, 1, 2), pl=pl, mine=[0], to=1.0)], out)
+    coord.report(0, ready([entry(group="t", kind="allgather", ranks=(0, 1, 2), pl=pl, mine=[0], to=1.0)]), out)
     coord.expire(coord.pending[("t", 0)].first_at + 5, out)
-    message = out.messages[0][0]["m"]
+    message = sent(out)[0][0]["m"]
     assert "allgather #0 on group 't'" in message and "nodes [1, 2] (beta, gamma)" in message, message
     # a node dies while an all-reduce waits for it
     out = Outbox()
-    coord.report(0, [entry(group="d", ranks=(0, 1, 2), pl=pl, mine=[0])], out)
+    coord.report(0, ready([entry(group="d", ranks=(0, 1, 2), pl=pl, mine=[0])]), out)
     coord.node_dead(2, "stopped answering", out)
-    message = out.messages[0][0]["m"]
+    message = sent(out)[0][0]["m"]
     assert message.startswith("allreduce #0 on group 'd' cannot run: node 2 (gamma) stopped answering"), message
     # a rank dies while a reduce waits for it
     out = Outbox()
-    coord.report(0, [entry(group="r", kind="reduce", ranks=(0, 1), pl=(0, 1), mine=[0])], out)
+    coord.report(0, ready([entry(group="r", kind="reduce", ranks=(0, 1), pl=(0, 1), mine=[0])]), out)
     coord.rank_died(1, 1, "died", out)
-    message = out.messages[0][0]["m"]
+    message = sent(out)[0][0]["m"]
     assert "reduce #0 on group 'r'" in message and "rank 1 (on node 1 (beta)) died" in message, message
     # a later op for the dead node, and a send to it
     out = Outbox()
-    coord.report(0, [entry(group="e", kind="gather", ranks=(0, 2), pl=(0, 2), mine=[0])], out)
-    coord.p2p_send(0, {"t": "p2p_send", "key": 1, "dn": 2, "nb": 4, "dst": 1}, out)
-    gather, send = out.messages[0]
+    coord.report(0, ready([entry(group="e", kind="gather", ranks=(0, 2), pl=(0, 2), mine=[0])]), out)
+    coord.p2p_send(0, p2p_send(1, 2, 4, 1), out)
+    gather, send = sent(out)[0]
     assert gather["m"].startswith("gather #0 on group 'e' cannot run: node 2 (gamma)"), gather
     assert "node 2 (gamma) stopped answering" in send["m"], send

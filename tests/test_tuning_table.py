@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_coordinator import LANES, entry
+from test_coordinator import LANES, entry, ready, sent
 
 from commd.scheduler.coordinator import Coordinator, Outbox
 from commd.scheduler.selection import LaneRule, SchedulerConfig, choose_lane
@@ -115,12 +115,12 @@ def test_selection_order_is_hint_rules_table_default() -> None:
 
 
 def _go_items(out: Outbox, node: int = 0) -> list[dict]:
-    return [m for m in out.messages[node] if m["t"] == "go"]
+    return [m for m in sent(out)[node] if m["t"] == "go"]
 
 
 def _report_both(coord: Coordinator, items0: list[dict], out: Outbox) -> None:
-    coord.report(0, items0, out)
-    coord.report(1, [dict(x, mine=[2, 3]) for x in items0], out)
+    coord.report(0, ready(items0), out)
+    coord.report(1, ready([dict(x, mine=[2, 3]) for x in items0]), out)
 
 
 def test_consecutive_small_allreduces_form_one_fused_set_up_to_the_threshold() -> None:
@@ -129,9 +129,9 @@ def test_consecutive_small_allreduces_form_one_fused_set_up_to_the_threshold() -
     # 16-byte all-reduces: 4 fit in 64 bytes; then a broadcast ends the set; a max starts another
     items = [entry(seq=i) for i in range(6)] + [entry(seq=6, kind="broadcast", sig={"root": 0})]
     items += [entry(seq=7, sig={"reduce_op": "max"}), entry(seq=8, sig={"reduce_op": "max"})]
-    coord.report(0, items, Outbox())
+    coord.report(0, ready(items), Outbox())
     out = Outbox()
-    coord.report(1, [dict(x, mine=[2, 3]) for x in items], out)
+    coord.report(1, ready([dict(x, mine=[2, 3]) for x in items]), out)
     marks = [(m["s"], m.get("fz")) for m in _go_items(out, 0)]
     orders = {m["s"]: m["o"] for m in _go_items(out, 0)}
     assert marks == [(0, None), (1, orders[0]), (2, orders[0]), (3, orders[0]), (4, None), (5, orders[4]),
@@ -142,10 +142,10 @@ def test_consecutive_small_allreduces_form_one_fused_set_up_to_the_threshold() -
 def test_a_node_saying_no_fusion_keeps_the_op_out_of_the_set() -> None:
     coord = Coordinator(2, SchedulerConfig(), LANES)
     items = [entry(seq=0), entry(seq=1), entry(seq=2)]
-    coord.report(0, items, Outbox())
+    coord.report(0, ready(items), Outbox())
     out = Outbox()
-    coord.report(1, [dict(items[0], mine=[2, 3]), dict(items[1], mine=[2, 3], nf=1), dict(items[2], mine=[2, 3])],
-                 out)
+    coord.report(1, ready([dict(items[0], mine=[2, 3]), dict(items[1], mine=[2, 3], nf=1),
+                           dict(items[2], mine=[2, 3])]), out)
     assert [m.get("fz") for m in _go_items(out)] == [None, None, None]
     out = Outbox()
     coord2 = Coordinator(2, SchedulerConfig(fusion_threshold_bytes=0), LANES)

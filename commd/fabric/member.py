@@ -44,6 +44,7 @@ from commd.execution.hierarchy import (
 from commd.fabric.rendezvous import Fabric
 from commd.kernels.reduce import reduce_into
 from commd.lanes.base import LaneError
+from commd.protocol import fabric as wire
 from commd.protocol import schema as s
 from commd.runtime import env_float, env_int
 from commd.scheduler.agreement import agreed_values
@@ -89,9 +90,10 @@ class FabricMember:
         self.neg_cache: dict[tuple, int] = {}
         self.remote_sends: dict[int, tuple[Submission, GroupPlacement]] = {}  # our sends waiting at a receiver
         self.remote_matched: dict[tuple[int, int], ReadyOp] = {}  # (src node, key) -> matched send/recv
-        self.early_sends: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
+        # Sends forwarded here before any local rank registered their group: (arrived at, send).
+        self.early_sends: dict[str, list[tuple[float, wire.RemoteSend]]] = collections.defaultdict(list)
         self._send_keys = 0
-        self._up: list[dict[str, Any]] = []
+        self._up: list[wire.ToCoordinator] = []
         self._flush_scheduled = False
         self._executors: dict[str, queue.SimpleQueue] = {}
         self._threads: list[threading.Thread] = []
@@ -137,7 +139,7 @@ class FabricMember:
         # Tell the others at once rather than letting them wait out the peer timeout.
         for node, conn in self.links.items():
             if node not in self.dead:
-                conn.send({"t": "batch", "items": [{"t": "leaving", "why": why}]})
+                conn.send(wire.batch([wire.Leaving(why)]))
             conn.close()
         for q in self._executors.values():
             q.put(None)
@@ -149,13 +151,13 @@ class FabricMember:
             except Exception:
                 log.exception("closing a lane failed")
 
-    def _up_send(self, item: dict[str, Any]) -> None:
-        """Queue an item for the coordinator; one message per loop turn."""
-        self._up.append(item)
+    def _up_send(self, message: wire.ToCoordinator) -> None:
+        """Queue a message for the coordinator; one control frame per loop turn."""
+        self._up.append(message)
         if not self._flush_scheduled:
             self._flush_scheduled = True
             cycle_s = self.fabric.config.fusion_cycle_ms / 1000 if self.fabric.config else 0.0
-            if cycle_s and item["t"] == "ready":  # let more ready ops join this report (fusion cycle)
+            if cycle_s and type(message) is wire.Ready:  # let more ready ops join this report (fusion cycle)
                 self.loop.call_later(cycle_s, self._flush_up)
             else:
                 self.loop.call_soon(self._flush_up)
@@ -168,16 +170,19 @@ class FabricMember:
         if self.coordinator is not None:
             self._coordinate(self.me, items)
         elif self.broken is None:
-            self.links[0].send({"t": "batch", "items": items})
+            self.links[0].send(wire.batch(items))
 
     def _on_message(self, node: int, msg: dict[str, Any]) -> None:
         self.last_heard[node] = time.monotonic()
         try:
-            items = msg["items"] if msg["t"] == "batch" else [msg]
+            vocabulary = wire.TO_COORDINATOR if self.coordinator is not None else wire.TO_MEMBER
+            messages, problems = wire.decode_batch(msg, vocabulary)
+            for problem in problems:
+                log.error("control channel: bad item from node %d dropped: %s", node, problem)
             if self.coordinator is not None:
-                self._coordinate(node, items)
+                self._coordinate(node, messages)
             else:
-                self._on_down(items)
+                self._on_down(messages)
         except Exception:
             log.exception("control channel: bad message from node %d dropped", node)
         self.node.flush()
@@ -192,82 +197,80 @@ class FabricMember:
         self.node.flush()
 
     # ---- coordinator side -------------------------------------------------------
-    def _coordinate(self, node: int, items: list[dict[str, Any]]) -> None:
+    def _coordinate(self, node: int, messages: list[wire.ToCoordinator]) -> None:
         coord = self.coordinator
         out = Outbox()
-        ready = [item for item in items if item["t"] == "ready"]
+        ready = [m for m in messages if type(m) is wire.Ready]
         if ready:
             started = time.thread_time_ns()
             coord.report(node, ready, out)
             self.coord_ns += time.thread_time_ns() - started
             self.coord_items += len(ready)
-        for item in items:
-            kind = item["t"]
-            if kind == "p2p_send":
-                coord.p2p_send(node, item, out)
-            elif kind == "p2p_match":
-                coord.p2p_match(node, item, out)
-            elif kind == "p2p_fail":
-                coord.p2p_fail(node, item, out)
-            elif kind == "rank_died":
-                coord.rank_died(node, item["rank"], item["why"], out)
-            elif kind == "hb":
-                coord.partial[node] = {(g, q): missing for g, q, missing in item.get("stalled", [])}
-            elif kind == "leaving":
-                coord.node_dead(node, f"left the fabric ({item.get('why')})", out)
+        for m in messages:
+            if type(m) is wire.P2pSend:
+                coord.p2p_send(node, m, out)
+            elif type(m) is wire.P2pMatch:
+                coord.p2p_match(node, m, out)
+            elif type(m) is wire.SendFailed:
+                coord.p2p_fail(node, m, out)
+            elif type(m) is wire.RankDied:
+                coord.rank_died(node, m.rank, m.why, out)
+            elif type(m) is wire.Heartbeat:
+                coord.partial[node] = {(g, q): missing for g, q, missing in m.stalled}
+            elif type(m) is wire.Leaving:
+                coord.node_dead(node, f"left the fabric ({m.why})", out)
         self._dispatch(out)
 
     def _dispatch(self, out: Outbox) -> None:
         # Other nodes first: our own part may run inline and wait for theirs.
-        for node, items in out.messages.items():
+        for node, messages in out.messages.items():
             if node != self.me and node in self.links and node not in self.dead:
-                self.links[node].send({"t": "batch", "items": items})
+                self.links[node].send(wire.batch(messages))
         if self.me in out.messages:
             self._on_down(out.messages[self.me])
 
     # ---- member side: what the coordinator tells us -------------------------------
-    def _on_down(self, items: list[dict[str, Any]]) -> None:
-        fused: list[dict[str, Any]] = []  # the open fused set (releases marked "fz" join their first op)
-        for item in items:
-            kind = item["t"]
-            if kind == "go":
-                if fused and item.get("fz") == fused[0]["o"]:
-                    fused.append(item)
+    def _on_down(self, messages: list[wire.ToMember]) -> None:
+        fused: list[wire.Go] = []  # the open fused set (releases with fused_with join their first op)
+        for m in messages:
+            if type(m) is wire.Go:
+                if fused and m.fused_with == fused[0].order:
+                    fused.append(m)
                     continue
-                if "fz" in item:
+                if m.fused_with is not None:
                     log.error("release #%s of group '%s' names fused set %s, which is not open: run alone",
-                              item["s"], item["g"], item["fz"])
+                              m.seq, m.group, m.fused_with)
                 self._run_released(fused)
-                fused = [item]
+                fused = [m]
                 continue
             self._run_released(fused)
             fused = []
-            if kind == "fail":
-                entry = self.negotiating.pop((item["g"], item["s"]), None)
+            if type(m) is wire.Fail:
+                entry = self.negotiating.pop((m.group, m.seq), None)
                 if entry is not None:
                     self._outstanding[entry[0].group] -= 1
-                    self._fail_op(entry[0], item["code"], item["m"])
-            elif kind == "remote_send":
-                self._remote_send(item)
-            elif kind == "p2p_go":
-                self._p2p_released(item)
-            elif kind == "p2p_fail":
-                self._p2p_failed(item)
-            elif kind == "node_dead":
-                self._node_dead(item["node"], item["why"])
-            elif kind == "rank_died":
-                self.node.fail_ops_waiting_on(item["rank"], item["why"])
-            elif kind == "hb":
-                self.fabric_stalls = item.get("stalls", [])
-            elif kind == "shutdown":
-                self.node.shutdown(item.get("why", "the coordinator shut the fabric down"))
-            elif kind == "leaving":
-                self._coordinator_lost(f"left the fabric ({item.get('why')})")
-            elif kind == "trace":
-                self.node.apply_trace(item)
+                    self._fail_op(entry[0], m.code, m.message)
+            elif type(m) is wire.RemoteSend:
+                self._remote_send(m)
+            elif type(m) is wire.P2pGo:
+                self._p2p_released(m)
+            elif type(m) is wire.P2pFail:
+                self._p2p_failed(m)
+            elif type(m) is wire.NodeDead:
+                self._node_dead(m.node, m.why)
+            elif type(m) is wire.RankDied:
+                self.node.fail_ops_waiting_on(m.rank, m.why)
+            elif type(m) is wire.CoordinatorHeartbeat:
+                self.fabric_stalls = m.stalls
+            elif type(m) is wire.Shutdown:
+                self.node.shutdown(m.why if m.why is not None else "the coordinator shut the fabric down")
+            elif type(m) is wire.Leaving:
+                self._coordinator_lost(f"left the fabric ({m.why})")
+            elif type(m) is wire.Trace:
+                self.node.apply_trace(m.to_wire())  # (the node's trace hook reads the wire form)
         self._run_released(fused)
 
-    def _run_released(self, items: list[dict[str, Any]]) -> None:
+    def _run_released(self, items: list[wire.Go]) -> None:
         if len(items) == 1:
             self._released(items[0])
         elif items:
@@ -278,13 +281,13 @@ class FabricMember:
                 run_now()
 
     # ---- collectives -----------------------------------------------------------
-    def negotiate(self, op: ReadyOp, plan: GroupPlacement) -> None:
+    def negotiate(self, op: ReadyOp, placement: GroupPlacement) -> None:
         started = time.thread_time_ns()
-        self._negotiate(op, plan)
+        self._negotiate(op, placement)
         self.sched_ns += time.thread_time_ns() - started
 
-    def _negotiate(self, op: ReadyOp, plan: GroupPlacement) -> None:
-        problem = self._unreachable(plan.nodes)
+    def _negotiate(self, op: ReadyOp, placement: GroupPlacement) -> None:
+        problem = self._unreachable(placement.nodes)
         if problem is not None:
             self._fail_op(op, s.E_PEER_DIED, f"{op.describe()} cannot run: {problem}")
             return
@@ -295,32 +298,25 @@ class FabricMember:
         key: tuple = (op.group, first.signature, tuple(x.group_rank for x in op.subs), op.nbytes, timeout)
         if op.kind == "alltoall" or op.kind in COUNTED:
             key = _frozen([key, [[x.splits_in, x.splits_out] for x in op.subs]])
-        self.negotiating[(op.group, op.seq)] = (op, plan, key)
+        self.negotiating[(op.group, op.seq)] = (op, placement, key)
         self.reported += 1
         contribution = self._eager_contribution(op)
         self._outstanding[op.group] = self._outstanding.get(op.group, 0) + 1
         cid = self.neg_cache.get(key)
         if cid is not None:
             self.reported_cached += 1
-            item = {"t": "ready", "g": op.group, "s": op.seq, "c": cid}
-            if contribution is not None:
-                item["d"] = contribution
-            if not self._may_fuse(op):
-                item["nf"] = 1
-            self._up_send(item)
+            # (positional on this per-op path: pattern, cache id, contribution, no fusion)
+            self._up_send(wire.Ready(op.group, op.seq, None, cid, contribution, not self._may_fuse(op)))
             return
-        item = {
-            "t": "ready", "g": op.group, "s": op.seq, "k": op.kind, "sig": agreed_values(first),
-            "ranks": list(plan.ranks), "pl": list(plan.node_of), "n": list(plan.nodes),
-            "mine": [x.group_rank for x in op.subs], "nb": op.nbytes, "to": timeout,
-        }
-        if op.kind == "alltoall":
-            item["a2a"] = [[x.group_rank, x.splits_in, x.splits_out] for x in op.subs]
-        if contribution is not None:
-            item["d"] = contribution
-        if not self._may_fuse(op):
-            item["nf"] = 1
-        self._up_send(item)
+        pattern = wire.OpPattern(
+            kind=op.kind, signature=agreed_values(first), ranks=list(placement.ranks),
+            placement=list(placement.node_of), nodes=list(placement.nodes), mine=[x.group_rank for x in op.subs],
+            nbytes=op.nbytes, timeout=timeout,
+            alltoall_splits=([[x.group_rank, x.splits_in, x.splits_out] for x in op.subs]
+                             if op.kind == "alltoall" else None),
+        )
+        self._up_send(wire.Ready(op.group, op.seq, pattern=pattern, contribution=contribution,
+                                 no_fusion=not self._may_fuse(op)))
 
     def _may_fuse(self, op: ReadyOp) -> bool:
         """False if the coordinator must not fuse ``op`` with the ops before it (its memory overlaps
@@ -362,61 +358,61 @@ class FabricMember:
         reduce_into(contribution, bufs, local_op, first.scale)
         return contribution.view(torch.uint8).numpy().tobytes()
 
-    def _released(self, item: dict[str, Any]) -> None:
+    def _released(self, go: wire.Go) -> None:
         started = time.thread_time_ns()
-        run_now = self._release(item)
+        run_now = self._release(go)
         self.sched_ns += time.thread_time_ns() - started  # the op's own execution is not scheduling
         if run_now is not None:
             run_now()
 
-    def _take_released(self, item: dict[str, Any]) -> tuple[ReadyOp, GroupPlacement] | None:
+    def _take_released(self, go: wire.Go) -> tuple[ReadyOp, GroupPlacement] | None:
         """The op a release names, no longer negotiating (None: not one of ours)."""
-        entry = self.negotiating.pop((item["g"], item["s"]), None)
+        entry = self.negotiating.pop((go.group, go.seq), None)
         if entry is None:
-            log.warning("release of unknown op #%s on group '%s' ignored", item["s"], item["g"])
+            log.warning("release of unknown op #%s on group '%s' ignored", go.seq, go.group)
             return None
-        op, plan, key = entry
+        op, placement, key = entry
         self._outstanding[op.group] -= 1
-        if "c" in item:
-            self.neg_cache[key] = item["c"]
+        if go.cache_id is not None:
+            self.neg_cache[key] = go.cache_id
         self.negotiation_us.append((time.monotonic() - op.ready_at) * 1e6)
         self.released += 1
-        op.lane = item["l"]
+        op.lane = go.lane
         if self.node.tracer.on:
             self.node.tracer.mark(op, "released")
-        return op, plan
+        return op, placement
 
-    def _release(self, item: dict[str, Any]) -> Callable[[], None] | None:
-        taken = self._take_released(item)
+    def _release(self, go: wire.Go) -> Callable[[], None] | None:
+        taken = self._take_released(go)
         if taken is None:
             return None
-        op, plan = taken
-        lane_name = item["l"]
+        op, placement = taken
+        lane_name = go.lane
         timeout = max(x.timeout for x in op.subs)
         resolve = self._resolver()
 
-        result = item.get("r")
-        if isinstance(result, bytes):  # a tiny all-reduce the coordinator already reduced
+        result = go.result
+        if result is not None:  # a tiny all-reduce the coordinator already reduced
 
             def work(cap: float) -> None:
-                apply_result(op, plan, result, resolve)
+                apply_result(op, placement, result, resolve)
         else:
 
             def work(cap: float) -> None:
-                run(op, plan, self.fabric.lanes[lane_name], resolve, min(timeout, cap))
+                run(op, placement, self.fabric.lanes[lane_name], resolve, min(timeout, cap))
 
         work = self.node.tracer.wrap((op,), work)
         return self._enqueue(lane_name, op.on_gpu, op.group, work,
                              lambda error, code: self._done(op, error, code), op.nbytes)
 
-    def _release_fused(self, items: list[dict[str, Any]]) -> Callable[[], None] | None:
+    def _release_fused(self, gos: list[wire.Go]) -> Callable[[], None] | None:
         """A fused set of small all-reduces: one buffer, one lane call, at its first op's place."""
-        taken = [x for x in map(self._take_released, items) if x is not None]
+        taken = [x for x in map(self._take_released, gos) if x is not None]
         if not taken:
             return None
         ops = [op for op, _ in taken]
-        plan = taken[0][1]
-        lane_name = items[0]["l"]
+        placement = taken[0][1]
+        lane_name = gos[0].lane
         timeout = max(x.timeout for op in ops for x in op.subs)
         resolve = self._resolver()
         self.fused_sets += 1
@@ -425,7 +421,8 @@ class FabricMember:
         resolve_array = self._resolver(as_array=True)
 
         def work(cap: float) -> None:
-            run_fused_allreduce(ops, plan, self.fabric.lanes[lane_name], resolve, min(timeout, cap), resolve_array)
+            run_fused_allreduce(ops, placement, self.fabric.lanes[lane_name], resolve, min(timeout, cap),
+                                resolve_array)
 
         work = self.node.tracer.wrap(ops, work)
 
@@ -433,7 +430,7 @@ class FabricMember:
             for op in ops:
                 self._done(op, error, code)
 
-        return self._enqueue(lane_name, any(op.on_gpu for op in ops), plan.name, work, done,
+        return self._enqueue(lane_name, any(op.on_gpu for op in ops), placement.name, work, done,
                              sum(op.nbytes for op in ops))
 
     def _enqueue(self, lane_name: str, on_gpu: bool, group: str, work: Callable[[float], None],
@@ -528,31 +525,30 @@ class FabricMember:
         self.node.fail_op(op.subs, code, message)
 
     # ---- point to point ---------------------------------------------------------
-    def forward_send(self, sub: Submission, plan: GroupPlacement) -> None:
-        dst_node = plan.node_of[sub.peer]
+    def forward_send(self, sub: Submission, placement: GroupPlacement) -> None:
+        dst_node = placement.node_of[sub.peer]
         problem = self._unreachable((self.me, dst_node))
         if problem is not None:
             self.node.fail_op([sub], s.E_PEER_DIED, f"send to group rank {sub.peer} cannot run: {problem}")
             return
         self._send_keys += 1
         key = self._send_keys
-        self.remote_sends[key] = (sub, plan)
-        self._up_send({
-            "t": "p2p_send", "key": key, "dn": dst_node, "g": sub.group, "src": sub.group_rank, "dst": sub.peer,
-            "tag": sub.tag, "dtype": sub.dtype, "count": sub.count, "nb": sub.nbytes, "to": sub.timeout,
-            "h": sub.lane or None,
-        })
+        self.remote_sends[key] = (sub, placement)
+        self._up_send(wire.P2pSend(
+            key=key, dst_node=dst_node, group=sub.group, src=sub.group_rank, dst=sub.peer, tag=sub.tag,
+            dtype=sub.dtype, count=sub.count, nbytes=sub.nbytes, timeout=sub.timeout, lane_hint=sub.lane or None,
+        ))
 
-    def _remote_send(self, item: dict[str, Any]) -> None:
-        group_size = self.node.group_size(item["g"])
+    def _remote_send(self, forwarded: wire.RemoteSend) -> None:
+        send = forwarded.send
+        group_size = self.node.group_size(send.group)
         if group_size is None:  # no local rank registered the group yet
-            item["arrived"] = time.monotonic()
-            self.early_sends[item["g"]].append(item)
+            self.early_sends[send.group].append((time.monotonic(), forwarded))
             return
         sub = Submission(
-            client_id=-1, op_id=item["key"], group=item["g"], group_rank=item["src"], group_size=group_size,
-            seq=0, kind="send", dtype=item["dtype"], count=item["count"], peer=item["dst"], tag=item["tag"],
-            timeout=item["to"], nbytes=item["nb"], origin=item["sn"], lane=item.get("h") or "",
+            client_id=-1, op_id=send.key, group=send.group, group_rank=send.src, group_size=group_size,
+            seq=0, kind="send", dtype=send.dtype, count=send.count, peer=send.dst, tag=send.tag,
+            timeout=send.timeout, nbytes=send.nbytes, origin=forwarded.sender_node, lane=send.lane_hint or "",
         )
         try:
             ready = self.node.match(sub)
@@ -563,34 +559,34 @@ class FabricMember:
             self.matched(ready)
 
     def group_registered(self, name: str) -> None:
-        for item in self.early_sends.pop(name, []):
-            self._remote_send(item)
+        for _arrived, forwarded in self.early_sends.pop(name, []):
+            self._remote_send(forwarded)
 
     def matched(self, op: ReadyOp) -> None:
         """A forwarded send met its local recv: ask the coordinator to order the transfer."""
         send = op.subs[0]
         self.remote_matched[(send.origin, send.op_id)] = op
-        self._up_send({"t": "p2p_match", "sn": send.origin, "key": send.op_id})
+        self._up_send(wire.P2pMatch(send.origin, send.op_id))
 
     def fail_remote(self, sub: Submission, code: str, message: str) -> None:
         """An error for a forwarded send: goes back to the sender's node."""
-        self._up_send({"t": "p2p_fail", "sn": sub.origin, "key": sub.op_id, "code": code, "m": message})
+        self._up_send(wire.SendFailed(sub.origin, sub.op_id, code, message))
 
-    def _p2p_released(self, item: dict[str, Any]) -> None:
-        lane_name, peer = item["l"], item["peer"]
+    def _p2p_released(self, go: wire.P2pGo) -> None:
+        lane_name, peer = go.lane, go.peer
         resolve = self._resolver()
-        if item["role"] == "send":
-            entry = self.remote_sends.pop(item["key"], None)
+        if go.role == "send":
+            entry = self.remote_sends.pop(go.key, None)
             if entry is None:
                 return
-            sub, _plan = entry
+            sub, _placement = entry
             op = ReadyOp("sendrecv", sub.group, 0, [sub], sub.submitted_at)
             timeout = sub.timeout
 
             def work(cap: float) -> None:
                 run_p2p("send", sub, peer, self.fabric.lanes[lane_name], resolve, min(timeout, cap))
         else:
-            matched = self.remote_matched.pop((item["sn"], item["key"]), None)
+            matched = self.remote_matched.pop((go.sender_node, go.key), None)
             if matched is None:
                 return
             op = matched
@@ -606,13 +602,13 @@ class FabricMember:
         if run_now is not None:
             run_now()
 
-    def _p2p_failed(self, item: dict[str, Any]) -> None:
-        if "sn" in item and (item["sn"], item["key"]) in self.remote_matched:
-            self._fail_op(self.remote_matched.pop((item["sn"], item["key"])), item["code"], item["m"])
+    def _p2p_failed(self, failed: wire.P2pFail) -> None:
+        if failed.sender_node is not None and (failed.sender_node, failed.key) in self.remote_matched:
+            self._fail_op(self.remote_matched.pop((failed.sender_node, failed.key)), failed.code, failed.message)
             return
-        entry = self.remote_sends.pop(item["key"], None)
+        entry = self.remote_sends.pop(failed.key, None)
         if entry is not None:
-            self.node.fail_op([entry[0]], item["code"], item["m"])
+            self.node.fail_op([entry[0]], failed.code, failed.message)
 
     # ---- failures ---------------------------------------------------------------
     def _unreachable(self, nodes: tuple[int, ...]) -> str | None:
@@ -629,13 +625,13 @@ class FabricMember:
         self.dead[node] = why
         message = f"node {node} ({self.fabric.nodes[node].name}) {why}"
         log.error("fabric: %s", message)
-        for key, (op, plan, _) in list(self.negotiating.items()):
-            if node in plan.nodes:
+        for key, (op, placement, _) in list(self.negotiating.items()):
+            if node in placement.nodes:
                 del self.negotiating[key]
                 self._outstanding[op.group] -= 1
                 self._fail_op(op, s.E_PEER_DIED, f"{op.describe()} cannot run: {message}")
-        for key, (sub, plan) in list(self.remote_sends.items()):
-            if plan.node_of[sub.peer] == node:
+        for key, (sub, placement) in list(self.remote_sends.items()):
+            if placement.node_of[sub.peer] == node:
                 del self.remote_sends[key]
                 self.node.fail_op([sub], s.E_PEER_DIED, f"send to group rank {sub.peer}: {message}")
 
@@ -644,11 +640,11 @@ class FabricMember:
             return
         self.broken = f"the coordinator (node 0, {self.fabric.nodes[0].name}) {why}"
         log.error("fabric: %s; multi-node ops fail from now on", self.broken)
-        for _key, (op, _plan, _) in list(self.negotiating.items()):
+        for _key, (op, _placement, _) in list(self.negotiating.items()):
             self._fail_op(op, s.E_PEER_DIED, f"{op.describe()} cannot run: {self.broken}")
         self.negotiating.clear()
         self._outstanding.clear()
-        for sub, _plan in self.remote_sends.values():
+        for sub, _placement in self.remote_sends.values():
             self.node.fail_op([sub], s.E_PEER_DIED, f"send cannot run: {self.broken}")
         self.remote_sends.clear()
 
@@ -659,12 +655,12 @@ class FabricMember:
         out = Outbox()
         for node in range(1, self.fabric.nnodes):
             if node not in self.dead:
-                out.add(node, {"t": "trace", "a": action, "p": path})
+                out.add(node, wire.Trace(action, path))
         self._dispatch(out)
         return len(out.messages)
 
     def rank_died(self, rank: int, why: str) -> None:
-        self._up_send({"t": "rank_died", "rank": rank, "why": why})
+        self._up_send(wire.RankDied(rank, why))
 
     def _frozen_threshold(self) -> float:
         return max(FROZEN_MIN_S, self.peer_timeout / 2)
@@ -704,15 +700,16 @@ class FabricMember:
     # ---- periodic ---------------------------------------------------------------
     def tick(self, now: float) -> None:
         self._check_frozen(now)
-        for name, items in list(self.early_sends.items()):
+        for name, early in list(self.early_sends.items()):
             keep = []
-            for item in items:
-                if now - item["arrived"] >= item["to"]:
-                    self._up_send({"t": "p2p_fail", "sn": item["sn"], "key": item["key"], "code": s.E_TIMEOUT,
-                                   "m": f"send to group rank {item['dst']} on group '{name}' timed out: no rank "
-                                        f"on node {self.me} registered the group"})
+            for arrived, forwarded in early:
+                if now - arrived >= forwarded.send.timeout:
+                    self._up_send(wire.SendFailed(
+                        forwarded.sender_node, forwarded.send.key, s.E_TIMEOUT,
+                        f"send to group rank {forwarded.send.dst} on group '{name}' timed out: no rank "
+                        f"on node {self.me} registered the group"))
                 else:
-                    keep.append(item)
+                    keep.append((arrived, forwarded))
             if keep:
                 self.early_sends[name] = keep
             else:
@@ -746,17 +743,17 @@ class FabricMember:
                            f"{row['waiting_s']:.0f}s waiting for ranks {row['missing_ranks']}")
                     out = Outbox()
                     for node in range(self.fabric.nnodes):
-                        out.add(node, {"t": "shutdown", "why": why})
+                        out.add(node, wire.Shutdown(why))
                     self._dispatch(out)
                     return
             out = Outbox()
             for node in range(1, self.fabric.nnodes):
-                out.add(node, {"t": "hb", "stalls": rows})
+                out.add(node, wire.CoordinatorHeartbeat(rows))
             self._dispatch(out)
         else:
-            stalled = [[r["group"], r["seq"], r["missing_ranks"]] for r in self.node.waiting_summary()
+            stalled = [(r["group"], r["seq"], r["missing_ranks"]) for r in self.node.waiting_summary()
                        if r["seq"] is not None and r["waiting_s"] >= 1.0]
-            self._up_send({"t": "hb", "stalled": stalled})
+            self._up_send(wire.Heartbeat(stalled))
 
     # ---- status -----------------------------------------------------------------
     def status(self) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """The fabric's coordinator: agree on multi-node ops and release one global order.
 
-Runs in node 0's daemon and does no I/O: daemons *report* ops whose local
+Runs in node 0's daemon and does no I/O; it takes and emits only the typed
+messages of ``protocol/fabric.py``.  Daemons *report* ops whose local
 ranks are all ready; when every node of the op's group has reported, the
 coordinator checks that they agree (kind, dtype, count, reduce op, root,
 membership...), gives the op the next number of the global order, chooses
@@ -15,7 +16,7 @@ the same id the coordinator skips the comparison and the lane choice.
 
 Fusion (Horovod's tensor fusion): small all-reduces of one group, dtype,
 reduce op and lane released one after the other in the same dispatch are
-marked as one fused set (``"fz"``: the order number of the set's first op),
+marked as one fused set (``Go.fused_with``: the order number of the set's first op),
 up to the fusion threshold in bytes.  The nodes run a set as one lane call
 on one buffer, at the place of its first op in the global order.  Any other
 item in between (another group's release, a failure) closes the set, so a
@@ -35,6 +36,21 @@ import torch
 
 from commd.kernels.reduce import TORCH_DTYPES, reduce_into
 from commd.protocol import schema as s
+from commd.protocol.fabric import (
+    Fail,
+    Go,
+    NodeDead,
+    OpPattern,
+    P2pFail,
+    P2pGo,
+    P2pMatch,
+    P2pSend,
+    RankDied,
+    Ready,
+    RemoteSend,
+    SendFailed,
+    ToMember,
+)
 from commd.scheduler.selection import (
     LaneCapability,
     SchedulerConfig,
@@ -56,7 +72,7 @@ class Pending:
     group: str
     seq: int
     nodes: tuple[int, ...]
-    entries: dict[int, dict[str, Any]] = field(default_factory=dict)  # node -> full entry
+    entries: dict[int, OpPattern] = field(default_factory=dict)  # node -> its full report
     cids: dict[int, int] = field(default_factory=dict)  # node -> cache id it sent
     data: dict[int, bytes] = field(default_factory=dict)  # node -> its contribution (tiny all-reduces)
     first_at: float = field(default_factory=time.monotonic)
@@ -66,16 +82,16 @@ class Pending:
 
 @dataclass
 class Outbox:
-    """What the coordinator wants sent: per node, release items and failures, in order."""
+    """What the coordinator wants sent: per node, releases and failures, in order."""
 
-    messages: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    messages: dict[int, list[ToMember]] = field(default_factory=dict)
     #: The open fused set: (fusion key, order of its first op, bytes, ops), or None.
     fusion: tuple[tuple, int, int, int] | None = None
 
-    def add(self, node: int, item: dict[str, Any]) -> None:
-        if item["t"] != "go":
+    def add(self, node: int, message: ToMember) -> None:
+        if type(message) is not Go:
             self.fusion = None  # anything between two releases ends a fused set
-        self.messages.setdefault(node, []).append(item)
+        self.messages.setdefault(node, []).append(message)
 
     def fuse(self, key: tuple | None, order: int, nbytes: int, threshold: int) -> int | None:
         """Join the open fused set (returns its first op's order) or open a new one (returns None)."""
@@ -91,14 +107,10 @@ class Outbox:
         return None
 
 
-def _ranks_at(entry: dict[str, Any]) -> list[int]:
-    return entry["mine"]
-
-
 def _op(pending: Pending) -> str:
     """'allreduce #3 on group 'g'' (the kind as the first report gave it; '#3' alone before any)."""
-    first = next((e for e in pending.entries.values() if "k" in e), None)
-    kind = f"{first['k']} " if first is not None else ""
+    first = next(iter(pending.entries.values()), None)
+    kind = f"{first.kind} " if first is not None else ""
     return f"{kind}#{pending.seq} on group '{pending.group}'"
 
 
@@ -112,10 +124,10 @@ class Coordinator:
         self.lanes = lanes
         self.order = 0
         self.pending: dict[tuple[str, int], Pending] = {}
-        # cache id -> (entries, lane, (fusion key, bytes) or None)
-        self.cache: dict[int, tuple[dict[int, dict[str, Any]], str, tuple[tuple, int] | None]] = {}
+        # cache id -> (each node's pattern, lane, (fusion key, bytes) or None)
+        self.cache: dict[int, tuple[dict[int, OpPattern], str, tuple[tuple, int] | None]] = {}
         self.dead: dict[int, str] = {}  # node -> why
-        self.p2p: dict[tuple[int, int], tuple[int, int, dict[str, Any]]] = {}  # key -> (src node, dst node, msg)
+        self.p2p: dict[tuple[int, int], tuple[int, int, P2pSend]] = {}  # key -> (src node, dst node, send)
         self.partial: dict[int, dict[tuple[str, int], list[int]]] = {}  # node -> (g, s) -> missing global ranks
         self.released = 0
         self.fast_path_hits = 0
@@ -133,44 +145,44 @@ class Coordinator:
         return f"nodes {list(nodes)} ({', '.join(names[n] for n in nodes)})"
 
     # ---- collectives --------------------------------------------------------
-    def report(self, node: int, items: list[dict[str, Any]], out: Outbox) -> None:
+    def report(self, node: int, items: list[Ready], out: Outbox) -> None:
         """Take one node's ready ops; may complete and release some."""
         for item in items:
-            key = (item["g"], item["s"])
-            cid = item.get("c")
+            key = (item.group, item.seq)
+            cid = item.cache_id
             if cid is not None:
                 cached = self.cache.get(cid)
                 if cached is None or node not in cached[0]:
-                    out.add(node, {"t": "fail", "g": key[0], "s": key[1], "code": s.E_PROTOCOL,
-                                   "m": f"#{key[1]} on group '{key[0]}' from {self.node(node)}: unknown "
-                                        f"negotiation cache id {cid}"})
+                    out.add(node, Fail(key[0], key[1], s.E_PROTOCOL,
+                                       f"#{key[1]} on group '{key[0]}' from {self.node(node)}: unknown "
+                                       f"negotiation cache id {cid}"))
                     continue
                 entry = cached[0][node]
             else:
-                entry = item
+                assert item.pattern is not None  # (a report without a cache id carries its pattern)
+                entry = item.pattern
             pending = self.pending.get(key)
             if pending is None:
-                nodes = tuple(entry["n"])
-                pending = self.pending[key] = Pending(key[0], key[1], nodes, timeout=entry["to"])
+                nodes = tuple(entry.nodes)
+                pending = self.pending[key] = Pending(key[0], key[1], nodes, timeout=entry.timeout)
                 dead = [n for n in nodes if n in self.dead]
                 if dead:
                     self._fail(pending, out, s.E_PEER_DIED,
-                               f"{entry['k']} #{key[1]} on group '{key[0]}' cannot run: {self.node(dead[0])} "
+                               f"{entry.kind} #{key[1]} on group '{key[0]}' cannot run: {self.node(dead[0])} "
                                f"{self.dead[dead[0]]}", extra=[node])
                     continue
             if node in pending.entries:
-                out.add(node, {"t": "fail", "g": key[0], "s": key[1], "code": s.E_PROTOCOL,
-                               "m": f"{self.node(node)} reported {entry.get('k', 'op')} #{key[1]} of group "
-                                    f"'{key[0]}' twice"})
+                out.add(node, Fail(key[0], key[1], s.E_PROTOCOL,
+                                   f"{self.node(node)} reported {entry.kind} #{key[1]} of group '{key[0]}' twice"))
                 continue
             pending.entries[node] = entry
             if cid is not None:
                 pending.cids[node] = cid
-            if isinstance(item.get("d"), bytes):
-                pending.data[node] = item["d"]
-            if item.get("nf"):
+            if item.contribution is not None:
+                pending.data[node] = item.contribution
+            if item.no_fusion:
                 pending.no_fusion = True
-            pending.timeout = min(pending.timeout, entry["to"])
+            pending.timeout = min(pending.timeout, entry.timeout)
             if node not in pending.nodes:
                 self._complete_mismatch(pending, out, extra=[node])
                 continue
@@ -181,9 +193,9 @@ class Coordinator:
                     log.exception("coordinator: completing %s failed", _op(pending))
                     self.pending.pop(key, None)
                     for target in pending.nodes:
-                        out.add(target, {"t": "fail", "g": key[0], "s": key[1], "code": s.E_INTERNAL,
-                                         "m": f"the coordinator ({self.node(0)}) could not release "
-                                              f"{_op(pending)}: {exc}"})
+                        out.add(target, Fail(key[0], key[1], s.E_INTERNAL,
+                                             f"the coordinator ({self.node(0)}) could not release "
+                                             f"{_op(pending)}: {exc}"))
 
     def _complete(self, pending: Pending, out: Outbox) -> None:
         del self.pending[(pending.group, pending.seq)]
@@ -199,21 +211,20 @@ class Coordinator:
             if problem is not None:
                 message = self._mismatch_message(pending, problem)
                 for node in pending.nodes:
-                    out.add(node, {"t": "fail", "g": pending.group, "s": pending.seq, "code": s.E_MISMATCH,
-                                   "m": message})
+                    out.add(node, Fail(pending.group, pending.seq, s.E_MISMATCH, message))
                 return
             first = pending.entries[pending.nodes[0]]
-            sig = first["sig"]
-            nbytes = max(e["nb"] for e in pending.entries.values())  # buffers differ per rank (gather...)
+            sig = first.signature
+            nbytes = max(e.nbytes for e in pending.entries.values())  # buffers differ per rank (gather...)
             try:
                 lane = choose_lane(
-                    first["k"], sig.get("dtype", "uint8"), sig.get("reduce_op"), nbytes, pending.nodes,
-                    len(first["pl"]), sig.get("lane") or None, self.config, self.lanes,
+                    first.kind, sig.get("dtype", "uint8"), sig.get("reduce_op"), nbytes, pending.nodes,
+                    len(first.placement), sig.get("lane") or None, self.config, self.lanes,
                 )
             except SelectionError as exc:
                 for node in pending.nodes:
-                    out.add(node, {"t": "fail", "g": pending.group, "s": pending.seq, "code": s.E_PROTOCOL,
-                                   "m": f"{_op(pending)} on {self.nodes(pending.nodes)}: {exc}"})
+                    out.add(node, Fail(pending.group, pending.seq, s.E_PROTOCOL,
+                                       f"{_op(pending)} on {self.nodes(pending.nodes)}: {exc}"))
                 return
             fuse_key = self._fusion_key(pending.group, first, nbytes, lane)
             if len(self.cache) < MAX_CACHE_ENTRIES:
@@ -227,21 +238,16 @@ class Coordinator:
         key, size = fuse_key if fusible else (None, 0)
         head = out.fuse(key, self.order, size, self.config.fusion_threshold_bytes)
         for node in pending.nodes:
-            item: dict[str, Any] = {"t": "go", "g": pending.group, "s": pending.seq, "o": self.order, "l": lane}
-            if cid is not None and pending.cids.get(node) != cid:
-                item["c"] = cid
-            if result is not None:
-                item["r"] = result
-            if head is not None:
-                item["fz"] = head
-            out.add(node, item)
+            # (positional: this runs for every node of every op; fields: cache id, result, fused with)
+            out.add(node, Go(pending.group, pending.seq, self.order, lane,
+                             cid if cid is not None and pending.cids.get(node) != cid else None, result, head))
 
-    def _fusion_key(self, group: str, first: dict[str, Any], nbytes: int, lane: str) -> tuple[tuple, int] | None:
+    def _fusion_key(self, group: str, first: OpPattern, nbytes: int, lane: str) -> tuple[tuple, int] | None:
         """What fused all-reduces share (group, dtype, reduce op, scale, lane) and the op's bytes; None: never fused."""
         threshold = self.config.fusion_threshold_bytes
-        if first["k"] != "allreduce" or not 0 < nbytes <= threshold:
+        if first.kind != "allreduce" or not 0 < nbytes <= threshold:
             return None
-        sig = first["sig"]
+        sig = first.signature
         return (group, sig.get("dtype"), sig.get("reduce_op"), sig.get("scale"), lane), nbytes
 
     def _eager_result(self, pending: Pending, lane: str) -> bytes | None:
@@ -252,15 +258,15 @@ class Coordinator:
         if lane != "tcp" or len(pending.data) != len(pending.nodes) or not all(pending.data.values()):
             return None  # (empty buffers: nothing to reduce, and torch cannot view zero bytes)
         first = pending.entries[pending.nodes[0]]
-        if first["k"] != "allreduce":
+        if first.kind != "allreduce":
             return None
-        dtype = TORCH_DTYPES[first["sig"]["dtype"]]
+        dtype = TORCH_DTYPES[first.signature["dtype"]]
         sizes = {len(d) for d in pending.data.values()}
         if len(sizes) != 1 or sizes.pop() % dtype.itemsize:
             return None  # disagreeing contributions: the lane path runs (and reports) it
         parts = [torch.frombuffer(bytearray(pending.data[n]), dtype=dtype) for n in pending.nodes]
         out = torch.empty_like(parts[0])
-        reduce_into(out, parts, lane_reduce_op(first["sig"]["reduce_op"]), 1.0)
+        reduce_into(out, parts, lane_reduce_op(first.signature["reduce_op"]), 1.0)
         return out.view(torch.uint8).numpy().tobytes()
 
     def _complete_mismatch(self, pending: Pending, out: Outbox, extra: list[int]) -> None:
@@ -276,7 +282,7 @@ class Coordinator:
         targets = set(pending.entries) | set(extra or [])
         for node in sorted(targets):
             if node not in self.dead:
-                out.add(node, {"t": "fail", "g": pending.group, "s": pending.seq, "code": code, "m": message})
+                out.add(node, Fail(pending.group, pending.seq, code, message))
 
     def _mismatch(self, pending: Pending) -> str | None:
         """Describe how the nodes' reports disagree (fields and group ranks), or None."""
@@ -286,23 +292,23 @@ class Coordinator:
         def compare(label: str, get: Any) -> None:
             values: dict[str, list[int]] = {}
             for entry in entries.values():
-                values.setdefault(repr(get(entry)), []).extend(_ranks_at(entry))
+                values.setdefault(repr(get(entry)), []).extend(entry.mine)
             if len(values) > 1:
                 parts = ", ".join(f"ranks {sorted(r)} {v}" for v, r in values.items())
                 problems.append(f"'{label}' differs: {parts}")
 
-        compare("kind", lambda e: e["k"])
+        compare("kind", lambda e: e.kind)
         if problems:
             return "; ".join(problems)
-        compare("group members", lambda e: e["ranks"])
-        compare("placement", lambda e: e["pl"])
-        names = sorted({name for e in entries.values() for name in e["sig"]})
+        compare("group members", lambda e: e.ranks)
+        compare("placement", lambda e: e.placement)
+        names = sorted({name for e in entries.values() for name in e.signature})
         for name in names:
-            compare(name, lambda e, name=name: e["sig"].get(name))
-        if not problems and entries and next(iter(entries.values()))["k"] == "alltoall":
+            compare(name, lambda e, name=name: e.signature.get(name))
+        if not problems and entries and next(iter(entries.values())).kind == "alltoall":
             splits: dict[int, tuple[list[int], list[int]]] = {}
             for entry in entries.values():
-                for grank, sin, sout in entry["a2a"]:
+                for grank, sin, sout in entry.alltoall_splits or ():
                     splits[grank] = (sin, sout)
             for a, (sin, _) in sorted(splits.items()):
                 for b, (_, sout) in sorted(splits.items()):
@@ -311,48 +317,44 @@ class Coordinator:
         return "; ".join(problems) if problems else None
 
     # ---- point to point ------------------------------------------------------
-    def p2p_send(self, node: int, item: dict[str, Any], out: Outbox) -> None:
+    def p2p_send(self, node: int, send: P2pSend, out: Outbox) -> None:
         """A send whose receiver lives on another node: forward it there."""
-        dst = item["dn"]
-        key = (node, item["key"])
+        dst = send.dst_node
+        key = (node, send.key)
         if dst in self.dead or not 0 <= dst < self.nnodes:
-            out.add(node, {"t": "p2p_fail", "key": item["key"], "code": s.E_PEER_DIED,
-                           "m": f"send to group rank {item['dst']}: its {self.node(dst)} "
-                                f"{self.dead.get(dst, 'is unknown')}"})
+            out.add(node, P2pFail(send.key, None, s.E_PEER_DIED,
+                                  f"send to group rank {send.dst}: its {self.node(dst)} "
+                                  f"{self.dead.get(dst, 'is unknown')}"))
             return
-        self.p2p[key] = (node, dst, item)
-        forwarded = dict(item)
-        forwarded["t"] = "remote_send"
-        forwarded["sn"] = node
-        out.add(dst, forwarded)
+        self.p2p[key] = (node, dst, send)
+        out.add(dst, RemoteSend(send, node))
 
-    def p2p_match(self, node: int, item: dict[str, Any], out: Outbox) -> None:
+    def p2p_match(self, node: int, match: P2pMatch, out: Outbox) -> None:
         """The receiver matched a forwarded send: order the transfer on both nodes."""
-        key = (item["sn"], item["key"])
+        key = (match.sender_node, match.key)
         route = self.p2p.pop(key, None)
         if route is None:
             return
         src, dst, send = route
         try:
-            lane = choose_lane("sendrecv", "uint8", None, send["nb"], tuple(sorted((src, dst))), 2,
-                               send.get("h"), self.config, self.lanes)
+            lane = choose_lane("sendrecv", "uint8", None, send.nbytes, tuple(sorted((src, dst))), 2,
+                               send.lane_hint, self.config, self.lanes)
         except SelectionError as exc:
             message = f"send/recv from {self.node(src)} to {self.node(dst)}: {exc}"
-            for target, k in ((src, item["key"]), (dst, item["key"])):
-                out.add(target, {"t": "p2p_fail", "key": k, "sn": src, "code": s.E_PROTOCOL, "m": message})
+            for target in (src, dst):
+                out.add(target, P2pFail(match.key, src, s.E_PROTOCOL, message))
             return
         self.order += 1
         self.released += 1
-        out.add(src, {"t": "p2p_go", "key": item["key"], "o": self.order, "l": lane, "role": "send", "peer": dst})
-        out.add(dst, {"t": "p2p_go", "key": item["key"], "sn": src, "o": self.order, "l": lane, "role": "recv",
-                      "peer": src})
+        out.add(src, P2pGo(match.key, sender_node=None, order=self.order, lane=lane, role="send", peer=dst))
+        out.add(dst, P2pGo(match.key, sender_node=src, order=self.order, lane=lane, role="recv", peer=src))
 
-    def p2p_fail(self, node: int, item: dict[str, Any], out: Outbox) -> None:
+    def p2p_fail(self, node: int, failed: SendFailed, out: Outbox) -> None:
         """The receiver failed a forwarded send (mismatch, timeout): tell the sender."""
-        key = (item["sn"], item["key"])
+        key = (failed.sender_node, failed.key)
         route = self.p2p.pop(key, None)
         if route is not None:
-            out.add(route[0], {"t": "p2p_fail", "key": item["key"], "code": item["code"], "m": item["m"]})
+            out.add(route[0], P2pFail(failed.key, None, failed.code, failed.message))
 
     # ---- failures ------------------------------------------------------------
     def node_dead(self, node: int, why: str, out: Outbox) -> None:
@@ -366,21 +368,20 @@ class Coordinator:
             if node in (src, dst):
                 del self.p2p[key]
                 if src != node:
-                    out.add(src, {"t": "p2p_fail", "key": key[1], "code": s.E_PEER_DIED,
-                                  "m": f"send to {self.node(dst)}: that node {why}"})
+                    out.add(src, P2pFail(key[1], None, s.E_PEER_DIED, f"send to {self.node(dst)}: that node {why}"))
         for other in range(self.nnodes):
             if other != node and other not in self.dead:
-                out.add(other, {"t": "node_dead", "node": node, "why": why})
+                out.add(other, NodeDead(node, why))
 
     def rank_died(self, node: int, rank: int, why: str, out: Outbox) -> None:
         for pending in list(self.pending.values()):
             first = next(iter(pending.entries.values()), None)
-            if first is not None and rank in first["ranks"]:
+            if first is not None and rank in first.ranks:
                 self._fail(pending, out, s.E_PEER_DIED,
                            f"{_op(pending)} cannot run: rank {rank} (on {self.node(node)}) {why}")
         for other in range(self.nnodes):
             if other != node and other not in self.dead:
-                out.add(other, {"t": "rank_died", "rank": rank, "why": why})
+                out.add(other, RankDied(rank, why))
 
     def expire(self, now: float, out: Outbox) -> None:
         """Fail negotiations some node never joined within the op timeout."""
@@ -392,7 +393,7 @@ class Coordinator:
             first = next(iter(pending.entries.values()))
             self._fail(
                 pending, out, s.E_TIMEOUT,
-                f"{first['k']} #{pending.seq} on group '{pending.group}' timed out after {pending.timeout:.1f}s "
+                f"{first.kind} #{pending.seq} on group '{pending.group}' timed out after {pending.timeout:.1f}s "
                 f"waiting for {self.nodes(missing)} (ranks {ranks} have not submitted it)",
             )
 
@@ -405,7 +406,7 @@ class Coordinator:
             if partial is not None:
                 ranks.extend(partial)
             else:
-                ranks.extend(r for r, n in zip(first["ranks"], first["pl"], strict=True) if n == node)
+                ranks.extend(r for r, n in zip(first.ranks, first.placement, strict=True) if n == node)
         return sorted(ranks)
 
     def stalls(self, now: float, threshold: float) -> list[dict[str, Any]]:
@@ -418,7 +419,7 @@ class Coordinator:
             missing = [n for n in pending.nodes if n not in pending.entries]
             first = next(iter(pending.entries.values()))
             rows.append({
-                "group": pending.group, "seq": pending.seq, "kind": first["k"], "waiting_s": round(waited, 3),
+                "group": pending.group, "seq": pending.seq, "kind": first.kind, "waiting_s": round(waited, 3),
                 "missing_nodes": missing, "missing_ranks": self._missing_ranks(pending, missing),
             })
         rows.sort(key=lambda r: -r["waiting_s"])

@@ -1,0 +1,608 @@
+"""The fabric's wire vocabulary: every item a member and the coordinator exchange, typed.
+
+The coordinator (``scheduler/coordinator.py``) and each node's fabric member
+(``fabric/member.py``) speak only these types: an item is decoded once when it
+arrives (``decode_batch``, which validates every field) and encoded once when it
+leaves (``batch``).  ``to_wire`` builds exactly the map the fabric has always
+sent — same one- or two-letter keys, in the same order, optional keys omitted
+the same way — so the bytes on the control channel (``fabric/channel.py``:
+length-prefixed msgpack frames) do not depend on this module.
+
+Items travel in a ``batch`` envelope, ``{"t": "batch", "items": [item, ...],
+"v": PROTOCOL_VERSION}``: reports and releases are coalesced per event-loop turn.
+Two vocabularies, one per direction (``p2p_fail`` and ``hb`` mean different
+things each way):
+
+| type | class | direction | meaning | fields (wire key) |
+|---|---|---|---|---|
+| ``ready`` | ``Ready`` | member → coordinator | this node's ranks of a collective are all ready (report) | group ``g``, seq ``s``; either the full pattern (``OpPattern``: kind ``k``, signature ``sig``, ranks ``ranks``, placement ``pl``, nodes ``n``, mine ``mine``, nbytes ``nb``, timeout ``to``, alltoall_splits ``a2a`` for all-to-all) or its cache_id ``c``; contribution ``d`` (tiny all-reduce, optional), no_fusion ``nf`` (1, optional) |
+| ``p2p_send`` | ``P2pSend`` | member → coordinator | a send whose receiver lives on another node | key ``key``, dst_node ``dn``, group ``g``, src ``src``, dst ``dst``, tag ``tag``, dtype ``dtype``, count ``count``, nbytes ``nb``, timeout ``to``, lane_hint ``h`` |
+| ``p2p_match`` | ``P2pMatch`` | member → coordinator | a forwarded send met its receive: order the transfer | sender_node ``sn``, key ``key`` |
+| ``p2p_fail`` | ``SendFailed`` | member → coordinator | the receiver's node failed a forwarded send (mismatch, timeout) | sender_node ``sn``, key ``key``, code ``code``, message ``m`` |
+| ``hb`` | ``Heartbeat`` | member → coordinator | liveness, with the ops this node's ranks partly submitted | stalled ``stalled``: [group, seq, missing ranks] |
+| ``go`` | ``Go`` | coordinator → member | release: run the op at this place of the global order | group ``g``, seq ``s``, order ``o``, lane ``l``; cache_id ``c``, result ``r`` (bytes), fused_with ``fz`` (the fused set's first order), each optional |
+| ``fail`` | ``Fail`` | coordinator → member | the collective fails on every node | group ``g``, seq ``s``, code ``code``, message ``m`` |
+| ``remote_send`` | ``RemoteSend`` | coordinator → member | a send forwarded to its receiver's node | the ``p2p_send`` fields, then sender_node ``sn`` |
+| ``p2p_go`` | ``P2pGo`` | coordinator → member | release of a cross-node transfer | key ``key``, sender_node ``sn`` (receiver only), order ``o``, lane ``l``, role ``role`` (send/recv), peer ``peer`` |
+| ``p2p_fail`` | ``P2pFail`` | coordinator → member | a cross-node transfer fails | key ``key``, sender_node ``sn`` (optional), code ``code``, message ``m`` |
+| ``node_dead`` | ``NodeDead`` | coordinator → member | a node is gone | node ``node``, why ``why`` |
+| ``hb`` | ``CoordinatorHeartbeat`` | coordinator → member | liveness, with the fabric's stall rows | stalls ``stalls`` |
+| ``shutdown`` | ``Shutdown`` | coordinator → member | stop the node (a stall passed its limit) | why ``why`` |
+| ``trace`` | ``Trace`` | coordinator → member | start/stop the per-op trace | action ``a``, path ``p`` |
+| ``rank_died`` | ``RankDied`` | both | a rank is gone: fail what waits for it | rank ``rank``, why ``why`` |
+| ``leaving`` | ``Leaving`` | both | this node leaves the fabric (shutdown) | why ``why`` |
+
+Plain data only: nothing here imports above ``protocol/``.  The classes are slotted
+dataclasses, not frozen ones: a frozen dataclass's constructor sets each field through
+``object.__setattr__`` and costs about ten times as much, and a report and a release
+are built and decoded on the critical path of every multi-node op.  Slots still refuse
+any attribute that is not a field, so nothing local can be written into a received
+message; the code treats every message as immutable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, NoReturn
+
+from commd.protocol.schema import ProtocolError
+
+#: The envelope's type: several items in one control frame.
+BATCH = "batch"
+
+
+class FabricMessageError(ProtocolError):
+    """A fabric item that does not follow this vocabulary; the text names the type and the field."""
+
+
+# ---- field checks (one place; the text names type, key and meaning) ---------------------------------
+
+
+def _bad(t: str, key: str, name: str, want: str, value: Any) -> NoReturn:
+    shown = repr(value)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    raise FabricMessageError(f"fabric message {t!r}: field {key!r} ({name}) must be {want}, got {shown}")
+
+
+def _get(item: dict[str, Any], t: str, key: str, name: str) -> Any:
+    try:
+        return item[key]
+    except KeyError:
+        raise FabricMessageError(f"fabric message {t!r}: field {key!r} ({name}) is missing") from None
+
+
+def _int(item: dict[str, Any], t: str, key: str, name: str) -> int:
+    value = _get(item, t, key, name)
+    if type(value) is not int:
+        _bad(t, key, name, "an integer", value)
+    return value
+
+
+def _opt_int(item: dict[str, Any], t: str, key: str, name: str) -> int | None:
+    value = item.get(key)
+    if value is not None and type(value) is not int:
+        _bad(t, key, name, "an integer", value)
+    return value
+
+
+def _str(item: dict[str, Any], t: str, key: str, name: str) -> str:
+    value = _get(item, t, key, name)
+    if type(value) is not str:
+        _bad(t, key, name, "a string", value)
+    return value
+
+
+def _opt_str(item: dict[str, Any], t: str, key: str, name: str) -> str | None:
+    value = item.get(key)
+    if value is not None and type(value) is not str:
+        _bad(t, key, name, "a string", value)
+    return value
+
+
+def _number(item: dict[str, Any], t: str, key: str, name: str) -> float:
+    value = _get(item, t, key, name)
+    if type(value) is not float and type(value) is not int:
+        _bad(t, key, name, "a number", value)
+    return value
+
+
+def _opt_bytes(item: dict[str, Any], t: str, key: str, name: str) -> bytes | None:
+    value = item.get(key)
+    if value is not None and type(value) is not bytes:
+        _bad(t, key, name, "bytes", value)
+    return value
+
+
+def _ints(item: dict[str, Any], t: str, key: str, name: str) -> list[int]:
+    value = _get(item, t, key, name)
+    if type(value) is not list or not all(type(v) is int for v in value):
+        _bad(t, key, name, "a list of integers", value)
+    return value
+
+
+def _map(item: dict[str, Any], t: str, key: str, name: str) -> dict[str, Any]:
+    value = _get(item, t, key, name)
+    if type(value) is not dict:
+        _bad(t, key, name, "a map", value)
+    return value
+
+
+# ---- member → coordinator ----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class OpPattern:
+    """What a full report says about a collective besides its sequence number (cached by id)."""
+
+    kind: str
+    #: The values the members must agree on, by name (``scheduler.agreement.agreed_values``).
+    signature: dict[str, Any]
+    ranks: list[int]  # the group's global ranks
+    placement: list[int]  # node of each group rank
+    nodes: list[int]  # the nodes the group spans, ascending
+    mine: list[int]  # the group ranks on the reporting node
+    nbytes: int
+    timeout: float
+    #: All-to-all only: [group rank, splits in, splits out] per rank on the reporting node.
+    alltoall_splits: list[list[Any]] | None = None
+
+    @classmethod
+    def from_wire(cls, item: dict[str, Any]) -> OpPattern:
+        t = "ready"
+        kind = _str(item, t, "k", "kind")
+        ranks = _ints(item, t, "ranks", "ranks")
+        placement = _ints(item, t, "pl", "placement")
+        if len(placement) != len(ranks):
+            _bad(t, "pl", "placement", f"one node per rank ({len(ranks)})", placement)
+        splits = item.get("a2a")
+        if kind == "alltoall" or splits is not None:
+            if type(splits) is not list or not all(
+                type(x) is list and len(x) == 3 and type(x[0]) is int and type(x[1]) is list and type(x[2]) is list
+                for x in splits
+            ):
+                _bad(t, "a2a", "alltoall splits", "a list of [rank, splits in, splits out]", splits)
+        return cls(kind, _map(item, t, "sig", "signature"), ranks, placement, _ints(item, t, "n", "nodes"),
+                   _ints(item, t, "mine", "mine"), _int(item, t, "nb", "nbytes"), _number(item, t, "to", "timeout"),
+                   splits)
+
+
+@dataclass(slots=True)
+class Ready:
+    """A report: every local rank of a collective has submitted it."""
+
+    TYPE: ClassVar[str] = "ready"
+    group: str
+    seq: int
+    pattern: OpPattern | None = None  # the full report; None on the cached fast path
+    cache_id: int | None = None  # the pattern's cache id (fast path)
+    contribution: bytes | None = None  # this node's reduced part of a tiny all-reduce
+    no_fusion: bool = False  # its buffers overlap an earlier reported all-reduce of this node
+
+    def to_wire(self) -> dict[str, Any]:
+        item: dict[str, Any] = {"t": "ready", "g": self.group, "s": self.seq}
+        pattern = self.pattern
+        if pattern is None:
+            item["c"] = self.cache_id
+        else:
+            item["k"] = pattern.kind
+            item["sig"] = pattern.signature
+            item["ranks"] = pattern.ranks
+            item["pl"] = pattern.placement
+            item["n"] = pattern.nodes
+            item["mine"] = pattern.mine
+            item["nb"] = pattern.nbytes
+            item["to"] = pattern.timeout
+            if pattern.alltoall_splits is not None:
+                item["a2a"] = pattern.alltoall_splits
+        if self.contribution is not None:
+            item["d"] = self.contribution
+        if self.no_fusion:
+            item["nf"] = 1
+        return item
+
+    @classmethod
+    def from_wire(cls, item: dict[str, Any]) -> Ready:
+        try:
+            group, seq, cache_id = item["g"], item["s"], item["c"]
+        except KeyError:
+            return cls.checked(item)
+        data = item.get("d")
+        if (type(cache_id) is int and type(group) is str and type(seq) is int
+                and (data is None or type(data) is bytes)):  # the cached fast path, valid: no more checks
+            return cls(group, seq, None, cache_id, data, bool(item.get("nf")))
+        return cls.checked(item)
+
+    @classmethod
+    def checked(cls, item: dict[str, Any]) -> Ready:
+        """``from_wire`` field by field (names the first bad field)."""
+        group, seq = _str(item, "ready", "g", "group"), _int(item, "ready", "s", "seq")
+        cache_id = _opt_int(item, "ready", "c", "cache id")
+        pattern = OpPattern.from_wire(item) if cache_id is None else None
+        return cls(group, seq, pattern, cache_id, _opt_bytes(item, "ready", "d", "contribution"), bool(item.get("nf")))
+
+
+@dataclass(slots=True)
+class P2pSend:
+    """A send whose receiver lives on another node (``key``: the sender's node numbers its sends)."""
+
+    TYPE: ClassVar[str] = "p2p_send"
+    key: int
+    dst_node: int
+    group: str
+    src: int  # group ranks
+    dst: int
+    tag: int
+    dtype: str
+    count: int
+    nbytes: int
+    timeout: float
+    lane_hint: str | None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": "p2p_send", "key": self.key, "dn": self.dst_node, "g": self.group, "src": self.src,
+                "dst": self.dst, "tag": self.tag, "dtype": self.dtype, "count": self.count, "nb": self.nbytes,
+                "to": self.timeout, "h": self.lane_hint}
+
+    @classmethod
+    def from_wire(cls, item: dict[str, Any], t: str = "p2p_send") -> P2pSend:
+        return cls(_int(item, t, "key", "key"), _int(item, t, "dn", "receiver's node"), _str(item, t, "g", "group"),
+                   _int(item, t, "src", "source rank"), _int(item, t, "dst", "destination rank"),
+                   _int(item, t, "tag", "tag"), _str(item, t, "dtype", "dtype"), _int(item, t, "count", "count"),
+                   _int(item, t, "nb", "nbytes"), _number(item, t, "to", "timeout"),
+                   _opt_str(item, t, "h", "lane hint"))
+
+
+@dataclass(slots=True)
+class P2pMatch:
+    """The receiver's node matched a forwarded send: the coordinator orders the transfer."""
+
+    TYPE: ClassVar[str] = "p2p_match"
+    sender_node: int
+    key: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": "p2p_match", "sn": self.sender_node, "key": self.key}
+
+    @classmethod
+    def from_wire(cls, item: dict[str, Any]) -> P2pMatch:
+        return cls(_int(item, "p2p_match", "sn", "sender's node"), _int(item, "p2p_match", "key", "key"))
+
+
+@dataclass(slots=True)
+class SendFailed:
+    """The receiver's node failed a forwarded send (mismatch, timeout): the sender must hear of it."""
+
+    TYPE: ClassVar[str] = "p2p_fail"
+    sender_node: int
+    key: int
+    code: str
+    message: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": "p2p_fail", "sn": self.sender_node, "key": self.key, "code": self.code, "m": self.message}
+
+    @classmethod
+    def from_wire(cls, item: dict[str, Any]) -> SendFailed:
+        t = "p2p_fail"
+        return cls(_int(item, t, "sn", "sender's node"), _int(item, t, "key", "key"), _str(item, t, "code", "code"),
+                   _str(item, t, "m", "message"))
+
+
+@dataclass(slots=True)
+class Heartbeat:
+    """A member's liveness beat, with the ops its ranks have partly submitted (for stall rows)."""
+
+    TYPE: ClassVar[str] = "hb"
+    #: (group, seq, group ranks that have not submitted) per op waiting at least a second.
+    stalled: list[tuple[str, int, list[int]]]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": "hb", "stalled": [[g, q, missing] for g, q, missing in self.stalled]}
+
+    @classmethod
+    def from_wire(cls, item: dict[str, Any]) -> Heartbeat:
+        stalled = item.get("stalled", [])
+        if type(stalled) is not list or not all(
+            type(x) is list and len(x) == 3 and type(x[0]) is str and type(x[1]) is int and type(x[2]) is list
+            for x in stalled
+        ):
+            _bad("hb", "stalled", "stalled ops", "a list of [group, seq, ranks]", stalled)
+        return cls([(g, q, missing) for g, q, missing in stalled])
+
+
+# ---- coordinator → member ----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Go:
+    """A release: run the collective at place ``order`` of the global order, on ``lane``."""
+
+    TYPE: ClassVar[str] = "go"
+    group: str
+    seq: int
+    order: int
+    lane: str
+    cache_id: int | None = None  # the pattern's cache id, for a node that does not know it yet
+    result: bytes | None = None  # a tiny all-reduce the coordinator reduced itself
+    fused_with: int | None = None  # the order of the fused set's first op this one joins
+
+    def to_wire(self) -> dict[str, Any]:
+        item: dict[str, Any] = {"t": "go", "g": self.group, "s": self.seq, "o": self.order, "l": self.lane}
+        if self.cache_id is not None:
+            item["c"] = self.cache_id
+        if self.result is not None:
+            item["r"] = self.result
+        if self.fused_with is not None:
+            item["fz"] = self.fused_with
+        return item
+
+    @classmethod
+    def from_wire(cls, item: dict[str, Any]) -> Go:
+        try:
+            group, seq, order, lane = item["g"], item["s"], item["o"], item["l"]
+        except KeyError:
+            return cls.checked(item)
+        cache_id, result, fused_with = item.get("c"), item.get("r"), item.get("fz")
+        if (type(group) is str and type(seq) is int and type(order) is int and type(lane) is str
+                and (cache_id is None or type(cache_id) is int) and (result is None or type(result) is bytes)
+                and (fused_with is None or type(fused_with) is int)):  # valid: no more checks
+            return cls(group, seq, order, lane, cache_id, result, fused_with)
+        return cls.checked(item)
+
+    @classmethod
+    def checked(cls, item: dict[str, Any]) -> Go:
+        """``from_wire`` field by field (names the first bad field)."""
+        return cls(_str(item, "go", "g", "group"), _int(item, "go", "s", "seq"), _int(item, "go", "o", "order"),
+                   _str(item, "go", "l", "lane"), _opt_int(item, "go", "c", "cache id"),
+                   _opt_bytes(item, "go", "r", "result"), _opt_int(item, "go", "fz", "fused set"))
+
+
+@dataclass(slots=True)
+class Fail:
+    """A collective fails on every node that holds a part of it."""
+
+    TYPE: ClassVar[str] = "fail"
+    group: str
+    seq: int
+    code: str
+    message: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": "fail", "g": self.group, "s": self.seq, "code": self.code, "m": self.message}
+
+    @classmethod
+    def from_wire(cls, item: dict[str, Any]) -> Fail:
+        return cls(_str(item, "fail", "g", "group"), _int(item, "fail", "s", "seq"), _str(item, "fail", "code", "code"),
+                   _str(item, "fail", "m", "message"))
+
+
+@dataclass(slots=True)
+class RemoteSend:
+    """A send forwarded by the coordinator to its receiver's node, to be matched there."""
+
+    TYPE: ClassVar[str] = "remote_send"
+    send: P2pSend
+    sender_node: int
+
+    def to_wire(self) -> dict[str, Any]:
+        item = self.send.to_wire()
+        item["t"] = "remote_send"  # (the key stays first)
+        item["sn"] = self.sender_node
+        return item
+
+    @classmethod
+    def from_wire(cls, item: dict[str, Any]) -> RemoteSend:
+        return cls(P2pSend.from_wire(item, "remote_send"), _int(item, "remote_send", "sn", "sender's node"))
+
+
+@dataclass(slots=True)
+class P2pGo:
+    """The release of a cross-node transfer, to both ends (the receiver also gets ``sender_node``)."""
+
+    TYPE: ClassVar[str] = "p2p_go"
+    key: int
+    sender_node: int | None
+    order: int
+    lane: str
+    role: str  # "send" or "recv"
+    peer: int  # the other end's node
+
+    def to_wire(self) -> dict[str, Any]:
+        item: dict[str, Any] = {"t": "p2p_go", "key": self.key}
+        if self.sender_node is not None:
+            item["sn"] = self.sender_node
+        item["o"] = self.order
+        item["l"] = self.lane
+        item["role"] = self.role
+        item["peer"] = self.peer
+        return item
+
+    @classmethod
+    def from_wire(cls, item: dict[str, Any]) -> P2pGo:
+        t = "p2p_go"
+        role = _str(item, t, "role", "role")
+        if role not in ("send", "recv"):
+            _bad(t, "role", "role", "'send' or 'recv'", role)
+        sender = _int(item, t, "sn", "sender's node") if role == "recv" else _opt_int(item, t, "sn", "sender's node")
+        return cls(_int(item, t, "key", "key"), sender, _int(item, t, "o", "order"), _str(item, t, "l", "lane"), role,
+                   _int(item, t, "peer", "peer node"))
+
+
+@dataclass(slots=True)
+class P2pFail:
+    """A cross-node transfer fails (``sender_node`` set: the receiver's side of it)."""
+
+    TYPE: ClassVar[str] = "p2p_fail"
+    key: int
+    sender_node: int | None
+    code: str
+    message: str
+
+    def to_wire(self) -> dict[str, Any]:
+        item: dict[str, Any] = {"t": "p2p_fail", "key": self.key}
+        if self.sender_node is not None:
+            item["sn"] = self.sender_node
+        item["code"] = self.code
+        item["m"] = self.message
+        return item
+
+    @classmethod
+    def from_wire(cls, item: dict[str, Any]) -> P2pFail:
+        t = "p2p_fail"
+        return cls(_int(item, t, "key", "key"), _opt_int(item, t, "sn", "sender's node"), _str(item, t, "code", "code"),
+                   _str(item, t, "m", "message"))
+
+
+@dataclass(slots=True)
+class NodeDead:
+    """A node is gone (its control link closed, it left, or it fell silent)."""
+
+    TYPE: ClassVar[str] = "node_dead"
+    node: int
+    why: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": "node_dead", "node": self.node, "why": self.why}
+
+    @classmethod
+    def from_wire(cls, item: dict[str, Any]) -> NodeDead:
+        return cls(_int(item, "node_dead", "node", "node"), _str(item, "node_dead", "why", "why"))
+
+
+@dataclass(slots=True)
+class CoordinatorHeartbeat:
+    """The coordinator's liveness beat, with the fabric's stall rows (for ``commd status``)."""
+
+    TYPE: ClassVar[str] = "hb"
+    stalls: list[dict[str, Any]]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": "hb", "stalls": self.stalls}
+
+    @classmethod
+    def from_wire(cls, item: dict[str, Any]) -> CoordinatorHeartbeat:
+        stalls = item.get("stalls", [])
+        if type(stalls) is not list or not all(type(row) is dict for row in stalls):
+            _bad("hb", "stalls", "stall rows", "a list of maps", stalls)
+        return cls(stalls)
+
+
+@dataclass(slots=True)
+class Shutdown:
+    """Stop this node: the coordinator shuts the fabric down."""
+
+    TYPE: ClassVar[str] = "shutdown"
+    why: str | None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": "shutdown", "why": self.why}
+
+    @classmethod
+    def from_wire(cls, item: dict[str, Any]) -> Shutdown:
+        return cls(_opt_str(item, "shutdown", "why", "why"))
+
+
+@dataclass(slots=True)
+class Trace:
+    """Start or stop the per-op trace on this node (``commd trace`` on node 0)."""
+
+    TYPE: ClassVar[str] = "trace"
+    action: str
+    path: str | None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": "trace", "a": self.action, "p": self.path}
+
+    @classmethod
+    def from_wire(cls, item: dict[str, Any]) -> Trace:
+        return cls(_str(item, "trace", "a", "action"), _opt_str(item, "trace", "p", "path"))
+
+
+# ---- both directions ---------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class RankDied:
+    """A rank is gone (up: from its node; down: to every other node)."""
+
+    TYPE: ClassVar[str] = "rank_died"
+    rank: int
+    why: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": "rank_died", "rank": self.rank, "why": self.why}
+
+    @classmethod
+    def from_wire(cls, item: dict[str, Any]) -> RankDied:
+        return cls(_int(item, "rank_died", "rank", "rank"), _str(item, "rank_died", "why", "why"))
+
+
+@dataclass(slots=True)
+class Leaving:
+    """The sender leaves the fabric (it shuts down): no need to wait out the peer timeout."""
+
+    TYPE: ClassVar[str] = "leaving"
+    why: str | None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": "leaving", "why": self.why}
+
+    @classmethod
+    def from_wire(cls, item: dict[str, Any]) -> Leaving:
+        return cls(_opt_str(item, "leaving", "why", "why"))
+
+
+ToCoordinator = Ready | P2pSend | P2pMatch | SendFailed | RankDied | Heartbeat | Leaving
+ToMember = Go | Fail | RemoteSend | P2pGo | P2pFail | NodeDead | RankDied | CoordinatorHeartbeat | Shutdown | Leaving | Trace
+Message = ToCoordinator | ToMember
+
+#: What a coordinator accepts, by wire type.
+TO_COORDINATOR: dict[str, Any] = {
+    cls.TYPE: cls for cls in (Ready, P2pSend, P2pMatch, SendFailed, RankDied, Heartbeat, Leaving)
+}
+#: What a member accepts, by wire type.
+TO_MEMBER: dict[str, Any] = {
+    cls.TYPE: cls
+    for cls in (Go, Fail, RemoteSend, P2pGo, P2pFail, NodeDead, RankDied, CoordinatorHeartbeat, Shutdown, Leaving, Trace)
+}
+
+
+def batch(messages: list[Any]) -> dict[str, Any]:
+    """The envelope for one control frame (``channel.frame`` adds the protocol version)."""
+    return {"t": BATCH, "items": [m.to_wire() for m in messages]}
+
+
+def decode(item: Any, vocabulary: dict[str, Any]) -> Any:
+    """One received item as its message type (``FabricMessageError``: malformed or not of this direction)."""
+    if type(item) is not dict:
+        raise FabricMessageError(f"fabric item must be a map, got {type(item).__name__}")
+    t = item.get("t")
+    cls = vocabulary.get(t) if type(t) is str else None
+    if cls is None:
+        raise FabricMessageError(f"fabric item of unknown type {item.get('t')!r} (expected one of {sorted(vocabulary)})")
+    return cls.from_wire(item)
+
+
+def decode_batch(envelope: dict[str, Any], vocabulary: dict[str, Any]) -> tuple[list[Any], list[str]]:
+    """The messages of one received frame, and what was wrong with each item that was dropped.
+
+    A malformed item is dropped alone (the rest still act); a frame that is not a batch is
+    read as a single item.
+    """
+    items = envelope.get("items") if envelope.get("t") == BATCH else [envelope]
+    if type(items) is not list:
+        raise FabricMessageError(f"fabric batch: field 'items' must be a list, got {type(items).__name__}")
+    messages: list[Any] = []
+    problems: list[str] = []
+    append = messages.append
+    for item in items:
+        try:
+            try:
+                cls = vocabulary[item["t"]] if type(item) is dict else None
+            except (KeyError, TypeError):  # no type, or one this direction does not know
+                cls = None
+            append(cls.from_wire(item) if cls is not None else decode(item, vocabulary))
+        except FabricMessageError as exc:
+            problems.append(str(exc))
+    return messages, problems
