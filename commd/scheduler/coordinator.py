@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from commd.kernels.reduce import TORCH_DTYPES, reduce_into
+from commd.kernels.split import split_reduce
 from commd.protocol import schema as s
 from commd.protocol.fabric import (
     Fail,
@@ -56,7 +57,6 @@ from commd.scheduler.selection import (
     SchedulerConfig,
     SelectionError,
     choose_lane,
-    lane_reduce_op,
 )
 
 log = logging.getLogger("commd.coordinator")
@@ -266,7 +266,7 @@ class Coordinator:
             return None  # disagreeing contributions: the lane path runs (and reports) it
         parts = [torch.frombuffer(bytearray(pending.data[n]), dtype=dtype) for n in pending.nodes]
         out = torch.empty_like(parts[0])
-        reduce_into(out, parts, lane_reduce_op(first.signature["reduce_op"]), 1.0)
+        reduce_into(out, parts, split_reduce(first.signature["reduce_op"]).lane_op, 1.0)
         return out.view(torch.uint8).numpy().tobytes()
 
     def _complete_mismatch(self, pending: Pending, out: Outbox, extra: list[int]) -> None:
