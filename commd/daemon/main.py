@@ -14,7 +14,7 @@ import sys
 from commd.daemon import notify
 from commd.daemon.cuda import gpu_device_present
 from commd.daemon.limits import add_limit_arguments, config_section, limits_from_args
-from commd.daemon.server import Daemon, DaemonConfig
+from commd.daemon.node import Daemon, DaemonConfig
 from commd.execution import torch_loader
 from commd.fabric.rendezvous import FabricSpec, parse_host_port
 from commd.observe import cli as observe
