@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from commd.execution.workers import executor_key
 from commd.scheduler.coordinator import Coordinator, Outbox
 from commd.scheduler.selection import (
     LaneRule,
     SchedulerConfig,
     SelectionError,
     choose_lane,
-    executor_key,
     load_config,
     parse_config,
 )
