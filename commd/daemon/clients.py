@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 class ClientRecord:
     client_id: int
     identity: bytes
-    reply_identity: bytes | None
     rank: int
     local_rank: int
     world_size: int
@@ -80,7 +79,7 @@ class ClientRegistry:
 
     def add(self, identity: bytes, rank: int, local_rank: int, world_size: int, pid: int,
             placement: list[int]) -> ClientRecord:
-        client = ClientRecord(self._next_id, identity, None, rank, local_rank, world_size, pid)
+        client = ClientRecord(self._next_id, identity, rank, local_rank, world_size, pid)
         self._next_id += 1
         self.placement = placement
         self.by_identity[identity] = client

@@ -8,7 +8,7 @@ leaves one line in the log.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from commd.core.ops import ReadyOp, Submission
@@ -20,20 +20,16 @@ from commd.protocol import schema as s
 
 
 class Completions:
-    def __init__(self, state: NodeState, stats: Stats, failures: OpFailureLog, clients: ClientRegistry,
-                 send_control: Callable[[bytes, dict[str, Any]], None]) -> None:
+    def __init__(self, state: NodeState, stats: Stats, failures: OpFailureLog, clients: ClientRegistry) -> None:
         self.state = state
         self.stats = stats
         self.failures = failures
         self.clients = clients
-        self._send_control = send_control
 
     def reply(self, client: ClientRecord, message: dict[str, Any]) -> None:
-        """Answer an op on the client's op channel (or its ZeroMQ reply identity)."""
+        """Answer an op on the client's op channel (a client without one has no op in flight)."""
         if client.op_channel is not None:
             client.op_channel.reply(message)
-        elif client.reply_identity is not None:
-            self._send_control(client.reply_identity, message)
 
     def complete(self, op: ReadyOp, error: str | None, code: str | None = None) -> None:
         """The op ran (``error`` None) or failed: answer each of its local ranks."""

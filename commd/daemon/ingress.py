@@ -2,8 +2,11 @@
 
 One event loop owns the socket; nothing else touches it.  Every message is validated
 before it changes any state; a bad message is answered with an error and logged, and
-the daemon carries on serving everyone else.  Ops travel on the op channel
-(``opingress.py``), not here.
+the daemon carries on serving everyone else.  Ops (and the attach that opens their
+channel) travel only on the op socket (``opingress.py``): segments can only be
+registered there (a memfd by SCM_RIGHTS), so every client needs it anyway, and its
+reply queue is bounded per client.  An op or attach sent here is refused with an
+error that says so.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from commd.daemon.clients import ClientRecord, ClientRegistry
 from commd.daemon.config import DaemonConfig
 from commd.daemon.cuda import CudaImporter
 from commd.daemon.loglimit import RateLimitedLog
-from commd.daemon.opingress import OpIngress, check_secret
+from commd.daemon.opingress import check_secret
 from commd.daemon.state import NodeState
 from commd.execution import torch_loader
 from commd.observe.hooks import DaemonObservers
@@ -41,7 +44,7 @@ DropClient = Callable[..., None]
 
 class ControlIngress:
     def __init__(self, config: DaemonConfig, state: NodeState, clients: ClientRegistry, scheduler: LocalScheduler,
-                 placements: dict[str, GroupPlacement], ops: OpIngress, cuda: CudaImporter, stats: Stats,
+                 placements: dict[str, GroupPlacement], cuda: CudaImporter, stats: Stats,
                  log_limit: RateLimitedLog, observers: DaemonObservers, status: Callable[[], dict[str, Any]],
                  drop_client: DropClient) -> None:
         self.config = config
@@ -49,7 +52,6 @@ class ControlIngress:
         self.clients = clients
         self.scheduler = scheduler
         self.placements = placements
-        self.ops = ops
         self.cuda = cuda
         self.stats = stats
         self.log_limit = log_limit
@@ -110,12 +112,13 @@ class ControlIngress:
             msg = s.decode(frame)
             op_id = msg.get("id", -1) if isinstance(msg.get("id"), int) else -1
             kind = msg["t"]
-            if kind == s.OP:
-                self.ops.on_client_op(self._client(identity), msg)
-            elif kind == s.HELLO:
+            if kind in (s.OP, "attach"):
+                raise s.ProtocolError(
+                    f"{kind!r} messages travel on the op socket ({self.config.paths.ops_socket}, SEQPACKET), "
+                    "not on the control socket"
+                )
+            if kind == s.HELLO:
                 self._on_hello(identity, msg)
-            elif kind == "attach":
-                self._on_attach(identity, msg)
             elif kind == s.GROUP:
                 self._on_group(identity, msg)
             elif kind == s.SEGMENT:
@@ -135,9 +138,7 @@ class ControlIngress:
             else:
                 raise s.ProtocolError(f"unknown message type {kind!r}")
         except s.ProtocolError as exc:
-            client = self.clients.get(identity)
-            target = client.reply_identity if client and op_id >= 0 and client.reply_identity else identity
-            self._reply_error(target, exc.code, str(exc), op_id)
+            self._reply_error(identity, exc.code, str(exc), op_id)
         except Exception as exc:  # never let one bad message stop the daemon
             self.log_limit.log(logging.ERROR, ("internal", identity), f"internal errors for {identity!r}",
                                "internal error handling a message", exc_info=True)
@@ -213,14 +214,6 @@ class ControlIngress:
         if self.clients.placement is not None and len(self.clients) and placement != self.clients.placement:
             raise s.ProtocolError("field 'nodes' disagrees with the placement the job's other ranks sent")
         return placement
-
-    def _on_attach(self, identity: bytes, msg: dict[str, Any]) -> None:
-        check_secret(msg, self.config.secret)
-        client = self.clients.find(s.int_field(msg, "client_id", 0))
-        if client is None:
-            raise s.ProtocolError("attach names an unknown client id", s.E_AUTH)
-        client.reply_identity = identity
-        self.send(identity, {"t": s.ACK})
 
     def _on_group(self, identity: bytes, msg: dict[str, Any]) -> None:
         client = self._client(identity)

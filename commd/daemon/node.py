@@ -67,8 +67,7 @@ class Daemon:
         self.buffers = BufferResolver(self.clients, self.cuda)
         #: Where each registered group's ranks live, by group name.
         self.placements: dict[str, GroupPlacement] = {}
-        self.completions = Completions(self.state, self.stats, self.failures, self.clients,
-                                       lambda identity, message: self.control.send(identity, message))
+        self.completions = Completions(self.state, self.stats, self.failures, self.clients)
         self.workers = WorkerPool(after_queued=self.flush)
         self.router = OpRouter(self.state, self.scheduler, self.completions, self.buffers, self.cuda, self.stats,
                                self.workers)
@@ -79,8 +78,8 @@ class Daemon:
         self._stopped: asyncio.Event | None = None  # created in run(), on the loop
         self.observers = DaemonObservers(self, config.metrics, config.trace)  # sets self.tracer
         self.control = ControlIngress(config, self.state, self.clients, self.scheduler, self.placements,
-                                      self.op_ingress, self.cuda, self.stats, self.log_limit, self.observers,
-                                      self.status, self.watchdog.drop_client)
+                                      self.cuda, self.stats, self.log_limit, self.observers, self.status,
+                                      self.watchdog.drop_client)
 
     # ---- what the observers swap and read ------------------------------------------
     @property

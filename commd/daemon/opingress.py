@@ -142,7 +142,7 @@ class OpIngress:
             self.completions.reply(client, {"t": s.ERROR, "code": exc.code, "message": str(exc), "id": op_id})
 
     def _accept_op(self, client: ClientRecord, msg: dict[str, Any]) -> None:
-        if client.reply_identity is None and client.op_channel is None:
+        if client.op_channel is None:
             raise s.ProtocolError("reply channel not attached")
         if self.state.closing:
             raise s.ProtocolError("daemon shutting down", s.E_SHUTDOWN)
