@@ -5,8 +5,8 @@ Flow of a collective whose group spans nodes (see ARCHITECTURE.md):
 1. the local scheduler matched it among this node's ranks → ``negotiate``
    reports it to the coordinator (full, or only its cache id on the fast path);
 2. the coordinator's release (``go``) arrives in global order and the op is
-   queued on its lane's executor thread, in that order;
-3. the executor waits for the group's previous released op (program order, as
+   queued on its lane's worker thread (``execution.workers.WorkerPool``), in that order;
+3. the worker waits for the group's previous released op (program order, as
    on a CUDA stream), runs local phase → lane → local phase, and posts the
    completion back to the loop, which answers the local ranks.
 
