@@ -66,7 +66,7 @@ class OpIngress:
             elif channel.client is None:
                 self._attach_channel(channel, msg)
             elif msg["t"] == s.OP:
-                self.on_client_op(channel.client, msg)
+                self._on_client_op(channel.client, msg)
             else:
                 raise s.ProtocolError(f"only ops travel on the op channel, not {msg['t']!r}")
         except s.ProtocolError as exc:
@@ -131,7 +131,7 @@ class OpIngress:
         client.segments[seg_id] = segment
         log.debug("rank %d registered segment %d (%d bytes)", client.rank, seg_id, size)
 
-    def on_client_op(self, client: ClientRecord, msg: dict[str, Any]) -> None:
+    def _on_client_op(self, client: ClientRecord, msg: dict[str, Any]) -> None:
         """An op from a registered client; a limit refuses this op alone (counted, logged once)."""
         try:
             self._accept_op(client, msg)
