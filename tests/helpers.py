@@ -8,10 +8,12 @@ instead of sleeps, and killing them whatever happens.
 
 from __future__ import annotations
 
+import collections
 import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -164,6 +166,49 @@ class RawSocket:
 
     def close(self) -> None:
         self.sock.close(linger=0)
+
+
+class OpSocket:
+    """A bare connection to the daemon's op socket (Unix SEQPACKET), for protocol tests.
+
+    The daemon answers ops here, a burst of replies batched into one frame; ``recv``
+    returns them one at a time.
+    """
+
+    def __init__(self, paths: JobPaths) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock.connect(str(paths.ops_socket))
+        self._pending: collections.deque[dict[str, Any]] = collections.deque()
+
+    def attach(self, client_id: int, secret: str) -> dict[str, Any]:
+        return self.request({"t": "attach", "client_id": client_id, "secret": secret})
+
+    def send(self, message: dict[str, Any]) -> None:
+        self.sock.send(s.encode(dict(message)))
+
+    def recv(self, timeout: float = 10.0) -> dict[str, Any]:
+        """The next reply (decoded without version checks), or fail after ``timeout``."""
+        if self._pending:
+            return self._pending.popleft()
+        self.sock.settimeout(timeout)
+        try:
+            frame = self.sock.recv(2 * s.MAX_MESSAGE_BYTES)
+        except TimeoutError:
+            raise AssertionError(f"no reply on the op socket within {timeout:.1f}s") from None
+        if not frame:
+            raise AssertionError("the daemon closed the op socket")
+        reply = msgpack.unpackb(frame, raw=False)
+        if reply.get("t") == s.BATCH:
+            self._pending.extend(reply["items"])
+            return self._pending.popleft()
+        return reply
+
+    def request(self, message: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
+        self.send(message)
+        return self.recv(timeout)
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 # ---- worker processes ------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from commd.execution.workers import executor_key
 from commd.protocol.fabric import P2pMatch, P2pSend, Ready
 from commd.scheduler.coordinator import Coordinator, Outbox
 from commd.scheduler.selection import (
@@ -11,7 +12,6 @@ from commd.scheduler.selection import (
     SchedulerConfig,
     SelectionError,
     choose_lane,
-    executor_key,
     load_config,
     parse_config,
 )
@@ -73,7 +73,7 @@ def test_cached_pattern_takes_the_fast_path() -> None:
     out = Outbox()
     coord.report(0, ready([{"t": "ready", "g": "g", "s": 1, "c": cid}]), out)
     coord.report(1, ready([{"t": "ready", "g": "g", "s": 1, "c": cid}]), out)
-    assert sent(out)[0][0]["t"] == "go" and coord.fast_path_hits == 1
+    assert sent(out)[0][0]["t"] == "go" and coord.stats.coord_fast_path == 1
     # one node cached, the other sends a different pattern: compared in full, mismatch found
     out = Outbox()
     coord.report(0, ready([{"t": "ready", "g": "g", "s": 2, "c": cid}]), out)

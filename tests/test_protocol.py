@@ -23,7 +23,7 @@ import msgpack
 import numpy as np
 import pytest
 import torch
-from helpers import DaemonProcess, RawSocket, shm_files
+from helpers import DaemonProcess, OpSocket, RawSocket, shm_files
 
 from commd.client import AuthError, RequestError, ops
 from commd.memory.arena import Segment
@@ -218,10 +218,14 @@ def test_malformed_and_unauthenticated_messages(
 ) -> None:
     """Each gets a precise error on the same socket; nothing else is disturbed."""
     sock = raw()
+    op_sock = OpSocket(daemon.paths)
     secret = daemon.secret()
 
     def send(message: dict[str, Any]) -> Callable[[], dict[str, Any]]:
         return lambda: (sock.send_raw(msgpack.packb(message, use_bin_type=True)), sock.recv())[1]
+
+    def send_op_socket(message: dict[str, Any]) -> Callable[[], dict[str, Any]]:
+        return lambda: op_sock.request(message)
 
     def send_raw(frame: bytes) -> Callable[[], dict[str, Any]]:
         return lambda: (sock.send_raw(frame), sock.recv())[1]
@@ -257,18 +261,25 @@ def test_malformed_and_unauthenticated_messages(
             {"seg": 0, "name": "commd-x", "size": 64}])}), s.E_PROTOCOL, ("'segments' must be empty", "memfd")),
         ("segment entry not a map", send({"v": s.PROTOCOL_VERSION, **hello(daemon, segments=["commd-x"])}), s.E_PROTOCOL,
          ("'segments'",)),
-        ("op before hello", send({"v": s.PROTOCOL_VERSION, "t": s.OP, "id": 1, "kind": "barrier", "group": "world", "seq": 0}),
-         s.E_AUTH, ("hello",)),
+        ("op on the control socket", send({"v": s.PROTOCOL_VERSION, "t": s.OP, "id": 1, "kind": "barrier", "group": "world",
+                                           "seq": 0}), s.E_PROTOCOL, ("op socket",)),
+        ("op on the op socket before attach", send_op_socket({"t": s.OP, "id": 1, "kind": "barrier", "group": "world",
+                                                              "seq": 0}), s.E_AUTH, ("attach",)),
         ("segment before hello", send({"v": s.PROTOCOL_VERSION, "t": s.SEGMENT, "seg": 1, "name": "commd-x", "size": 64}),
          s.E_AUTH, ("hello",)),
         ("group before hello", send({"v": s.PROTOCOL_VERSION, "t": s.GROUP, "name": "g", "ranks": [2]}), s.E_AUTH, ("hello",)),
-        ("attach with a wrong secret", send({"v": s.PROTOCOL_VERSION, "t": "attach", "client_id": 1, "secret": "x"}), s.E_AUTH,
+        ("attach on the control socket", send({"v": s.PROTOCOL_VERSION, "t": "attach", "client_id": 1, "secret": secret}),
+         s.E_PROTOCOL, ("op socket",)),
+        ("attach with a wrong secret", send_op_socket({"t": "attach", "client_id": 1, "secret": "x"}), s.E_AUTH,
          ("secret",)),
-        ("attach to an unknown client", send({"v": s.PROTOCOL_VERSION, "t": "attach", "client_id": 999, "secret": secret}),
+        ("attach to an unknown client", send_op_socket({"t": "attach", "client_id": 999, "secret": secret}),
          s.E_AUTH, ("client",)),
     ]
-    run_table(table, healthy)
-    assert sock.request({"t": s.PING})["pid"] == daemon.pid  # the same socket still works
+    try:
+        run_table(table, healthy)
+        assert sock.request({"t": s.PING})["pid"] == daemon.pid  # the same socket still works
+    finally:
+        op_sock.close()
 
 
 def test_oversized_messages(daemon: DaemonProcess, healthy: Healthy, raw: Callable[[], RawSocket]) -> None:
@@ -293,20 +304,19 @@ def test_oversized_messages(daemon: DaemonProcess, healthy: Healthy, raw: Callab
 # ---- a registered raw client: buffer references and segments ------------------
 @dataclass
 class RawClient:
-    """Rank 2 over raw sockets: hello with one real segment, reply channel attached."""
+    """Rank 2 over raw sockets: hello with one real segment, op channel attached."""
 
     req: RawSocket
-    rep: RawSocket
+    ops: OpSocket
     segment_bytes: int
     seq: Iterator[int]
     ids: Iterator[int]
     client_id: int = 0
 
     def op(self, **fields: Any) -> dict[str, Any]:
-        """Submit an op; op errors and completions come back on the reply channel."""
+        """Submit an op on the op channel; its error or completion comes back there."""
         message = {"t": s.OP, "id": next(self.ids), "group": "raw", "seq": next(self.seq), **fields}
-        self.req.send(message)
-        return self.rep.recv()
+        return self.ops.request(message)
 
     def request(self, message: dict[str, Any]) -> dict[str, Any]:
         return self.req.request(message)
@@ -331,23 +341,41 @@ def register_fds(daemon: DaemonProcess, fields: dict[str, Any], fds: list[int]) 
 @pytest.fixture
 def raw_client(daemon: DaemonProcess, healthy: Healthy, raw: Callable[[], RawSocket]) -> Iterator[RawClient]:
     segment = Segment.create(0, f"commd-{daemon.job}-raw", SEGMENT_BYTES)
+    op_sock = OpSocket(daemon.paths)
     try:
-        req, rep = raw(), raw()
+        req = raw()
         welcome = req.request(hello(daemon))
         assert welcome["t"] == s.WELCOME, welcome
         registered = register_fds(daemon, {"client_id": welcome["client_id"], "seg": 0, "name": segment.name,
                                            "size": SEGMENT_BYTES}, [segment.fd])
         assert registered["t"] == s.ACK, registered
-        ack = rep.request({"t": "attach", "client_id": welcome["client_id"], "secret": daemon.secret()})
+        ack = op_sock.attach(welcome["client_id"], daemon.secret())
         assert ack["t"] == s.ACK, ack
         assert req.request({"t": s.GROUP, "name": "raw", "ranks": [RAW_RANK]})["t"] == s.ACK
-        client = RawClient(req, rep, SEGMENT_BYTES, itertools.count(), itertools.count(1))
+        client = RawClient(req, op_sock, SEGMENT_BYTES, itertools.count(), itertools.count(1))
         client.client_id = welcome["client_id"]
         good = client.op(kind="allreduce", dtype="float32", count=4, buf={"seg": 0, "off": 64, "n": 16})
         assert good["t"] == s.DONE, good
         yield client
     finally:
+        op_sock.close()
         segment.close_fd()
+
+
+def test_ops_travel_only_on_the_op_socket(daemon: DaemonProcess, raw_client: RawClient, healthy: Healthy) -> None:
+    """A registered client's op or attach on the ZeroMQ control socket is refused, saying where ops go;
+    the same op on its op channel runs."""
+    op = {"t": s.OP, "id": 10_000, "group": "raw", "seq": 1, "kind": "allreduce", "dtype": "float32", "count": 4,
+          "buf": {"seg": 0, "off": 64, "n": 16}}
+    table = [
+        ("op on the control socket", lambda: raw_client.request(dict(op)), s.E_PROTOCOL, ("op socket", "SEQPACKET")),
+        ("attach on the control socket",
+         lambda: raw_client.request({"t": "attach", "client_id": raw_client.client_id, "secret": daemon.secret()}),
+         s.E_PROTOCOL, ("op socket",)),
+    ]
+    run_table(table, healthy)
+    done = raw_client.ops.request(dict(op))  # the op refused above changed nothing: seq 1 is still next
+    assert done["t"] == s.DONE and done["id"] == 10_000, done
 
 
 def test_bad_buffer_references(daemon: DaemonProcess, raw_client: RawClient, healthy: Healthy) -> None:

@@ -1,8 +1,10 @@
 """The op channel: a Unix SEQPACKET socket per client for submissions and replies.
 
-Control traffic (handshake, registrations, status, bye) stays on the ZeroMQ
-socket.  Ops — the per-step hot path — travel as the same msgpack messages
-over a SEQPACKET connection instead: ZeroMQ hands every message to an I/O
+Control traffic (hello, group registration, status, trace, bye, ping) stays on
+the ZeroMQ socket.  Ops — the per-step hot path — travel only here, as the same
+msgpack messages, and so do segment registrations (each on its own short
+connection, the segment's memfd passed beside the message by SCM_RIGHTS).
+Why not ZeroMQ for ops: ZeroMQ hands every message to an I/O
 thread on each side, which on a node whose cores are shared by the ranks and
 the daemon costs about two extra wake-ups per message (measured: the
 round trip of a tiny op dropped from ~60 us to ~20 us in a lean prototype).

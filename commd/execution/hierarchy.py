@@ -21,9 +21,9 @@ from commd.kernels.layout import block_offsets, byte_view
 from commd.kernels.reduce import TORCH_DTYPES, reduce_into
 from commd.kernels.small import NUMPY_DTYPES
 from commd.kernels.small import reduce_into as small_reduce_into
+from commd.kernels.split import split_reduce
 from commd.lanes.base import Lane
 from commd.protocol import schema as s
-from commd.scheduler.selection import lane_reduce_op
 
 __all__ = ["GroupPlacement", "apply_result", "run", "run_fused_allreduce", "run_p2p", "scratch_like"]
 
@@ -63,12 +63,12 @@ def run(op: ReadyOp, plan: GroupPlacement, lane: Lane, resolve: Resolve, timeout
 def _allreduce(op: ReadyOp, plan: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float) -> None:
     first = op.subs[0]
     bufs = [resolve(x, "buf") for x in op.subs]
-    local_op = "sum" if first.reduce_op == "avg" else first.reduce_op
+    split = split_reduce(first.reduce_op)
     acc = bufs[0]
     if len(bufs) > 1 or first.reduce_op == "premul_sum":
-        parallel_reduce_into(acc, bufs, local_op, first.scale)
-    lane.allreduce(plan.nodes, acc, lane_reduce_op(first.reduce_op), timeout)
-    if first.reduce_op == "avg":
+        parallel_reduce_into(acc, bufs, split.local_op, first.scale)
+    lane.allreduce(plan.nodes, acc, split.lane_op, timeout)
+    if split.divide_by_n:
         acc.div_(len(plan.ranks))
     parallel_copy(bufs[1:], acc)
 
@@ -89,16 +89,16 @@ def run_fused_allreduce(ops: list[ReadyOp], plan: GroupPlacement, lane: Lane, re
         _fused_allreduce_numpy(ops, plan, lane, resolve_array, timeout)
         return
     staging = _Staging(resolve)
-    local_op = "sum" if first.reduce_op == "avg" else first.reduce_op
+    split = split_reduce(first.reduce_op)
     per_op = [[staging(x, "buf") for x in op.subs] for op in ops]
     fused = torch.empty(sum(bufs[0].numel() for bufs in per_op), dtype=per_op[0][0].dtype)
     offset = 0
     for op, bufs in zip(ops, per_op, strict=True):
         n = bufs[0].numel()
-        reduce_into(fused[offset:offset + n], bufs, local_op, op.subs[0].scale)
+        reduce_into(fused[offset:offset + n], bufs, split.local_op, op.subs[0].scale)
         offset += n
-    lane.allreduce(plan.nodes, fused, lane_reduce_op(first.reduce_op), timeout)
-    if first.reduce_op == "avg":
+    lane.allreduce(plan.nodes, fused, split.lane_op, timeout)
+    if split.divide_by_n:
         fused.div_(len(plan.ranks))
     offset = 0
     for bufs in per_op:
@@ -112,15 +112,15 @@ def run_fused_allreduce(ops: list[ReadyOp], plan: GroupPlacement, lane: Lane, re
 def _fused_allreduce_numpy(ops: list[ReadyOp], plan: GroupPlacement, lane: Lane,
                            resolve_array: Callable[[Submission, str], np.ndarray], timeout: float) -> None:
     first = ops[0].subs[0]
-    local_op = "sum" if first.reduce_op == "avg" else first.reduce_op
+    split = split_reduce(first.reduce_op)
     per_op = [[resolve_array(x, "buf") for x in op.subs] for op in ops]
     # one input per local rank, the ops side by side (every op has the same local ranks)
     per_rank = [np.concatenate([bufs[r] for bufs in per_op]) for r in range(len(per_op[0]))]
     fused = per_rank[0]
-    small_reduce_into(fused, per_rank, local_op, first.scale)
+    small_reduce_into(fused, per_rank, split.local_op, first.scale)
     acc = torch.from_numpy(fused)
-    lane.allreduce(plan.nodes, acc, lane_reduce_op(first.reduce_op), timeout)
-    if first.reduce_op == "avg":
+    lane.allreduce(plan.nodes, acc, split.lane_op, timeout)
+    if split.divide_by_n:
         acc.div_(len(plan.ranks))
     offset = 0
     for bufs in per_op:
@@ -135,10 +135,10 @@ def _reduced_copy(op: ReadyOp, plan: GroupPlacement, lane: Lane, inputs: list[to
     """The reduction over every rank of the group, in a scratch buffer (the ranks' buffers untouched)."""
     first = op.subs[0]
     scratch = torch.empty_like(inputs[0])
-    local_op = "sum" if first.reduce_op == "avg" else first.reduce_op
-    parallel_reduce_into(scratch, inputs, local_op, first.scale)
-    lane.allreduce(plan.nodes, scratch, lane_reduce_op(first.reduce_op), timeout)
-    if first.reduce_op == "avg":
+    split = split_reduce(first.reduce_op)
+    parallel_reduce_into(scratch, inputs, split.local_op, first.scale)
+    lane.allreduce(plan.nodes, scratch, split.lane_op, timeout)
+    if split.divide_by_n:
         scratch.div_(len(plan.ranks))
     return scratch
 
@@ -306,7 +306,7 @@ def apply_result(op: ReadyOp, plan: GroupPlacement, result: bytes, resolve: Reso
     """Write an all-reduce result the coordinator computed into every local rank's buffer."""
     first = op.subs[0]
     acc = torch.frombuffer(bytearray(result), dtype=TORCH_DTYPES[first.dtype])
-    if first.reduce_op == "avg":
+    if split_reduce(first.reduce_op).divide_by_n:
         acc.div_(len(plan.ranks))
     for sub in op.subs:
         resolve(sub, "buf").copy_(acc)

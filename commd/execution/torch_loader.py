@@ -5,7 +5,7 @@ first client at once, and one that only runs small ops (NumPy kernels) or
 answers ``commd status`` never needs torch at all.  Everything in the daemon
 that runs torch kernels gets them through ``torch_module()`` or
 ``executor()``: torch is imported once, whichever thread asks first (the
-event loop, the lane thread, or the warm-up thread started when the first
+event loop, a worker thread, or the warm-up thread started when the first
 client connects), and the daemon's kernel thread count is applied before any
 kernel runs.
 """

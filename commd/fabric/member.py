@@ -5,8 +5,8 @@ Flow of a collective whose group spans nodes (see ARCHITECTURE.md):
 1. the local scheduler matched it among this node's ranks → ``negotiate``
    reports it to the coordinator (full, or only its cache id on the fast path);
 2. the coordinator's release (``go``) arrives in global order and the op is
-   queued on its lane's executor thread, in that order;
-3. the executor waits for the group's previous released op (program order, as
+   queued on its lane's worker thread (``execution.workers.WorkerPool``), in that order;
+3. the worker waits for the group's previous released op (program order, as
    on a CUDA stream), runs local phase → lane → local phase, and posts the
    completion back to the loop, which answers the local ranks.
 
@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import collections
 import logging
-import queue
 import random
-import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -32,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from commd.core.ops import COUNTED, MatchError, ReadyOp, Submission
+from commd.core.ops import COUNTED, ReadyOp, Submission
 from commd.execution.hierarchy import (
     GroupPlacement,
     apply_result,
@@ -41,16 +39,19 @@ from commd.execution.hierarchy import (
     run_p2p,
     scratch_like,
 )
+from commd.execution.workers import WorkerPool, executor_key
 from commd.fabric.rendezvous import Fabric
 from commd.kernels.reduce import reduce_into
+from commd.kernels.split import split_reduce
 from commd.lanes.base import LaneError
+from commd.observe.stalls import StallInspector
+from commd.observe.stats import FabricStats
 from commd.protocol import fabric as wire
 from commd.protocol import schema as s
 from commd.runtime import env_float, env_int
 from commd.scheduler.agreement import agreed_values
 from commd.scheduler.coordinator import Coordinator, Outbox
 from commd.scheduler.overlap import PendingRanges
-from commd.scheduler.selection import executor_key
 
 if TYPE_CHECKING:
     from commd.fabric.services import NodeServices
@@ -61,8 +62,6 @@ HEARTBEAT_S = 0.5
 #: A gap between two watchdog ticks of at least this (and of half the peer timeout) means this
 #: daemon's own loop did not run (stopped, suspended, starved): peers' silence in it is not theirs.
 FROZEN_MIN_S = 1.0
-#: Released ops up to this size run on the event loop when their lane is idle.
-INLINE_LANE_BYTES = 64 * 1024
 #: All-reduces up to this size travel with the negotiation (reduced by the coordinator).
 EAGER_BYTES = 4096
 
@@ -81,8 +80,9 @@ class FabricMember:
         self.fabric = fabric
         self.me = fabric.node_rank
         self.peer_timeout = peer_timeout
+        self.stats = FabricStats()  # every counter of the fabric, this member's and its coordinator's
         self.coordinator = (
-            Coordinator(fabric.nnodes, fabric.config, fabric.lanes, [n.name for n in fabric.nodes])
+            Coordinator(fabric.nnodes, fabric.config, fabric.lanes, [n.name for n in fabric.nodes], self.stats)
             if fabric.is_coordinator else None
         )
         self.links = fabric.links
@@ -95,10 +95,8 @@ class FabricMember:
         self._send_keys = 0
         self._up: list[wire.ToCoordinator] = []
         self._flush_scheduled = False
-        self._executors: dict[str, queue.SimpleQueue] = {}
-        self._threads: list[threading.Thread] = []
-        self._group_tail: dict[str, threading.Event] = {}
-        self._busy: dict[str, int] = {}
+        #: One thread per lane (GPU-exclusive lanes share one); program order per group.
+        self.workers = WorkerPool()
         self._outstanding: dict[str, int] = {}  # group -> ops reported and not yet released or failed
         # Memory of fusion candidates reported and not yet released, per (client, segment): a fused
         # set must not hold two ops on overlapping memory (the later one reads the earlier's result).
@@ -111,16 +109,9 @@ class FabricMember:
         self._last_tick = now
         self._frozen: tuple[float, float] | None = None  # (noticed at, seconds) of this daemon's last freeze
         self.fabric_stalls: list[dict[str, Any]] = []
-        self._warned: set[tuple[str, int]] = set()
-        self.negotiation_us: collections.deque[float] = collections.deque(maxlen=4096)
-        self.fused_sets = 0  # fused sets run, and the ops in them
-        self.fused_ops = 0
-        self.reported = 0
-        self.reported_cached = 0
-        self.released = 0
-        self.sched_ns = 0  # CPU time in negotiate + release on this node
-        self.coord_ns = 0  # CPU time the coordinator spent on reports (node 0)
-        self.coord_items = 0
+        config = fabric.config
+        self.stalls = StallInspector(config.stall_warning_s if config else 0.0,
+                                     config.stall_shutdown_s if config else 0.0, log, name_nodes=True)
         #: Testing knob: random delays before lane ops (the deadlock stress test sets it).
         self.chaos_delay_s = env_float("COMMD_CHAOS_DELAY_MS", 0.0, 0.0, 10_000.0) / 1000
         self.chaos_seed = env_int("COMMD_CHAOS_SEED", 0)
@@ -129,22 +120,20 @@ class FabricMember:
     # ---- plumbing -------------------------------------------------------------
     def start(self, loop: Any) -> None:
         self.loop = loop
+        self.workers.start(loop)
         for node, conn in self.links.items():
             conn.attach(loop, lambda msg, node=node: self._on_message(node, msg),
                         lambda why, node=node: self._on_link_closed(node, why))
 
     def close(self, why: str = "shut down") -> None:
         log.info("fabric: %d ops released, %d of them in %d fused sets; %d reports on the cached fast path",
-                 self.released, self.fused_ops, self.fused_sets, self.reported_cached)
+                 self.stats.released, self.stats.fused_ops, self.stats.fused_sets, self.stats.reported_cached)
         # Tell the others at once rather than letting them wait out the peer timeout.
         for node, conn in self.links.items():
             if node not in self.dead:
                 conn.send(wire.batch([wire.Leaving(why)]))
             conn.close()
-        for q in self._executors.values():
-            q.put(None)
-        for thread in self._threads:
-            thread.join(timeout=5)
+        self.workers.close(timeout=5)
         for lane in self.fabric.lanes.values():
             try:
                 lane.close()
@@ -204,8 +193,8 @@ class FabricMember:
         if ready:
             started = time.thread_time_ns()
             coord.report(node, ready, out)
-            self.coord_ns += time.thread_time_ns() - started
-            self.coord_items += len(ready)
+            self.stats.coord_ns += time.thread_time_ns() - started
+            self.stats.coord_items += len(ready)
         for m in messages:
             if type(m) is wire.P2pSend:
                 coord.p2p_send(node, m, out)
@@ -276,7 +265,7 @@ class FabricMember:
         elif items:
             started = time.thread_time_ns()
             run_now = self._release_fused(items)
-            self.sched_ns += time.thread_time_ns() - started
+            self.stats.sched_ns += time.thread_time_ns() - started
             if run_now is not None:
                 run_now()
 
@@ -284,7 +273,7 @@ class FabricMember:
     def negotiate(self, op: ReadyOp, placement: GroupPlacement) -> None:
         started = time.thread_time_ns()
         self._negotiate(op, placement)
-        self.sched_ns += time.thread_time_ns() - started
+        self.stats.sched_ns += time.thread_time_ns() - started
 
     def _negotiate(self, op: ReadyOp, placement: GroupPlacement) -> None:
         problem = self._unreachable(placement.nodes)
@@ -299,12 +288,12 @@ class FabricMember:
         if op.kind == "alltoall" or op.kind in COUNTED:
             key = _frozen([key, [[x.splits_in, x.splits_out] for x in op.subs]])
         self.negotiating[(op.group, op.seq)] = (op, placement, key)
-        self.reported += 1
+        self.stats.reported += 1
         contribution = self._eager_contribution(op)
         self._outstanding[op.group] = self._outstanding.get(op.group, 0) + 1
         cid = self.neg_cache.get(key)
         if cid is not None:
-            self.reported_cached += 1
+            self.stats.reported_cached += 1
             # (positional on this per-op path: pattern, cache id, contribution, no fusion)
             self._up_send(wire.Ready(op.group, op.seq, None, cid, contribution, not self._may_fuse(op)))
             return
@@ -345,15 +334,14 @@ class FabricMember:
         """
         if op.kind != "allreduce" or op.nbytes > EAGER_BYTES or op.on_gpu or self._outstanding.get(op.group):
             return None
-        prev = self._group_tail.get(op.group)
-        if prev is not None and not prev.is_set():
+        if not self.workers.group_done(op.group):
             return None
         first = op.subs[0]
         try:
             bufs = [self.node.resolve(x, "buf") for x in op.subs]
         except KeyError:  # a rank left meanwhile: take the lane path, which copes with that
             return None
-        local_op = "sum" if first.reduce_op == "avg" else first.reduce_op
+        local_op = split_reduce(first.reduce_op).local_op
         contribution = torch.empty_like(bufs[0])
         reduce_into(contribution, bufs, local_op, first.scale)
         return contribution.view(torch.uint8).numpy().tobytes()
@@ -361,7 +349,7 @@ class FabricMember:
     def _released(self, go: wire.Go) -> None:
         started = time.thread_time_ns()
         run_now = self._release(go)
-        self.sched_ns += time.thread_time_ns() - started  # the op's own execution is not scheduling
+        self.stats.sched_ns += time.thread_time_ns() - started  # the op's own execution is not scheduling
         if run_now is not None:
             run_now()
 
@@ -375,8 +363,8 @@ class FabricMember:
         self._outstanding[op.group] -= 1
         if go.cache_id is not None:
             self.neg_cache[key] = go.cache_id
-        self.negotiation_us.append((time.monotonic() - op.ready_at) * 1e6)
-        self.released += 1
+        self.stats.negotiation_us.append((time.monotonic() - op.ready_at) * 1e6)
+        self.stats.released += 1
         op.lane = go.lane
         if self.node.tracer.on:
             self.node.tracer.mark(op, "released")
@@ -415,8 +403,8 @@ class FabricMember:
         lane_name = gos[0].lane
         timeout = max(x.timeout for op in ops for x in op.subs)
         resolve = self._resolver()
-        self.fused_sets += 1
-        self.fused_ops += len(ops)
+        self.stats.fused_sets += 1
+        self.stats.fused_ops += len(ops)
 
         resolve_array = self._resolver(as_array=True)
 
@@ -435,54 +423,15 @@ class FabricMember:
 
     def _enqueue(self, lane_name: str, on_gpu: bool, group: str, work: Callable[[float], None],
                  done: Callable[[str | None, str], None], nbytes: int) -> Callable[[], None] | None:
-        """Queue the op on its lane's executor, or return it to be run right now on the loop."""
-        prev = self._group_tail.get(group)
-        finished = threading.Event()
-        self._group_tail[group] = finished
-        key = executor_key(lane_name, on_gpu)
-        if nbytes <= INLINE_LANE_BYTES and not on_gpu and not self._busy.get(key) and (prev is None or prev.is_set()):
-            # The lane is idle and the group's previous op is done: run this small op right
-            # here on the loop, in its place in the global order (saves two thread wake-ups).
-            def run_now() -> None:
-                # On the loop, a peer that stopped answering may hold it for at most the
-                # peer timeout (after which that peer counts as dead anyway), not the op timeout.
-                error, code = self._run_work(work, self.peer_timeout)
-                finished.set()
-                done(error, code)
+        """Queue the op on its lane's worker, or return it to be run right now on the loop."""
 
-            return run_now
-        self._busy[key] = self._busy.get(key, 0) + 1
+        def job(inline: bool) -> tuple[str | None, str]:
+            # On the loop, a peer that stopped answering may hold it for at most the peer
+            # timeout (after which that peer counts as dead anyway), not the op timeout.
+            return self._run_work(work, self.peer_timeout if inline else float("inf"))
 
-        def finish(error: str | None, code: str) -> None:
-            self._busy[key] -= 1
-            done(error, code)
-
-        self._executor(key).put((prev, finished, work, finish))
-        return None
-
-    def _executor(self, key: str) -> queue.SimpleQueue:
-        q = self._executors.get(key)
-        if q is None:
-            q = self._executors[key] = queue.SimpleQueue()
-            thread = threading.Thread(target=self._executor_main, args=(q,), name=f"commd-lane-{key}", daemon=True)
-            self._threads.append(thread)
-            thread.start()
-        return q
-
-    def _executor_main(self, q: queue.SimpleQueue) -> None:
-        while True:
-            item = q.get()
-            if item is None:
-                return
-            prev, finished, work, done = item
-            if prev is not None:
-                prev.wait()  # the group's previous op (earlier in the global order) finishes first
-            error, code = self._run_work(work, float("inf"))
-            finished.set()
-            try:
-                self.loop.call_soon_threadsafe(done, error, code)
-            except RuntimeError:
-                return
+        return self.workers.submit(executor_key(lane_name, on_gpu), group, nbytes, job,
+                                   lambda result: done(*result), may_inline=not on_gpu)
 
     def _run_work(self, work: Callable[[float], None], cap: float) -> tuple[str | None, str]:
         if self.chaos_delay_s:
@@ -550,11 +499,7 @@ class FabricMember:
             seq=0, kind="send", dtype=send.dtype, count=send.count, peer=send.dst, tag=send.tag,
             timeout=send.timeout, nbytes=send.nbytes, origin=forwarded.sender_node, lane=send.lane_hint or "",
         )
-        try:
-            ready = self.node.match(sub)
-        except MatchError as exc:
-            self.node.fail_op(exc.subs, exc.code, str(exc))
-            return
+        ready = self.node.match(sub)  # a mismatch is failed by the node (OpRouter.match)
         if ready is not None:
             self.matched(ready)
 
@@ -758,7 +703,7 @@ class FabricMember:
     # ---- status -----------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
-        timings = list(self.negotiation_us)
+        stats = self.stats
         return {
             "node": self.me,
             "nodes": [
@@ -770,18 +715,16 @@ class FabricMember:
             "lanes": sorted(self.fabric.lanes),
             "broken": self.broken,
             "negotiating": len(self.negotiating),
-            "reported": self.reported,
-            "fast_path": self.reported_cached,
-            "negotiation_us_median": round(statistics.median(timings), 1) if timings else None,
-            "scheduling_us_per_op": round(self.sched_ns / 1000 / self.released, 1) if self.released else None,
-            "coordinator_us_per_report": (
-                round(self.coord_ns / 1000 / self.coord_items, 1) if self.coord_items else None
-            ),
+            "reported": stats.reported,
+            "fast_path": stats.reported_cached,
+            "negotiation_us_median": stats.negotiation_median_us(),
+            "scheduling_us_per_op": stats.scheduling_us_per_op(),
+            "coordinator_us_per_report": stats.coordinator_us_per_report(),
             "lane_ops": self.node.stats.per_lane(),
             "fusion": {
                 "threshold_bytes": self.fabric.config.fusion_threshold_bytes if self.fabric.config else None,
                 "cycle_ms": self.fabric.config.fusion_cycle_ms if self.fabric.config else None,
-                "sets": self.fused_sets, "ops": self.fused_ops,
+                "sets": stats.fused_sets, "ops": stats.fused_ops,
             },
             "tuning": self.fabric.config.tuning_note if self.fabric.config else None,
             "stalls": self.fabric_stalls,

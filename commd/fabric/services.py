@@ -40,7 +40,7 @@ class NodeServices(Protocol):
         """The size of a group some local rank registered, None if none has yet."""
 
     def match(self, sub: Submission) -> ReadyOp | None:
-        """Hand a forwarded send to local matching (raises ``MatchError``)."""
+        """Hand a forwarded send to local matching; None: it waits, or it mismatched and was failed."""
 
     def waiting_summary(self) -> list[dict[str, Any]]:
         """Ops this node's ranks have partly submitted, oldest first."""

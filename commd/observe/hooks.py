@@ -1,8 +1,8 @@
 """The daemon's observability in one object: metrics, and the trace turned on or off.
 
-The daemon keeps ``daemon.tracer`` (a ``Tracer`` or a ``NullTrace``) as a plain
-attribute so each op hook costs one attribute test when tracing is off; this
-object swaps it.  A trace started on node 0 of a fabric (``commd trace start``)
+The daemon keeps its tracer (a ``Tracer`` or a ``NullTrace``) in a plain
+attribute (``NodeState.tracer``, read and written through ``daemon.tracer``) so
+each op hook costs one attribute test when tracing is off; this object swaps it.  A trace started on node 0 of a fabric (``commd trace start``)
 is forwarded to every node; each node writes its own file
 (``trace.node<k>.json``), which ``commd trace merge`` joins.
 """

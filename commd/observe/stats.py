@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -159,3 +160,31 @@ class Stats:
                 "p99_us": round(float(p99), 1),
             }
         return table
+
+
+@dataclass
+class FabricStats:
+    """A fabric member's counters: reports, releases, fusion, and the CPU time scheduling costs."""
+
+    reported: int = 0  # ops reported to the coordinator
+    reported_cached: int = 0  # of them, reported by cache id (the fast path)
+    released: int = 0
+    fused_sets: int = 0  # fused sets run, and the ops in them
+    fused_ops: int = 0
+    sched_ns: int = 0  # CPU time in negotiate + release on this node
+    coord_ns: int = 0  # CPU time the coordinator spent on reports (node 0)
+    coord_items: int = 0
+    coord_released: int = 0  # ops and transfers the coordinator released (node 0)
+    coord_fast_path: int = 0  # of the reports it took, those by cache id (node 0)
+    #: Report-to-release times of the most recent ops (microseconds).
+    negotiation_us: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096))
+
+    def negotiation_median_us(self) -> float | None:
+        timings = list(self.negotiation_us)
+        return round(statistics.median(timings), 1) if timings else None
+
+    def scheduling_us_per_op(self) -> float | None:
+        return round(self.sched_ns / 1000 / self.released, 1) if self.released else None
+
+    def coordinator_us_per_report(self) -> float | None:
+        return round(self.coord_ns / 1000 / self.coord_items, 1) if self.coord_items else None

@@ -36,6 +36,7 @@ import torch
 
 from commd.kernels.reduce import TORCH_DTYPES, reduce_into
 from commd.kernels.split import split_reduce
+from commd.observe.stats import FabricStats
 from commd.protocol import schema as s
 from commd.protocol.fabric import (
     Fail,
@@ -116,8 +117,10 @@ def _op(pending: Pending) -> str:
 
 class Coordinator:
     def __init__(self, nnodes: int, config: SchedulerConfig, lanes: dict[str, LaneCapability],
-                 node_names: Sequence[str] | None = None) -> None:
+                 node_names: Sequence[str] | None = None, stats: FabricStats | None = None) -> None:
         self.nnodes = nnodes
+        #: Counters live with the rest of the fabric's (observe/stats.py); the member passes its own.
+        self.stats = stats if stats is not None else FabricStats()
         #: Node names for error messages ("node 1 (gpu-b)"): what an operator finds in their host list.
         self.node_names = list(node_names) if node_names is not None else None
         self.config = config
@@ -129,8 +132,6 @@ class Coordinator:
         self.dead: dict[int, str] = {}  # node -> why
         self.p2p: dict[tuple[int, int], tuple[int, int, P2pSend]] = {}  # key -> (src node, dst node, send)
         self.partial: dict[int, dict[tuple[str, int], list[int]]] = {}  # node -> (g, s) -> missing global ranks
-        self.released = 0
-        self.fast_path_hits = 0
 
     def node(self, node: int) -> str:
         """'node 1 (its name)' for messages."""
@@ -205,7 +206,7 @@ class Coordinator:
         if len(pending.cids) == len(pending.nodes) and len(cids) == 1:
             cid = cids.pop()
             _, lane, fuse_key = self.cache[cid]
-            self.fast_path_hits += 1
+            self.stats.coord_fast_path += 1
         else:
             problem = self._mismatch(pending)
             if problem is not None:
@@ -231,7 +232,7 @@ class Coordinator:
                 cid = len(self.cache) + 1
                 self.cache[cid] = (dict(pending.entries), lane, fuse_key)
         self.order += 1
-        self.released += 1
+        self.stats.coord_released += 1
         result = self._eager_result(pending, lane)
         # An op the coordinator reduced itself, or one a node keeps apart, ends any open set.
         fusible = fuse_key is not None and result is None and not pending.no_fusion
@@ -345,7 +346,7 @@ class Coordinator:
                 out.add(target, P2pFail(match.key, src, s.E_PROTOCOL, message))
             return
         self.order += 1
-        self.released += 1
+        self.stats.coord_released += 1
         out.add(src, P2pGo(match.key, sender_node=None, order=self.order, lane=lane, role="send", peer=dst))
         out.add(dst, P2pGo(match.key, sender_node=src, order=self.order, lane=lane, role="recv", peer=src))
 

@@ -4,8 +4,9 @@
 the lanes' own ``can_run`` answers, so any daemon computing it for the same
 op gets the same lane; in a fabric the coordinator computes it once and the
 decision travels in the release message.  The same module maps each op kind
-to the lane primitive it needs and holds the exclusion rule for lanes that
-must not run at the same time on one device.
+to the lane primitive it needs.  (Which thread runs an op, and the exclusion
+rule for lanes that must not run at once on one device, are execution's:
+``commd.execution.workers.executor_key``.)
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from commd.kernels.split import split_reduce
 from commd.protocol import schema as s
 from commd.protocol.schema import LANE_NAMES
 from commd.scheduler.tuning import TuningTable
@@ -44,14 +46,6 @@ PRIMITIVE_FOR_KIND = {
     "sendrecv": "send",
 }
 
-#: Reduce ops the daemon rewrites to ``sum`` before a lane sees them.
-_LANE_OP = {"avg": "sum", "premul_sum": "sum"}
-
-#: Lanes that share one device and must never run concurrently (NCCL's user guide:
-#: NCCL and CUDA-aware MPI on the same GPU can deadlock).  Ops on these lanes that
-#: touch a GPU go to one shared executor, so they run one at a time in global order.
-EXCLUSIVE_GPU_LANES = frozenset({"nccl", "mpi"})
-
 
 class LaneCapability(Protocol):
     def can_run(self, primitive: str, dtype: str, reduce_op: str | None, nodes: tuple[int, ...]) -> str | None: ...
@@ -59,17 +53,6 @@ class LaneCapability(Protocol):
 
 class SelectionError(ValueError):
     """No lane can run the op as asked (names the lane and the reason)."""
-
-
-def lane_reduce_op(reduce_op: str) -> str:
-    return _LANE_OP.get(reduce_op, reduce_op)
-
-
-def executor_key(lane: str, on_gpu: bool) -> str:
-    """The executor thread an op runs on: the exclusion rule in one place."""
-    if on_gpu and lane in EXCLUSIVE_GPU_LANES:
-        return "gpu-exclusive"
-    return lane
 
 
 @dataclass(frozen=True)
@@ -146,7 +129,7 @@ def choose_lane(
 ) -> str:
     """The lane for one op: hint, config rules, tuning table, default; SelectionError if a hint cannot be honoured."""
     primitive = PRIMITIVE_FOR_KIND[kind]
-    op = lane_reduce_op(reduce_op) if primitive == "allreduce" and reduce_op else None
+    op = split_reduce(reduce_op).lane_op if primitive == "allreduce" and reduce_op else None
     prim_dtype = dtype if primitive in ("allreduce",) else "uint8"
 
     def why_not(name: str) -> str | None:

@@ -1,0 +1,159 @@
+"""The op channel's messages: attach, segment registration, and ops — each validated before it changes state.
+
+A client's op channel (``opchannel.py``, Unix SEQPACKET) first attaches to the client its
+hello registered; short extra connections each register one segment, its memfd passed
+beside the message.  An op is decoded, checked field by field (``parse_submission``),
+bounds-checked against the client's segments, admitted against its limits, and handed
+to ``OpRouter.route``.  A bad message gets an ERROR naming what is wrong; nothing else changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from commd.core.placement import GroupPlacement
+from commd.daemon.clients import BufferResolver, ClientRecord, ClientRegistry
+from commd.daemon.completion import Completions
+from commd.daemon.config import DaemonConfig
+from commd.daemon.limits import LimitGuard
+from commd.daemon.loglimit import RateLimitedLog
+from commd.daemon.opchannel import OpConnection
+from commd.daemon.router import OpRouter
+from commd.daemon.state import NodeState
+from commd.memory.arena import Segment
+from commd.observe.stats import Stats
+from commd.protocol import schema as s
+from commd.runtime import secrets_equal
+from commd.scheduler.agreement import parse_submission
+from commd.scheduler.local import LocalScheduler
+
+log = logging.getLogger("commd.daemon")
+
+
+def check_secret(msg: dict[str, Any], secret: str) -> None:
+    """The message carries the job's secret (compared in constant time), else an ``auth`` error."""
+    given = msg.get("secret")
+    if not isinstance(given, str) or not secrets_equal(given, secret):
+        raise s.ProtocolError("authentication failed: wrong or missing job secret", s.E_AUTH)
+
+
+class OpIngress:
+    def __init__(self, config: DaemonConfig, state: NodeState, clients: ClientRegistry, buffers: BufferResolver,
+                 scheduler: LocalScheduler, placements: dict[str, GroupPlacement], router: OpRouter,
+                 completions: Completions, limits: LimitGuard, stats: Stats, log_limit: RateLimitedLog) -> None:
+        self.config = config
+        self.state = state
+        self.clients = clients
+        self.buffers = buffers
+        self.scheduler = scheduler
+        self.placements = placements
+        self.router = router
+        self.completions = completions
+        self.limits = limits
+        self.stats = stats
+        self.log_limit = log_limit
+
+    def on_message(self, channel: OpConnection, frame: bytes, fds: list[int]) -> None:
+        """One message on an op channel (the ``OpListener``'s callback)."""
+        op_id = -1
+        try:
+            msg = s.decode(frame)
+            op_id = msg["id"] if type(msg.get("id")) is int else -1
+            if channel.client is None and msg["t"] == s.SEGMENT:
+                self._on_segment_fd(channel, msg, fds)
+            elif channel.client is None:
+                self._attach_channel(channel, msg)
+            elif msg["t"] == s.OP:
+                self._on_client_op(channel.client, msg)
+            else:
+                raise s.ProtocolError(f"only ops travel on the op channel, not {msg['t']!r}")
+        except s.ProtocolError as exc:
+            self.stats.error(str(exc))
+            who = f"client {channel.client.client_id}" if channel.client is not None else f"channel {id(channel):x}"
+            self.log_limit.log(logging.WARNING, ("ops", id(channel), exc.code), f"{exc.code} errors from {who}",
+                               "op channel error from %s: %s", who, exc)
+            self.stats.error_reply(exc.code)
+            channel.send(s.encode({"t": s.ERROR, "code": exc.code, "message": str(exc), "id": op_id}))
+        except Exception as exc:  # never let one bad message stop the daemon
+            self.log_limit.log(logging.ERROR, ("internal", id(channel)), "internal errors on an op channel",
+                               "internal error handling an op", exc_info=True)
+            channel.send(s.encode({"t": s.ERROR, "code": s.E_INTERNAL, "message": f"internal error: {exc}", "id": op_id}))
+
+    def _attach_channel(self, channel: OpConnection, msg: dict[str, Any]) -> None:
+        if msg["t"] != "attach":
+            raise s.ProtocolError("op channel: send 'attach' first", s.E_AUTH)
+        check_secret(msg, self.config.secret)
+        client = self.clients.find(s.int_field(msg, "client_id", 0))
+        if client is None:
+            raise s.ProtocolError("attach names an unknown client id", s.E_AUTH)
+        if client.op_channel is not None:
+            raise s.ProtocolError(f"client {client.client_id} already has an op channel")
+        channel.client = client
+        client.op_channel = channel
+        channel.send(s.encode({"t": s.ACK}))
+
+    def _on_segment_fd(self, channel: OpConnection, msg: dict[str, Any], fds: list[int]) -> None:
+        """A segment registration: its own short connection to the op socket, the memfd beside it."""
+        check_secret(msg, self.config.secret)
+        client = self.clients.find(s.int_field(msg, "client_id", 0))
+        if client is None:
+            raise s.ProtocolError("segment registration names an unknown client id", s.E_AUTH)
+        if len(fds) != 1:
+            raise s.ProtocolError(f"a segment registration must carry exactly one file descriptor, not {len(fds)}")
+        self._attach_segment(client, msg, fds[0])
+        channel.send(s.encode({"t": s.ACK}))
+
+    def _attach_segment(self, client: ClientRecord, raw: dict[str, Any], fd: int) -> None:
+        seg_id = s.int_field(raw, "seg", 0, 1 << 20)
+        name = s.check_segment_name(s.field(raw, "name", str))
+        size = s.int_field(raw, "size", 1)  # the per-client cap below names itself
+        if seg_id in client.segments:
+            raise s.ProtocolError(f"segment {seg_id} is already registered")
+        if len(client.segments) >= self.config.max_segments:
+            raise s.ProtocolError(
+                f"rank {client.rank} already has {len(client.segments)} segments registered, the limit "
+                f"(COMMD_MAX_SEGMENTS={self.config.max_segments}); allocate fewer, larger arena tensors",
+                s.E_BOUNDS,
+            )
+        if client.arena_bytes + size > self.config.max_arena_bytes:
+            self.stats.limit_hit("max_arena_bytes")
+            raise s.ProtocolError(
+                f"rank {client.rank}'s arena would reach {client.arena_bytes + size} bytes, over the limit "
+                f"of {self.config.max_arena_bytes} bytes per client (COMMD_MAX_ARENA_BYTES)",
+                s.E_BOUNDS,
+            )
+        try:
+            segment = Segment.from_fd(seg_id, name, size, fd, os.getuid())
+        except (OSError, ValueError) as exc:
+            raise s.ProtocolError(f"cannot map segment {name!r}: {exc}") from None
+        client.segments[seg_id] = segment
+        log.debug("rank %d registered segment %d (%d bytes)", client.rank, seg_id, size)
+
+    def _on_client_op(self, client: ClientRecord, msg: dict[str, Any]) -> None:
+        """An op from a registered client; a limit refuses this op alone (counted, logged once)."""
+        try:
+            self._accept_op(client, msg)
+        except s.LimitError as exc:  # counted, logged once per client and limit; the op alone is refused
+            self.limits.hit(exc.limit, client.rank, str(exc))
+            self.stats.error(str(exc))
+            op_id = msg["id"] if type(msg.get("id")) is int else -1
+            self.completions.reply(client, {"t": s.ERROR, "code": exc.code, "message": str(exc), "id": op_id})
+
+    def _accept_op(self, client: ClientRecord, msg: dict[str, Any]) -> None:
+        if client.op_channel is None:
+            raise s.ProtocolError("reply channel not attached")
+        if self.state.closing:
+            raise s.ProtocolError("daemon shutting down", s.E_SHUTDOWN)
+        group_name = s.field(msg, "group", str)
+        group_rank = client.groups.get(group_name)
+        if group_rank is None:
+            raise s.ProtocolError(f"rank {client.rank} has not registered group {group_name!r}")
+        group = self.scheduler.groups[group_name]
+        sub = parse_submission(msg, client.client_id, group_rank, len(group.ranks), self.config.op_timeout)
+        self.buffers.check_bounds(client, sub)
+        sub.timeout = self.limits.cap_timeout(client.rank, sub.timeout)
+        self.limits.admit(client.rank, client.pending, sub.op_id, sub.buffers)
+        self.stats.submitted(sub.group, sub.seq)
+        self.router.route(sub, self.placements.get(group_name))
