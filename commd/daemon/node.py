@@ -218,5 +218,5 @@ class Daemon:
     def fail_ops_waiting_on(self, rank: int, why: str) -> None:
         self.watchdog.fail_ops_waiting_on(rank, why)
 
-    def apply_trace(self, item: dict[str, Any]) -> None:
-        self.observers.apply_forwarded(item)
+    def apply_trace(self, action: str, path: str | None) -> None:
+        self.observers.apply_forwarded(action, path)

@@ -256,7 +256,7 @@ class FabricMember:
             elif type(m) is wire.Leaving:
                 self._coordinator_lost(f"left the fabric ({m.why})")
             elif type(m) is wire.Trace:
-                self.node.apply_trace(m.to_wire())  # (the node's trace hook reads the wire form)
+                self.node.apply_trace(m.action, m.path)
         self._run_released(fused)
 
     def _run_released(self, items: list[wire.Go]) -> None:

@@ -54,7 +54,7 @@ class NodeServices(Protocol):
     def fail_ops_waiting_on(self, rank: int, why: str) -> None:
         """A rank is gone: fail what waits for it on this node."""
 
-    def apply_trace(self, item: dict[str, Any]) -> None:
+    def apply_trace(self, action: str, path: str | None) -> None:
         """A trace start/stop forwarded by the coordinator."""
 
     def shutdown(self, reason: str) -> None:

@@ -104,9 +104,9 @@ class DaemonObservers:
             return self.start_trace(item["path"])
         return self.stop_trace()
 
-    def apply_forwarded(self, item: dict[str, Any]) -> None:
+    def apply_forwarded(self, action: str, path: str | None) -> None:
         """A start/stop forwarded by the coordinator: failures are logged (the CLI saw node 0's answer)."""
         try:
-            self.apply({"action": item.get("a"), "path": item.get("p")})
+            self.apply({"action": action, "path": path})
         except (TraceError, KeyError) as exc:
-            log.error("trace %s forwarded by the coordinator failed: %s", item.get("a"), exc)
+            log.error("trace %s forwarded by the coordinator failed: %s", action, exc)
