@@ -43,7 +43,7 @@ def test_small_op_on_an_idle_key_runs_inline_and_large_one_on_a_thread() -> None
 
     threads = run_on_loop(body)
     assert threads[0] == threading.main_thread().name and threads[1] == "done True"
-    assert threads[2] == f"commd-lane-{LOCAL_KEY}"
+    assert threads[2] == f"commd-worker-{LOCAL_KEY}"
 
 
 def test_no_inline_while_the_key_is_busy_or_the_group_unfinished_and_program_order_across_keys() -> None:

@@ -15,7 +15,7 @@ class GroupPlacement:
     node_of: tuple[int, ...]
     me: int
 
-    # Derived once per group (a plan lives as long as its group), not per op.
+    # Derived once per group (a placement lives as long as its group), not per op.
     @functools.cached_property
     def nodes(self) -> tuple[int, ...]:
         return tuple(sorted(set(self.node_of)))

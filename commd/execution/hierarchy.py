@@ -53,27 +53,26 @@ class _Staging:
             torch.cuda.synchronize()
 
 
-def run(op: ReadyOp, plan: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float) -> None:
+def run(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float) -> None:
     """Execute one released multi-node collective; ``op.subs`` are the local ranks', in group-rank order."""
     staging = _Staging(resolve)
-    _RUNNERS[op.kind](op, plan, lane, staging, timeout)
+    _RUNNERS[op.kind](op, placement, lane, staging, timeout)
     staging.finish()
 
 
-def _allreduce(op: ReadyOp, plan: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float) -> None:
+def _allreduce(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float) -> None:
     first = op.subs[0]
     bufs = [resolve(x, "buf") for x in op.subs]
     split = split_reduce(first.reduce_op)
     acc = bufs[0]
     if len(bufs) > 1 or first.reduce_op == "premul_sum":
         parallel_reduce_into(acc, bufs, split.local_op, first.scale)
-    lane.allreduce(plan.nodes, acc, split.lane_op, timeout)
-    if split.divide_by_n:
-        acc.div_(len(plan.ranks))
+    lane.allreduce(placement.nodes, acc, split.lane_op, timeout)
+    split.finish(acc, len(placement.ranks))
     parallel_copy(bufs[1:], acc)
 
 
-def run_fused_allreduce(ops: list[ReadyOp], plan: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float,
+def run_fused_allreduce(ops: list[ReadyOp], placement: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float,
                         resolve_array: Callable[[Submission, str], np.ndarray] | None = None) -> None:
     """Several small all-reduces of one group, dtype and reduce op as one lane call on one buffer.
 
@@ -86,7 +85,7 @@ def run_fused_allreduce(ops: list[ReadyOp], plan: GroupPlacement, lane: Lane, re
     """
     first = ops[0].subs[0]
     if resolve_array is not None and first.dtype in NUMPY_DTYPES and not any(op.on_gpu for op in ops):
-        _fused_allreduce_numpy(ops, plan, lane, resolve_array, timeout)
+        _fused_allreduce_numpy(ops, placement, lane, resolve_array, timeout)
         return
     staging = _Staging(resolve)
     split = split_reduce(first.reduce_op)
@@ -97,9 +96,8 @@ def run_fused_allreduce(ops: list[ReadyOp], plan: GroupPlacement, lane: Lane, re
         n = bufs[0].numel()
         reduce_into(fused[offset:offset + n], bufs, split.local_op, op.subs[0].scale)
         offset += n
-    lane.allreduce(plan.nodes, fused, split.lane_op, timeout)
-    if split.divide_by_n:
-        fused.div_(len(plan.ranks))
+    lane.allreduce(placement.nodes, fused, split.lane_op, timeout)
+    split.finish(fused, len(placement.ranks))
     offset = 0
     for bufs in per_op:
         n = bufs[0].numel()
@@ -109,7 +107,7 @@ def run_fused_allreduce(ops: list[ReadyOp], plan: GroupPlacement, lane: Lane, re
     staging.finish()
 
 
-def _fused_allreduce_numpy(ops: list[ReadyOp], plan: GroupPlacement, lane: Lane,
+def _fused_allreduce_numpy(ops: list[ReadyOp], placement: GroupPlacement, lane: Lane,
                            resolve_array: Callable[[Submission, str], np.ndarray], timeout: float) -> None:
     first = ops[0].subs[0]
     split = split_reduce(first.reduce_op)
@@ -119,9 +117,8 @@ def _fused_allreduce_numpy(ops: list[ReadyOp], plan: GroupPlacement, lane: Lane,
     fused = per_rank[0]
     small_reduce_into(fused, per_rank, split.local_op, first.scale)
     acc = torch.from_numpy(fused)
-    lane.allreduce(plan.nodes, acc, split.lane_op, timeout)
-    if split.divide_by_n:
-        acc.div_(len(plan.ranks))
+    lane.allreduce(placement.nodes, acc, split.lane_op, timeout)
+    split.finish(acc, len(placement.ranks))
     offset = 0
     for bufs in per_op:
         n = len(bufs[0])
@@ -131,57 +128,56 @@ def _fused_allreduce_numpy(ops: list[ReadyOp], plan: GroupPlacement, lane: Lane,
         offset += n
 
 
-def _reduced_copy(op: ReadyOp, plan: GroupPlacement, lane: Lane, inputs: list[torch.Tensor], timeout: float) -> torch.Tensor:
+def _reduced_copy(op: ReadyOp, placement: GroupPlacement, lane: Lane, inputs: list[torch.Tensor], timeout: float) -> torch.Tensor:
     """The reduction over every rank of the group, in a scratch buffer (the ranks' buffers untouched)."""
     first = op.subs[0]
     scratch = torch.empty_like(inputs[0])
     split = split_reduce(first.reduce_op)
     parallel_reduce_into(scratch, inputs, split.local_op, first.scale)
-    lane.allreduce(plan.nodes, scratch, split.lane_op, timeout)
-    if split.divide_by_n:
-        scratch.div_(len(plan.ranks))
+    lane.allreduce(placement.nodes, scratch, split.lane_op, timeout)
+    split.finish(scratch, len(placement.ranks))
     return scratch
 
 
-def _reduce(op: ReadyOp, plan: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float) -> None:
+def _reduce(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float) -> None:
     first = op.subs[0]
     bufs = [resolve(x, "buf") for x in op.subs]
-    scratch = _reduced_copy(op, plan, lane, bufs, timeout)
+    scratch = _reduced_copy(op, placement, lane, bufs, timeout)
     for sub, buf in zip(op.subs, bufs, strict=True):
         if sub.group_rank == first.root:
             buf.copy_(scratch)
 
 
-def _broadcast(op: ReadyOp, plan: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float) -> None:
+def _broadcast(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float) -> None:
     first = op.subs[0]
     bufs = [resolve(x, "buf") for x in op.subs]
-    root_node = plan.node_of[first.root]
-    if root_node == plan.me:
+    root_node = placement.node_of[first.root]
+    if root_node == placement.me:
         src = next(b for x, b in zip(op.subs, bufs, strict=True) if x.group_rank == first.root)
     else:
         src = bufs[0]
-    lane.broadcast(plan.nodes, byte_view(src), root_node, timeout)
+    lane.broadcast(placement.nodes, byte_view(src), root_node, timeout)
     parallel_copy(bufs, src)
 
 
-def _node_bytes(plan: GroupPlacement, counts: list[int], itemsize: int) -> list[int]:
-    return [sum(counts[g] for g in plan.members(n)) * itemsize for n in plan.nodes]
+def _node_bytes(placement: GroupPlacement, counts: list[int], itemsize: int) -> list[int]:
+    return [sum(counts[g] for g in placement.members(n)) * itemsize for n in placement.nodes]
 
 
-def _allgather(op: ReadyOp, plan: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float) -> None:
+def _allgather(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float) -> None:
     first = op.subs[0]
     itemsize = s.ITEMSIZE[first.dtype]
     counts = first.counts
     offsets = block_offsets([c * itemsize for c in counts])
     mine = torch.cat([byte_view(resolve(x, "in")) for x in op.subs]) if op.subs else torch.empty(0, dtype=torch.uint8)
     outs = [byte_view(resolve(x, "out")) for x in op.subs]
-    sizes = _node_bytes(plan, counts, itemsize)
-    order = [g for n in plan.nodes for g in plan.members(n)]
+    sizes = _node_bytes(placement, counts, itemsize)
+    order = [g for n in placement.nodes for g in placement.members(n)]
     if order == list(range(len(counts))):  # node-major placement: the gathered layout is the output
-        lane.allgatherv(plan.nodes, mine, outs[0], sizes, timeout)
+        lane.allgatherv(placement.nodes, mine, outs[0], sizes, timeout)
     else:
         gathered = torch.empty(sum(sizes), dtype=torch.uint8)
-        lane.allgatherv(plan.nodes, mine, gathered, sizes, timeout)
+        lane.allgatherv(placement.nodes, mine, gathered, sizes, timeout)
         at = 0
         for g in order:
             n = counts[g] * itemsize
@@ -191,51 +187,51 @@ def _allgather(op: ReadyOp, plan: GroupPlacement, lane: Lane, resolve: Resolve, 
         out.copy_(outs[0])
 
 
-def _gather(op: ReadyOp, plan: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float) -> None:
+def _gather(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float) -> None:
     first = op.subs[0]
     itemsize = s.ITEMSIZE[first.dtype]
     counts = first.counts
-    root_node = plan.node_of[first.root]
-    root_at = plan.nodes.index(root_node)
+    root_node = placement.node_of[first.root]
+    root_at = placement.nodes.index(root_node)
     mine = torch.cat([byte_view(resolve(x, "in")) for x in op.subs])
-    in_sizes = [0] * len(plan.nodes)
+    in_sizes = [0] * len(placement.nodes)
     in_sizes[root_at] = mine.numel()
-    out_sizes = _node_bytes(plan, counts, itemsize) if root_node == plan.me else [0] * len(plan.nodes)
+    out_sizes = _node_bytes(placement, counts, itemsize) if root_node == placement.me else [0] * len(placement.nodes)
     gathered = torch.empty(sum(out_sizes), dtype=torch.uint8)
-    lane.alltoallv(plan.nodes, mine, in_sizes, gathered, out_sizes, timeout)
-    if root_node != plan.me:
+    lane.alltoallv(placement.nodes, mine, in_sizes, gathered, out_sizes, timeout)
+    if root_node != placement.me:
         return
     root = next(x for x in op.subs if x.group_rank == first.root)
     out = byte_view(resolve(root, "out"))
     offsets = block_offsets([c * itemsize for c in counts])
     at = 0
-    for n in plan.nodes:
-        for g in plan.members(n):
+    for n in placement.nodes:
+        for g in placement.members(n):
             size = counts[g] * itemsize
             out[offsets[g] : offsets[g] + size].copy_(gathered[at : at + size])
             at += size
 
 
-def _scatter(op: ReadyOp, plan: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float) -> None:
+def _scatter(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float) -> None:
     first = op.subs[0]
     itemsize = s.ITEMSIZE[first.dtype]
     counts = first.counts
     offsets = block_offsets([c * itemsize for c in counts])
-    root_node = plan.node_of[first.root]
-    root_at = plan.nodes.index(root_node)
-    if root_node == plan.me:
+    root_node = placement.node_of[first.root]
+    root_at = placement.nodes.index(root_node)
+    if root_node == placement.me:
         root = next(x for x in op.subs if x.group_rank == first.root)
         src = byte_view(resolve(root, "in"))
         packed = torch.cat([src[offsets[g] : offsets[g] + counts[g] * itemsize]
-                            for n in plan.nodes for g in plan.members(n)])
-        in_sizes = _node_bytes(plan, counts, itemsize)
+                            for n in placement.nodes for g in placement.members(n)])
+        in_sizes = _node_bytes(placement, counts, itemsize)
     else:
         packed = torch.empty(0, dtype=torch.uint8)
-        in_sizes = [0] * len(plan.nodes)
-    out_sizes = [0] * len(plan.nodes)
-    out_sizes[root_at] = sum(counts[g] for g in plan.local) * itemsize
+        in_sizes = [0] * len(placement.nodes)
+    out_sizes = [0] * len(placement.nodes)
+    out_sizes[root_at] = sum(counts[g] for g in placement.local) * itemsize
     received = torch.empty(out_sizes[root_at], dtype=torch.uint8)
-    lane.alltoallv(plan.nodes, packed, in_sizes, received, out_sizes, timeout)
+    lane.alltoallv(placement.nodes, packed, in_sizes, received, out_sizes, timeout)
     at = 0
     for sub in op.subs:
         size = counts[sub.group_rank] * itemsize
@@ -243,17 +239,17 @@ def _scatter(op: ReadyOp, plan: GroupPlacement, lane: Lane, resolve: Resolve, ti
         at += size
 
 
-def _reduce_scatter(op: ReadyOp, plan: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float) -> None:
+def _reduce_scatter(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float) -> None:
     first = op.subs[0]
     counts = first.counts
     offsets = block_offsets(counts)
-    scratch = _reduced_copy(op, plan, lane, [resolve(x, "in") for x in op.subs], timeout)
+    scratch = _reduced_copy(op, placement, lane, [resolve(x, "in") for x in op.subs], timeout)
     for sub in op.subs:
         g = sub.group_rank
         resolve(sub, "out").copy_(scratch[offsets[g] : offsets[g] + counts[g]])
 
 
-def _alltoall(op: ReadyOp, plan: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float) -> None:
+def _alltoall(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float) -> None:
     itemsize = s.ITEMSIZE[op.subs[0].dtype]
     inputs = [byte_view(resolve(x, "in")) for x in op.subs]
     outs = [byte_view(resolve(x, "out")) for x in op.subs]
@@ -261,23 +257,23 @@ def _alltoall(op: ReadyOp, plan: GroupPlacement, lane: Lane, resolve: Resolve, t
     recv_off = [block_offsets(x.splits_out) for x in op.subs]
     blocks: list[torch.Tensor] = []
     in_sizes = []
-    for n in plan.nodes:
+    for n in placement.nodes:
         size = 0
         for i, sub in enumerate(op.subs):
-            for j in plan.members(n):
+            for j in placement.members(n):
                 start, length = send_off[i][j] * itemsize, sub.splits_in[j] * itemsize
                 blocks.append(inputs[i][start : start + length])
                 size += length
         in_sizes.append(size)
     packed = torch.cat(blocks) if blocks else torch.empty(0, dtype=torch.uint8)
     out_sizes = [
-        sum(sub.splits_out[j] for j in plan.members(n) for sub in op.subs) * itemsize for n in plan.nodes
+        sum(sub.splits_out[j] for j in placement.members(n) for sub in op.subs) * itemsize for n in placement.nodes
     ]
     received = torch.empty(sum(out_sizes), dtype=torch.uint8)
-    lane.alltoallv(plan.nodes, packed, in_sizes, received, out_sizes, timeout)
+    lane.alltoallv(placement.nodes, packed, in_sizes, received, out_sizes, timeout)
     at = 0
-    for n in plan.nodes:
-        for j in plan.members(n):
+    for n in placement.nodes:
+        for j in placement.members(n):
             for i, sub in enumerate(op.subs):
                 length = sub.splits_out[j] * itemsize
                 start = recv_off[i][j] * itemsize
@@ -285,8 +281,8 @@ def _alltoall(op: ReadyOp, plan: GroupPlacement, lane: Lane, resolve: Resolve, t
                 at += length
 
 
-def _barrier(op: ReadyOp, plan: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float) -> None:
-    lane.barrier(plan.nodes, timeout)
+def _barrier(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float) -> None:
+    lane.barrier(placement.nodes, timeout)
 
 
 _RUNNERS = {
@@ -302,12 +298,11 @@ _RUNNERS = {
 }
 
 
-def apply_result(op: ReadyOp, plan: GroupPlacement, result: bytes, resolve: Resolve) -> None:
+def apply_result(op: ReadyOp, placement: GroupPlacement, result: bytes, resolve: Resolve) -> None:
     """Write an all-reduce result the coordinator computed into every local rank's buffer."""
     first = op.subs[0]
     acc = torch.frombuffer(bytearray(result), dtype=TORCH_DTYPES[first.dtype])
-    if split_reduce(first.reduce_op).divide_by_n:
-        acc.div_(len(plan.ranks))
+    split_reduce(first.reduce_op).finish(acc, len(placement.ranks))
     for sub in op.subs:
         resolve(sub, "buf").copy_(acc)
 

@@ -115,7 +115,7 @@ class WorkerPool:
         q = self._queues.get(key)
         if q is None:
             q = self._queues[key] = queue.SimpleQueue()
-            thread = threading.Thread(target=self._main, args=(q,), name=f"commd-lane-{key}", daemon=True)
+            thread = threading.Thread(target=self._main, args=(q,), name=f"commd-worker-{key}", daemon=True)
             self._threads.append(thread)
             thread.start()
         return q

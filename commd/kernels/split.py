@@ -10,6 +10,7 @@ This is the one place that rule is written.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,6 +18,11 @@ class ReduceSplit:
     local_op: str  # reduces a node's own contributions (premul_sum keeps its scaling here)
     lane_op: str  # combines the nodes' partial results, on the lane
     divide_by_n: bool  # divide the combined result by the group size (avg)
+
+    def finish(self, result: Any, group_size: int) -> None:
+        """The last step on the combined result (a torch tensor, in place): divide by n for avg."""
+        if self.divide_by_n:
+            result.div_(group_size)
 
 
 _SPLITS = {
