@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from commd.execution.workers import executor_key
+from commd.execution.workers import worker_key
 from commd.protocol.fabric import P2pMatch, P2pSend, Ready
 from commd.scheduler.coordinator import Coordinator, Outbox
 from commd.scheduler.selection import (
@@ -159,8 +159,8 @@ def test_lane_choice_order_hint_rules_default() -> None:
 
 
 def test_exclusion_rule_serializes_gpu_ops_of_nccl_and_mpi() -> None:
-    assert executor_key("nccl", True) == executor_key("mpi", True) == "gpu-exclusive"
-    assert executor_key("mpi", False) == "mpi" and executor_key("tcp", True) == "tcp"
+    assert worker_key("nccl", True) == worker_key("mpi", True) == "gpu-exclusive"
+    assert worker_key("mpi", False) == "mpi" and worker_key("tcp", True) == "tcp"
 
 
 def test_config_file_validation(tmp_path) -> None:

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from commd.execution.workers import INLINE_BYTES, LOCAL_KEY, WorkerPool, executor_key
+from commd.execution.workers import INLINE_BYTES, LOCAL_KEY, WorkerPool, worker_key
 from commd.observe.stalls import StallInspector
 
 
@@ -81,8 +81,8 @@ def test_no_inline_while_the_key_is_busy_or_the_group_unfinished_and_program_ord
 
 
 def test_gpu_exclusive_lanes_share_one_key() -> None:
-    assert executor_key("nccl", True) == executor_key("mpi", True) == "gpu-exclusive"
-    assert executor_key("mpi", False) == "mpi" and executor_key("tcp", True) == "tcp"
+    assert worker_key("nccl", True) == worker_key("mpi", True) == "gpu-exclusive"
+    assert worker_key("mpi", False) == "mpi" and worker_key("tcp", True) == "tcp"
 
 
 def test_stall_inspector_warns_once_per_op_and_names_the_shutdown(caplog: pytest.LogCaptureFixture) -> None:

@@ -1,7 +1,7 @@
 """The threads that run ready ops: one per key, program order per group, small ops inline.
 
 Both the node's single-node ops (one key, ``LOCAL_KEY``) and the fabric member's
-released multi-node ops (one key per lane, see ``executor_key``) run here, so the
+released multi-node ops (one key per lane, see ``worker_key``) run here, so the
 rules live in one place:
 
 * one thread per key runs its ops in the order they were submitted;
@@ -10,7 +10,7 @@ rules live in one place:
 * a small op (``INLINE_BYTES``) runs right on the event loop when its key is idle
   and its group's previous op is done: same order, two thread wake-ups saved;
 * lanes that must never run at the same time on one device share one key
-  (``executor_key``).
+  (``worker_key``).
 
 Completions of queued ops come back to the event loop with ``call_soon_threadsafe``.
 """
@@ -40,7 +40,7 @@ Job = Callable[[bool], Any]
 Done = Callable[[Any], None]
 
 
-def executor_key(lane: str, on_gpu: bool) -> str:
+def worker_key(lane: str, on_gpu: bool) -> str:
     """The worker thread an inter-node op runs on: the exclusion rule in one place."""
     if on_gpu and lane in EXCLUSIVE_GPU_LANES:
         return "gpu-exclusive"

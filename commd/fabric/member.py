@@ -39,7 +39,7 @@ from commd.execution.hierarchy import (
     run_p2p,
     scratch_like,
 )
-from commd.execution.workers import WorkerPool, executor_key
+from commd.execution.workers import WorkerPool, worker_key
 from commd.fabric.rendezvous import Fabric
 from commd.kernels.reduce import reduce_into
 from commd.kernels.split import split_reduce
@@ -430,7 +430,7 @@ class FabricMember:
             # timeout (after which that peer counts as dead anyway), not the op timeout.
             return self._run_work(work, self.peer_timeout if inline else float("inf"))
 
-        return self.workers.submit(executor_key(lane_name, on_gpu), group, nbytes, job,
+        return self.workers.submit(worker_key(lane_name, on_gpu), group, nbytes, job,
                                    lambda result: done(*result), may_inline=not on_gpu)
 
     def _run_work(self, work: Callable[[float], None], cap: float) -> tuple[str | None, str]:

@@ -152,7 +152,7 @@ class LaneError(Exception):
 
 
 class Lane(Protocol):
-    """One backend's inter-node executor.  All tensors are flat, contiguous, on the CPU."""
+    """One backend's inter-node lane.  All tensors are flat, contiguous, on the CPU."""
 
     name: str
 

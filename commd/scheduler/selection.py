@@ -6,7 +6,7 @@ op gets the same lane; in a fabric the coordinator computes it once and the
 decision travels in the release message.  The same module maps each op kind
 to the lane primitive it needs.  (Which thread runs an op, and the exclusion
 rule for lanes that must not run at once on one device, are execution's:
-``commd.execution.workers.executor_key``.)
+``commd.execution.workers.worker_key``.)
 """
 
 from __future__ import annotations
