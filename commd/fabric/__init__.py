@@ -6,6 +6,7 @@ connected, and each daemon's authenticated control channel to the
 coordinator (node 0) open: length-prefixed msgpack frames on a plain TCP
 socket driven by the daemon's event loop (``channel.py``; not ZeroMQ, whose
 I/O threads cost a wake-up per message on the critical path).
-``member.FabricMember`` is then the daemon's part in the fabric; it reaches
-its node only through ``services.NodeServices``.
+``member.FabricMember`` is then the daemon's part in the fabric (its parts:
+``collectives``, ``p2p``, ``liveness``, ``runner``); it reaches its node only
+through ``services.NodeServices``.
 """

@@ -1,0 +1,257 @@
+"""Collectives across nodes: report each matched op to the coordinator, run its release.
+
+1. the local scheduler matched it among this node's ranks → ``negotiate`` reports it
+   (full, or only its cache id on the fast path; a tiny all-reduce carries this
+   node's contribution, an all-reduce that may join a fused set says so);
+2. the coordinator's release (``go``) arrives in global order → ``run_released``
+   queues it on its lane's worker (``LaneRunner``), in that order, alone or as one
+   fused set.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from commd.core.ops import COUNTED, ReadyOp
+from commd.execution.hierarchy import GroupPlacement, apply_result, run, run_fused_allreduce
+from commd.kernels.reduce import reduce_into
+from commd.kernels.split import split_reduce
+from commd.protocol import fabric as wire
+from commd.protocol import schema as s
+from commd.scheduler.agreement import agreed_values
+from commd.scheduler.overlap import PendingRanges
+
+if TYPE_CHECKING:
+    from commd.fabric.rendezvous import Fabric
+    from commd.fabric.runner import LaneRunner
+    from commd.fabric.services import NodeServices
+    from commd.observe.stats import FabricStats
+
+log = logging.getLogger("commd.fabric")
+
+#: All-reduces up to this size travel with the negotiation (reduced by the coordinator).
+EAGER_BYTES = 4096
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, list | tuple):
+        return tuple(_frozen(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+    return value
+
+
+class Collectives:
+    """This node's collectives between report and release (``negotiating``), and their release."""
+
+    def __init__(self, node: NodeServices, fabric: Fabric, stats: FabricStats, runner: LaneRunner,
+                 send_up: Callable[[wire.ToCoordinator], None],
+                 unreachable: Callable[[Sequence[int]], str | None]) -> None:
+        self.node = node
+        self.fabric = fabric
+        self.stats = stats
+        self.runner = runner
+        self.send_up = send_up
+        self.unreachable = unreachable
+        self.negotiating: dict[tuple[str, int], tuple[ReadyOp, GroupPlacement, tuple]] = {}
+        self.neg_cache: dict[tuple, int] = {}
+        self._outstanding: dict[str, int] = {}  # group -> ops reported and not yet released or failed
+        # Memory of fusion candidates reported and not yet released, per (client, segment): a fused
+        # set must not hold two ops on overlapping memory (the later one reads the earlier's result).
+        self._fusible_ranges = PendingRanges()
+
+    # ---- report -----------------------------------------------------------------
+    def negotiate(self, op: ReadyOp, placement: GroupPlacement) -> None:
+        started = time.thread_time_ns()
+        self._negotiate(op, placement)
+        self.stats.sched_ns += time.thread_time_ns() - started
+
+    def _negotiate(self, op: ReadyOp, placement: GroupPlacement) -> None:
+        problem = self.unreachable(placement.nodes)
+        if problem is not None:
+            self._fail_op(op, s.E_PEER_DIED, f"{op.describe()} cannot run: {problem}")
+            return
+        first = op.subs[0]
+        timeout = max(x.timeout for x in op.subs)
+        # The pattern: everything the report says except the sequence number.  The group's
+        # placement is fixed per group name, so the name stands for members and placement.
+        key: tuple = (op.group, first.signature, tuple(x.group_rank for x in op.subs), op.nbytes, timeout)
+        if op.kind == "alltoall" or op.kind in COUNTED:
+            key = _frozen([key, [[x.splits_in, x.splits_out] for x in op.subs]])
+        self.negotiating[(op.group, op.seq)] = (op, placement, key)
+        self.stats.reported += 1
+        contribution = self._eager_contribution(op)
+        self._outstanding[op.group] = self._outstanding.get(op.group, 0) + 1
+        cid = self.neg_cache.get(key)
+        if cid is not None:
+            self.stats.reported_cached += 1
+            # (positional on this per-op path: pattern, cache id, contribution, no fusion)
+            self.send_up(wire.Ready(op.group, op.seq, None, cid, contribution, not self._may_fuse(op)))
+            return
+        pattern = wire.OpPattern(
+            kind=op.kind, signature=agreed_values(first), ranks=list(placement.ranks),
+            placement=list(placement.node_of), nodes=list(placement.nodes), mine=[x.group_rank for x in op.subs],
+            nbytes=op.nbytes, timeout=timeout,
+            alltoall_splits=([[x.group_rank, x.splits_in, x.splits_out] for x in op.subs]
+                             if op.kind == "alltoall" else None),
+        )
+        self.send_up(wire.Ready(op.group, op.seq, pattern=pattern, contribution=contribution,
+                                no_fusion=not self._may_fuse(op)))
+
+    def _may_fuse(self, op: ReadyOp) -> bool:
+        """False if the coordinator must not fuse ``op`` with the ops before it (its memory overlaps
+        an earlier reported all-reduce of this node, or it lives on a GPU)."""
+        config = self.fabric.config
+        if op.kind != "allreduce" or config is None or op.nbytes > config.fusion_threshold_bytes:
+            return True  # never a fusion candidate anyway
+        if op.on_gpu:
+            return False
+        ok = True
+        tag = (op.group, op.seq)
+        for sub in op.subs:
+            ref = sub.buffers.get("buf")
+            if ref is None or ref.inline is not None or ref.cuda is not None or ref.nbytes == 0:
+                continue  # inline buffers are private copies
+            if self._fusible_ranges.add((sub.client_id, ref.segment), ref.offset, ref.offset + ref.nbytes, tag,
+                                        self.negotiating.__contains__):
+                ok = False
+        return ok
+
+    def _eager_contribution(self, op: ReadyOp) -> bytes | None:
+        """For a tiny all-reduce: this node's reduced contribution, sent with the report.
+
+        Only when nothing earlier of the group is outstanding (reported, released or
+        running), so the buffers read now are what program order says they hold.
+        """
+        if op.kind != "allreduce" or op.nbytes > EAGER_BYTES or op.on_gpu or self._outstanding.get(op.group):
+            return None
+        if not self.runner.workers.group_done(op.group):
+            return None
+        first = op.subs[0]
+        try:
+            bufs = [self.node.resolve(x, "buf") for x in op.subs]
+        except KeyError:  # a rank left meanwhile: take the lane path, which copes with that
+            return None
+        local_op = split_reduce(first.reduce_op).local_op
+        contribution = torch.empty_like(bufs[0])
+        reduce_into(contribution, bufs, local_op, first.scale)
+        return contribution.view(torch.uint8).numpy().tobytes()
+
+    # ---- release ----------------------------------------------------------------
+    def run_released(self, items: list[wire.Go]) -> None:
+        """Run one release, or one fused set of releases (the coordinator's ``go`` items)."""
+        if len(items) == 1:
+            self._released(items[0])
+        elif items:
+            started = time.thread_time_ns()
+            run_now = self._release_fused(items)
+            self.stats.sched_ns += time.thread_time_ns() - started
+            if run_now is not None:
+                run_now()
+
+    def _released(self, go: wire.Go) -> None:
+        started = time.thread_time_ns()
+        run_now = self._release(go)
+        self.stats.sched_ns += time.thread_time_ns() - started  # the op's own execution is not scheduling
+        if run_now is not None:
+            run_now()
+
+    def _take_released(self, go: wire.Go) -> tuple[ReadyOp, GroupPlacement] | None:
+        """The op a release names, no longer negotiating (None: not one of ours)."""
+        entry = self.negotiating.pop((go.group, go.seq), None)
+        if entry is None:
+            log.warning("release of unknown op #%s on group '%s' ignored", go.seq, go.group)
+            return None
+        op, placement, key = entry
+        self._outstanding[op.group] -= 1
+        if go.cache_id is not None:
+            self.neg_cache[key] = go.cache_id
+        self.stats.negotiation_us.append((time.monotonic() - op.ready_at) * 1e6)
+        self.stats.released += 1
+        op.lane = go.lane
+        if self.node.tracer.on:
+            self.node.tracer.mark(op, "released")
+        return op, placement
+
+    def _release(self, go: wire.Go) -> Callable[[], None] | None:
+        taken = self._take_released(go)
+        if taken is None:
+            return None
+        op, placement = taken
+        lane_name = go.lane
+        timeout = max(x.timeout for x in op.subs)
+        resolve = self.runner.resolver()
+
+        result = go.result
+        if result is not None:  # a tiny all-reduce the coordinator already reduced
+
+            def work(cap: float) -> None:
+                apply_result(op, placement, result, resolve)
+        else:
+
+            def work(cap: float) -> None:
+                run(op, placement, self.fabric.lanes[lane_name], resolve, min(timeout, cap))
+
+        work = self.node.tracer.wrap((op,), work)
+        done = self.runner.done
+        return self.runner.enqueue(lane_name, op.on_gpu, op.group, work,
+                                   lambda error, code: done(op, error, code), op.nbytes)
+
+    def _release_fused(self, gos: list[wire.Go]) -> Callable[[], None] | None:
+        """A fused set of small all-reduces: one buffer, one lane call, at its first op's place."""
+        taken = [x for x in map(self._take_released, gos) if x is not None]
+        if not taken:
+            return None
+        ops = [op for op, _ in taken]
+        placement = taken[0][1]
+        lane_name = gos[0].lane
+        timeout = max(x.timeout for op in ops for x in op.subs)
+        resolve = self.runner.resolver()
+        self.stats.fused_sets += 1
+        self.stats.fused_ops += len(ops)
+
+        resolve_array = self.runner.resolver(as_array=True)
+
+        def work(cap: float) -> None:
+            run_fused_allreduce(ops, placement, self.fabric.lanes[lane_name], resolve, min(timeout, cap),
+                                resolve_array)
+
+        work = self.node.tracer.wrap(ops, work)
+
+        def done(error: str | None, code: str) -> None:
+            for op in ops:
+                self.runner.done(op, error, code)
+
+        return self.runner.enqueue(lane_name, any(op.on_gpu for op in ops), placement.name, work, done,
+                                   sum(op.nbytes for op in ops))
+
+    # ---- failure ----------------------------------------------------------------
+    def failed(self, fail: wire.Fail) -> None:
+        """The coordinator failed a reported op (a mismatch across nodes, a timeout, a dead node)."""
+        entry = self.negotiating.pop((fail.group, fail.seq), None)
+        if entry is not None:
+            self._outstanding[entry[0].group] -= 1
+            self._fail_op(entry[0], fail.code, fail.message)
+
+    def fail_node(self, node: int, message: str) -> None:
+        """A node died: fail every reported op that spans it."""
+        for key, (op, placement, _) in list(self.negotiating.items()):
+            if node in placement.nodes:
+                del self.negotiating[key]
+                self._outstanding[op.group] -= 1
+                self._fail_op(op, s.E_PEER_DIED, f"{op.describe()} cannot run: {message}")
+
+    def fail_all(self, broken: str) -> None:
+        """The coordinator is lost: fail every reported op."""
+        for _key, (op, _placement, _) in list(self.negotiating.items()):
+            self._fail_op(op, s.E_PEER_DIED, f"{op.describe()} cannot run: {broken}")
+        self.negotiating.clear()
+        self._outstanding.clear()
+
+    def _fail_op(self, op: ReadyOp, code: str, message: str) -> None:
+        self.node.fail_op(op.subs, code, message)
