@@ -6,15 +6,9 @@ import pytest
 
 from commd.execution.workers import worker_key
 from commd.protocol.fabric import P2pMatch, P2pSend, Ready
+from commd.scheduler.config import LaneRule, SchedulerConfig, load_config, parse_config
 from commd.scheduler.coordinator import Coordinator, Outbox
-from commd.scheduler.selection import (
-    LaneRule,
-    SchedulerConfig,
-    SelectionError,
-    choose_lane,
-    load_config,
-    parse_config,
-)
+from commd.scheduler.selection import SelectionError, choose_lane
 
 
 class FakeLane:

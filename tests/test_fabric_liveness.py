@@ -9,7 +9,7 @@ from typing import Any
 
 from commd.fabric.member import FabricMember
 from commd.protocol.fabric import TO_MEMBER, CoordinatorHeartbeat, Ready, Shutdown, batch, decode_batch
-from commd.scheduler.selection import SchedulerConfig
+from commd.scheduler.config import SchedulerConfig
 
 
 class _Lane:

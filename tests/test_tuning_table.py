@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 from test_coordinator import LANES, entry, ready, sent
 
+from commd.scheduler.config import LaneRule, SchedulerConfig
 from commd.scheduler.coordinator import Coordinator, Outbox
-from commd.scheduler.selection import LaneRule, SchedulerConfig, choose_lane
+from commd.scheduler.selection import choose_lane
 from commd.scheduler.tuning import TuningTable, default_table_path, group_class
 
 

@@ -13,6 +13,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from commd.protocol.schema import LANE_NAMES
 from commd.scheduler.tuning import format_bytes
 
 #: Every op the benchmark knows, in the order tables list them.
@@ -22,8 +23,6 @@ OP_ALIASES = {
     "all_reduce": "allreduce", "all_gather": "allgather", "reducescatter": "reduce_scatter",
     "all_to_all": "alltoall", "alltoallv": "alltoall", "send_recv": "sendrecv", "p2p": "sendrecv",
 }
-#: Lanes a fabric may have (commd.scheduler.selection.LANE_NAMES).
-LANE_NAMES = ("tcp", "gloo", "mpi", "nccl")
 #: ``auto``: no lane hint (the daemons' own choice, tuning table included); ``all``: every lane of the fabric.
 LANE_WORDS = ("auto", "all")
 #: Label of the only commd path on a single node (no inter-node lane exists there).

@@ -16,7 +16,7 @@ from commd.daemon.limits import add_limit_arguments
 from commd.fabric.rendezvous import FabricSpec, parse_host_port
 from commd.observe import cli as observe
 from commd.runtime import ConfigError, env_float, env_int
-from commd.scheduler.selection import SchedulerConfig
+from commd.scheduler.config import SchedulerConfig
 from commd.scheduler.tuning import TuningTable
 
 
@@ -86,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def fusion_settings(args: argparse.Namespace, scheduler: SchedulerConfig) -> None:
     """Flags, then environment, override the config file's fusion settings."""
-    from commd.scheduler.selection import MAX_FUSION_CYCLE_MS, MAX_FUSION_THRESHOLD
+    from commd.scheduler.config import MAX_FUSION_CYCLE_MS, MAX_FUSION_THRESHOLD
 
     threshold = args.fusion_threshold
     if threshold is None and os.environ.get("COMMD_FUSION_THRESHOLD"):

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from commd.daemon.limits import ClientLimits
 from commd.observe.settings import MetricsSettings
 from commd.runtime import JobPaths
-from commd.scheduler.selection import SchedulerConfig
+from commd.scheduler.config import SchedulerConfig
 
 if TYPE_CHECKING:
     from commd.fabric.rendezvous import Fabric

@@ -27,7 +27,7 @@ from commd.runtime import (
     new_secret,
     secret_from_environment,
 )
-from commd.scheduler.selection import SchedulerConfig, load_config
+from commd.scheduler.config import SchedulerConfig, load_config
 
 NODE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 

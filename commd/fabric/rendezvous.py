@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from commd.fabric.channel import ChannelClosed, Connection
 from commd.protocol import schema as s
 from commd.runtime import new_secret
-from commd.scheduler.selection import SchedulerConfig, config_from_wire
+from commd.scheduler.config import SchedulerConfig, config_from_wire
 
 if TYPE_CHECKING:
     from commd.lanes.base import Lane  # the lanes import torch: only a fabric that forms needs them

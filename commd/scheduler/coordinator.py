@@ -53,12 +53,8 @@ from commd.protocol.fabric import (
     SendFailed,
     ToMember,
 )
-from commd.scheduler.selection import (
-    LaneCapability,
-    SchedulerConfig,
-    SelectionError,
-    choose_lane,
-)
+from commd.scheduler.config import SchedulerConfig
+from commd.scheduler.selection import LaneCapability, SelectionError, choose_lane
 
 log = logging.getLogger("commd.coordinator")
 

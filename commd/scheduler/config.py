@@ -1,0 +1,180 @@
+"""The scheduler's settings: the `[scheduler]` table of the config file, its lane rules, and
+their wire form (node 0 sends its settings to every node when the fabric forms).
+
+Everything here is validated data; which lane an op gets is ``selection.choose_lane``'s.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from commd.protocol import schema as s
+from commd.protocol.schema import LANE_NAMES
+from commd.scheduler.tuning import TuningTable
+
+#: Every lane name a rule or hint may name.
+DEFAULT_LANE = "tcp"
+#: Chosen by measurement (see the README's performance section): fused buffers up to
+#: 64 KiB stay on the tcp lane's direct all-reduce, whose result per element does not
+#: depend on the element's position, so fused and unfused results are bit-identical.
+DEFAULT_FUSION_THRESHOLD = 64 << 10
+MAX_FUSION_THRESHOLD = 64 << 20
+MAX_FUSION_CYCLE_MS = 1000.0
+
+
+@dataclass(frozen=True)
+class LaneRule:
+    """``kind`` ('*' for any), byte range [min_bytes, max_bytes], group-size range → ``lane``."""
+
+    lane: str
+    kind: str = "*"
+    min_bytes: int = 0
+    max_bytes: int = 1 << 62
+    min_group: int = 1
+    max_group: int = s.MAX_GROUP_SIZE
+
+    def matches(self, kind: str, nbytes: int, group_size: int) -> bool:
+        if self.kind != "*" and self.kind != kind and not (self.kind == "send" and kind == "sendrecv"):
+            return False
+        return self.min_bytes <= nbytes <= self.max_bytes and self.min_group <= group_size <= self.max_group
+
+
+@dataclass
+class SchedulerConfig:
+    """The daemon's `[scheduler]` settings and lane rules (from a TOML file)."""
+
+    default_lane: str = DEFAULT_LANE
+    rules: list[LaneRule] = field(default_factory=list)
+    stall_warning_s: float = 60.0
+    stall_shutdown_s: float = 0.0  # 0: never
+    #: Small all-reduces released together are fused up to this many bytes (0: no fusion).
+    fusion_threshold_bytes: int = DEFAULT_FUSION_THRESHOLD
+    #: How long a node collects ready ops before reporting them (0: one report per loop turn).
+    fusion_cycle_ms: float = 0.0
+    #: Where the tuning table comes from: a path, "off", or "" for the default location.
+    tuning: str = ""
+    #: The table in force (None: none, or refused; ``tuning_note`` says which and why).
+    table: TuningTable | None = None
+    tuning_note: str = "no tuning table"
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "default_lane": self.default_lane,
+            "rules": [[r.lane, r.kind, r.min_bytes, r.max_bytes, r.min_group, r.max_group] for r in self.rules],
+            "stall_warning_s": self.stall_warning_s,
+            "stall_shutdown_s": self.stall_shutdown_s,
+            "fusion_threshold_bytes": self.fusion_threshold_bytes,
+            "fusion_cycle_ms": self.fusion_cycle_ms,
+            "table": self.table.to_json() if self.table is not None else None,
+            "tuning_note": self.tuning_note,
+        }
+
+    def adopt_table(self, table: TuningTable | None, nnodes: int, lanes: list[str]) -> None:
+        """Use ``table`` if it was measured on a fabric like this one; else say why not and use the defaults."""
+        if table is None:
+            return
+        problem = table.check_fabric(nnodes, lanes)
+        where = table.source or "the coordinator's table"
+        if problem is not None:
+            self.table = None
+            self.tuning_note = f"refused {where}: {problem}; using the default lane choice"
+            return
+        self.table = table
+        self.tuning_note = f"using {where}: {table.describe()}"
+
+
+def _number(table: dict[str, Any], key: str, where: str, default: float, low: float = 0.0) -> float:
+    value = table.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < low:
+        raise ValueError(f"{where}: '{key}' must be a number >= {low}, got {value!r}")
+    return float(value)
+
+
+def _int(table: dict[str, Any], key: str, where: str, default: int) -> int:
+    value = table.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{where}: '{key}' must be a non-negative integer, got {value!r}")
+    return value
+
+
+def parse_config(data: dict[str, Any], where: str = "config") -> SchedulerConfig:
+    """Validate a config mapping (the TOML file's contents); errors name the key."""
+    # [limits]: commd.daemon.limits reads it; [metrics]: commd.observe.settings
+    unknown = set(data) - {"scheduler", "rules", "limits", "metrics"}
+    if unknown:
+        raise ValueError(f"{where}: unknown section(s) {sorted(unknown)}; known: scheduler, rules, limits, metrics")
+    sched = data.get("scheduler", {})
+    if not isinstance(sched, dict):
+        raise ValueError(f"{where}: [scheduler] must be a table")
+    unknown = set(sched) - {"default_lane", "stall_warning_s", "stall_shutdown_s", "fusion_threshold_bytes",
+                            "fusion_cycle_ms", "tuning"}
+    if unknown:
+        raise ValueError(f"{where}: unknown [scheduler] key(s) {sorted(unknown)}")
+    config = SchedulerConfig()
+    lane = sched.get("default_lane", DEFAULT_LANE)
+    if lane not in LANE_NAMES:
+        raise ValueError(f"{where}: [scheduler] default_lane {lane!r} is not one of {list(LANE_NAMES)}")
+    config.default_lane = lane
+    config.stall_warning_s = _number(sched, "stall_warning_s", f"{where} [scheduler]", 60.0, 0.001)
+    config.stall_shutdown_s = _number(sched, "stall_shutdown_s", f"{where} [scheduler]", 0.0)
+    config.fusion_threshold_bytes = _int(sched, "fusion_threshold_bytes", f"{where} [scheduler]",
+                                         DEFAULT_FUSION_THRESHOLD)
+    if config.fusion_threshold_bytes > MAX_FUSION_THRESHOLD:
+        raise ValueError(f"{where}: [scheduler] fusion_threshold_bytes must be at most {MAX_FUSION_THRESHOLD}")
+    config.fusion_cycle_ms = _number(sched, "fusion_cycle_ms", f"{where} [scheduler]", 0.0)
+    if config.fusion_cycle_ms > MAX_FUSION_CYCLE_MS:
+        raise ValueError(f"{where}: [scheduler] fusion_cycle_ms must be at most {MAX_FUSION_CYCLE_MS:g}")
+    tuning = sched.get("tuning", "")
+    if not isinstance(tuning, str):
+        raise ValueError(f"{where}: [scheduler] tuning must be a path or \"off\", got {tuning!r}")
+    config.tuning = tuning
+    rules = data.get("rules", [])
+    if not isinstance(rules, list):
+        raise ValueError(f"{where}: 'rules' must be an array of tables ([[rules]])")
+    for i, raw in enumerate(rules):
+        at = f"{where} rules[{i}]"
+        if not isinstance(raw, dict):
+            raise ValueError(f"{at}: must be a table")
+        unknown = set(raw) - {"lane", "kind", "min_bytes", "max_bytes", "min_group", "max_group"}
+        if unknown:
+            raise ValueError(f"{at}: unknown key(s) {sorted(unknown)}")
+        if raw.get("lane") not in LANE_NAMES:
+            raise ValueError(f"{at}: 'lane' must be one of {list(LANE_NAMES)}, got {raw.get('lane')!r}")
+        kind = raw.get("kind", "*")
+        if kind != "*" and kind not in s.OP_KINDS:
+            raise ValueError(f"{at}: 'kind' {kind!r} is not '*' or one of {sorted(s.OP_KINDS)}")
+        rule = LaneRule(
+            lane=raw["lane"], kind=kind,
+            min_bytes=_int(raw, "min_bytes", at, 0), max_bytes=_int(raw, "max_bytes", at, 1 << 62),
+            min_group=_int(raw, "min_group", at, 1), max_group=_int(raw, "max_group", at, s.MAX_GROUP_SIZE),
+        )
+        if rule.min_bytes > rule.max_bytes or rule.min_group > rule.max_group:
+            raise ValueError(f"{at}: empty range (min above max)")
+        config.rules.append(rule)
+    if config.stall_shutdown_s and config.stall_shutdown_s <= config.stall_warning_s:
+        raise ValueError(f"{where}: stall_shutdown_s must exceed stall_warning_s (or be 0 to disable)")
+    return config
+
+
+def load_config(path: str | Path) -> SchedulerConfig:
+    """Read and validate a TOML config file."""
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"cannot read config {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"config {path} is not valid TOML: {exc}") from None
+    return parse_config(data, str(path))
+
+
+def config_from_wire(raw: dict[str, Any]) -> SchedulerConfig:
+    rules = [LaneRule(r[0], r[1], r[2], r[3], r[4], r[5]) for r in raw.get("rules", [])]
+    config = SchedulerConfig(raw["default_lane"], rules, raw["stall_warning_s"], raw["stall_shutdown_s"],
+                             raw["fusion_threshold_bytes"], raw["fusion_cycle_ms"])
+    if raw.get("table") is not None:
+        config.table = TuningTable.from_json(raw["table"], "the coordinator's tuning table")
+    config.tuning_note = str(raw.get("tuning_note", ""))
+    return config
