@@ -47,6 +47,8 @@ def sizes_between(low: int, high: int) -> list[int]:
     while size <= high:
         sizes.append(size)
         size *= 8
+    if sizes and sizes[-1] < high:
+        sizes.append(high)
     return sizes
 
 

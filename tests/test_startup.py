@@ -343,3 +343,27 @@ def test_bench_plot_has_log_scales_and_latency_panels() -> None:
         assert smallest == 1024  # sizes below 64 KiB are on the plot, on their own decade
     finally:
         plt.close(fig)
+
+
+def test_a_busy_daemon_is_waited_for_not_doubled(rt: Path) -> None:
+    """A live daemon that answers late (a GPU node's first client makes it load torch for seconds) is the
+    job's daemon: ensure_daemon waits for it instead of starting a second one, which would only fail
+    with "already has a daemon" and fail the rank that tried."""
+    from commd.client.spawn import ensure_daemon
+
+    paths = JobPaths.for_job(new_job())
+    proc = start_daemon(paths, new_secret(), exit_when_idle=False)
+    try:
+        os.kill(proc.pid, signal.SIGSTOP)  # alive, silent: longer than one ping's patience
+        timer = __import__("threading").Timer(3.0, os.kill, (proc.pid, signal.SIGCONT))
+        timer.start()
+        try:
+            assert ensure_daemon(paths, timeout=60) == proc.pid
+        finally:
+            timer.cancel()
+            os.kill(proc.pid, signal.SIGCONT)
+        assert proc.poll() is None and paths.daemon_pid() == proc.pid
+        assert "already has a daemon" not in paths.log_file.read_text()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -122,6 +122,26 @@ def _tail(paths: JobPaths, lines: int = 20) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def _answers_before_exit(paths: JobPaths, pid: int, timeout: float) -> bool:
+    """True once the job's running daemon ``pid`` answers a ping, False once it has exited.
+
+    A live daemon that does not answer is busy (its first GPU client makes it load torch
+    and CUDA, seconds) or finishing its shutdown: wait for one or the other.  Starting a
+    second daemon beside a live one only fails (the daemon refuses a job that has one).
+    """
+    deadline = time.monotonic() + timeout
+    while pid_alive(pid):
+        if ping(paths, 0.5) == pid:
+            return True
+        if time.monotonic() > deadline:
+            raise ConnectError(
+                f"the commd daemon of job {paths.job!r} (pid {pid}) is running but has not answered for "
+                f"{timeout:.0f}s; see {paths.log_file}:\n{_tail(paths, 5)}"
+            )
+        time.sleep(READY_POLL_S)
+    return False
+
+
 def ensure_daemon(
     paths: JobPaths, secret: str | None = None, timeout: float = 60.0, extra_args: list[str] | None = None
 ) -> int:
@@ -134,14 +154,8 @@ def ensure_daemon(
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             pid = paths.daemon_pid()
-            if pid is not None:
-                answered = ping(paths, 2.0)
-                if answered == pid:
-                    return pid
-                # Alive but not answering: it is finishing its shutdown.
-                deadline = time.monotonic() + 15
-                while pid_alive(pid) and time.monotonic() < deadline:
-                    time.sleep(0.02)
+            if pid is not None and _answers_before_exit(paths, pid, timeout):
+                return pid
             return start_daemon(paths, secret, extra_args=extra_args, timeout=timeout).pid
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)

@@ -56,8 +56,10 @@ class CudaImporter:
         key = (client_id, ref.handle, ref.offset)
         storage = self._storages.get(key)
         if storage is None:
+            # The producer's interprocess event is passed per op (waited on below), so torch's own
+            # per-storage event is not needed: an empty handle with event_sync_required False.
             storage = torch.UntypedStorage._new_shared_cuda(
-                ref.device, ref.handle, ref.size, ref.offset, ref.ref_handle or None, ref.ref_offset, None, False,
+                ref.device, ref.handle, ref.size, ref.offset, ref.ref_handle, ref.ref_offset, b"", False,
             )
             self._storages[key] = storage
         event_key = (client_id, ref.event)
