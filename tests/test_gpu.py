@@ -35,6 +35,21 @@ def _worker(rank: int, world: int, job: str, runtime: str, results: mp.Queue) ->
     big = torch.full((1 << 22,), float(rank), device=device)
     ops.broadcast(client, big, root=1).wait(timeout=60)
     out["bcast"] = big[:4].cpu().numpy()
+    # 16 MiB: above the size where host buffers are reduced by several daemon threads
+    large = torch.full((1 << 22,), float(rank + 1), device=device)
+    ops.all_reduce(client, large).wait(timeout=60)
+    out["large"] = float(large.min()), float(large.max())
+    # A fresh tensor every step (what a training loop's temporaries are): each is exported once and
+    # dropped when it dies, so the blocks the daemon holds open, and this process's reserved
+    # memory, stay bounded instead of growing by one block per step.
+    torch.cuda.synchronize(device)
+    reserved_before = torch.cuda.memory_reserved(device)
+    for step in range(64):
+        fresh = torch.full((1 << 18,), float(step + rank), device=device)
+        ops.all_reduce(client, fresh).wait(timeout=60)
+        assert float(fresh[0]) == 2 * step + 1, (step, float(fresh[0]))
+        del fresh
+    out["reserved_growth"] = torch.cuda.memory_reserved(device) - reserved_before
     client.close()
     results.put((rank, out))
 
@@ -57,6 +72,11 @@ def test_cuda_ipc_allreduce_matches_numpy(tmp_path) -> None:
         for p in procs:
             p.join(timeout=30)
             assert p.exitcode == 0
+        for rank in range(world):
+            assert got[rank]["large"] == (3.0, 3.0), got[rank]["large"]
+            # 64 fresh 1 MiB tensors: growth of a few blocks at most, not 64 MiB
+            assert got[rank].pop("reserved_growth") < 16 << 20
+            del got[rank]["large"]
         for key, value in got[0].items():
             if key == "bcast":
                 np.testing.assert_array_equal(value, np.ones(4))

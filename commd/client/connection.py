@@ -445,6 +445,7 @@ class Client:
     ) -> dict[str, Any]:
         """Reference for one buffer; queue its copy-out in ``finishers`` if staged."""
         if tensor.device.type == "cuda" and self._cuda is not None and tensor.is_contiguous():
+            keep.append(tensor)  # its storage (and so its export) lives while the op is pending
             return self._cuda.export(tensor)
         if tensor.device.type != "cpu":
             self._wait_copy_back(tensor, role, copied)

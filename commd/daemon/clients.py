@@ -107,11 +107,12 @@ class BufferResolver:
     def check_bounds(self, client: ClientRecord, sub: Submission) -> None:
         """Every reference inside a segment the client registered, aligned to the dtype."""
         itemsize = s.ITEMSIZE[sub.dtype]
-        for name, ref in sub.buffers.items():
+        # A CUDA export's first reference opens it: check those before the op's id-only references.
+        for name, ref in sorted(sub.buffers.items(), key=lambda item: item[1].cuda is None or item[1].cuda.handle is None):
             if ref.inline is not None:
                 continue
             if ref.cuda is not None:
-                self.cuda.check(ref.cuda, ref.offset, ref.nbytes)
+                self.cuda.check(client.client_id, ref.cuda, ref.offset, ref.nbytes)
                 continue
             segment = client.segments.get(ref.segment)
             if segment is None:

@@ -29,10 +29,16 @@ def gpu_device_present() -> bool:
 
 
 class CudaImporter:
-    """Opens and caches CUDA IPC storages and events for the daemon."""
+    """Opens and caches CUDA IPC storages and events for the daemon.
+
+    A storage is opened once per (client, export id) and kept until the client
+    says its storage died (``drop``) or the client leaves: the same idea as a
+    registered host storage (a segment), so holding it never pins memory the
+    client has freed, and a new allocation at a recycled address is a new export.
+    """
 
     def __init__(self) -> None:
-        self._storages: dict[tuple[int, bytes, int], torch.UntypedStorage] = {}
+        self._storages: dict[tuple[int, int], tuple[torch.UntypedStorage, int]] = {}
         self._events: dict[tuple[int, bytes], torch.cuda.Event] = {}
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._device_files = gpu_device_present()
@@ -40,28 +46,42 @@ class CudaImporter:
     def available(self) -> bool:
         return self._device_files and torch_module().cuda.is_available()
 
-    def check(self, ref: CudaRef, offset: int, nbytes: int) -> None:
+    def check(self, client_id: int, ref: CudaRef, offset: int, nbytes: int) -> None:
+        """Validate a reference at submission, opening a new export and closing dropped ones (in order)."""
         if not self.available():
             raise s.ProtocolError("this daemon has no CUDA device: send host tensors", s.E_BOUNDS)
         if ref.device >= torch_module().cuda.device_count():
             raise s.ProtocolError(f"CUDA device {ref.device} does not exist on this node", s.E_BOUNDS)
-        if offset + nbytes > ref.size:
+        for export_id in ref.drop:
+            self._storages.pop((client_id, export_id), None)
+        key = (client_id, ref.export_id)
+        if ref.handle is not None:
+            if key in self._storages:
+                raise s.ProtocolError(f"CUDA export {ref.export_id} is already open", s.E_BOUNDS)
+            self._storages[key] = (self._open(ref), ref.size)
+        cached = self._storages.get(key)
+        if cached is None:
+            raise s.ProtocolError(f"CUDA export {ref.export_id} is unknown (never exported or dropped)", s.E_BOUNDS)
+        if offset + nbytes > cached[1]:
             raise s.ProtocolError(
-                f"CUDA buffer [{offset}, {offset + nbytes}) lies outside its allocation of {ref.size} bytes",
+                f"CUDA buffer [{offset}, {offset + nbytes}) lies outside its allocation of {cached[1]} bytes",
                 s.E_BOUNDS,
             )
 
-    def tensor(self, client_id: int, ref: CudaRef, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+    def _open(self, ref: CudaRef) -> torch.UntypedStorage:
         torch = torch_module()
-        key = (client_id, ref.handle, ref.offset)
-        storage = self._storages.get(key)
-        if storage is None:
+        try:
             # The producer's interprocess event is passed per op (waited on below), so torch's own
             # per-storage event is not needed: an empty handle with event_sync_required False.
-            storage = torch.UntypedStorage._new_shared_cuda(
+            return torch.UntypedStorage._new_shared_cuda(
                 ref.device, ref.handle, ref.size, ref.offset, ref.ref_handle, ref.ref_offset, b"", False,
             )
-            self._storages[key] = storage
+        except (RuntimeError, TypeError) as exc:
+            raise s.ProtocolError(f"cannot open CUDA export {ref.export_id}: {exc}", s.E_BOUNDS) from None
+
+    def tensor(self, client_id: int, ref: CudaRef, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        torch = torch_module()
+        storage = self._storages[(client_id, ref.export_id)][0]
         event_key = (client_id, ref.event)
         event = self._events.get(event_key)
         if event is None:
@@ -69,6 +89,10 @@ class CudaImporter:
         self.stream(ref.device).wait_event(event)
         flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{ref.device}").set_(storage)
         return flat[offset : offset + nbytes].view(dtype)
+
+    def open_bytes(self, client_id: int) -> int:
+        """Bytes of the client's CUDA exports this daemon holds open."""
+        return sum(size for (owner, _), (_, size) in self._storages.items() if owner == client_id)
 
     def stream(self, device: int) -> torch.cuda.Stream:
         stream = self._streams.get(device)

@@ -139,6 +139,9 @@ def _over_blocks(ref: torch.Tensor, fn: Callable[[int, int], object]) -> None:
     n = ref.numel()
     if n == 0:
         return
+    if ref.is_cuda:  # one kernel over the whole buffer, on the daemon's stream (pool threads have their own)
+        fn(0, n)
+        return
     block = max(1, BLOCK_BYTES // ref.element_size())
     starts = range(0, n, block)
     workers = kernel_pool_size()
