@@ -38,7 +38,8 @@ class CudaImporter:
     """
 
     def __init__(self) -> None:
-        self._storages: dict[tuple[int, int], tuple[torch.UntypedStorage, int]] = {}
+        # (client, export id) -> [storage once opened, the export's reference, its size]
+        self._storages: dict[tuple[int, int], list] = {}
         self._events: dict[tuple[int, bytes], torch.cuda.Event] = {}
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._device_files = gpu_device_present()
@@ -58,7 +59,7 @@ class CudaImporter:
         if ref.handle is not None:
             if key in self._storages:
                 raise s.ProtocolError(f"CUDA export {ref.export_id} is already open", s.E_BOUNDS)
-            self._storages[key] = (self._open(ref), ref.size)
+            self._storages[key] = [None, ref, ref.size]  # opened on the worker that runs it, not on the loop
         cached = self._storages.get(key)
         if cached is None:
             raise s.ProtocolError(f"CUDA export {ref.export_id} is unknown (never exported or dropped)", s.E_BOUNDS)
@@ -77,11 +78,14 @@ class CudaImporter:
                 ref.device, ref.handle, ref.size, ref.offset, ref.ref_handle, ref.ref_offset, b"", False,
             )
         except (RuntimeError, TypeError) as exc:
-            raise s.ProtocolError(f"cannot open CUDA export {ref.export_id}: {exc}", s.E_BOUNDS) from None
+            raise RuntimeError(f"cannot open CUDA export {ref.export_id}: {exc}") from None
 
     def tensor(self, client_id: int, ref: CudaRef, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         torch = torch_module()
-        storage = self._storages[(client_id, ref.export_id)][0]
+        entry = self._storages[(client_id, ref.export_id)]
+        if entry[0] is None:
+            entry[0] = self._open(entry[1])
+        storage = entry[0]
         event_key = (client_id, ref.event)
         event = self._events.get(event_key)
         if event is None:
@@ -92,7 +96,7 @@ class CudaImporter:
 
     def open_bytes(self, client_id: int) -> int:
         """Bytes of the client's CUDA exports this daemon holds open."""
-        return sum(size for (owner, _), (_, size) in self._storages.items() if owner == client_id)
+        return sum(entry[2] for (owner, _), entry in self._storages.items() if owner == client_id)
 
     def stream(self, device: int) -> torch.cuda.Stream:
         stream = self._streams.get(device)
