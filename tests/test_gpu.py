@@ -19,6 +19,14 @@ pytestmark = [
 
 
 def _worker(rank: int, world: int, job: str, runtime: str, results: mp.Queue) -> None:
+    try:
+        _work(rank, world, job, runtime, results)
+    except BaseException:  # the test fails at once with this rank's traceback, not after its timeout
+        results.put((rank, {"error": __import__("traceback").format_exc()}))
+        raise
+
+
+def _work(rank: int, world: int, job: str, runtime: str, results: mp.Queue) -> None:
     os.environ["COMMD_RUNTIME_DIR"] = runtime
     from commd.client import Client, ops
 
@@ -68,7 +76,11 @@ def test_cuda_ipc_allreduce_matches_numpy(tmp_path) -> None:
         procs = [ctx.Process(target=_worker, args=(r, world, job, runtime, results)) for r in range(world)]
         for p in procs:
             p.start()
-        got = dict(results.get(timeout=120) for _ in procs)
+        got = {}
+        for _ in procs:
+            rank, out = results.get(timeout=120)
+            assert "error" not in out, f"rank {rank} failed:\n{out['error']}"
+            got[rank] = out
         for p in procs:
             p.join(timeout=30)
             assert p.exitcode == 0

@@ -63,9 +63,9 @@ class CudaImporter:
         cached = self._storages.get(key)
         if cached is None:
             raise s.ProtocolError(f"CUDA export {ref.export_id} is unknown (never exported or dropped)", s.E_BOUNDS)
-        if offset + nbytes > cached[1]:
+        if offset + nbytes > cached[2]:
             raise s.ProtocolError(
-                f"CUDA buffer [{offset}, {offset + nbytes}) lies outside its allocation of {cached[1]} bytes",
+                f"CUDA buffer [{offset}, {offset + nbytes}) lies outside its allocation of {cached[2]} bytes",
                 s.E_BOUNDS,
             )
 
