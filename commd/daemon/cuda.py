@@ -72,6 +72,7 @@ class CudaImporter:
     def _open(self, ref: CudaRef) -> torch.UntypedStorage:
         torch = torch_module()
         try:
+            torch.cuda.init()  # opening an IPC handle in a thread with no CUDA context yet crashed the daemon
             # The producer's interprocess event is passed per op (waited on below), so torch's own
             # per-storage event is not needed: an empty handle with event_sync_required False.
             return torch.UntypedStorage._new_shared_cuda(
