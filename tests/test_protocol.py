@@ -489,3 +489,26 @@ def test_bad_segments_are_refused(daemon: DaemonProcess, raw_client: RawClient, 
         for fd in opened:
             os.close(fd)
     assert regular.read_bytes() == b"\x00" * 8192
+
+
+def test_cuda_references_are_validated_without_a_gpu() -> None:
+    """A CUDA reference names its export by id; the first carries the handles, ``drop`` lists dead exports."""
+    from commd.protocol.cuda import MAX_DROPS, MAX_HANDLE_BYTES, CudaRef
+
+    first = CudaRef({"id": 3, "device": 0, "event": b"e" * 64, "handle": b"h" * 64, "size": 4096, "offset": 512,
+                     "ref_handle": b"r", "ref_offset": 8})
+    assert (first.export_id, first.handle, first.size, first.offset, first.drop) == (3, b"h" * 64, 4096, 512, [])
+    again = CudaRef({"id": 3, "device": 0, "event": b"e", "drop": [1, 2]})
+    assert again.handle is None and again.drop == [1, 2]
+    bad = [
+        ({"device": 0, "event": b"e"}, "'id'"),
+        ({"id": 0, "device": 0, "event": b"e"}, "'id'"),
+        ({"id": 1, "device": 0, "event": b"e", "handle": b"h"}, "'size'"),  # a first reference is whole
+        ({"id": 1, "device": 0, "event": b"e" * (MAX_HANDLE_BYTES + 1)}, "longer than"),
+        ({"id": 1, "device": 0, "event": b"e", "drop": [0]}, "'drop'"),
+        ({"id": 1, "device": 0, "event": b"e", "drop": "1"}, "'drop'"),
+        ({"id": 1, "device": 0, "event": b"e", "drop": [1] * (MAX_DROPS + 1)}, "'drop'"),
+    ]
+    for raw, needle in bad:
+        with pytest.raises(s.ProtocolError, match=needle):
+            CudaRef(raw)
