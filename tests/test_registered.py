@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -359,3 +360,40 @@ def test_registry_keys_by_storage_object() -> None:
     a = torch.from_numpy(np.zeros(N, dtype=np.float32))  # NumPy's memory: never moved
     assert registry.lookup(a) is None and registry.lookup(a) is None and len(calls) == 1
 
+
+
+def test_status_and_metrics_show_the_buffer_paths(start_daemon: Callable[..., DaemonProcess],
+                                                  connect: Callable[..., Any]) -> None:
+    """`commd status` and the Prometheus metrics show the same counters: after the first step, nothing staged."""
+    from cluster import free_port
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from commd.cli.status import format_status
+
+    port = free_port()
+    daemon = start_daemon(extra=["--metrics-port", str(port)]).wait_ready()
+    pair = [connect(0, 2), connect(1, 2)]
+    tensors = [torch.empty(N) for _ in pair]
+    for step in range(3):
+        fill(tensors, step)
+        all_reduce_checked(pair, tensors, f"step {step}")
+    snapshot = status(daemon)
+    text = format_status(snapshot)
+    assert "buffers by path: registered 64.0 KiB, arena 0 B, staged 32.0 KiB" in text, text
+    assert "1 / 16.0 KiB" in text, text
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        families = {f.name: f for f in text_string_to_metric_families(reply.read().decode())}
+    by_path = {s.labels["path"]: s.value for s in families["commd_buffer_bytes"].samples if s.name.endswith("_total")}
+    assert by_path == {path: float(n) for path, n in snapshot["bytes_by_path"].items()}, by_path
+    assert families["commd_registered_segments"].samples[0].value == 2
+    assert families["commd_registered_bytes"].samples[0].value == 2 * N * 4
+
+
+def test_a_staged_tensor_stays_resizable(pair: list[Any]) -> None:
+    """Staging must not mark the user's storage as not resizable (FSDP frees its buffers with resize_(0))."""
+    tensors = [torch.empty(N) for _ in pair]
+    fill(tensors, 0)
+    all_reduce_checked(pair, tensors, "staged")
+    for t in tensors:
+        t.untyped_storage().resize_(0)  # raised "Trying to resize storage that is not resizable" before
+        assert t.untyped_storage().nbytes() == 0
