@@ -397,3 +397,57 @@ def test_a_staged_tensor_stays_resizable(pair: list[Any]) -> None:
     for t in tensors:
         t.untyped_storage().resize_(0)  # raised "Trying to resize storage that is not resizable" before
         assert t.untyped_storage().nbytes() == 0
+
+
+# ---- DDP through the torch backend ------------------------------------------------
+DDP_STEPS = 6
+
+
+def _buffer_paths() -> dict[str, int]:
+    """The job's daemon's bytes by path (the one job in this test's runtime directory)."""
+    from commd.runtime import JobPaths
+
+    (directory,) = Path(os.environ["COMMD_RUNTIME_DIR"]).glob("*/daemon.pid")
+    return query_status(JobPaths(directory.parent.name, directory.parent))["bytes_by_path"]
+
+
+def _ddp_rank(rank: int) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    import commd  # noqa: F401 - registers the backend
+
+    dist.init_process_group("commd")
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 64))
+        ddp = DistributedDataParallel(model, bucket_cap_mb=0.02)  # several buckets, each above 4 KiB
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+        data = torch.Generator().manual_seed(rank)
+        marks = []
+        for _ in range(DDP_STEPS):
+            x = torch.randn(16, 64, generator=data)
+            opt.zero_grad()
+            ddp(x).pow(2).mean().backward()
+            opt.step()
+            dist.barrier()
+            marks.append(_buffer_paths())
+            dist.barrier()
+        # DDP rebuilds its buckets once, after the first step: the second step sees the final buckets
+        # for the first time (staged); from the third on every bucket is registered
+        assert marks[-1]["staged"] == marks[2]["staged"], f"a bucket was staged after step 3: {marks}"
+        assert marks[-1]["registered"] > marks[2]["registered"] > 0, marks
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        both = [torch.empty_like(flat) for _ in range(2)]
+        dist.all_gather(both, flat)
+        assert torch.equal(both[0], both[1]), "DDP replicas diverged"
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two torch ranks and an auto-started daemon: 15-50 s on a shared 2-core machine
+def test_ddp_buckets_are_registered_after_the_bucket_rebuild(backend_env: Path) -> None:
+    from test_torch_backend import spawn
+
+    spawn(_ddp_rank, ())
