@@ -548,8 +548,6 @@ class Client:
             self._copy_back_limit = max(COPY_BACK_PURGE, 2 * len(self._copy_back))
         for storage in copied:
             self._copy_back[storage] = handle
-        for seg_id in registered:
-            self._registry.mark_used(seg_id, op_id)  # type: ignore[union-attr]
         with self._send_lock:
             if self._broken is not None or self._closed:
                 self._check_usable()
@@ -570,6 +568,9 @@ class Client:
                 with self._pending_lock:
                     self._pending.pop(op_id, None)
                 raise
+            finally:
+                for seg_id in registered:  # the op's id once it is pending (0: it never was)
+                    self._registry.mark_used(seg_id, op_id if op_id in self._pending else 0)  # type: ignore[union-attr]
         if self._receiver is not None:
             self._in_flight.set()
         return handle

@@ -53,6 +53,8 @@ log = logging.getLogger("commd.client")
 MAX_REGISTRATIONS = 512
 #: A storage the registry will not register (evicted, refused, or not torch's own memory).
 NEVER = -1
+#: ``Registration.last_use`` between a lookup and ``mark_used``: an op is being submitted with it.
+IN_FLIGHT = -1
 
 
 def registration_enabled() -> bool:
@@ -117,6 +119,7 @@ class StorageRegistry:
             if entry is not None:
                 if entry.address == storage.data_ptr() and entry.nbytes == storage.nbytes():
                     self._lru.move_to_end(entry.seg_id)
+                    entry.last_use = IN_FLIGHT
                     return entry.seg_id, tensor.data_ptr() - entry.address
                 # its memory was replaced (resize, swap): forget the mapping, count afresh
                 del self._entries[storage]
@@ -133,13 +136,18 @@ class StorageRegistry:
             if entry is None:
                 self._seen[storage] = NEVER
                 return None
+            entry.last_use = IN_FLIGHT
             return entry.seg_id, tensor.data_ptr() - entry.address
 
     def mark_used(self, seg_id: int, op_id: int) -> None:
-        """Op ``op_id`` names ``seg_id``: an unregister waits until it is answered."""
-        entry = self._lru.get(seg_id)
-        if entry is not None:
-            entry.last_use = op_id
+        """Op ``op_id`` names ``seg_id`` (0: its submission failed): an unregister waits until it is answered."""
+        with self._lock:
+            entry = self._lru.get(seg_id)
+            if entry is not None:
+                entry.last_use = op_id
+            # forgotten by another thread between the lookup and now: its unregister waits for this op
+            self._retired = [(seg, op_id if seg == seg_id and last == IN_FLIGHT else last)
+                             for seg, last in self._retired]
 
     def due_unregisters(self, pending: Callable[[int], bool]) -> list[int]:
         """Segments to unregister now: forgotten, and the last op that used them is no longer ``pending``."""
@@ -147,8 +155,9 @@ class StorageRegistry:
             self._apply_deaths()
             if not self._retired:
                 return []
-            due = [seg for seg, last in self._retired if not pending(last)]
-            self._retired = [(seg, last) for seg, last in self._retired if pending(last)]
+            keep = [(seg, last) for seg, last in self._retired if last == IN_FLIGHT or pending(last)]
+            due = [seg for seg, last in self._retired if not (last == IN_FLIGHT or pending(last))]
+            self._retired = keep
             return due
 
     # ---- internals (caller holds the lock) ----------------------------------
