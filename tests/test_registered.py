@@ -451,3 +451,23 @@ def test_ddp_buckets_are_registered_after_the_bucket_rebuild(backend_env: Path) 
     from test_torch_backend import spawn
 
     spawn(_ddp_rank, ())
+
+
+def test_any_op_names_a_registered_storage_but_only_in_place_buffers_get_registered(
+        daemon: DaemonProcess, pair: list[Any]) -> None:
+    tensors = [torch.empty(N) for _ in pair]
+    for step in range(2):
+        fill(tensors, step)
+        all_reduce_checked(pair, tensors, f"step {step}")
+    before = status(daemon)["bytes_by_path"]
+    outputs = [torch.empty(2 * N) for _ in pair]
+    for _ in range(2):  # an all-gather's output, seen twice, stays staged; its registered input is named
+        handles = [ops.all_gather(c, o, t, timeout=20) for c, o, t in zip(pair, outputs, tensors, strict=True)]
+        for h in handles:
+            h.wait(30)
+        want = np.concatenate([values(t) for t in tensors])
+        assert all(np.array_equal(values(o), want) for o in outputs)
+    after = status(daemon)["bytes_by_path"]
+    assert after["registered"] - before["registered"] == 2 * 2 * N * 4, (before, after)
+    assert after["staged"] - before["staged"] == 2 * 2 * 2 * N * 4, (before, after)
+    assert not any(in_memfd(o) for o in outputs)

@@ -452,12 +452,12 @@ class Client:
 
     def _plan(
         self, tensor: torch.Tensor, role: str, finishers: list, keep: list, copied: list[int],
-        registered: list[int] | None = None,
+        registered: list[int] | None = None, may_register: bool = False,
     ) -> dict[str, Any]:
         """Reference for one buffer; queue its copy-out in ``finishers`` if staged.
 
-        ``registered``: the buffer may live in a registered storage (the client registry decides);
-        its segment id is appended there.
+        ``registered``: where the segment id goes when the buffer lies in a registered storage;
+        ``may_register``: its storage may be registered now (the client registry decides).
         """
         if tensor.device.type == "cuda" and self._cuda is not None and tensor.is_contiguous():
             return self._cuda.export(tensor)
@@ -477,7 +477,7 @@ class Client:
                 return {"seg": segment.seg_id, "off": offset, "n": nbytes}
             if registered is not None and nbytes > s.INLINE_MAX_BYTES and self._registry is not None:
                 self._wait_copy_back(tensor, "in", copied)  # an earlier staged op's copy-out lands first
-                found = self._registry.lookup(tensor)
+                found = self._registry.lookup(tensor, may_register)
                 if found is not None:
                     keep.append(tensor)  # keeps the storage (and its registration) alive while pending
                     registered.append(found[0])
@@ -532,8 +532,8 @@ class Client:
         registered: list[int] = []
         if buffers:
             for name, (tensor, role) in buffers.items():
-                # only in-place buffers are registered (see commd/client/registry.py for why)
-                message[name] = self._plan(tensor, role, finishers, keep, copied, registered if name == "buf" else None)
+                # only in-place buffers get registered (see commd/client/registry.py for why)
+                message[name] = self._plan(tensor, role, finishers, keep, copied, registered, name == "buf")
         if after is not None:
             finishers.append(lambda _reply: after())
         finish = None

@@ -22,7 +22,8 @@ Bounds: the client keeps at most ``budget`` registered bytes and ``MAX_REGISTRAT
 thrashes); the daemon has its own cap (``COMMD_MAX_REGISTERED_BYTES``), and a refusal there makes
 the client stage instead (logged once).
 
-Only buffers of in-place ops (all-reduce, broadcast, reduce) are registered, and only storages
+Only buffers of in-place ops (all-reduce, broadcast, reduce) get registered (any op may then name a
+registered storage), and only storages
 torch allocated itself (resizable, not shared, not pinned): a registered storage lives in a memfd
 that cannot shrink — the daemon's guarantee against SIGBUS —, so torch refuses to resize it, and
 FSDP resizes its all-gather buffers.  ``COMMD_REGISTER=0`` turns registration off.
@@ -107,10 +108,10 @@ class StorageRegistry:
     def __len__(self) -> int:
         return len(self._lru)
 
-    def lookup(self, tensor: torch.Tensor) -> tuple[int, int] | None:
+    def lookup(self, tensor: torch.Tensor, may_register: bool = True) -> tuple[int, int] | None:
         """(segment id, byte offset) of a contiguous CPU tensor's registered storage, or None: stage it.
 
-        Counts sightings: a storage's second sighting registers it.
+        With ``may_register``, counts sightings: a storage's second sighting registers it.
         """
         storage = tensor.untyped_storage()
         with self._lock:
@@ -127,7 +128,7 @@ class StorageRegistry:
                 self._seen[storage] = 1
                 return None
             seen = self._seen.get(storage, 0)
-            if seen == NEVER:
+            if seen == NEVER or not may_register:
                 return None
             if seen == 0:
                 self._seen[storage] = NEVER if not _torch_owned(storage) else 1
