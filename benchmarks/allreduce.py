@@ -351,7 +351,7 @@ def print_report(report: dict, stream=sys.stdout) -> None:
     results, sizes, paths = report["results"], report["sizes"], report["paths"]
     memcpy = report["memcpy_gbps"]
     ratios = report["ratios"]
-    w = 12
+    w = max([12] + [len(p) + 2 for p in paths])
     host = report["host"]
     print(f"\nall_reduce float32 sum, {report['nproc']} local ranks; median over iterations of the "
           f"slowest rank; busbw = algbw * 2(n-1)/n", file=stream)
