@@ -471,3 +471,15 @@ def test_any_op_names_a_registered_storage_but_only_in_place_buffers_get_registe
     assert after["registered"] - before["registered"] == 2 * 2 * N * 4, (before, after)
     assert after["staged"] - before["staged"] == 2 * 2 * 2 * N * 4, (before, after)
     assert not any(in_memfd(o) for o in outputs)
+
+
+@pytest.mark.parametrize("marker", [2, 0, True, "1"])
+def test_the_staged_marker_is_validated(marker: Any) -> None:
+    from commd.scheduler.agreement import parse_submission
+
+    msg = {"v": s.PROTOCOL_VERSION, "t": s.OP, "id": 1, "kind": "allreduce", "group": "world", "seq": 0,
+           "dtype": "float32", "count": 4, "buf": {"seg": 0, "off": 0, "n": 16, "st": marker}}
+    with pytest.raises(s.ProtocolError, match="'st'"):
+        parse_submission(msg, 1, 0, 2, 30.0)
+    msg["buf"]["st"] = 1
+    assert parse_submission(msg, 1, 0, 2, 30.0).buffers["buf"].staged

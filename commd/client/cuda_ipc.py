@@ -7,6 +7,10 @@ holds it).  Stream order is kept with an interprocess event recorded on the
 caller's current stream at submission: the daemon makes its stream wait on it
 before touching the buffer, and synchronizes its stream before it answers, so
 the caller may use the result as soon as the op completes.
+
+The same idea as ``registry.py`` for ordinary CPU tensors: memory the user allocated is made
+visible to the daemon once per allocation (the daemon caches each opened IPC handle; the registry
+caches each registered storage) and named in place by every later op.
 """
 
 from __future__ import annotations

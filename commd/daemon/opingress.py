@@ -1,8 +1,8 @@
-"""The op channel's messages: attach, segment registration, and ops — each validated before it changes state.
+"""The op channel's messages: attach, segment registration, ops, unregister — each validated before it changes state.
 
 A client's op channel (``opchannel.py``, Unix SEQPACKET) first attaches to the client its
-hello registered; short extra connections each register one segment, its memfd passed
-beside the message.  An op is decoded, checked field by field (``parse_submission``),
+hello registered; short extra connections each register one segment (an arena segment or
+a registered tensor storage, ``registered.py``), its memfd passed beside the message.  An op is decoded, checked field by field (``parse_submission``),
 bounds-checked against the client's segments, admitted against its limits, and handed
 to ``OpRouter.route``.  A bad message gets an ERROR naming what is wrong; nothing else changes.
 """
