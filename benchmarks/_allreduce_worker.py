@@ -1,7 +1,7 @@
 """One rank of an all_reduce benchmark path (started by benchmarks/allreduce.py).
 
 Usage: ``python benchmarks/_allreduce_worker.py CONFIG.json RANK``.  CONFIG
-names the path ("commd", "torch-commd" or "gloo"), the world size, the plan
+names the path ("commd", "torch-commd", "torch-commd-staged" or "gloo"), the world size, the plan
 (message size, warm-up and timed iterations for each size) and the file this
 rank writes its per-iteration times to.  MPI has its own helper
 (_mpi_allreduce.py) because it runs under mpiexec.
@@ -30,6 +30,18 @@ def _check(tensor: torch.Tensor, rank: int, n: int, run: Callable[[], None], wha
         raise SystemExit(f"{what}: wrong all_reduce result on rank {rank}: {tensor[:4].tolist()} != {want}")
 
 
+def buffer_path(tensor: torch.Tensor) -> str:
+    """Where the tensor's memory lives: "memfd" (a commd arena or registered storage) or "private"."""
+    address = tensor.data_ptr()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            low, high = (int(x, 16) for x in fields[0].split("-"))
+            if low <= address < high:
+                return "memfd" if len(fields) == 6 and fields[5].startswith("/memfd:commd-") else "private"
+    return "private"
+
+
 def _measure(
     plan: list[dict], rank: int, n: int, make: Callable[[int], torch.Tensor],
     reduce_fn: Callable[[torch.Tensor], None], barrier: Callable[[], None], what: str,
@@ -39,10 +51,11 @@ def _measure(
         nbytes = step["bytes"]
         tensor = make(nbytes // ELEMENT)
         barrier()
-        _check(tensor, rank, n, lambda t=tensor: reduce_fn(t), what)
+        _check(tensor, rank, n, lambda t=tensor: reduce_fn(t), what)  # first sighting of the tensor
         tensor.zero_()  # zeros stay zeros: no overflow over many in-place sums
-        for _ in range(step["warmup"]):
+        for _ in range(step["warmup"]):  # the second sighting registers an ordinary tensor (torch-commd)
             reduce_fn(tensor)
+        memory = buffer_path(tensor)  # after the warm-up: the memory every timed iteration uses
         barrier()
         times = []
         clock = time.perf_counter
@@ -50,7 +63,7 @@ def _measure(
             t0 = clock()
             reduce_fn(tensor)
             times.append(clock() - t0)
-        results.append({"bytes": nbytes, "times": times})
+        results.append({"bytes": nbytes, "times": times, "memory": memory})
         del tensor
     return results
 
@@ -106,7 +119,7 @@ def main() -> None:
     path = cfg["path"]
     if path == "commd":
         results = run_commd(cfg, rank)
-    elif path == "torch-commd":
+    elif path in ("torch-commd", "torch-commd-staged"):  # staged: COMMD_REGISTER=0, set by the orchestrator
         results = run_torch(cfg, rank, "commd")
     elif path == "gloo":
         results = run_torch(cfg, rank, "gloo")

@@ -7,7 +7,13 @@ Measures float32 all_reduce (sum) of N local ranks, for message sizes from
                the zero-copy path), against a daemon started for a fresh job
                in a temporary runtime directory;
   torch-commd  torch.distributed with the "commd" backend on ordinary tensors
-               (what DDP users get: inline or staged through the arena);
+               (what DDP users get): up to 4 KiB inline in the message; larger
+               tensors are staged at their first sighting and registered at
+               their second (the warm-up), so every timed iteration is
+               zero-copy — the worker checks that the tensor lives in a memfd;
+  torch-commd-staged
+               the same with COMMD_REGISTER=0: every larger tensor staged
+               through the arena (one copy in, one copy out);
   gloo         torch.distributed with Gloo, directly;
   mpi          mpi4py ``comm.Allreduce(MPI.IN_PLACE, ...)`` under mpiexec;
 
@@ -44,7 +50,15 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_allreduce_worker.py"
 MPI_WORKER = HERE / "_mpi_allreduce.py"
-PATHS = ("commd", "torch-commd", "gloo", "mpi")
+PATHS = ("commd", "torch-commd", "torch-commd-staged", "gloo", "mpi")
+#: What each path's rows measure (printed with the report).
+PATH_NOTES = {
+    "commd": "client library, arena tensors (commd.empty): zero-copy",
+    "torch-commd": "torch backend, ordinary tensors: inline <= 4 KiB, else registered after the warm-up (zero-copy)",
+    "torch-commd-staged": "torch backend, ordinary tensors, COMMD_REGISTER=0: inline <= 4 KiB, else staged",
+    "gloo": "torch backend gloo, ordinary tensors",
+    "mpi": "mpi4py Allreduce(IN_PLACE) under mpiexec",
+}
 ELEMENT = 4  # float32
 #: Ratios are also given as latency ratios up to this size (latency-bound regime).
 SMALL_BYTES = 64 << 10
@@ -187,6 +201,7 @@ def run_path(path: str, args: argparse.Namespace, plan: list[dict], work: Path) 
     env["COMMD_RUNTIME_DIR"] = str(runtime)
     env.pop("COMMD_JOB", None)
     env.setdefault("PYTHONUNBUFFERED", "1")
+    env["COMMD_REGISTER"] = "0" if path == "torch-commd-staged" else "1"
     cfg = {
         "path": path, "nproc": args.nproc, "plan": plan, "out": out, "port": free_port(),
         "op_timeout": max(60.0, args.timeout), "job": None,
@@ -273,6 +288,7 @@ def summarize(per_rank: list[dict], nproc: int) -> dict[int, dict]:
         rank0 = statistics.median(first["times"])
         algbw = size / t / 1e9
         rows[size] = {
+            "memory": sorted({r["results"][i].get("memory", "?") for r in per_rank}),
             "latency_us": t * 1e6,
             "latency_rank0_us": rank0 * 1e6,
             "p10_us": sorted(iteration_max)[len(iteration_max) // 10] * 1e6,
@@ -335,7 +351,7 @@ def print_report(report: dict, stream=sys.stdout) -> None:
     results, sizes, paths = report["results"], report["sizes"], report["paths"]
     memcpy = report["memcpy_gbps"]
     ratios = report["ratios"]
-    w = 12
+    w = max([12] + [len(p) + 2 for p in paths])
     host = report["host"]
     print(f"\nall_reduce float32 sum, {report['nproc']} local ranks; median over iterations of the "
           f"slowest rank; busbw = algbw * 2(n-1)/n", file=stream)
@@ -364,6 +380,13 @@ def print_report(report: dict, stream=sys.stdout) -> None:
         print(line, file=stream)
     print("\n(commd/X: busbw ratio, >1 means commd is faster; in the latency table t_commd/t_X, "
           "<1 means commd is faster)", file=stream)
+    print("\npaths", file=stream)
+    for path in paths:
+        rows = results.get(path, {})
+        memfd = [human(size) for size in sizes if rows.get(size, {}).get("memory") == ["memfd"]]
+        seen = f"; tensor in shared memory after the warm-up at: {', '.join(memfd) or 'no size'}" \
+            if path.startswith("torch-commd") else ""
+        print(f"  {path:<19} {PATH_NOTES.get(path, '')}{seen}", file=stream)
     for path, error in report["errors"].items():
         print(f"\n{path} FAILED: {error}", file=stream)
     if report["targets"]:

@@ -65,6 +65,9 @@ THIRD_PARTY_PRIVATE: dict[str, set[str]] = {
     # CUDA IPC: torch exposes storage sharing between processes only through these.
     "commd.client.cuda_ipc": {"_share_cuda_"},
     "commd.daemon.cuda": {"_new_shared_cuda"},
+    # Registration moves a user's storage into shared memory in place (every view follows): torch's
+    # share_memory_() does the same with the same swap, but into a file that cannot be sealed.
+    "commd.client.registry": {"_swap_data_ptr_"},
     # Gloo/NCCL groups built by hand (own device, timeouts) and Gloo's flat all-gather.
     # torch.distributed does not re-export AllgatherOptions (it lives in torch._C._distributed_c10d).
     "commd.lanes.gloo": {"_Options", "_devices", "_timeout", "_set_default_timeout"},

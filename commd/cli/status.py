@@ -140,13 +140,17 @@ def format_status(status: dict[str, Any]) -> str:
     out.append(f"clients ({len(clients)})")
     if clients:
         out += _table(
-            ["rank", "local", "pid", "arena"],
-            [[str(c.get("rank")), str(c.get("local_rank")), str(c.get("pid")), human_bytes(c.get("arena_bytes", 0))]
+            ["rank", "local", "pid", "arena", "registered"],
+            [[str(c.get("rank")), str(c.get("local_rank")), str(c.get("pid")), human_bytes(c.get("arena_bytes", 0)),
+              f"{c.get('registered_segments', 0)} / {human_bytes(c.get('registered_bytes', 0))}"]
              for c in clients],
             left=0,
         )
     else:
         out.append("  (none connected)")
+    paths = status.get("bytes_by_path") or {}
+    if any(paths.values()):  # how ops' buffers reached the daemon: staged ones cost a copy in and out
+        out.append("buffers by path: " + ", ".join(f"{name} {human_bytes(n)}" for name, n in paths.items()))
 
     groups = status.get("groups") or {}
     out.append("")

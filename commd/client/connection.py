@@ -22,7 +22,6 @@ from collections.abc import Callable
 from typing import Any
 
 import msgpack
-import numpy as np
 import torch
 import zmq
 
@@ -37,11 +36,12 @@ from commd.client.errors import (
     from_reply,
 )
 from commd.client.handle import Handle
-from commd.client.segments import register_segment
+from commd.client.registry import StorageRegistry, default_budget, registration_enabled
+from commd.client.segments import register_fd, register_segment
 from commd.client.spawn import wait_for_secret
 from commd.client.trust import connect_op_channel, read_job_secret, verify_job_files
 from commd.kernels.reduce import DTYPE_NAMES, TORCH_DTYPES
-from commd.memory.arena import Arena, Segment
+from commd.memory.arena import REGISTERED, Arena, Segment
 from commd.memory.budget import arena_bytes_setting, default_arena_bytes
 from commd.protocol import schema as s
 from commd.protocol.seqpacket import peer_closed
@@ -107,6 +107,8 @@ class Client:
         if op_timeout is not None and not 0.001 <= op_timeout <= s.MAX_OP_TIMEOUT_S:
             raise ValueError(f"op_timeout {op_timeout} must lie in [0.001, {s.MAX_OP_TIMEOUT_S:.0f}] seconds")
         self.op_timeout = op_timeout
+        # COMMD_REGISTER and COMMD_MAX_REGISTERED_BYTES are checked before anything connects
+        self._register_budget = default_budget() if registration_enabled() else None
         self._ids = itertools.count(1)
         self._seq: dict[str, int] = {}
         self._groups: dict[str, list[int]] = {}
@@ -188,6 +190,9 @@ class Client:
             raise from_reply(ack.get("code", ""), ack.get("message", "attach refused"))
         self._receiver: threading.Thread | None = None
         register_segment(self.paths.ops_socket, self.client_id, self.secret, first, timeout, self.daemon_pid)
+        # Ordinary tensors seen again are moved into shared memory once and named in place after.
+        self._registry = (StorageRegistry(self.arena.prefix, self._register_storage, self._register_budget)
+                          if self._register_budget is not None else None)
 
     def _request(self, message: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
         """Synchronous request/reply on the request socket."""
@@ -220,6 +225,11 @@ class Client:
         register_segment(
             self.paths.ops_socket, self.client_id, self.secret, segment, REGISTER_TIMEOUT_S, self.daemon_pid
         )
+
+    def _register_storage(self, seg_id: int, name: str, nbytes: int, fd: int) -> None:
+        self._check_usable()
+        register_fd(self.paths.ops_socket, self.client_id, self.secret, self.daemon_pid, REGISTER_TIMEOUT_S,
+                    seg_id, name, nbytes, fd, REGISTERED)
 
     def register_group(self, name: str, ranks: list[int]) -> None:
         """Tell the daemon about a group (all members must register the same ranks)."""
@@ -441,9 +451,14 @@ class Client:
             copied.append(storage)
 
     def _plan(
-        self, tensor: torch.Tensor, role: str, finishers: list, keep: list, copied: list[int]
+        self, tensor: torch.Tensor, role: str, finishers: list, keep: list, copied: list[int],
+        registered: list[int] | None = None, may_register: bool = False,
     ) -> dict[str, Any]:
-        """Reference for one buffer; queue its copy-out in ``finishers`` if staged."""
+        """Reference for one buffer; queue its copy-out in ``finishers`` if staged.
+
+        ``registered``: where the segment id goes when the buffer lies in a registered storage;
+        ``may_register``: its storage may be registered now (the client registry decides).
+        """
         if tensor.device.type == "cuda" and self._cuda is not None and tensor.is_contiguous():
             keep.append(tensor)  # its storage (and so its export) lives while the op is pending
             return self._cuda.export(tensor)
@@ -461,6 +476,13 @@ class Client:
                 segment, offset = found
                 keep.append(tensor)  # its block must not be reused while the op is pending
                 return {"seg": segment.seg_id, "off": offset, "n": nbytes}
+            if registered is not None and nbytes > s.INLINE_MAX_BYTES and self._registry is not None:
+                self._wait_copy_back(tensor, "in", copied)  # an earlier staged op's copy-out lands first
+                found = self._registry.lookup(tensor, may_register)
+                if found is not None:
+                    keep.append(tensor)  # keeps the storage (and its registration) alive while pending
+                    registered.append(found[0])
+                    return {"seg": found[0], "off": found[1], "n": nbytes}
         if nbytes:
             self._wait_copy_back(tensor, role, copied)
         if nbytes <= s.INLINE_MAX_BYTES:
@@ -476,7 +498,7 @@ class Client:
             copy_tensor(staging, tensor)
         if role != "in":
             finishers.append(lambda _reply: copy_tensor(tensor, staging))
-        return {"seg": block.segment.seg_id, "off": block.offset, "n": nbytes}
+        return {"seg": block.segment.seg_id, "off": block.offset, "n": nbytes, "st": 1}
 
     # ---- submission ---------------------------------------------------
     def submit(
@@ -508,9 +530,11 @@ class Client:
         finishers: list = []
         keep: list = []
         copied: list[int] = []
+        registered: list[int] = []
         if buffers:
             for name, (tensor, role) in buffers.items():
-                message[name] = self._plan(tensor, role, finishers, keep, copied)
+                # only in-place buffers get registered (see commd/client/registry.py for why)
+                message[name] = self._plan(tensor, role, finishers, keep, copied, registered, name == "buf")
         if after is not None:
             finishers.append(lambda _reply: after())
         finish = None
@@ -534,6 +558,9 @@ class Client:
             frame = msgpack.packb(message, use_bin_type=True)
             if len(frame) > s.MAX_MESSAGE_BYTES:
                 raise RequestError(f"{handle.description}: control message of {len(frame)} bytes is too large")
+            if self._registry is not None:
+                for seg_id in self._registry.due_unregisters(self._pending.__contains__):  # after the ops that used them
+                    self._send_op(s.encode({"t": s.UNREGISTER, "seg": seg_id}), handle.deadline)
             with self._pending_lock:
                 self._pending[op_id] = handle
             try:
@@ -542,6 +569,9 @@ class Client:
                 with self._pending_lock:
                     self._pending.pop(op_id, None)
                 raise
+            finally:
+                for seg_id in registered:  # the op's id once it is pending (0: it never was)
+                    self._registry.mark_used(seg_id, op_id if op_id in self._pending else 0)  # type: ignore[union-attr]
         if self._receiver is not None:
             self._in_flight.set()
         return handle
@@ -555,20 +585,16 @@ def _tensor_bytes(tensor: torch.Tensor) -> bytes:
     return ctypes.string_at(contiguous.data_ptr(), nbytes)
 
 
-def _byte_view(tensor: torch.Tensor) -> np.ndarray:
-    """The bytes of a contiguous CPU tensor as a NumPy array (any dtype, bfloat16 too)."""
-    return tensor.detach().reshape(-1).view(torch.uint8).numpy()
-
-
 def copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst <- src for same-shape CPU tensors.
 
-    Contiguous pairs are copied with NumPy (one plain memcpy on the calling
-    thread): torch's copy_ may fan out to its thread pool, which stalls when
-    the node's cores are shared by several ranks and the daemon.
+    Contiguous pairs are copied with one plain memcpy on the calling thread (the GIL released):
+    torch's copy_ may fan out to its thread pool, which stalls when the node's cores are shared
+    by several ranks and the daemon.  Not through NumPy: ``Tensor.numpy()`` marks the user's
+    storage as not resizable for good (FSDP resizes its buffers), and keeps it from registration.
     """
     if dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype and dst.numel():
-        np.copyto(_byte_view(dst), _byte_view(src))
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
     else:
         dst.copy_(src)
 

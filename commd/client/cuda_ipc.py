@@ -14,6 +14,9 @@ Stream order is kept with an interprocess event recorded on the caller's current
 stream at submission: the daemon makes its stream wait on it before touching the
 buffer, and synchronizes its stream before it answers, so the caller may use the
 result as soon as the op completes.
+
+The CPU counterpart is ``registry.py``: an ordinary CPU storage seen again is moved into a
+sealed memfd once and registered as a segment, and forgotten when it dies.
 """
 
 from __future__ import annotations

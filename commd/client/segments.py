@@ -1,4 +1,7 @@
-"""Registering an arena segment with the daemon: its memfd passed over the op socket.
+"""Registering a segment with the daemon: its memfd passed over the op socket.
+
+A segment is an arena segment or a registered tensor storage (``registry.py``); both
+are sealed memfds and travel the same way.
 
 Each registration is one short SEQPACKET connection to the daemon's op
 socket: the request (client id, job secret, segment id, name and size) with
@@ -14,7 +17,7 @@ from pathlib import Path
 
 from commd.client.errors import CommdError, ConnectError, UntrustedDaemonError, from_reply
 from commd.client.trust import peer_credentials
-from commd.memory.arena import Segment
+from commd.memory.arena import ARENA, Segment
 from commd.protocol import schema as s
 from commd.protocol.fdpass import send_with_fd
 
@@ -31,8 +34,19 @@ def register_segment(
     """
     if segment.fd is None:
         raise CommdError(f"segment {segment.name!r} has no descriptor left to register")
+    register_fd(ops_socket, client_id, secret, daemon_pid, timeout,
+                segment.seg_id, segment.name, segment.size, segment.fd, segment.kind)
+    segment.close_fd()  # the daemon holds its own mapping now
+
+
+def register_fd(ops_socket: Path, client_id: int, secret: str, daemon_pid: int, timeout: float,
+                seg_id: int, name: str, size: int, fd: int, kind: str = ARENA) -> None:
+    """Pass one sealed memfd (an arena segment or a registered storage) to the daemon; the caller keeps ``fd``."""
+    what = "arena segment" if kind == ARENA else "registered tensor storage"
     request = {"t": s.SEGMENT, "client_id": client_id, "secret": secret,
-               "seg": segment.seg_id, "name": segment.name, "size": segment.size}
+               "seg": seg_id, "name": name, "size": size}
+    if kind != ARENA:
+        request["kind"] = kind
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
         sock.settimeout(timeout)
         try:
@@ -40,15 +54,14 @@ def register_segment(
             peer_pid = peer_credentials(sock)[0]
             if peer_pid != daemon_pid:
                 raise UntrustedDaemonError(
-                    f"refusing to register arena segment {segment.name!r}: pid {peer_pid} listens on "
+                    f"refusing to register {what} {name!r}: pid {peer_pid} listens on "
                     f"{ops_socket}, not the daemon (pid {daemon_pid})"
                 )
-            send_with_fd(sock, s.encode(request), segment.fd)
+            send_with_fd(sock, s.encode(request), fd)
             reply = s.decode(sock.recv(REPLY_BYTES))
         except (OSError, s.ProtocolError) as exc:
-            raise ConnectError(f"cannot register arena segment {segment.name!r} with the daemon at "
+            raise ConnectError(f"cannot register {what} {name!r} with the daemon at "
                                f"{ops_socket}: {exc}") from None
     if reply.get("t") != s.ACK:
-        raise from_reply(reply.get("code", ""), f"arena segment {segment.name!r} ({segment.size} bytes) "
+        raise from_reply(reply.get("code", ""), f"{what} {name!r} ({size} bytes) "
                          f"refused: {reply.get('message', 'no reason given')}")
-    segment.close_fd()  # the daemon holds its own mapping now

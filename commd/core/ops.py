@@ -22,6 +22,8 @@ class BufferRef:
     offset: int = 0
     inline: bytearray | None = None
     cuda: CudaRef | None = None
+    #: A client's staging block (a copy of one of its ordinary tensors), not its own arena tensor.
+    staged: bool = False
 
 
 @dataclass(slots=True)

@@ -20,7 +20,7 @@ from commd.daemon.limits import PendingLedger
 from commd.daemon.opchannel import OpConnection
 from commd.execution import torch_loader
 from commd.kernels.small import NUMPY_DTYPES
-from commd.memory.arena import Segment
+from commd.memory.arena import ARENA, Segment
 from commd.protocol import schema as s
 
 if TYPE_CHECKING:
@@ -43,10 +43,18 @@ class ClientRecord:
     groups: dict[str, int] = field(default_factory=dict)  # group name -> group rank
     op_channel: OpConnection | None = None
     pending: PendingLedger = field(default_factory=PendingLedger)
+    #: op id -> the registered segments that op uses (kept until the op is no longer pending)
+    registered_ops: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    #: bytes of this client's accepted buffers by path (observe.stats.BUFFER_PATHS)
+    bytes_by_path: dict[str, int] = field(default_factory=dict)
 
     @property
     def arena_bytes(self) -> int:
-        return sum(seg.size for seg in self.segments.values())
+        return sum(seg.size for seg in self.segments.values() if seg.kind == ARENA)
+
+    @property
+    def registered_bytes(self) -> int:
+        return sum(seg.size for seg in self.segments.values() if seg.kind != ARENA)
 
 
 class ClientRegistry:
@@ -160,5 +168,6 @@ class BufferResolver:
         # Views still used by a running op keep their mapping alive; dropping
         # the references unmaps each segment once the last view is gone.
         client.views.clear()
+        client.registered_ops.clear()
         self.cuda.forget_client(client.client_id)
         client.segments.clear()

@@ -29,6 +29,9 @@ class DaemonConfig:
     #: Segments one client may register: each costs the daemon a mapping (the process's
     #: count is finite) and a registration; without a cap one client could exhaust them for all.
     max_segments: int = 1024
+    #: Bytes of registered storages (ordinary tensors moved into memfds) one client may have mapped here:
+    #: they pin the client's memory in the daemon until unregistered; 0 turns registration off.
+    max_registered_bytes: int = 1 << 40
     node_name: str = "localhost"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     fabric: Fabric | None = None

@@ -49,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
         threads = env_int("COMMD_KERNEL_THREADS", 1, 1, 1024)
         max_segments = env_int("COMMD_MAX_SEGMENTS", 1024, 1, 1 << 20)
         max_arena_bytes = env_bytes("COMMD_MAX_ARENA_BYTES", _physical_memory(), 1 << 16, 1 << 50)
+        max_registered_bytes = env_bytes("COMMD_MAX_REGISTERED_BYTES", _physical_memory() // 2, 0, 1 << 50)
         warm_up_torch = bool(env_int("COMMD_TORCH_WARMUP", 1, 0, 1))
         if args.idle_grace < 0:
             raise ConfigError("--idle-grace must be non-negative")
@@ -123,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         first_client_grace=args.first_client_grace, owner_pid=args.owner_pid,
         node_name=node_name, scheduler=scheduler, fabric=fabric, peer_timeout=peer_timeout, limits=limits,
         metrics=metrics, trace=trace, max_segments=max_segments, max_arena_bytes=max_arena_bytes,
+        max_registered_bytes=max_registered_bytes,
     )
     daemon = Daemon(config)
     daemon.bind()

@@ -1,8 +1,8 @@
-"""The op channel's messages: attach, segment registration, and ops — each validated before it changes state.
+"""The op channel's messages: attach, segment registration, ops, unregister — each validated before it changes state.
 
 A client's op channel (``opchannel.py``, Unix SEQPACKET) first attaches to the client its
-hello registered; short extra connections each register one segment, its memfd passed
-beside the message.  An op is decoded, checked field by field (``parse_submission``),
+hello registered; short extra connections each register one segment (an arena segment or
+a registered tensor storage, ``registered.py``), its memfd passed beside the message.  An op is decoded, checked field by field (``parse_submission``),
 bounds-checked against the client's segments, admitted against its limits, and handed
 to ``OpRouter.route``.  A bad message gets an ERROR naming what is wrong; nothing else changes.
 """
@@ -20,9 +20,10 @@ from commd.daemon.config import DaemonConfig
 from commd.daemon.limits import LimitGuard
 from commd.daemon.loglimit import RateLimitedLog
 from commd.daemon.opchannel import OpConnection
+from commd.daemon.registered import RegisteredSegments
 from commd.daemon.router import OpRouter
 from commd.daemon.state import NodeState
-from commd.memory.arena import Segment
+from commd.memory.arena import ARENA, Segment
 from commd.observe.stats import Stats
 from commd.protocol import schema as s
 from commd.runtime import secrets_equal
@@ -54,6 +55,7 @@ class OpIngress:
         self.limits = limits
         self.stats = stats
         self.log_limit = log_limit
+        self.registered = RegisteredSegments(config.max_registered_bytes, stats)
 
     def on_message(self, channel: OpConnection, frame: bytes, fds: list[int]) -> None:
         """One message on an op channel (the ``OpListener``'s callback)."""
@@ -67,6 +69,8 @@ class OpIngress:
                 self._attach_channel(channel, msg)
             elif msg["t"] == s.OP:
                 self._on_client_op(channel.client, msg)
+            elif msg["t"] == s.UNREGISTER:
+                self.registered.unregister(channel.client, msg)
             else:
                 raise s.ProtocolError(f"only ops travel on the op channel, not {msg['t']!r}")
         except s.ProtocolError as exc:
@@ -106,18 +110,25 @@ class OpIngress:
         channel.send(s.encode({"t": s.ACK}))
 
     def _attach_segment(self, client: ClientRecord, raw: dict[str, Any], fd: int) -> None:
-        seg_id = s.int_field(raw, "seg", 0, 1 << 20)
+        seg_id = s.int_field(raw, "seg", 0, s.MAX_SEGMENT_ID)
         name = s.check_segment_name(s.field(raw, "name", str))
         size = s.int_field(raw, "size", 1)  # the per-client cap below names itself
+        kind = s.optional(raw, "kind", str, ARENA)
+        if kind not in s.SEGMENT_KINDS:
+            raise s.ProtocolError(f"segment kind {kind!r} is not one of {list(s.SEGMENT_KINDS)}")
         if seg_id in client.segments:
             raise s.ProtocolError(f"segment {seg_id} is already registered")
+        if kind != ARENA:
+            self.registered.check_registration(client, seg_id, size)
+        elif seg_id > s.ARENA_SEG_MAX:
+            raise s.ProtocolError(f"arena segment id {seg_id} outside [0, {s.ARENA_SEG_MAX}]")
         if len(client.segments) >= self.config.max_segments:
             raise s.ProtocolError(
                 f"rank {client.rank} already has {len(client.segments)} segments registered, the limit "
                 f"(COMMD_MAX_SEGMENTS={self.config.max_segments}); allocate fewer, larger arena tensors",
                 s.E_BOUNDS,
             )
-        if client.arena_bytes + size > self.config.max_arena_bytes:
+        if kind == ARENA and client.arena_bytes + size > self.config.max_arena_bytes:
             self.stats.limit_hit("max_arena_bytes")
             raise s.ProtocolError(
                 f"rank {client.rank}'s arena would reach {client.arena_bytes + size} bytes, over the limit "
@@ -125,11 +136,11 @@ class OpIngress:
                 s.E_BOUNDS,
             )
         try:
-            segment = Segment.from_fd(seg_id, name, size, fd, os.getuid())
+            segment = Segment.from_fd(seg_id, name, size, fd, os.getuid(), kind)
         except (OSError, ValueError) as exc:
             raise s.ProtocolError(f"cannot map segment {name!r}: {exc}") from None
         client.segments[seg_id] = segment
-        log.debug("rank %d registered segment %d (%d bytes)", client.rank, seg_id, size)
+        log.debug("rank %d registered %s segment %d (%d bytes)", client.rank, kind, seg_id, size)
 
     def _on_client_op(self, client: ClientRecord, msg: dict[str, Any]) -> None:
         """An op from a registered client; a limit refuses this op alone (counted, logged once)."""
@@ -155,5 +166,6 @@ class OpIngress:
         self.buffers.check_bounds(client, sub)
         sub.timeout = self.limits.cap_timeout(client.rank, sub.timeout)
         self.limits.admit(client.rank, client.pending, sub.op_id, sub.buffers)
+        self.registered.count(client, sub)
         self.stats.submitted(sub.group, sub.seq)
         self.router.route(sub, self.placements.get(group_name))

@@ -8,6 +8,7 @@ from typing import Any
 
 from commd.daemon.clients import ClientRegistry
 from commd.daemon.config import DaemonConfig
+from commd.daemon.registered import RegisteredSegments
 from commd.daemon.state import NodeState
 from commd.execution import torch_loader
 from commd.observe.hooks import DaemonObservers
@@ -31,9 +32,12 @@ def status_document(config: DaemonConfig, state: NodeState, stats: Stats, schedu
         "torch_loaded": torch_loader.loaded(),
         "clients": [
             {"rank": c.rank, "local_rank": c.local_rank, "pid": c.pid, "arena_bytes": c.arena_bytes,
-             "pending_ops": len(c.pending.ops), "pending_bytes": c.pending.bytes}
+             "pending_ops": len(c.pending.ops), "pending_bytes": c.pending.bytes,
+             **RegisteredSegments.client_status(c)}
             for c in sorted(clients, key=lambda c: c.rank)
         ],
+        "bytes_by_path": dict(stats.bytes_by_path),
+        "max_registered_bytes": config.max_registered_bytes,
         "groups": {
             name: {
                 "size": g.size,

@@ -86,9 +86,35 @@ def reserve(fd: int, size: int, what: str) -> None:
         ) from None
 
 
+def sealed_memfd(name: str, size: int, what: str) -> int:
+    """A memfd of ``size`` bytes, every page reserved, sealed against shrinking and growing.
+
+    The one way every segment's memory is made, arena or registered storage
+    (``commd/client/registry.py``): the daemon accepts nothing else.
+    """
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        reserve(fd, size, what)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SIZE_SEALS | fcntl.F_SEAL_SEAL)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+#: What a segment holds: an arena (the client allocates in it) or one registered torch storage.
+ARENA = "arena"
+REGISTERED = "registered"
+
+
 @dataclass
 class Segment:
-    """One mapped shared-memory segment; ``fd`` stays open until the daemon holds its own."""
+    """One mapped shared-memory segment; ``fd`` stays open until the daemon holds its own.
+
+    ``kind`` is ``ARENA`` or ``REGISTERED`` (a client's ordinary tensor storage moved into
+    a memfd once it was seen again): both are the same sealed memfd, checked and mapped alike.
+    """
 
     seg_id: int
     name: str
@@ -97,15 +123,13 @@ class Segment:
     array: np.ndarray  # uint8 view of the whole mapping
     base: int  # virtual address of the mapping in this process
     fd: int | None = None
+    kind: str = ARENA
 
     @classmethod
     def create(cls, seg_id: int, name: str, size: int) -> Segment:
         """A fresh memfd of ``size`` bytes, pages reserved, sealed against resizing, mapped."""
-        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        fd = sealed_memfd(name, size, f"arena segment {name!r}")
         try:
-            os.ftruncate(fd, size)
-            reserve(fd, size, f"arena segment {name!r}")
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SIZE_SEALS | fcntl.F_SEAL_SEAL)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
@@ -115,7 +139,7 @@ class Segment:
         return segment
 
     @classmethod
-    def from_fd(cls, seg_id: int, name: str, size: int, fd: int, expected_uid: int) -> Segment:
+    def from_fd(cls, seg_id: int, name: str, size: int, fd: int, expected_uid: int, kind: str = ARENA) -> Segment:
         """Map a segment a client passed as ``fd``, after checking kind, owner, seals and size.
 
         Never trusts the client: a file that could shrink would turn the
@@ -143,7 +167,9 @@ class Segment:
             raise ValueError(f"segment {name!r}: only {st.st_blocks * 512} of its {size} bytes are reserved "
                              "(allocate its pages with posix_fallocate before passing it)")
         mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        return cls._wrap(seg_id, name, size, mm)
+        segment = cls._wrap(seg_id, name, size, mm)
+        segment.kind = kind
+        return segment
 
     @classmethod
     def _wrap(cls, seg_id: int, name: str, size: int, mm: mmap.mmap) -> Segment:

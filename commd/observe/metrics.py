@@ -50,6 +50,21 @@ class DaemonCollector:
     def __init__(self, take: Callable[[], dict[str, Any]]) -> None:
         self._take = take
 
+    @staticmethod
+    def _buffers(status: dict[str, Any]) -> Iterator[Metric]:
+        """Bytes of accepted ops' buffers by how they arrived; registered storages mapped now."""
+        by_path = CounterMetricFamily("commd_buffer_bytes", "Bytes of ops' buffers by how they reached the daemon: "
+                                      "registered, arena (zero-copy), staged (copied in and out), inline, cuda",
+                                      labels=["path"])
+        for path, nbytes in (status.get("bytes_by_path") or {}).items():
+            by_path.add_metric([path], nbytes)
+        yield by_path
+        clients = status.get("clients") or []
+        yield GaugeMetricFamily("commd_registered_segments", "Registered tensor storages mapped, all ranks",
+                                value=sum(c.get("registered_segments", 0) for c in clients))
+        yield GaugeMetricFamily("commd_registered_bytes", "Bytes of registered tensor storages mapped, all ranks",
+                                value=sum(c.get("registered_bytes", 0) for c in clients))
+
     def collect(self) -> Iterator[Metric]:
         snap = self._take()
         status = snap["status"]
@@ -74,6 +89,7 @@ class DaemonCollector:
         for name, count in sorted(snap["limits_hit"].items()):
             limits.add_metric([name], count)
         yield limits
+        yield from self._buffers(status)
         fabric = status.get("fabric")
         if fabric is not None:
             yield from self._fabric(fabric)

@@ -49,6 +49,11 @@ class GroupStats:
     bytes: int = 0
 
 
+#: How an op's buffer reached the daemon: a registered storage (zero-copy), the user's own arena tensor
+#: (zero-copy), a client staging block (one copy in, one out), inline in the message, a CUDA IPC handle.
+BUFFER_PATHS = ("registered", "arena", "staged", "inline", "cuda")
+
+
 @dataclass
 class Stats:
     started_at: float = field(default_factory=time.time)
@@ -65,6 +70,8 @@ class Stats:
     error_replies: dict[str, int] = field(default_factory=dict)
     #: requests refused because a configured limit was reached, per limit name
     limits_hit: dict[str, int] = field(default_factory=dict)
+    #: bytes of accepted ops' buffers by how they reached the daemon (``BUFFER_PATHS``), all clients
+    bytes_by_path: dict[str, int] = field(default_factory=lambda: dict.fromkeys(BUFFER_PATHS, 0))
 
     def group_added(self, name: str, size: int) -> None:
         self.groups.setdefault(name, GroupStats(size))

@@ -47,6 +47,17 @@ TRACE = "trace"
 BYE = "bye"
 PING = "ping"
 ACK = "ack"
+#: Forget a registered storage segment: {"t": "unregister", "seg": id}, on the op channel, in order
+#: after the ops that used it; no reply unless it is refused.
+UNREGISTER = "unregister"
+
+#: Segment ids: an arena's are dense from 0; registered storages take ids from REGISTERED_SEG_BASE
+#: up, never reused within a client, so a late unregister can never hit a newer registration.
+ARENA_SEG_MAX = (1 << 20) - 1
+REGISTERED_SEG_BASE = 1 << 20
+MAX_SEGMENT_ID = (1 << 31) - 1
+#: How a segment registration says what its memfd holds (field "kind"; absent: an arena segment).
+SEGMENT_KINDS = ("arena", "registered")
 
 COLLECTIVES = frozenset(
     {

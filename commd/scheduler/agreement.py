@@ -30,10 +30,14 @@ def _ref(msg: dict[str, Any], name: str) -> BufferRef | None:
     if "inline" in raw:
         nbytes = s.check_inline_size(name, s.int_field(raw, "inline", 0, s.MAX_MESSAGE_BYTES))
         return BufferRef(nbytes, inline=bytearray(nbytes))
+    staged = raw.get("st")
+    if staged is not None and (type(staged) is not int or staged != 1):
+        raise s.ProtocolError(f"buffer '{name}': field 'st' (staged) must be 1 when present, got {staged!r}")
     return BufferRef(
         nbytes=s.int_field(raw, "n", 0),
-        segment=s.int_field(raw, "seg", 0, 1 << 20),
+        segment=s.int_field(raw, "seg", 0, s.MAX_SEGMENT_ID),
         offset=s.int_field(raw, "off", 0),
+        staged=staged is not None,
     )
 
 
