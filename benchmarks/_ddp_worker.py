@@ -168,6 +168,13 @@ def main() -> None:
     with open(tmp, "w") as f:
         json.dump(result, f)
     os.replace(tmp, out)
+    if cfg["path"] == "mpi":
+        # Every rank's file is written before any rank leaves: mpiexec may kill the others
+        # as soon as one process exits, and os._exit below skips mpi4py's own MPI_Finalize.
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Barrier()
+        MPI.Finalize()
     # Skip the interpreter's teardown: a torch C++ destructor at exit sometimes aborts
     # a finished Gloo process (see commd/cli/demo.py).
     sys.stdout.flush()

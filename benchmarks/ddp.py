@@ -132,6 +132,9 @@ def run_once(path: str, spec: dict[str, Any], args: argparse.Namespace, work: Pa
         except RuntimeError as exc:
             tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:]) if log.exists() else ""
             raise SystemExit(f"ddp: {path} run {tag} failed: {exc}; log {log}:\n{tail}") from None
+        missing = [r for r in range(args.nproc) if not Path(out.format(rank=r)).is_file()]
+        if missing:
+            raise SystemExit(f"ddp: {path} run {tag}: ranks {missing} wrote no result; log {log}")
         ranks = [json.loads(Path(out.format(rank=r)).read_text()) for r in range(args.nproc)]
         return {"ranks": ranks, "params": [params_out.format(rank=r) for r in range(args.nproc)]}
     finally:
