@@ -11,9 +11,11 @@ Every path trains the same MLP on the same batches with DistributedDataParallel:
   mpi    a Gloo process group for DDP's set-up (the parameter broadcast) and a comm hook that
          all-reduces each bucket with mpi4py (torch's pip wheel has no MPI backend).
 
-Then, after a barrier, every rank trains a plain copy of the model without DDP for a few steps
-at the same time as the others: the step time without communication under the same CPU
-contention, which ``ddp.py`` subtracts to get the communication DDP could not hide.
+After each timed DDP step every rank trains a plain copy of the model without DDP on the same
+batch, all ranks at once: the step time without communication under the same CPU contention,
+which ``ddp.py`` subtracts to get the communication DDP could not hide.  The mpi hook, and with
+``hook_timing`` a timing copy of torch's default all-reduce hook on commd and Gloo, also note
+how long an all-reduce was in flight in each step.
 Each rank writes its times, losses and final parameters; rank 0 of ``commd`` also writes the
 daemon's status after the first steps and at the end (its buffer counters).
 """
@@ -66,7 +68,7 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y:
     return float(loss.detach())
 
 
-def _mpi_hook(comm: Any, world: int, busy: list[float]) -> Any:
+def _mpi_hook(comm: Any, world: int, spans: list[tuple[float, float]]) -> Any:
     """A DDP comm hook: average each gradient bucket with mpi4py's in-place Allreduce (blocking)."""
 
     # No annotations: DDP compares them with dist.GradBucket, and this module's are strings.
@@ -77,12 +79,40 @@ def _mpi_hook(comm: Any, world: int, busy: list[float]) -> Any:
         buf.div_(world)  # as torch's default hook: divide, then sum
         started = time.perf_counter()
         comm.Allreduce(MPI.IN_PLACE, buf.numpy(), op=MPI.SUM)
-        busy.append(time.perf_counter() - started)
+        spans.append((started, time.perf_counter()))
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         fut.set_result(buf)
         return fut
 
     return hook
+
+
+def _timed_allreduce_hook(world: int, spans: list[tuple[float, float]]) -> Any:
+    """torch's default all-reduce hook (divide, all_reduce on the process group), noting when each bucket's ends."""
+
+    def hook(_state, bucket):  # noqa: ANN001, ANN202 - see _mpi_hook
+        buf = bucket.buffer()
+        buf.div_(world)
+        started = time.perf_counter()
+
+        def finished(fut: torch.futures.Future[Any]) -> torch.Tensor:
+            spans.append((started, time.perf_counter()))
+            value = fut.value()
+            return value[0] if isinstance(value, list) else value
+
+        return dist.all_reduce(buf, async_op=True).get_future().then(finished)
+
+    return hook
+
+
+def in_flight(spans: list[tuple[float, float]]) -> float:
+    """Seconds during which at least one of the spans was open (their union's length)."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(spans):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
 
 
 def _status(job: str) -> dict[str, Any]:
@@ -110,37 +140,39 @@ def run(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=cfg["op_timeout"]))
     model = build_model(cfg["model"], cfg["seed"])
+    # The same steps without DDP: the compute time under the same contention (copied before DDP hooks the model).
+    local = copy.deepcopy(model)
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg["bucket_mb"])
-    busy: list[float] = []
+    spans: list[tuple[float, float]] = []
+    timed = comm is not None or cfg["hook_timing"]
     if comm is not None:
-        ddp.register_comm_hook(None, _mpi_hook(comm, world, busy))
+        ddp.register_comm_hook(None, _mpi_hook(comm, world, spans))
+    elif cfg["hook_timing"]:
+        ddp.register_comm_hook(None, _timed_allreduce_hook(world, spans))
     opt = torch.optim.SGD(ddp.parameters(), lr=LEARNING_RATE)
+    local_opt = torch.optim.SGD(local.parameters(), lr=LEARNING_RATE)
     total = cfg["warmup"] + cfg["steps"]
     batches = make_batches(cfg["model"], cfg["batch"], total, cfg["seed"], rank)
-    step_times, losses, hook_s, statuses = [], [], [], {}
+    step_times, compute_times, losses, in_flight_s, statuses = [], [], [], [], {}
     dist.barrier()
     for step, (x, y) in enumerate(batches, start=1):
-        busy.clear()
+        spans.clear()
         started = time.perf_counter()
         losses.append(train_step(ddp, opt, x, y))
         step_times.append(time.perf_counter() - started)
-        hook_s.append(sum(busy))
+        in_flight_s.append(in_flight(spans))
         if path == "commd" and rank == 0 and step <= cfg["status_steps"]:
             statuses[str(step)] = _status(cfg["job"])
+        if step >= cfg["warmup"]:
+            # Right after each DDP step (the ranks leave it together), the same step without DDP:
+            # paired steps see the same load, however the machine's load drifts during the run.
+            started = time.perf_counter()
+            train_step(local, local_opt, x, y)
+            compute_times.append(time.perf_counter() - started)
     dist.barrier()
     if path == "commd" and rank == 0:
         statuses["end"] = _status(cfg["job"])
     params = [p.detach().clone() for p in model.parameters()]
-    # The same steps without DDP, every rank at once: the compute time under the same contention.
-    local = copy.deepcopy(model)
-    local_opt = torch.optim.SGD(local.parameters(), lr=LEARNING_RATE)
-    compute_times = []
-    dist.barrier()
-    for x, y in batches[:cfg["compute_steps"] + 1]:
-        started = time.perf_counter()
-        train_step(local, local_opt, x, y)
-        compute_times.append(time.perf_counter() - started)
-    dist.barrier()
     torch.save(params, cfg["params_out"].format(rank=rank))
     dist.destroy_process_group()
     if backend == "commd":
@@ -148,7 +180,7 @@ def run(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
 
         current_client().close()
     return {"rank": rank, "step_times": step_times, "losses": losses, "compute_times": compute_times[1:],
-            "hook_s": hook_s if comm is not None else None, "status": statuses}
+            "in_flight_s": in_flight_s if timed else None, "status": statuses}
 
 
 def main() -> None:

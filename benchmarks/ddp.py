@@ -18,13 +18,15 @@ Two configurations (--configs):
          dominates the step.
 
 Per path: the median step time after --warmup steps (per step the slowest rank),
-the compute-only step time (every rank trains a plain copy of the model at the same
-time, no DDP: same CPU contention, no communication), the communication DDP could
-not hide = step - compute, and the all-reduce bandwidth DDP achieved = gradient bytes
-per step / that time (algbw; busbw = algbw * 2(n-1)/n).  Why step - compute and not a
-timing comm hook: a hook would replace DDP's built-in all-reduce, the path users take,
-with a Python one on commd and Gloo; the difference is what communication costs a
-training step.  For mpi the hook's own Allreduce time is printed as well.
+the compute-only step time (after each DDP step every rank trains a plain copy of the
+model on the same batch, all at once, no DDP: same CPU contention, no communication),
+the communication DDP could not hide = median of (step - its paired compute step), and
+the all-reduce bandwidth DDP achieved = gradient bytes per step / that time (algbw;
+busbw = algbw * 2(n-1)/n).  Why step - compute and not a timing comm hook: a hook
+replaces DDP's built-in all-reduce, the path users take, with a Python one on commd
+and Gloo; the difference is what communication costs a training step.  The time an
+all-reduce was in flight per step is printed as well for mpi (its hook) and, with
+--hook-timing, for commd and gloo (a timing copy of torch's default hook).
 
 Before any figure is printed, every run's final parameters (every rank) must agree
 with a single-process reference trained on the concatenated batches; otherwise the
@@ -105,8 +107,8 @@ def run_once(path: str, spec: dict[str, Any], args: argparse.Namespace, work: Pa
     cfg = {
         "path": path, "nproc": args.nproc, "port": free_port(), "job": None, "op_timeout": args.timeout,
         "model": spec["model"], "batch": spec["batch"], "bucket_mb": spec["bucket_mb"], "seed": args.seed,
-        "warmup": args.warmup, "steps": args.steps, "compute_steps": args.compute_steps,
-        "status_steps": min(STATUS_STEPS, args.warmup + args.steps), "threads": args.threads,
+        "warmup": args.warmup, "steps": args.steps, "hook_timing": args.hook_timing,
+        "status_steps": min(STATUS_STEPS, args.warmup), "threads": args.threads,
         "out": out, "params_out": params_out,
     }
     env = dict(os.environ)
@@ -180,12 +182,14 @@ def slowest(per_rank: list[list[float]]) -> list[float]:
 
 
 def run_figures(run: dict[str, Any], warmup: int) -> dict[str, float]:
+    """One run's medians over its timed steps; comm is the median of each step minus its paired compute step."""
     ranks = run["ranks"]
-    step = statistics.median(slowest([r["step_times"] for r in ranks])[warmup:])
-    compute = statistics.median(slowest([r["compute_times"] for r in ranks]))
-    row = {"step_s": step, "compute_s": compute, "comm_s": step - compute}
-    if ranks[0].get("hook_s") is not None:
-        row["hook_s"] = statistics.median(slowest([r["hook_s"] for r in ranks])[warmup:])
+    steps = slowest([r["step_times"] for r in ranks])[warmup:]
+    compute = slowest([r["compute_times"] for r in ranks])
+    row = {"step_s": statistics.median(steps), "compute_s": statistics.median(compute),
+           "comm_s": statistics.median(s - c for s, c in zip(steps, compute, strict=True))}
+    if ranks[0].get("in_flight_s") is not None:
+        row["in_flight_s"] = statistics.median(slowest([r["in_flight_s"] for r in ranks])[warmup:])
     return row
 
 
@@ -197,8 +201,8 @@ def path_figures(runs: list[dict[str, float]], grad_bytes: int, nproc: int) -> d
     hidden = row["comm_s"] <= HIDDEN_SHARE * row["step_s"]
     row["algbw_gbps"] = None if hidden else grad_bytes / row["comm_s"] / 1e9
     row["busbw_gbps"] = None if hidden else row["algbw_gbps"] * factor
-    if "hook_s" in row and row["hook_s"] > 0:
-        row["hook_busbw_gbps"] = grad_bytes / row["hook_s"] / 1e9 * factor
+    if row.get("in_flight_s"):
+        row["in_flight_busbw_gbps"] = grad_bytes / row["in_flight_s"] / 1e9 * factor
     return row
 
 
@@ -275,10 +279,11 @@ def print_config(name: str, spec: dict[str, Any], figures: dict[str, dict[str, A
     for path, row in figures.items():
         print(f"   {path:<7}{_ms(row['step_s']):>9}{_ms(row['compute_s']):>12}{_ms(row['comm_s']):>9}"
               f"{_bw(row['algbw_gbps']):>12}{_bw(row['busbw_gbps']):>12}")
-    if "mpi" in figures and "hook_s" in figures["mpi"]:
-        row = figures["mpi"]
-        print(f"   mpi: mpi4py Allreduce inside the hook {_ms(row['hook_s'])} ms per step "
-              f"(busbw {_bw(row.get('hook_busbw_gbps'))} GB/s)")
+    for path, row in figures.items():
+        if row.get("in_flight_s") is not None:
+            how = "mpi4py Allreduce inside the comm hook" if path == "mpi" else "timing comm hook (torch's default)"
+            print(f"   {path}: an all-reduce in flight {_ms(row['in_flight_s'])} ms per step, {how} "
+                  f"(busbw {_bw(row.get('in_flight_busbw_gbps'))} GB/s)")
     if "commd" in figures:
         mine = figures["commd"]
         for other in ("gloo", "mpi"):
@@ -305,7 +310,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs per path (default 3)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed first steps (default 3)")
     parser.add_argument("--steps", type=int, default=12, help="timed steps (default 12)")
-    parser.add_argument("--compute-steps", type=int, default=6, help="timed steps without DDP (default 6)")
+    parser.add_argument("--hook-timing", action="store_true",
+                        help="commd and gloo through a timing copy of torch's default comm hook instead of DDP's "
+                             "built-in all-reduce: adds the time an all-reduce was in flight per step")
     parser.add_argument("--bucket-mb", type=float, default=None, help="DDP bucket_cap_mb (default 25)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per rank (default: cpus / nproc, at least 1)")
@@ -326,7 +333,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         (args.nproc < 1 or args.nproc > 64, "--nproc must be in 1..64"),
         (args.repeats < 1, "--repeats must be at least 1"),
         (args.warmup < 1, "--warmup must be at least 1 (DDP rebuilds its buckets after the first step)"),
-        (args.steps < 1 or args.compute_steps < 1, "--steps and --compute-steps must be at least 1"),
+        (args.steps < 1, "--steps must be at least 1"),
         (args.bucket_mb is not None and not args.bucket_mb > 0, "--bucket-mb must be positive"),
         (args.threads is not None and args.threads < 1, "--threads must be at least 1"),
         (not args.timeout > 0, "--timeout must be positive"),
@@ -335,7 +342,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if bad:
             parser.error(message)
     if args.quick:
-        args.repeats, args.warmup, args.steps, args.compute_steps = 1, 2, 3, 2
+        args.repeats, args.warmup, args.steps = 1, 2, 3
         args.timeout = min(args.timeout, 60.0)
     args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.nproc)
     if "mpi" in args.path_list:

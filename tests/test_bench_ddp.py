@@ -71,20 +71,18 @@ def test_compare_params_names_the_parameter_that_differs() -> None:
     assert problem is not None and "1 parameter tensors" in problem
 
 
-def _run(step: float, compute: float, hook: float | None = None) -> dict[str, Any]:
-    ranks = [{"step_times": [9.0, step, step * 0.9], "compute_times": [compute, compute * 1.1],
-              "hook_s": None if hook is None else [0.0, hook, hook]} for _ in range(2)]
-    ranks[1]["step_times"] = [1.0, step * 1.2, step * 0.9]  # the slowest rank defines a step
-    return {"ranks": ranks}
-
-
-def test_figures_use_the_slowest_rank_and_the_exposed_communication() -> None:
-    row = ddp.run_figures(_run(0.100, 0.040, hook=0.030), warmup=1)
-    # steps after warm-up: max(0.1, 0.12) and max(0.09, 0.09) -> median 0.105
-    assert row["step_s"] == pytest.approx(0.105)
-    assert row["compute_s"] == pytest.approx(0.042)
-    assert row["comm_s"] == pytest.approx(0.063)
-    assert row["hook_s"] == pytest.approx(0.030)
+def test_figures_use_the_slowest_rank_and_pair_each_step_with_its_compute_step() -> None:
+    ranks = [{"step_times": [9.0, 0.100, 0.090, 0.300], "compute_times": [0.040, 0.060, 0.270],
+              "in_flight_s": [5.0, 0.030, 0.020, 0.040]},
+             {"step_times": [1.0, 0.120, 0.080, 0.310], "compute_times": [0.050, 0.030, 0.240],
+              "in_flight_s": [5.0, 0.020, 0.025, 0.010]}]
+    row = ddp.run_figures({"ranks": ranks}, warmup=1)
+    # slowest rank per step: steps 0.12, 0.09, 0.31; compute 0.05, 0.06, 0.27; in flight 0.03, 0.025, 0.04
+    assert row["step_s"] == pytest.approx(0.12)
+    assert row["compute_s"] == pytest.approx(0.06)
+    assert row["comm_s"] == pytest.approx(0.04)  # median of 0.07, 0.03, 0.04, not 0.12 - 0.06
+    assert row["in_flight_s"] == pytest.approx(0.03)
+    row = dict(row, comm_s=0.063, step_s=0.105)
     fig = ddp.path_figures([row, dict(row, step_s=0.2, comm_s=0.16), dict(row, step_s=0.3, comm_s=0.01)],
                            grad_bytes=50_000_000, nproc=4)
     assert fig["step_s"] == pytest.approx(0.2) and fig["comm_s"] == pytest.approx(0.063)
@@ -92,6 +90,12 @@ def test_figures_use_the_slowest_rank_and_the_exposed_communication() -> None:
     assert fig["busbw_gbps"] == pytest.approx(fig["algbw_gbps"] * 1.5)
     hidden = ddp.path_figures([dict(row, step_s=1.0, comm_s=0.01)], grad_bytes=1000, nproc=2)
     assert hidden["algbw_gbps"] is None and hidden["busbw_gbps"] is None
+    assert fig["in_flight_busbw_gbps"] == pytest.approx(50e6 / 0.03 / 1e9 * 1.5)
+
+
+def test_in_flight_time_is_the_union_of_the_buckets_spans() -> None:
+    assert worker.in_flight([]) == 0.0
+    assert worker.in_flight([(1.0, 2.0), (1.5, 3.0), (5.0, 5.5), (2.5, 2.8)]) == pytest.approx(2.5)
 
 
 def test_buffer_counters_are_found_wherever_the_status_keeps_them() -> None:
@@ -143,7 +147,7 @@ def test_no_figures_when_a_run_disagrees_with_the_reference(tmp_path: Path, monk
         for rank in range(args.nproc):
             files.append(str(work / f"{tag}-{rank}.pt"))
             torch.save(params, files[-1])
-        rank_result = {"step_times": [0.1] * 4, "compute_times": [0.05] * 2, "hook_s": None, "status": {}}
+        rank_result = {"step_times": [0.1] * 4, "compute_times": [0.05] * 3, "in_flight_s": None, "status": {}}
         return {"ranks": [rank_result] * args.nproc, "params": files}
 
     monkeypatch.setattr(ddp, "run_once", fake_run)
