@@ -207,7 +207,10 @@ def path_figures(runs: list[dict[str, float]], grad_bytes: int, nproc: int) -> d
 
 
 def buffer_counters(status: Any, prefix: str = "") -> dict[str, Any]:
-    """Every number in a status map whose key path names staged or registered buffers."""
+    """Every number in a status map whose key path names staged or registered buffers.
+
+    A map with a ``staged`` key is a table of counters per buffer kind: all its entries count.
+    """
     found: dict[str, Any] = {}
     if isinstance(status, dict):
         items = status.items()
@@ -215,12 +218,13 @@ def buffer_counters(status: Any, prefix: str = "") -> dict[str, Any]:
         items = ((str(i), v) for i, v in enumerate(status))
     else:
         return found
+    per_kind = isinstance(status, dict) and "staged" in status
     for key, value in items:
         name = f"{prefix}.{key}" if prefix else str(key)
         if isinstance(value, (dict, list)):
             found.update(buffer_counters(value, name))
         elif isinstance(value, (int, float)) and not isinstance(value, bool) \
-                and any(word in name.lower() for word in COUNTER_WORDS):
+                and (per_kind or any(word in name.lower() for word in COUNTER_WORDS)):
             found[name] = value
     return found
 

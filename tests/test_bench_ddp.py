@@ -105,6 +105,8 @@ def test_buffer_counters_are_found_wherever_the_status_keeps_them() -> None:
     assert ddp.buffer_counters(status) == {"buffers.staged.ops": 2, "buffers.staged.bytes": 4096,
                                            "buffers.registered_bytes": 1 << 20, "clients.0.staged_bytes": 10}
     assert ddp.buffer_counters({"ops_done": 1, "clients": []}) == {}
+    by_kind = {"bytes_by_path": {"registered": 9, "arena": 1, "staged": 2, "inline": 3, "cuda": 0}, "ops_done": 4}
+    assert ddp.buffer_counters(by_kind) == {f"bytes_by_path.{k}": v for k, v in by_kind["bytes_by_path"].items()}
 
 
 def test_counters_report_says_whether_anything_was_staged_after_step_one() -> None:
