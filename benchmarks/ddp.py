@@ -229,8 +229,18 @@ def buffer_counters(status: Any, prefix: str = "") -> dict[str, Any]:
     return found
 
 
+def _node_wide(counters: dict[str, Any]) -> dict[str, Any]:
+    """The node's totals when the status has them; per-client rows (``clients.N...``) otherwise."""
+    totals = {k: v for k, v in counters.items() if not k.startswith("clients.")}
+    return totals or counters
+
+
 def counters_report(statuses: dict[str, Any]) -> list[str]:
-    """The commd daemon's buffer counters after the first steps and at the end; the staged growth after step 1."""
+    """The commd daemon's buffer counters after the first steps and at the end, and how much was staged after each.
+
+    The verdict names the first step after which nothing more was staged: DDP rebuilds its
+    buckets after step 1, so step 2's buckets are new storages.
+    """
     lines = []
     snapshots = {when: buffer_counters(st) for when, st in statuses.items() if isinstance(st, dict)}
     for when, st in statuses.items():
@@ -238,18 +248,25 @@ def counters_report(statuses: dict[str, Any]) -> list[str]:
         if isinstance(st, dict) and "error" in st:
             lines.append(f"    {label:<14} status not available: {st['error']}")
             continue
-        counters = snapshots.get(when) or {}
+        counters = _node_wide(snapshots.get(when) or {})
         text = ", ".join(f"{k}={v}" for k, v in sorted(counters.items())) or "n/a (no staged/registered counters)"
         lines.append(f"    {label:<14} {text}")
-    first, end = snapshots.get("1") or {}, snapshots.get("end") or {}
-    staged = sorted(k for k in end if "staged" in k.lower() and k in first)
-    if staged:
-        grew = {k: end[k] - first[k] for k in staged}
-        verdict = "nothing staged after step 1" if not any(grew.values()) else "STAGED after step 1"
-        lines.append("    staged growth from step 1 to the end: "
-                     + ", ".join(f"{k} +{v}" for k, v in grew.items()) + f"  ({verdict})")
-    else:
-        lines.append("    staged growth from step 1 to the end: n/a")
+    end = snapshots.get("end") or {}
+    clients = {k: v for k, v in end.items() if k.startswith("clients.")}
+    if clients and len(clients) != len(end):
+        lines.append("    per client at the end: " + ", ".join(f"{k}={v}" for k, v in sorted(clients.items())))
+    staged = sorted(k for k in _node_wide(end) if "staged" in k.lower())
+    steps = [w for w in snapshots if w != "end" and all(k in snapshots[w] for k in staged)]
+    if not staged or not steps:
+        lines.append("    staged after step 1: n/a")
+        return lines
+    growth = {w: sum(end[k] - snapshots[w][k] for k in staged) for w in steps}
+    clean = [w for w in steps if growth[w] == 0]
+    verdict = ("nothing staged after step 1" if "1" in clean else
+               f"STAGED after step 1; nothing staged after step {clean[0]}" if clean else
+               "STAGED after every snapshot")
+    lines.append(f"    staged bytes ({', '.join(staged)}) from then to the end: "
+                 + ", ".join(f"after step {w} +{growth[w]}" for w in steps) + f"  ({verdict})")
     return lines
 
 

@@ -109,18 +109,27 @@ def test_buffer_counters_are_found_wherever_the_status_keeps_them() -> None:
     assert ddp.buffer_counters(by_kind) == {f"bytes_by_path.{k}": v for k, v in by_kind["bytes_by_path"].items()}
 
 
-def test_counters_report_says_whether_anything_was_staged_after_step_one() -> None:
+def test_counters_report_says_after_which_step_nothing_more_was_staged() -> None:
     def st(staged: int) -> dict[str, Any]:
-        return {"buffers": {"staged_bytes": staged, "registered_bytes": 8}}
+        return {"bytes_by_path": {"staged": staged, "registered": 8},
+                "clients": [{"rank": 0, "registered_bytes": 4, "bytes_by_path": {"staged": staged // 2}}]}
 
-    same = "\n".join(ddp.counters_report({"1": st(100), "2": st(100), "end": st(100)}))
-    assert "buffers.staged_bytes +0" in same and "(nothing staged after step 1)" in same
-    grew = "\n".join(ddp.counters_report({"1": st(100), "end": st(300)}))
-    assert "buffers.staged_bytes +200" in grew and "STAGED after step 1" in grew
+    same = ddp.counters_report({"1": st(100), "2": st(100), "end": st(100)})
+    assert same[0] == "    after step 1   bytes_by_path.registered=8, bytes_by_path.staged=100"
+    assert "per client at the end: clients.0.bytes_by_path.staged=50, clients.0.registered_bytes=4" in same[3]
+    assert same[-1].endswith("after step 1 +0, after step 2 +0  (nothing staged after step 1)")
+    later = ddp.counters_report({"1": st(100), "2": st(300), "3": st(300), "end": st(300)})[-1]
+    assert "(bytes_by_path.staged)" in later and "after step 1 +200, after step 2 +0" in later
+    assert "STAGED after step 1; nothing staged after step 2" in later
+    always = ddp.counters_report({"1": st(100), "end": st(300)})[-1]
+    assert always.endswith("after step 1 +200  (STAGED after every snapshot)")
+    per_client_only = ddp.counters_report({"1": {"clients": [{"staged_bytes": 5}]},
+                                           "end": {"clients": [{"staged_bytes": 5}]}})
+    assert per_client_only[-1].endswith("after step 1 +0  (nothing staged after step 1)")
     absent = ddp.counters_report({"1": {"ops_done": 3}, "end": {"error": "no daemon"}})
     assert "n/a (no staged/registered counters)" in absent[0]
     assert "status not available: no daemon" in absent[1]
-    assert absent[-1].endswith("staged growth from step 1 to the end: n/a")
+    assert absent[-1] == "    staged after step 1: n/a"
 
 
 def test_bad_arguments_are_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
