@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-all stress conformance conformance-full bench bench-multinode lint clean
+.PHONY: venv demo test test-all stress conformance conformance-full bench bench-multinode bench-ddp lint clean
 
 venv: $(STAMP)
 
@@ -44,6 +44,10 @@ bench: venv
 
 bench-multinode: venv
 	$(PY) benchmarks/multinode.py
+
+# DDP training step time and all-reduce bandwidth: commd vs Gloo vs MPI (benchmarks/ddp.py).
+bench-ddp: venv
+	$(PY) benchmarks/ddp.py
 
 lint: venv
 	$(VENV)/bin/ruff check commd tests benchmarks
