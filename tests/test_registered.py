@@ -324,14 +324,18 @@ def test_unregister_is_validated(daemon: DaemonProcess, pair: list[Any], caplog:
     fill(tensors, 5)
     want = values(tensors[0]) + values(tensors[1])
     pending = ops.all_reduce(pair[0], tensors[0], timeout=20)  # rank 1 has not submitted: stays pending
+    def refusals() -> list[str]:
+        pair[0].pump(0.05)  # the refusals come back on rank 0's op channel
+        return [r.getMessage() for r in caplog.records if "unregisters segment" in r.getMessage()]
+
     with caplog.at_level(logging.ERROR, logger="commd.client"):
         for target in (s.REGISTERED_SEG_BASE + 999_999, 0, seg):
             pair[0]._ops.send(s.encode({"t": s.UNREGISTER, "seg": target}))  # noqa: SLF001
-        other = ops.all_reduce(pair[1], tensors[1], timeout=20)
+        wait_until(lambda: len(refusals()) >= 3, 20, "three refused unregisters")
+        assert not pending.is_completed()
+        other = ops.all_reduce(pair[1], tensors[1], timeout=20)  # only now: the op was pending throughout
         pending.wait(30)
         other.wait(30)
-        wait_until(lambda: len([r for r in caplog.records if "unregisters segment" in r.getMessage()]) >= 3, 20,
-                   "three refused unregisters")
     messages = [r.getMessage() for r in caplog.records if "unregisters segment" in r.getMessage()]
     assert "not a registered storage" in messages[0] and "not a registered storage" in messages[1], messages
     assert "pending op" in messages[2], messages
