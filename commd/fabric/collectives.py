@@ -15,12 +15,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from commd.core.ops import COUNTED, ReadyOp
 from commd.execution.hierarchy import GroupPlacement, apply_result, run, run_fused_allreduce
-from commd.kernels.reduce import reduce_into
-from commd.kernels.split import split_reduce
+from commd.execution.workers import INLINE_BYTES
+from commd.kernels import eager
 from commd.protocol import fabric as wire
 from commd.protocol import schema as s
 from commd.scheduler.agreement import agreed_values
@@ -36,6 +34,11 @@ log = logging.getLogger("commd.fabric")
 
 #: All-reduces up to this size travel with the negotiation (reduced by the coordinator).
 EAGER_BYTES = 4096
+#: A released op this large at most runs on the event loop when no other op of this node is
+#: being negotiated (a program waiting for each op in turn): a medium op's fixed cost is then
+#: one thread hop to the lane worker and one back fewer.  In a burst the lane worker keeps
+#: them, so the loop goes on negotiating the next ops while data moves (``INLINE_BYTES``).
+SOLO_INLINE_BYTES = 4 << 20
 
 
 def _frozen(value: Any) -> Any:
@@ -133,14 +136,12 @@ class Collectives:
         if not self.runner.workers.group_done(op.group):
             return None
         first = op.subs[0]
+        resolve = self.node.resolve_array if eager.on_numpy(first.dtype, first.reduce_op) else self.node.resolve
         try:
-            bufs = [self.node.resolve(x, "buf") for x in op.subs]
+            bufs = [resolve(x, "buf") for x in op.subs]
         except KeyError:  # a rank left meanwhile: take the lane path, which copes with that
             return None
-        local_op = split_reduce(first.reduce_op).local_op
-        contribution = torch.empty_like(bufs[0])
-        reduce_into(contribution, bufs, local_op, first.scale)
-        return contribution.view(torch.uint8).numpy().tobytes()
+        return eager.contribution(bufs, first.reduce_op, first.scale)
 
     # ---- release ----------------------------------------------------------------
     def run_released(self, items: list[wire.Go]) -> None:
@@ -185,22 +186,27 @@ class Collectives:
         op, placement = taken
         lane_name = go.lane
         timeout = max(x.timeout for x in op.subs)
-        resolve = self.runner.resolver()
-
         result = go.result
         if result is not None:  # a tiny all-reduce the coordinator already reduced
+            first = op.subs[0]
+            resolve = self.runner.resolver(as_array=eager.on_numpy(first.dtype, first.reduce_op))
 
             def work(cap: float) -> None:
                 apply_result(op, placement, result, resolve)
         else:
+            resolve = self.runner.resolver()
+
 
             def work(cap: float) -> None:
                 run(op, placement, self.fabric.lanes[lane_name], resolve, min(timeout, cap))
 
         work = self.node.tracer.wrap((op,), work)
         done = self.runner.done
+        # The only op between report and release on this node: nothing else would wait behind it
+        # on the loop, so up to SOLO_INLINE_BYTES it runs there (two thread wake-ups fewer).
+        inline_bytes = SOLO_INLINE_BYTES if not self.negotiating else INLINE_BYTES
         return self.runner.enqueue(lane_name, op.on_gpu, op.group, work,
-                                   lambda error, code: done(op, error, code), op.nbytes)
+                                   lambda error, code: done(op, error, code), op.nbytes, inline_bytes)
 
     def _release_fused(self, gos: list[wire.Go]) -> Callable[[], None] | None:
         """A fused set of small all-reduces: one buffer, one lane call, at its first op's place."""

@@ -32,10 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from commd.kernels.reduce import TORCH_DTYPES, reduce_into
-from commd.kernels.split import split_reduce
+from commd.kernels import eager
 from commd.observe.stats import FabricStats
 from commd.protocol import schema as s
 from commd.protocol.fabric import (
@@ -257,14 +254,11 @@ class Coordinator:
         first = pending.entries[pending.nodes[0]]
         if first.kind != "allreduce":
             return None
-        dtype = TORCH_DTYPES[first.signature["dtype"]]
+        dtype = first.signature["dtype"]
         sizes = {len(d) for d in pending.data.values()}
-        if len(sizes) != 1 or sizes.pop() % dtype.itemsize:
+        if len(sizes) != 1 or sizes.pop() % s.ITEMSIZE[dtype]:
             return None  # disagreeing contributions: the lane path runs (and reports) it
-        parts = [torch.frombuffer(bytearray(pending.data[n]), dtype=dtype) for n in pending.nodes]
-        out = torch.empty_like(parts[0])
-        reduce_into(out, parts, split_reduce(first.signature["reduce_op"]).lane_op, 1.0)
-        return out.view(torch.uint8).numpy().tobytes()
+        return eager.combine([pending.data[n] for n in pending.nodes], dtype, first.signature["reduce_op"])
 
     def _complete_mismatch(self, pending: Pending, out: Outbox, extra: list[int]) -> None:
         problem = self._mismatch(pending) or "nodes disagree on the group's members"
