@@ -173,7 +173,10 @@ class Collectives:
         if cid != early.cache_id or len(contribution) != len(early.contribution):
             return  # the coordinator compares the reports and decides
         del self._mine[key]
-        op = self.negotiating[key][0]
+        entry = self.negotiating.get(key)
+        if entry is None:  # (every path that ends a negotiation drops its entry in _mine too)
+            return
+        op = entry[0]
         data = {HOME_NODE: early.contribution, self.fabric.node_rank: contribution}
         result = eager.combine([data[n] for n in nodes], op.subs[0].dtype, op.subs[0].reduce_op)
         self.stats.completed_early += 1
