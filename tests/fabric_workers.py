@@ -308,3 +308,35 @@ def unhinted_allreduces(ctx: Any, counts: list[int]) -> str:
         _check(f"all_reduce of {n}", t, np.sum(arrays, axis=0))
     client.close()
     return "ok"
+
+
+def early_tiny_allreduces(ctx: Any, rounds: int) -> str:
+    """Tiny all-reduces (sum, max, avg) whose node-1 ranks submit late, so node 0 reports first
+    and sends its contribution early; every result against NumPy.  One round in the middle has
+    node 1 submit another count: a mismatch on every rank, after which the group keeps working."""
+    import time
+
+    from commd.client.errors import MismatchError
+
+    client = ctx.connect()
+    me, world, n = ctx.rank, ctx.world_size, 64
+    late = me >= world // 2  # node 1's ranks
+    reference = {"sum": lambda a: a.sum(0), "max": lambda a: a.max(0), "avg": lambda a: a.mean(0)}
+    for i in range(rounds):
+        for k, (op, want_of) in enumerate(reference.items()):
+            arrays = [data(r, n, np.float32, 3 * i + k) for r in range(world)]
+            count = n + 1 if (late and i == rounds // 2 and op == "sum") else n
+            t = _t(arrays[me][:count] if count == n else np.zeros(count, np.float32))
+            if late:
+                time.sleep(0.02)
+            try:
+                ops.all_reduce(client, t, op).wait(60)
+            except MismatchError as exc:
+                if i != rounds // 2 or op != "sum" or "'count' differs" not in str(exc):
+                    raise
+                continue
+            if i == rounds // 2 and op == "sum":
+                raise AssertionError(f"rank {me}: the mismatched all-reduce of round {i} succeeded")
+            _check(f"{op} round {i}", t, want_of(np.stack(arrays)).astype(np.float32))
+    client.close()
+    return "ok"

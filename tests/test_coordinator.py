@@ -197,6 +197,56 @@ def test_tiny_allreduce_is_reduced_by_the_coordinator_in_node_order() -> None:
     assert "r" not in sent(out)[0][0]
 
 
+def test_node_0_sends_its_tiny_contribution_early_only_when_the_other_node_may_use_it() -> None:
+    """A cached tiny tcp all-reduce of a 2-node group that node 0 reports first: its contribution
+    goes to the other node at once (which then needs no release); the release still follows,
+    with the result the other node computes from the same bytes in the same node order."""
+    import numpy as np
+
+    coord = Coordinator(2, SchedulerConfig(), LANES)
+    a, b = np.array([1.5, 2.0], np.float32), np.array([0.25, -1.0], np.float32)
+    out = Outbox()
+    coord.report(0, ready([dict(entry(count=2), d=a.tobytes())]), out)
+    assert not out.messages, "a pattern without a cache id is compared by the coordinator: nothing early"
+    coord.report(1, ready([dict(entry(count=2, mine=[2, 3]), d=b.tobytes())]), out)
+    cid = sent(out)[0][0]["c"]
+    out = Outbox()
+    coord.report(0, ready([{"t": "ready", "g": "g", "s": 1, "c": cid, "d": a.tobytes()}]), out)
+    assert sent(out) == {1: [{"t": "early", "g": "g", "s": 1, "c": cid, "d": a.tobytes()}]}
+    out = Outbox()
+    coord.report(1, ready([{"t": "ready", "g": "g", "s": 1, "c": cid, "d": b.tobytes()}]), out)
+    assert [m["t"] for m in sent(out)[1]] == ["go"] and sent(out)[1][0]["r"] == (a + b).tobytes()
+    # node 1 first: node 0's report completes the op, the release carries the result; nothing early
+    out = Outbox()
+    coord.report(1, ready([{"t": "ready", "g": "g", "s": 2, "c": cid, "d": b.tobytes()}]), out)
+    coord.report(0, ready([{"t": "ready", "g": "g", "s": 2, "c": cid, "d": a.tobytes()}]), out)
+    assert [m["t"] for m in sent(out)[1]] == ["go"]
+    # no contribution from node 0, or a cached lane other than tcp: nothing early
+    out = Outbox()
+    coord.report(0, ready([{"t": "ready", "g": "g", "s": 3, "c": cid}]), out)
+    assert not out.messages
+    coord.report(0, ready([dict(entry(group="h", count=2, sig={"lane": "gloo"}), d=a.tobytes())]), out)
+    coord.report(1, ready([dict(entry(group="h", count=2, mine=[2, 3], sig={"lane": "gloo"}), d=b.tobytes())]), out)
+    gloo_cid = next(m["c"] for m in sent(out)[0] if m["g"] == "h")
+    out = Outbox()
+    coord.report(0, ready([{"t": "ready", "g": "h", "s": 1, "c": gloo_cid, "d": a.tobytes()}]), out)
+    assert not out.messages
+
+
+def test_no_early_contribution_for_groups_of_three_nodes() -> None:
+    import numpy as np
+
+    coord = Coordinator(3, SchedulerConfig(), LANES)
+    pl, a = (0, 1, 2), np.ones(2, np.float32).tobytes()
+    out = Outbox()
+    for node in range(3):
+        coord.report(node, ready([dict(entry(count=2, ranks=(0, 1, 2), pl=pl, mine=[node]), d=a)]), out)
+    cid = sent(out)[0][0]["c"]
+    out = Outbox()
+    coord.report(0, ready([{"t": "ready", "g": "g", "s": 1, "c": cid, "d": a}]), out)
+    assert not out.messages
+
+
 def test_a_failure_while_releasing_fails_the_op_instead_of_leaving_it(monkeypatch) -> None:
     coord = Coordinator(2, SchedulerConfig(), LANES)
     monkeypatch.setattr(coord, "_eager_result", lambda *a: 1 / 0)

@@ -112,9 +112,16 @@ def test_node_that_shuts_down_is_known_dead_at_once(cluster) -> None:
     assert "left the fabric" in errors
 
 
-def test_every_reduce_op_and_dtype_across_nodes(cluster) -> None:
+def test_tiny_allreduces_complete_on_node_0s_early_contribution(cluster) -> None:
+    """Node 0 reports first: node 1 combines node 0's early contribution itself (counted), results
+    stay right, and a mismatch among cached patterns still fails on every rank.  Then every
+    reduce op and dtype on the same fabric (one fabric start for both)."""
     c = cluster()
+    assert set(c.join(c.start_workers(fw.early_tiny_allreduces, 6)).values()) == {"ok"}
     assert set(c.join(c.start_workers(fw.reduce_ops_and_dtypes, "tcp")).values()) == {"ok"}
+    fabric = c.status(1)["fabric"]
+    assert fabric["completed_early"] >= 1, fabric
+    assert c.status(0)["fabric"]["completed_early"] == 0  # node 0 always waits for the release
 
 
 def test_large_buffers_use_parallel_local_phases(cluster) -> None:

@@ -22,6 +22,7 @@ from commd.protocol.fabric import (
     TO_COORDINATOR,
     TO_MEMBER,
     CoordinatorHeartbeat,
+    Early,
     FabricMessageError,
     Fail,
     Go,
@@ -85,6 +86,7 @@ CASES: list[tuple[Any, dict[str, Any], dict[str, Any]]] = [
      {"t": "go", "g": "g", "s": 3, "o": 17, "l": "gloo", "c": 4, "r": b"\x05" * 4, "fz": 15}, TO_MEMBER),
     (Fail("g", 3, s.E_MISMATCH, "mismatched"), {"t": "fail", "g": "g", "s": 3, "code": "mismatch", "m": "mismatched"},
      TO_MEMBER),
+    (Early("g", 3, 4, b"\x05" * 8), {"t": "early", "g": "g", "s": 3, "c": 4, "d": b"\x05" * 8}, TO_MEMBER),
     (RemoteSend(SEND, sender_node=0),
      {"t": "remote_send", "key": 9, "dn": 1, "g": "pp", "src": 0, "dst": 3, "tag": 7, "dtype": "bfloat16",
       "count": 10, "nb": 20, "to": 30.0, "h": None, "sn": 0}, TO_MEMBER),
@@ -130,7 +132,7 @@ def test_received_map_decodes_to_the_message(message, expected, vocabulary) -> N
 def test_every_wire_type_is_pinned() -> None:
     pinned = {(expected["t"], vocabulary is TO_MEMBER) for _, expected, vocabulary in CASES}
     assert pinned == {(t, False) for t in TO_COORDINATOR} | {(t, True) for t in TO_MEMBER}
-    assert len({t for t, _ in pinned}) == 14  # one vocabulary of 14 types, two directions
+    assert len({t for t, _ in pinned}) == 15  # one vocabulary of 15 types, two directions
 
 
 def test_a_frame_holds_the_same_bytes_as_the_batch_map() -> None:
@@ -161,6 +163,8 @@ def test_a_frame_holds_the_same_bytes_as_the_batch_map() -> None:
         (TO_MEMBER, {"t": "trace", "a": 1, "p": None}, "'trace': field 'a' (action)"),
         (TO_MEMBER, {"t": "ready", "g": "g", "s": 1, "c": 1}, "unknown type 'ready'"),  # wrong direction
         (TO_MEMBER, ["go"], "fabric item must be a map"),
+        (TO_MEMBER, {"t": "early", "g": "g", "s": 1, "c": 2}, "'early': field 'd' (contribution) must be bytes"),
+        (TO_MEMBER, {"t": "early", "g": "g", "s": 1, "c": None, "d": b"x"}, "'early': field 'c' (cache id)"),
         (TO_COORDINATOR, {"t": "ready", "g": "g", "s": 1, "k": "allreduce", "sig": SIG, "ranks": [0, 1],
                           "pl": [0, 1], "n": [0, 1], "mine": [0], "nb": 4},
          "'ready': field 'to' (timeout) is missing"),

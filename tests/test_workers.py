@@ -46,6 +46,23 @@ def test_small_op_on_an_idle_key_runs_inline_and_large_one_on_a_thread() -> None
     assert threads[2] == f"commd-worker-{LOCAL_KEY}"
 
 
+def test_inline_bytes_raises_the_size_limit_per_submission() -> None:
+    """The fabric lets a lone medium op run inline (a larger ``inline_bytes``); the default stays."""
+    async def body(loop):
+        pool = WorkerPool()
+        pool.start(loop)
+        finished = loop.create_future()
+        run_now = pool.submit("tcp", "g", 4 << 20, lambda inline: inline, lambda r: None, inline_bytes=4 << 20)
+        assert run_now is not None, "an op within inline_bytes on an idle key must be handed back"
+        run_now()
+        assert pool.submit("tcp", "g", (4 << 20) + 1, lambda inline: inline, finished.set_result,
+                           inline_bytes=4 << 20) is None
+        assert await finished is False
+        pool.close(timeout=5)
+
+    run_on_loop(body)
+
+
 def test_no_inline_while_the_key_is_busy_or_the_group_unfinished_and_program_order_across_keys() -> None:
     async def body(loop):
         pool = WorkerPool()

@@ -17,6 +17,7 @@ import torch
 from commd.core.ops import ReadyOp, Submission
 from commd.core.placement import GroupPlacement
 from commd.execution.local import parallel_copy, parallel_reduce_into
+from commd.kernels import eager
 from commd.kernels.layout import block_offsets, byte_view
 from commd.kernels.reduce import TORCH_DTYPES, reduce_into
 from commd.kernels.small import NUMPY_DTYPES
@@ -299,12 +300,11 @@ _RUNNERS = {
 
 
 def apply_result(op: ReadyOp, placement: GroupPlacement, result: bytes, resolve: Resolve) -> None:
-    """Write an all-reduce result the coordinator computed into every local rank's buffer."""
+    """Write an all-reduce result the coordinator computed into every local rank's buffer
+    (``resolve`` gives NumPy arrays or torch tensors, see ``kernels.eager.on_numpy``)."""
     first = op.subs[0]
-    acc = torch.frombuffer(bytearray(result), dtype=TORCH_DTYPES[first.dtype])
-    split_reduce(first.reduce_op).finish(acc, len(placement.ranks))
-    for sub in op.subs:
-        resolve(sub, "buf").copy_(acc)
+    eager.write_result(result, first.dtype, first.reduce_op, len(placement.ranks),
+                       [resolve(sub, "buf") for sub in op.subs])
 
 
 def run_p2p(role: str, sub: Submission, peer: int, lane: Lane, resolve: Resolve, timeout: float) -> None:

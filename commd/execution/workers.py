@@ -72,12 +72,13 @@ class WorkerPool:
         return tail is None or tail.is_set()
 
     def submit(self, key: str, group: str | None, nbytes: int, job: Job, done: Done,
-               may_inline: bool = True) -> Callable[[], None] | None:
+               may_inline: bool = True, inline_bytes: int = INLINE_BYTES) -> Callable[[], None] | None:
         """Queue ``job`` on ``key``'s thread, or return it (with ``done``) to be run now on the loop.
 
         ``group``: ops of one group run in submission order across keys (None: no ordering
         beyond the key's own).  ``may_inline``: the caller's own conditions for running
-        inline (e.g. no GPU, no import to wait for); size and idleness are checked here.
+        inline (e.g. no GPU, no import to wait for); size (at most ``inline_bytes``) and
+        idleness are checked here.
         """
         if group is not None:
             prev = self._group_tail.get(group)
@@ -85,7 +86,7 @@ class WorkerPool:
             self._group_tail[group] = finished
         else:
             prev = finished = None
-        if may_inline and nbytes <= INLINE_BYTES and not self._busy.get(key) and (prev is None or prev.is_set()):
+        if may_inline and nbytes <= inline_bytes and not self._busy.get(key) and (prev is None or prev.is_set()):
             def run_now() -> None:
                 result = job(True)
                 if finished is not None:

@@ -15,15 +15,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from commd.core.ops import COUNTED, ReadyOp
 from commd.execution.hierarchy import GroupPlacement, apply_result, run, run_fused_allreduce
-from commd.kernels.reduce import reduce_into
-from commd.kernels.split import split_reduce
+from commd.execution.workers import INLINE_BYTES
+from commd.kernels import eager
 from commd.protocol import fabric as wire
 from commd.protocol import schema as s
 from commd.scheduler.agreement import agreed_values
+from commd.scheduler.coordinator import HOME_NODE
 from commd.scheduler.overlap import PendingRanges
 
 if TYPE_CHECKING:
@@ -36,6 +35,11 @@ log = logging.getLogger("commd.fabric")
 
 #: All-reduces up to this size travel with the negotiation (reduced by the coordinator).
 EAGER_BYTES = 4096
+#: A released op this large at most runs on the event loop when no other op of this node is
+#: being negotiated (a program waiting for each op in turn): a medium op's fixed cost is then
+#: one thread hop to the lane worker and one back fewer.  In a burst the lane worker keeps
+#: them, so the loop goes on negotiating the next ops while data moves (``INLINE_BYTES``).
+SOLO_INLINE_BYTES = 4 << 20
 
 
 def _frozen(value: Any) -> Any:
@@ -64,6 +68,12 @@ class Collectives:
         # Memory of fusion candidates reported and not yet released, per (client, segment): a fused
         # set must not hold two ops on overlapping memory (the later one reads the earlier's result).
         self._fusible_ranges = PendingRanges()
+        # Tiny all-reduces of 2-node groups (see ``early``): node 0's contributions that came before
+        # this node reported the op, this node's own (cache id, contribution) while it waits, and
+        # the ops completed without waiting, whose release or failure is then only acknowledged.
+        self._early: dict[tuple[str, int], wire.Early] = {}
+        self._mine: dict[tuple[str, int], tuple[int, bytes, tuple[int, ...]]] = {}
+        self._completed_early: set[tuple[str, int]] = set()
 
     # ---- report -----------------------------------------------------------------
     def negotiate(self, op: ReadyOp, placement: GroupPlacement) -> None:
@@ -92,6 +102,11 @@ class Collectives:
             self.stats.reported_cached += 1
             # (positional on this per-op path: pattern, cache id, contribution, no fusion)
             self.send_up(wire.Ready(op.group, op.seq, None, cid, contribution, not self._may_fuse(op)))
+            if contribution and len(placement.nodes) == 2 and self.fabric.node_rank != HOME_NODE:
+                self._mine[(op.group, op.seq)] = (cid, contribution, tuple(placement.nodes))
+                early = self._early.pop((op.group, op.seq), None)
+                if early is not None:
+                    self.early(early)
             return
         pattern = wire.OpPattern(
             kind=op.kind, signature=agreed_values(first), ranks=list(placement.ranks),
@@ -133,14 +148,40 @@ class Collectives:
         if not self.runner.workers.group_done(op.group):
             return None
         first = op.subs[0]
+        resolve = self.node.resolve_array if eager.on_numpy(first.dtype, first.reduce_op) else self.node.resolve
         try:
-            bufs = [self.node.resolve(x, "buf") for x in op.subs]
+            bufs = [resolve(x, "buf") for x in op.subs]
         except KeyError:  # a rank left meanwhile: take the lane path, which copes with that
             return None
-        local_op = split_reduce(first.reduce_op).local_op
-        contribution = torch.empty_like(bufs[0])
-        reduce_into(contribution, bufs, local_op, first.scale)
-        return contribution.view(torch.uint8).numpy().tobytes()
+        return eager.contribution(bufs, first.reduce_op, first.scale)
+
+    # ---- node 0 reported first (tiny all-reduce of a 2-node group) ------------------
+    def early(self, early: wire.Early) -> None:
+        """Node 0's contribution to an op of a 2-node group: if this node reported the op with
+        the same cache id (so the coordinator will not compare the reports either) and a
+        contribution of the same size, combine both in node order — the bits the coordinator's
+        release would carry — and complete now; otherwise keep it until this node reports the
+        op, or its release or failure comes."""
+        key = (early.group, early.seq)
+        mine = self._mine.get(key)
+        if mine is None:
+            if key in self.negotiating or key in self._completed_early:
+                return  # reported without a contribution: the release decides
+            self._early[key] = early
+            return
+        cid, contribution, nodes = mine
+        if cid != early.cache_id or len(contribution) != len(early.contribution):
+            return  # the coordinator compares the reports and decides
+        del self._mine[key]
+        entry = self.negotiating.get(key)
+        if entry is None:  # (every path that ends a negotiation drops its entry in _mine too)
+            return
+        op = entry[0]
+        data = {HOME_NODE: early.contribution, self.fabric.node_rank: contribution}
+        result = eager.combine([data[n] for n in nodes], op.subs[0].dtype, op.subs[0].reduce_op)
+        self.stats.completed_early += 1
+        self._released(wire.Go(early.group, early.seq, -1, "tcp", None, result))
+        self._completed_early.add(key)
 
     # ---- release ----------------------------------------------------------------
     def run_released(self, items: list[wire.Go]) -> None:
@@ -163,8 +204,17 @@ class Collectives:
 
     def _take_released(self, go: wire.Go) -> tuple[ReadyOp, GroupPlacement] | None:
         """The op a release names, no longer negotiating (None: not one of ours)."""
-        entry = self.negotiating.pop((go.group, go.seq), None)
+        key = (go.group, go.seq)
+        self._mine.pop(key, None)
+        self._early.pop(key, None)
+        entry = self.negotiating.pop(key, None)
         if entry is None:
+            if key in self._completed_early:
+                self._completed_early.discard(key)
+                if go.cache_id is not None:
+                    log.warning("release of #%s on group '%s' carries a new cache id after it completed early",
+                                go.seq, go.group)
+                return None  # completed when node 0's contribution came
             log.warning("release of unknown op #%s on group '%s' ignored", go.seq, go.group)
             return None
         op, placement, key = entry
@@ -185,22 +235,27 @@ class Collectives:
         op, placement = taken
         lane_name = go.lane
         timeout = max(x.timeout for x in op.subs)
-        resolve = self.runner.resolver()
-
         result = go.result
         if result is not None:  # a tiny all-reduce the coordinator already reduced
+            first = op.subs[0]
+            resolve = self.runner.resolver(as_array=eager.on_numpy(first.dtype, first.reduce_op))
 
             def work(cap: float) -> None:
                 apply_result(op, placement, result, resolve)
         else:
+            resolve = self.runner.resolver()
+
 
             def work(cap: float) -> None:
                 run(op, placement, self.fabric.lanes[lane_name], resolve, min(timeout, cap))
 
         work = self.node.tracer.wrap((op,), work)
         done = self.runner.done
+        # The only op between report and release on this node: nothing else would wait behind it
+        # on the loop, so up to SOLO_INLINE_BYTES it runs there (two thread wake-ups fewer).
+        inline_bytes = SOLO_INLINE_BYTES if not self.negotiating else INLINE_BYTES
         return self.runner.enqueue(lane_name, op.on_gpu, op.group, work,
-                                   lambda error, code: done(op, error, code), op.nbytes)
+                                   lambda error, code: done(op, error, code), op.nbytes, inline_bytes)
 
     def _release_fused(self, gos: list[wire.Go]) -> Callable[[], None] | None:
         """A fused set of small all-reduces: one buffer, one lane call, at its first op's place."""
@@ -233,16 +288,24 @@ class Collectives:
     # ---- failure ----------------------------------------------------------------
     def failed(self, fail: wire.Fail) -> None:
         """The coordinator failed a reported op (a mismatch across nodes, a timeout, a dead node)."""
-        entry = self.negotiating.pop((fail.group, fail.seq), None)
+        key = (fail.group, fail.seq)
+        self._mine.pop(key, None)
+        self._early.pop(key, None)
+        entry = self.negotiating.pop(key, None)
         if entry is not None:
             self._outstanding[entry[0].group] -= 1
             self._fail_op(entry[0], fail.code, fail.message)
+        elif key in self._completed_early:
+            self._completed_early.discard(key)
+            log.error("the coordinator failed #%s on group '%s' after this node completed it early: %s",
+                      fail.seq, fail.group, fail.message)
 
     def fail_node(self, node: int, message: str) -> None:
         """A node died: fail every reported op that spans it."""
         for key, (op, placement, _) in list(self.negotiating.items()):
             if node in placement.nodes:
                 del self.negotiating[key]
+                self._mine.pop(key, None)
                 self._outstanding[op.group] -= 1
                 self._fail_op(op, s.E_PEER_DIED, f"{op.describe()} cannot run: {message}")
 
@@ -251,6 +314,9 @@ class Collectives:
         for _key, (op, _placement, _) in list(self.negotiating.items()):
             self._fail_op(op, s.E_PEER_DIED, f"{op.describe()} cannot run: {broken}")
         self.negotiating.clear()
+        self._mine.clear()
+        self._early.clear()
+        self._completed_early.clear()
         self._outstanding.clear()
 
     def _fail_op(self, op: ReadyOp, code: str, message: str) -> None:

@@ -200,6 +200,8 @@ class FabricMember:
             fused = []
             if type(m) is wire.Fail:
                 self.collectives.failed(m)
+            elif type(m) is wire.Early:
+                self.collectives.early(m)
             elif type(m) is wire.RemoteSend:
                 self.p2p.remote_send(m)
             elif type(m) is wire.P2pGo:
@@ -255,6 +257,7 @@ class FabricMember:
             "negotiating": len(self.collectives.negotiating),
             "reported": stats.reported,
             "fast_path": stats.reported_cached,
+            "completed_early": stats.completed_early,
             "negotiation_us_median": stats.negotiation_median_us(),
             "scheduling_us_per_op": stats.scheduling_us_per_op(),
             "coordinator_us_per_report": stats.coordinator_us_per_report(),

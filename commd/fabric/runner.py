@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from commd.core.ops import ReadyOp, Submission
 from commd.execution.hierarchy import scratch_like
-from commd.execution.workers import WorkerPool, worker_key
+from commd.execution.workers import INLINE_BYTES, WorkerPool, worker_key
 from commd.lanes.base import LaneError
 from commd.protocol import schema as s
 from commd.runtime import env_float, env_int
@@ -42,8 +42,10 @@ class LaneRunner:
         self._chaos = threading.local()
 
     def enqueue(self, lane_name: str, on_gpu: bool, group: str, work: Callable[[float], None],
-                done: Callable[[str | None, str], None], nbytes: int) -> Callable[[], None] | None:
-        """Queue the op on its lane's worker, or return it to be run right now on the loop."""
+                done: Callable[[str | None, str], None], nbytes: int,
+                inline_bytes: int = INLINE_BYTES) -> Callable[[], None] | None:
+        """Queue the op on its lane's worker, or return it to be run right now on the loop
+        (when its worker is idle, its group's previous op done, and it is at most ``inline_bytes``)."""
 
         def job(inline: bool) -> tuple[str | None, str]:
             # On the loop, a peer that stopped answering may hold it for at most the peer
@@ -51,7 +53,7 @@ class LaneRunner:
             return self._run_work(work, self.peer_timeout if inline else float("inf"))
 
         return self.workers.submit(worker_key(lane_name, on_gpu), group, nbytes, job,
-                                   lambda result: done(*result), may_inline=not on_gpu)
+                                   lambda result: done(*result), may_inline=not on_gpu, inline_bytes=inline_bytes)
 
     def _run_work(self, work: Callable[[float], None], cap: float) -> tuple[str | None, str]:
         if self.chaos_delay_s:

@@ -22,6 +22,7 @@ things each way):
 | ``hb`` | ``Heartbeat`` | member → coordinator | liveness, with the ops this node's ranks partly submitted | stalled ``stalled``: [group, seq, missing ranks] |
 | ``go`` | ``Go`` | coordinator → member | release: run the op at this place of the global order | group ``g``, seq ``s``, order ``o``, lane ``l``; cache_id ``c``, result ``r`` (bytes), fused_with ``fz`` (the fused set's first order), each optional |
 | ``fail`` | ``Fail`` | coordinator → member | the collective fails on every node | group ``g``, seq ``s``, code ``code``, message ``m`` |
+| ``early`` | ``Early`` | coordinator → member | node 0's contribution to a tiny all-reduce of a 2-node group, sent before the other node reported | group ``g``, seq ``s``, cache_id ``c``, contribution ``d`` (bytes) |
 | ``remote_send`` | ``RemoteSend`` | coordinator → member | a send forwarded to its receiver's node | the ``p2p_send`` fields, then sender_node ``sn`` |
 | ``p2p_go`` | ``P2pGo`` | coordinator → member | release of a cross-node transfer | key ``key``, sender_node ``sn`` (receiver only), order ``o``, lane ``l``, role ``role`` (send/recv), peer ``peer`` |
 | ``p2p_fail`` | ``P2pFail`` | coordinator → member | a cross-node transfer fails | key ``key``, sender_node ``sn`` (optional), code ``code``, message ``m`` |
@@ -378,6 +379,30 @@ class Fail:
 
 
 @dataclass(slots=True)
+class Early:
+    """Node 0's contribution to a tiny all-reduce (cached pattern, tcp lane) of a group of two
+    nodes, sent to the other node as soon as node 0 reported it: that node, once ready with the
+    same cache id, combines both itself and does not wait for the release."""
+
+    TYPE: ClassVar[str] = "early"
+    group: str
+    seq: int
+    cache_id: int
+    contribution: bytes
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": "early", "g": self.group, "s": self.seq, "c": self.cache_id, "d": self.contribution}
+
+    @classmethod
+    def from_wire(cls, item: dict[str, Any]) -> Early:
+        contribution = _opt_bytes(item, "early", "d", "contribution")
+        if contribution is None:
+            _bad("early", "d", "contribution", "bytes", None)
+        return cls(_str(item, "early", "g", "group"), _int(item, "early", "s", "seq"),
+                   _int(item, "early", "c", "cache id"), contribution)
+
+
+@dataclass(slots=True)
 class RemoteSend:
     """A send forwarded by the coordinator to its receiver's node, to be matched there."""
 
@@ -554,7 +579,7 @@ class Leaving:
 
 
 ToCoordinator = Ready | P2pSend | P2pMatch | SendFailed | RankDied | Heartbeat | Leaving
-ToMember = Go | Fail | RemoteSend | P2pGo | P2pFail | NodeDead | RankDied | CoordinatorHeartbeat | Shutdown | Leaving | Trace
+ToMember = Go | Fail | Early | RemoteSend | P2pGo | P2pFail | NodeDead | RankDied | CoordinatorHeartbeat | Shutdown | Leaving | Trace
 Message = ToCoordinator | ToMember
 
 #: What a coordinator accepts, by wire type.
@@ -564,7 +589,7 @@ TO_COORDINATOR: dict[str, Any] = {
 #: What a member accepts, by wire type.
 TO_MEMBER: dict[str, Any] = {
     cls.TYPE: cls
-    for cls in (Go, Fail, RemoteSend, P2pGo, P2pFail, NodeDead, RankDied, CoordinatorHeartbeat, Shutdown, Leaving, Trace)
+    for cls in (Go, Fail, Early, RemoteSend, P2pGo, P2pFail, NodeDead, RankDied, CoordinatorHeartbeat, Shutdown, Leaving, Trace)
 }
 
 

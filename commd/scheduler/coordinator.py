@@ -32,13 +32,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from commd.kernels.reduce import TORCH_DTYPES, reduce_into
-from commd.kernels.split import split_reduce
+from commd.kernels import eager
 from commd.observe.stats import FabricStats
 from commd.protocol import schema as s
 from commd.protocol.fabric import (
+    Early,
     Fail,
     Go,
     NodeDead,
@@ -62,6 +60,8 @@ log = logging.getLogger("commd.coordinator")
 MAX_CACHE_ENTRIES = 1 << 16
 #: Ops in one fused set at most (bounds the per-op bookkeeping a node does before the lane call).
 MAX_FUSED_OPS = 1024
+#: The node whose daemon hosts the coordinator: its reports cost no network trip.
+HOME_NODE = 0
 
 
 @dataclass
@@ -183,6 +183,8 @@ class Coordinator:
             if node not in pending.nodes:
                 self._complete_mismatch(pending, out, extra=[node])
                 continue
+            if node == HOME_NODE and len(pending.entries) == 1:
+                self._send_early(pending, item, out)
             if len(pending.entries) == len(pending.nodes):
                 try:
                     self._complete(pending, out)
@@ -239,6 +241,23 @@ class Coordinator:
             out.add(node, Go(pending.group, pending.seq, self.order, lane,
                              cid if cid is not None and pending.cids.get(node) != cid else None, result, head))
 
+    def _send_early(self, pending: Pending, item: Ready, out: Outbox) -> None:
+        """This node (the coordinator's own) reported a tiny all-reduce of a 2-node group first,
+        by cache id, with its contribution: send that to the other node now.  If the other
+        node reports the same cache id it may combine both itself (in node order, as
+        ``_eager_result`` will) instead of waiting one more trip for the release.  Same
+        cache id on both nodes is what lets ``_complete`` skip the comparison, so the
+        other node takes no risk the coordinator does not take."""
+        cid, data = item.cache_id, item.contribution
+        if len(pending.nodes) != 2 or cid is None or not data:
+            return
+        cached = self.cache.get(cid)
+        if cached is None or cached[1] != "tcp" or cached[0][HOME_NODE].kind != "allreduce":
+            return  # only what _eager_result would reduce (the tcp lane's tiny all-reduces)
+        other = pending.nodes[1] if pending.nodes[0] == HOME_NODE else pending.nodes[0]
+        if other not in self.dead:
+            out.add(other, Early(pending.group, pending.seq, cid, data))
+
     def _fusion_key(self, group: str, first: OpPattern, nbytes: int, lane: str) -> tuple[tuple, int] | None:
         """What fused all-reduces share (group, dtype, reduce op, scale, lane) and the op's bytes; None: never fused."""
         threshold = self.config.fusion_threshold_bytes
@@ -257,14 +276,11 @@ class Coordinator:
         first = pending.entries[pending.nodes[0]]
         if first.kind != "allreduce":
             return None
-        dtype = TORCH_DTYPES[first.signature["dtype"]]
+        dtype = first.signature["dtype"]
         sizes = {len(d) for d in pending.data.values()}
-        if len(sizes) != 1 or sizes.pop() % dtype.itemsize:
+        if len(sizes) != 1 or sizes.pop() % s.ITEMSIZE[dtype]:
             return None  # disagreeing contributions: the lane path runs (and reports) it
-        parts = [torch.frombuffer(bytearray(pending.data[n]), dtype=dtype) for n in pending.nodes]
-        out = torch.empty_like(parts[0])
-        reduce_into(out, parts, split_reduce(first.signature["reduce_op"]).lane_op, 1.0)
-        return out.view(torch.uint8).numpy().tobytes()
+        return eager.combine([pending.data[n] for n in pending.nodes], dtype, first.signature["reduce_op"])
 
     def _complete_mismatch(self, pending: Pending, out: Outbox, extra: list[int]) -> None:
         problem = self._mismatch(pending) or "nodes disagree on the group's members"
