@@ -442,7 +442,8 @@ class Client:
 
     def wait_writes_to(self, tensor: torch.Tensor) -> None:
         """Before reading ``tensor`` outside ``submit``: let a pending op that writes it back finish."""
-        self._wait_copy_back(tensor, "in", [])
+        if self._copy_back:
+            self._wait_copy_back(tensor, "in", [])
 
     def note_write_back(self, tensor: torch.Tensor, handle: Handle) -> None:
         """``handle`` (an op completed outside the op channel) writes ``tensor`` when it completes:

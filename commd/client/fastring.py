@@ -182,6 +182,7 @@ class ExchangeRing:
         self._ids = 0
         self._progress_thread: threading.Thread | None = None
         self._wanted = threading.Event()
+        self._next_check = 0.0  # when the missing ranks' and the daemon's processes are checked next
         self.closed = False
 
     # ---- publishing -----------------------------------------------------
@@ -265,18 +266,18 @@ class ExchangeRing:
         if any(row[0] != head.seq for row in rows):
             return self._break(CommdError(f"{head.handle.description}: the exchange ring is corrupted "
                                           f"(entries {[row[0] for row in rows]} for op {head.seq})"))
-        problems = []
-        for name, index, names in (("dtype", 1, fr.DTYPES), ("op", 2, fr.REDUCE_OPS), ("count", 3, None)):
+        problems = []  # worded as the daemon's scheduler words them (scheduler/agreement.py)
+        for name, index, names in (("dtype", 1, fr.DTYPES), ("count", 3, None), ("reduce_op", 2, fr.REDUCE_OPS)):
             values = [row[index] for row in rows]
             if len(set(values)) > 1:
-                shown = {}
+                shown: dict[str, list[int]] = {}
                 for r, v in enumerate(values):
                     label = names[v] if names is not None and 0 <= v < len(names) else v
-                    shown.setdefault(label, []).append(r)
-                problems.append(f"{name} differs: " + ", ".join(f"{v!r} on group ranks {rs}" for v, rs in shown.items()))
+                    shown.setdefault(repr(label), []).append(r)
+                problems.append(f"'{name}' differs: " + ", ".join(f"ranks {rs} {v}" for v, rs in shown.items()))
         if not problems:
             return None
-        return MismatchError(f"{head.handle.description}: ranks disagree: " + "; ".join(problems))
+        return MismatchError(f"mismatched collective #{head.seq} on group '{self.group}': " + "; ".join(problems))
 
     def _break(self, error: CommdError) -> CommdError:
         """The ring is out of step: fail everything pending and refuse later ops of this group's ring."""
@@ -316,8 +317,8 @@ class ExchangeRing:
                         return  # the caller's own timeout: the op stays pending
                     missing = self._behind(seq, fr.POSTED)
                     self._break(CommTimeoutError(
-                        f"{head.handle.description}: group ranks {missing} of {self.nranks} did not submit it "
-                        f"before its timeout ({head.timeout:g} s)"))
+                        f"allreduce #{seq} on group '{self.group}' timed out after {head.timeout:.1f}s "
+                        f"waiting for group ranks {missing} to submit it"))
 
     def _wait(self, missing: Callable[[], list[int]], deadline: float, full: str | None) -> bool:
         """Wait until ``missing()`` is empty: spin, then sleep on a missing rank's bell.
@@ -330,9 +331,9 @@ class ExchangeRing:
             return True
         spin_end = time.perf_counter() + SPIN_S
         while time.perf_counter() < spin_end:
+            os.sched_yield()  # a peer waiting for our core runs now (cores shared with the daemon and others)
             if not missing():
                 return True
-        next_check = time.monotonic() + SLICE_S
         while True:
             waiting = missing()
             if not waiting:
@@ -342,13 +343,13 @@ class ExchangeRing:
             if not missing():
                 return True
             now = time.monotonic()
+            if now >= self._next_check or now >= deadline:  # per ring: short waits check too
+                self._check_alive(waiting)
+                self._next_check = now + SLICE_S
             if now >= deadline:
                 if full is not None:
                     raise CommTimeoutError(f"{full}: group ranks {waiting} are {self.depth} ops behind")
                 return False
-            if now >= next_check:
-                self._check_alive(waiting)
-                next_check = now + SLICE_S
             self._lock.release()
             try:
                 _futex_wait(self.bells[peer], seen, min(SLICE_S, max(deadline - now, 1e-4)))

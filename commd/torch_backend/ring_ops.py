@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -68,8 +69,8 @@ def ring_all_reduce(client: Client, ring: fastring.ExchangeRing, tensor: torch.T
     client.wait_writes_to(tensor)
     flat = tensor if tensor.is_contiguous() else tensor.contiguous()
     after = None if flat is tensor else (lambda: tensor.copy_(flat))
-    handle = ring.all_reduce(flat.detach().reshape(-1).view(torch.uint8).numpy(), dtype, op, timeout,
-                             result=result, after=after)
+    data = flat.detach().numpy().reshape(-1).view(np.uint8)  # two torch calls; the rest is NumPy's
+    handle = ring.all_reduce(data, dtype, op, timeout, result=result, after=after)
     if not handle.is_completed():
         client.note_write_back(tensor, handle)
     return handle
