@@ -110,7 +110,8 @@ def test_ring_all_reduce_matches_numpy_for_every_dtype(daemon: Any, connect: Cal
 
 def test_more_async_ops_than_ring_entries_complete(daemon: Any, connect: Callable[..., Any]) -> None:
     """Both ranks submit 3 × depth ops before waiting on any: the ring must not wait on itself."""
-    rings = _rings([connect(r, 2) for r in range(2)])
+    clients = [connect(r, 2) for r in range(2)]
+    rings, paths = _rings(clients), clients[0].paths
     count = 3 * fr.DEPTH
 
     def body(r: int) -> list[np.ndarray]:
@@ -124,6 +125,11 @@ def test_more_async_ops_than_ring_entries_complete(daemon: Any, connect: Callabl
     for r in range(2):
         assert not isinstance(results[r], BaseException), results[r]
         assert [float(x[0]) for x in results[r]] == [3.0 * (i + 1) for i in range(count)]
+    # ring ops never reach the daemon's scheduler; commd status counts them per ring
+    from commd.client.status import query_status
+
+    status = query_status(paths)
+    assert status["rings"]["world"] == {"ranks": 2, "ops": count, "posted": [count, count]}
 
 
 def test_a_mismatch_fails_every_rank_and_the_ring_goes_on(daemon: Any, connect: Callable[..., Any]) -> None:

@@ -58,3 +58,13 @@ class RingRegions:
         reply = {"t": s.ACK, "size": region.size, "nranks": nranks, "depth": fr.DEPTH,
                  "slot_bytes": fr.SLOT_BYTES, "rank": client.groups[group]}
         send_with_fd(channel.sock, s.encode(reply), region.fd)
+
+    def status(self) -> dict[str, Any]:
+        """Per ring, how many all-reduces each group rank has published (they never reach the scheduler)."""
+        rows = {}
+        for group, region in self.regions.items():
+            nranks = int(region.array[12:16].view("u4")[0])
+            control = region.array[fr.CONTROL_OFFSET: fr.CONTROL_OFFSET + nranks * fr.CONTROL_BYTES].view("i8")
+            posted = [int(x) for x in control.reshape(nranks, -1)[:, fr.POSTED]]
+            rows[group] = {"ranks": nranks, "ops": min(posted), "posted": posted}
+        return rows

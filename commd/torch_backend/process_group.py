@@ -411,6 +411,8 @@ class ProcessGroupCommd(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         """Called by destroy_process_group; the process's client stays for other groups."""
+        if self.ring is not None:
+            self.ring.close()
 
     def __repr__(self) -> str:
         return f"ProcessGroupCommd(group={self._name!r}, rank={self.rank()}, size={self.size()})"
