@@ -50,7 +50,7 @@ from commd.memory.arena import Segment
 from commd.protocol import fastring as fr
 from commd.protocol import schema as s
 from commd.protocol.fdpass import close_all, recv_with_fds
-from commd.runtime import pid_alive
+from commd.runtime import env_int, pid_alive
 
 #: Busy-wait this long for the peers before sleeping (a core is never burnt while idle).
 SPIN_S = 50e-6
@@ -63,8 +63,9 @@ _OP_CODE = {name: i for i, name in enumerate(fr.REDUCE_OPS)}
 
 
 def available() -> bool:
-    """The ring needs a total-store-order CPU and the futex syscall (both: x86-64 Linux)."""
-    return platform.machine() in _FUTEX_SYSCALL and os.environ.get("COMMD_LOCAL_RING", "1") != "0"
+    """The ring needs a total-store-order CPU and the futex syscall (both: x86-64 Linux);
+    ``COMMD_LOCAL_RING=0`` keeps every op on the daemon path (a bad value raises ConfigError)."""
+    return platform.machine() in _FUTEX_SYSCALL and env_int("COMMD_LOCAL_RING", 1, 0, 1) == 1
 
 
 class _Timespec(ctypes.Structure):
@@ -72,17 +73,18 @@ class _Timespec(ctypes.Structure):
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
+_syscall = _libc.syscall
 
 
-def _futex_wait(address: int, expected: int, timeout_s: float) -> None:
+def _futex_wait(address: ctypes.c_void_p, expected: int, timeout_s: float) -> None:
     """Sleep while the u32 at ``address`` equals ``expected`` (or until woken / ``timeout_s``)."""
     spec = _Timespec(int(timeout_s), int((timeout_s % 1) * 1e9))
-    _libc.syscall(_FUTEX_SYSCALL["x86_64"], ctypes.c_void_p(address), _FUTEX_WAIT, ctypes.c_uint32(expected),
+    _syscall(_FUTEX_SYSCALL["x86_64"], address, _FUTEX_WAIT, ctypes.c_uint32(expected),
                   ctypes.byref(spec), None, 0)
 
 
-def _futex_wake(address: int) -> None:
-    _libc.syscall(_FUTEX_SYSCALL["x86_64"], ctypes.c_void_p(address), _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+def _futex_wake(address: ctypes.c_void_p) -> None:
+    _syscall(_FUTEX_SYSCALL["x86_64"], address, _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
 
 
 def request_ring(ops_socket: Any, client_id: int, secret: str, group: str, timeout: float,
@@ -163,15 +165,16 @@ class ExchangeRing:
         self.op_timeout = op_timeout
         mm = region.mm
         self.control = np.ndarray((self.nranks, fr.CONTROL_BYTES // 8), np.int64, mm, fr.CONTROL_OFFSET)
-        self.bells = [region.base + fr.CONTROL_OFFSET + r * fr.CONTROL_BYTES + fr.BELL_OFFSET
+        self.bells = [ctypes.c_void_p(region.base + fr.CONTROL_OFFSET + r * fr.CONTROL_BYTES + fr.BELL_OFFSET)
                       for r in range(self.nranks)]
         self._bell_words = np.ndarray((self.nranks,), np.uint32, mm, fr.CONTROL_OFFSET + fr.BELL_OFFSET,
                                       (fr.CONTROL_BYTES,))
-        self.headers = []
+        self.headers = []  # per entry index: (nranks, 4) i64, one row per rank's entry header
         self.data = []
         for d in range(self.depth):
             offsets = [fr.entry_offset(self.nranks, self.depth, self.slot_bytes, d, r) for r in range(self.nranks)]
-            self.headers.append([np.ndarray((4,), np.int64, mm, o) for o in offsets])
+            self.headers.append(np.ndarray((self.nranks, 4), np.int64, mm, offsets[0],
+                                           (fr.entry_bytes(self.slot_bytes), 8)))
             self.data.append([np.ndarray((self.slot_bytes,), np.uint8, mm, o + fr.ENTRY_HEADER_BYTES)
                               for o in offsets])
         self.next_seq = int(self.control[self.me, fr.POSTED]) + 1
@@ -202,15 +205,14 @@ class ExchangeRing:
             handle = RingHandle(self, self._ids, "allreduce", self.group, time.monotonic() + timeout,
                                 result=result)
             # entry (seq mod depth) is free once every rank has consumed seq - depth
-            self._wait(lambda: self._progressed_behind(seq - self.depth), handle.deadline,
-                       f"allreduce on group '{self.group}' (rank {self.rank}): the exchange ring is full")
+            if self._behind(seq - self.depth, fr.CONSUMED):
+                self._wait(lambda: self._progressed_behind(seq - self.depth), handle.deadline,
+                           f"allreduce on group '{self.group}' (rank {self.rank}): the exchange ring is full")
             d = seq % self.depth
             nbytes = array.nbytes
             count = nbytes // small.NUMPY_DTYPES[dtype].itemsize
             self.data[d][self.me][:nbytes] = array.reshape(-1).view(np.uint8)
-            header = self.headers[d][self.me]
-            header[fr.DTYPE], header[fr.OP], header[fr.COUNT] = _DTYPE_CODE[dtype], _OP_CODE[op], count
-            header[fr.SEQ] = seq
+            self.headers[d][self.me] = (seq, _DTYPE_CODE[dtype], _OP_CODE[op], count)
             self.control[self.me, fr.POSTED] = seq  # publishes the entry (stores stay in order on x86)
             self.next_seq = seq + 1
             self._ring_bell()
@@ -229,7 +231,7 @@ class ExchangeRing:
 
     def _behind(self, seq: int, field: int) -> list[int]:
         """The group ranks whose ``field`` (posted / consumed) has not reached ``seq``."""
-        column = self.control[:, field]
+        column = self.control[:, field].tolist()
         return [r for r in range(self.nranks) if column[r] < seq]
 
     # ---- completing -----------------------------------------------------
@@ -261,8 +263,11 @@ class ExchangeRing:
                     continue
             head.handle.complete({})
 
-    def _disagreement(self, head: _Op, headers: list[np.ndarray]) -> CommdError | None:
-        rows = [(int(h[fr.SEQ]), int(h[fr.DTYPE]), int(h[fr.OP]), int(h[fr.COUNT])) for h in headers]
+    def _disagreement(self, head: _Op, headers: np.ndarray) -> CommdError | None:
+        rows = headers.tolist()
+        first = rows[0]
+        if all(row == first for row in rows) and first[0] == head.seq:
+            return None
         if any(row[0] != head.seq for row in rows):
             return self._break(CommdError(f"{head.handle.description}: the exchange ring is corrupted "
                                           f"(entries {[row[0] for row in rows]} for op {head.seq})"))
