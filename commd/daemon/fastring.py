@@ -22,6 +22,9 @@ from commd.protocol.fdpass import send_with_fd
 
 log = logging.getLogger("commd.daemon")
 
+#: All rings of the node together stay below this (a group is 0.5-4 MiB); past it, groups keep the daemon path.
+MAX_RING_BYTES = 256 << 20
+
 
 class RingRegions:
     """The rings of this node's local groups, created on first request and kept while the daemon runs."""
@@ -30,6 +33,7 @@ class RingRegions:
         self.clients = clients
         self.placements = placements
         self.regions: dict[str, Segment] = {}
+        self.total_bytes = 0
 
     def grant(self, channel: OpConnection, msg: dict[str, Any]) -> None:
         """Answer a ``FASTRING`` request (secret already checked): ACK with the memfd, or a ProtocolError."""
@@ -47,7 +51,14 @@ class RingRegions:
         region = self.regions.get(group)
         if region is None:
             size = fr.region_bytes(nranks)
-            region = Segment.create(0, f"commd-ring-{os.getpid()}", size)
+            if self.total_bytes + size > MAX_RING_BYTES:
+                raise s.ProtocolError(f"no exchange ring for group {group!r}: the node's rings already hold "
+                                      f"{self.total_bytes} bytes (at most {MAX_RING_BYTES})", s.E_LIMIT)
+            try:
+                region = Segment.create(0, f"commd-ring-{os.getpid()}", size)
+            except (OSError, ValueError, MemoryError) as exc:
+                raise s.ProtocolError(f"no exchange ring for group {group!r}: {exc}", s.E_LIMIT) from None
+            self.total_bytes += size
             header = region.array[: fr.HEADER_BYTES].view("u8")
             header[0] = fr.MAGIC
             meta = region.array[8:24].view("u4")
