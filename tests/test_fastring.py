@@ -250,3 +250,28 @@ def ring_rank_main(rank: int) -> None:
 @pytest.mark.timeout(120)
 def test_torch_backend_takes_the_ring_for_small_all_reduces(backend_env: Any) -> None:
     spawn(ring_rank_main, ())
+
+
+def fallback_rank_main(rank: int) -> None:
+    """Rank 1 cannot use a ring (COMMD_LOCAL_RING=0): both ranks must then keep the daemon path."""
+    import os
+
+    import commd  # noqa: F401 - registers the backend
+
+    if rank == 1:
+        os.environ["COMMD_LOCAL_RING"] = "0"
+    dist.init_process_group("commd", init_method="env://", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=30))
+    try:
+        x = torch.tensor([rank + 1.0])
+        work = dist.all_reduce(x, async_op=True)
+        assert not isinstance(work.handles[0], RingHandle), f"rank {rank} took a ring its peer does not have"
+        work.wait()
+        assert x.item() == 3.0
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_without_a_ring_keeps_the_whole_group_on_the_daemon_path(backend_env: Any) -> None:
+    spawn(fallback_rank_main, ())
