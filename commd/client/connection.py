@@ -450,6 +450,16 @@ class Client:
         if role != "in":
             copied.append(storage)
 
+    def wait_writes_to(self, tensor: torch.Tensor) -> None:
+        """Before reading ``tensor`` outside ``submit``: let a pending op that writes it back finish."""
+        if self._copy_back:
+            self._wait_copy_back(tensor, "in", [])
+
+    def note_write_back(self, tensor: torch.Tensor, handle: Handle) -> None:
+        """``handle`` (an op completed outside the op channel) writes ``tensor`` when it completes:
+        a later op that copies the same storage in waits for it (as for staged outputs)."""
+        self._copy_back[tensor.untyped_storage().data_ptr()] = handle
+
     def _plan(
         self, tensor: torch.Tensor, role: str, finishers: list, keep: list, copied: list[int],
         registered: list[int] | None = None, may_register: bool = False,

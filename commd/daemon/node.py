@@ -179,7 +179,9 @@ class Daemon:
         self.control.flush()
 
     def status(self) -> dict[str, Any]:
-        return status_document(self.config, self.state, self.stats, self.scheduler, self.clients, self.observers)
+        document = status_document(self.config, self.state, self.stats, self.scheduler, self.clients, self.observers)
+        document["rings"] = self.op_ingress.rings.status()  # local groups' small all-reduces (daemon/fastring.py)
+        return document
 
     def _group_members(self, name: str) -> list[int] | None:
         group = self.scheduler.groups.get(name)

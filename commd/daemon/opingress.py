@@ -17,6 +17,7 @@ from commd.core.placement import GroupPlacement
 from commd.daemon.clients import BufferResolver, ClientRecord, ClientRegistry
 from commd.daemon.completion import Completions
 from commd.daemon.config import DaemonConfig
+from commd.daemon.fastring import RingRegions
 from commd.daemon.limits import LimitGuard
 from commd.daemon.loglimit import RateLimitedLog
 from commd.daemon.opchannel import OpConnection
@@ -56,6 +57,7 @@ class OpIngress:
         self.stats = stats
         self.log_limit = log_limit
         self.registered = RegisteredSegments(config.max_registered_bytes, stats)
+        self.rings = RingRegions(clients, placements)
 
     def on_message(self, channel: OpConnection, frame: bytes, fds: list[int]) -> None:
         """One message on an op channel (the ``OpListener``'s callback)."""
@@ -65,6 +67,9 @@ class OpIngress:
             op_id = msg["id"] if type(msg.get("id")) is int else -1
             if channel.client is None and msg["t"] == s.SEGMENT:
                 self._on_segment_fd(channel, msg, fds)
+            elif channel.client is None and msg["t"] == s.FASTRING:
+                check_secret(msg, self.config.secret)
+                self.rings.grant(channel, msg)
             elif channel.client is None:
                 self._attach_channel(channel, msg)
             elif msg["t"] == s.OP:

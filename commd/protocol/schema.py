@@ -35,6 +35,8 @@ LANE_NAMES = ("tcp", "gloo", "mpi", "nccl")
 HELLO = "hello"
 WELCOME = "welcome"
 SEGMENT = "segment"
+#: A local group's exchange ring (protocol/fastring.py): its memfd comes back beside the ACK.
+FASTRING = "fastring"
 GROUP = "group"
 OP = "op"
 DONE = "done"

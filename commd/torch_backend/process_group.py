@@ -37,6 +37,7 @@ from commd.client.spawn import ensure_daemon
 from commd.memory.budget import check_environment
 from commd.runtime import ConfigError, JobPaths, secret_from_environment
 from commd.torch_backend.profiling import profiled
+from commd.torch_backend.ring_ops import open_ring, ring_all_reduce
 
 BACKEND_NAME = "commd"
 _STORE_PREFIX = "commd/"
@@ -183,6 +184,7 @@ class ProcessGroupCommd(dist.ProcessGroup):
         self._torch_name = torch_name
         self._timeout = timeout
         self._lane = lane
+        self.ring: Any = None  # the group's exchange ring (ring_ops.py), set by _create
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return BACKEND_NAME
@@ -210,6 +212,10 @@ class ProcessGroupCommd(dist.ProcessGroup):
     @profiled("all_reduce")
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> CommdWork:
         op = _reduce_op(opts.reduceOp) if opts is not None else "sum"
+        if self.ring is not None and len(tensors) == 1:
+            handle = ring_all_reduce(self._client, self.ring, tensors[0], op, self._timeout, tensors)
+            if handle is not None:
+                return CommdWork([handle], tensors)
         handles = [ops.all_reduce(self._client, t, op, **self._kw()) for t in tensors]
         return self._work(handles, tensors)
 
@@ -405,6 +411,8 @@ class ProcessGroupCommd(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         """Called by destroy_process_group; the process's client stays for other groups."""
+        if self.ring is not None:
+            self.ring.close()
 
     def __repr__(self) -> str:
         return f"ProcessGroupCommd(group={self._name!r}, rank={self.rank()}, size={self.size()})"
@@ -578,7 +586,9 @@ def _create(dist_opts: Any, backend_opts: Any) -> ProcessGroupCommd:
     name = f"g{base}.{generation}".replace(" ", "_")[:200]
     client.register_group(name, global_ranks)
     lane = getattr(backend_opts, "lane", None) if isinstance(backend_opts, Options) else None
-    return ProcessGroupCommd(client, name, rank, size, op_timeout_s(timeout), base, lane)
+    group = ProcessGroupCommd(client, name, rank, size, op_timeout_s(timeout), base, lane)
+    group.ring = open_ring(client, store, name, rank, size, global_ranks, op_timeout_s(timeout))
+    return group
 
 
 def _close_client() -> None:

@@ -1,0 +1,81 @@
+"""Exchange rings of local groups: one sealed memfd per group, handed to each member that asks.
+
+The ranks of a group that lives on this node only exchange small all-reduces in
+this shared memory themselves (layout: ``protocol/fastring.py``); the daemon only
+creates it, once per group, and gives its descriptor to the group's authenticated
+members over the op socket (a short connection each, like a segment registration).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from commd.core.placement import GroupPlacement
+from commd.daemon.clients import ClientRegistry
+from commd.daemon.opchannel import OpConnection
+from commd.memory.arena import Segment
+from commd.protocol import fastring as fr
+from commd.protocol import schema as s
+from commd.protocol.fdpass import send_with_fd
+
+log = logging.getLogger("commd.daemon")
+
+#: All rings of the node together stay below this (a group is 0.5-4 MiB); past it, groups keep the daemon path.
+MAX_RING_BYTES = 256 << 20
+
+
+class RingRegions:
+    """The rings of this node's local groups, created on first request and kept while the daemon runs."""
+
+    def __init__(self, clients: ClientRegistry, placements: dict[str, GroupPlacement]) -> None:
+        self.clients = clients
+        self.placements = placements
+        self.regions: dict[str, Segment] = {}
+        self.total_bytes = 0
+
+    def grant(self, channel: OpConnection, msg: dict[str, Any]) -> None:
+        """Answer a ``FASTRING`` request (secret already checked): ACK with the memfd, or a ProtocolError."""
+        client = self.clients.find(s.int_field(msg, "client_id", 0))
+        if client is None:
+            raise s.ProtocolError("ring request names an unknown client id", s.E_AUTH)
+        group = s.field(msg, "group", str)
+        if group not in client.groups:
+            raise s.ProtocolError(f"rank {client.rank} has not registered group {group!r}")
+        placement = self.placements.get(group)
+        nranks = len(placement.ranks) if placement is not None else 0
+        if placement is None or placement.multi_node or not 2 <= nranks <= fr.MAX_RANKS:
+            raise s.ProtocolError(f"group {group!r} has no exchange ring (it needs 2..{fr.MAX_RANKS} ranks, "
+                                  "all on this node)")
+        region = self.regions.get(group)
+        if region is None:
+            size = fr.region_bytes(nranks)
+            if self.total_bytes + size > MAX_RING_BYTES:
+                raise s.ProtocolError(f"no exchange ring for group {group!r}: the node's rings already hold "
+                                      f"{self.total_bytes} bytes (at most {MAX_RING_BYTES})", s.E_LIMIT)
+            try:
+                region = Segment.create(0, f"commd-ring-{os.getpid()}", size)
+            except (OSError, ValueError, MemoryError) as exc:
+                raise s.ProtocolError(f"no exchange ring for group {group!r}: {exc}", s.E_LIMIT) from None
+            self.total_bytes += size
+            header = region.array[: fr.HEADER_BYTES].view("u8")
+            header[0] = fr.MAGIC
+            meta = region.array[8:24].view("u4")
+            meta[:] = (fr.VERSION, nranks, fr.DEPTH, fr.SLOT_BYTES)
+            self.regions[group] = region
+            log.debug("exchange ring for group %s: %d ranks, %d bytes", group, nranks, size)
+        assert region.fd is not None
+        reply = {"t": s.ACK, "size": region.size, "nranks": nranks, "depth": fr.DEPTH,
+                 "slot_bytes": fr.SLOT_BYTES, "rank": client.groups[group]}
+        send_with_fd(channel.sock, s.encode(reply), region.fd)
+
+    def status(self) -> dict[str, Any]:
+        """Per ring, how many all-reduces each group rank has published (they never reach the scheduler)."""
+        rows = {}
+        for group, region in self.regions.items():
+            nranks = int(region.array[12:16].view("u4")[0])
+            control = region.array[fr.CONTROL_OFFSET: fr.CONTROL_OFFSET + nranks * fr.CONTROL_BYTES].view("i8")
+            posted = [int(x) for x in control.reshape(nranks, -1)[:, fr.POSTED]]
+            rows[group] = {"ranks": nranks, "ops": min(posted), "posted": posted}
+        return rows

@@ -1,0 +1,70 @@
+"""The layout of a local group's exchange ring: shared memory the daemon creates and the ranks share.
+
+Why it exists: a tiny all-reduce through the daemon costs three process wake-ups
+(rank → daemon, daemon → each rank) and the daemon's per-op Python work; on a node
+whose cores the ranks share with the daemon that is 100+ µs, while two ranks that
+meet in shared memory need a few.  For a group whose ranks are all on this node the
+daemon hands every member the same sealed memfd (``FASTRING`` on the op socket, the
+descriptor beside the reply); the ranks then exchange small all-reduces there without
+the daemon on the path (``commd/client/fastring.py``).
+
+Layout (native byte order, every field naturally aligned):
+
+- bytes 0..63: the region header: ``magic`` u64, ``version`` u32, ``nranks`` u32,
+  ``depth`` u32, ``slot_bytes`` u32;
+- a 64-byte control line per group rank ``r`` at ``CONTROL_OFFSET + 64 r``: ``pid``
+  i64 (written when the rank maps the region), ``posted`` i64 (the last op number it
+  published), ``consumed`` i64 (the last op whose inputs it has read), ``bell`` u32
+  (bumped on every change of ``posted``/``consumed``: the futex word peers sleep on);
+- ``depth × nranks`` entries at ``entries_offset``: entry (k mod depth, r) is a 64-byte
+  header — ``seq`` i64 (the op number k), ``dtype`` u32 (index into ``DTYPES``),
+  ``op`` u32 (index into ``REDUCE_OPS``), ``count`` i64 — and ``slot_bytes`` of data.
+
+A rank may publish op k only once every rank has consumed op k - depth.
+"""
+
+from __future__ import annotations
+
+MAGIC = 0x676E6972646D6D63  # "cmmdring"
+VERSION = 1
+HEADER_BYTES = 64
+CONTROL_OFFSET = 64
+CONTROL_BYTES = 64
+ENTRY_HEADER_BYTES = 64
+#: Ops up to this many bytes take the ring; larger ones go through the daemon as before.
+SLOT_BYTES = 64 << 10
+DEPTH = 8
+#: Groups with more local ranks than this keep the daemon path (region size grows with n).
+MAX_RANKS = 8
+
+# Control line fields: i64 indices inside a rank's line, and the bell's byte offset.
+PID, POSTED, CONSUMED = 0, 1, 2
+BELL_OFFSET = 24
+# Entry header fields (i64 indices inside an entry's header).
+SEQ, DTYPE, OP, COUNT = 0, 1, 2, 3
+
+#: Wire codes of the entry header: the position in these tuples.
+DTYPES = (
+    "float16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64", "bool",
+    "complex64", "complex128",
+)
+REDUCE_OPS = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor")
+
+
+def entries_offset(nranks: int) -> int:
+    """Where the entries start: after the control lines, page aligned."""
+    end = CONTROL_OFFSET + CONTROL_BYTES * nranks
+    return (end + 4095) // 4096 * 4096
+
+
+def entry_bytes(slot_bytes: int) -> int:
+    return ENTRY_HEADER_BYTES + slot_bytes
+
+
+def region_bytes(nranks: int, depth: int = DEPTH, slot_bytes: int = SLOT_BYTES) -> int:
+    """The whole region's size (what the daemon creates and the client checks)."""
+    return entries_offset(nranks) + depth * nranks * entry_bytes(slot_bytes)
+
+
+def entry_offset(nranks: int, depth: int, slot_bytes: int, seq: int, rank: int) -> int:
+    return entries_offset(nranks) + ((seq % depth) * nranks + rank) * entry_bytes(slot_bytes)

@@ -1,0 +1,76 @@
+"""The torch backend's use of a local group's exchange ring (``commd/client/fastring.py``).
+
+A group whose ranks all live on this node gets a ring when it is created; every rank
+must then take the ring for exactly the same all-reduces, so the choice depends only
+on what the ranks agree on anyway: the ring exists (agreed through the store), the
+tensor is on the CPU, its dtype has a NumPy kernel, the reduce op suits the dtype, and
+it fits a ring slot.  Everything else goes through the daemon as before.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from commd.client import fastring
+from commd.client.connection import Client
+from commd.client.errors import CommdError
+from commd.client.handle import Handle
+from commd.kernels.dtypes import UnsupportedReduction, check_supported
+from commd.kernels.reduce import DTYPE_NAMES
+from commd.kernels.small import NUMPY_DTYPES
+from commd.protocol import fastring as fr
+
+log = logging.getLogger("commd.torch")
+
+#: torch dtype -> name, for the dtypes a ring slot can carry.
+RING_DTYPES = {dtype: name for dtype, name in DTYPE_NAMES.items() if name in NUMPY_DTYPES}
+_STORE_KEY = "commd/ring/{name}/{rank}"
+
+
+def open_ring(client: Client, store: dist.Store, name: str, rank: int, size: int,
+              global_ranks: list[int], timeout: float | None) -> fastring.ExchangeRing | None:
+    """The group's ring if every rank of it got one (agreed through the store), else None."""
+    nodes = client.nodes
+    local = nodes is None or len({nodes[r] for r in global_ranks}) == 1
+    ring = None
+    if fastring.available() and local and 2 <= size <= fr.MAX_RANKS:
+        try:
+            region, meta = fastring.request_ring(client.paths.ops_socket, client.client_id, client.secret, name,
+                                                 30.0, client.daemon_pid)
+            ring = fastring.ExchangeRing(region, meta, name, client.rank, client.daemon_pid,
+                                         timeout or client.op_timeout)
+        except CommdError as exc:
+            log.warning("group %s: no exchange ring, small all-reduces go through the daemon: %s", name, exc)
+    store.set(_STORE_KEY.format(name=name, rank=rank), "1" if ring is not None else "0")
+    if all(store.get(_STORE_KEY.format(name=name, rank=r)) == b"1" for r in range(size)):
+        return ring
+    if ring is not None:
+        ring.close()
+    return None
+
+
+def ring_all_reduce(client: Client, ring: fastring.ExchangeRing, tensor: torch.Tensor, op: str,
+                    timeout: float | None, result: Any) -> Handle | None:
+    """``tensor`` all-reduced through the ring, or None when it is not a ring op (see the module doc)."""
+    if tensor.device.type != "cpu":
+        return None
+    dtype = RING_DTYPES.get(tensor.dtype)
+    if dtype is None or tensor.numel() * tensor.element_size() > ring.slot_bytes:
+        return None
+    try:
+        check_supported(op, dtype)
+    except UnsupportedReduction:
+        return None
+    client.wait_writes_to(tensor)
+    flat = tensor if tensor.is_contiguous() else tensor.contiguous()
+    after = None if flat is tensor else (lambda: tensor.copy_(flat))
+    data = flat.detach().numpy().reshape(-1).view(np.uint8)  # two torch calls; the rest is NumPy's
+    handle = ring.all_reduce(data, dtype, op, timeout, result=result, after=after)
+    if not handle.is_completed():
+        client.note_write_back(tensor, handle)
+    return handle

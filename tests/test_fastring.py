@@ -1,0 +1,277 @@
+"""Local groups' exchange rings: small all-reduces between the ranks in shared memory.
+
+The ring logic runs here with two in-process clients (one thread per rank), checked
+against NumPy; the daemon's side (who gets a ring) through the op socket; and the torch
+backend end to end (the ring is used, results, ordering against daemon ops, futures).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from test_torch_backend import WORLD, spawn
+
+from commd.client.errors import CommdError, CommTimeoutError, MismatchError, PeerDiedError
+from commd.client.fastring import ExchangeRing, RingHandle, available, request_ring
+from commd.protocol import fastring as fr
+
+pytestmark = pytest.mark.skipif(not available(), reason="exchange rings need x86-64 Linux")
+
+
+def _rings(clients: list[Any], group: str = "world", timeout: float = 10.0) -> list[ExchangeRing]:
+    rings = []
+    for c in clients:
+        region, meta = request_ring(c.paths.ops_socket, c.client_id, c.secret, group, 10.0, c.daemon_pid)
+        rings.append(ExchangeRing(region, meta, group, c.rank, c.daemon_pid, timeout))
+    return rings
+
+
+def _per_rank(fn: Callable[[int], Any], n: int = 2, timeout: float = 30.0) -> list[Any]:
+    """Run ``fn(rank)`` on one thread per rank; return results (or raised exceptions) by rank."""
+    out: list[Any] = [None] * n
+
+    def run(r: int) -> None:
+        try:
+            out[r] = fn(r)
+        except BaseException as exc:  # noqa: BLE001 - handed back to the test
+            out[r] = exc
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+        assert not t.is_alive(), "a rank thread hung"
+    return out
+
+
+_REFERENCE = {"sum": np.add, "product": np.multiply, "min": np.minimum, "max": np.maximum,
+              "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
+_CASES = [("float32", "sum"), ("float64", "avg"), ("float16", "max"), ("int32", "product"), ("int64", "min"),
+          ("uint8", "bxor"), ("int16", "bor"), ("bool", "band"), ("complex64", "sum")]
+
+
+def _inputs(rank: int, dtype: str, n: int) -> np.ndarray:
+    rng = np.random.default_rng(rank * 7 + n)
+    if dtype == "bool":
+        return rng.integers(0, 2, n).astype(bool)
+    if dtype.startswith("complex"):
+        return (rng.standard_normal(n) + 1j * rng.standard_normal(n)).astype(dtype)
+    if dtype.startswith(("int", "uint")):
+        return rng.integers(1, 50, n).astype(dtype)
+    return rng.standard_normal(n).astype(dtype)
+
+
+def _reference(dtype: str, op: str, n: int, ranks: int = 2) -> np.ndarray:
+    xs = [_inputs(r, dtype, n) for r in range(ranks)]
+    if op == "avg":
+        return (xs[0] + xs[1]) / 2
+    if dtype == "bool":
+        return {"band": np.logical_and}[op](xs[0], xs[1])
+    return _REFERENCE[op](xs[0], xs[1])
+
+
+def test_ring_all_reduce_matches_numpy_for_every_dtype(daemon: Any, connect: Callable[..., Any]) -> None:
+    clients = [connect(r, 2) for r in range(2)]
+    rings = _rings(clients)
+    sizes = [1, 3, 1000, fr.SLOT_BYTES // 8]
+
+    def body(r: int) -> list[tuple[str, str, int, np.ndarray]]:
+        got = []
+        for dtype, op in _CASES:
+            for n in sizes:
+                n = min(n, fr.SLOT_BYTES // np.dtype(dtype).itemsize)
+                x = _inputs(r, dtype, n)
+                rings[r].all_reduce(x.view(np.uint8), dtype, op, None).wait(10)
+                got.append((dtype, op, n, x))
+        return got
+
+    results = _per_rank(body)
+    for r in range(2):
+        assert not isinstance(results[r], BaseException), results[r]
+        for dtype, op, n, x in results[r]:
+            want = _reference(dtype, op, n)
+            if dtype.startswith(("float", "complex")):
+                np.testing.assert_allclose(x, want, rtol=1e-3, err_msg=f"{dtype} {op} n={n} rank {r}")
+            else:
+                np.testing.assert_array_equal(x, want, err_msg=f"{dtype} {op} n={n} rank {r}")
+    assert [np.array_equal(a[3], b[3]) for a, b in zip(results[0], results[1], strict=True)] == [True] * len(
+        results[0]), "the ranks computed different bits"
+
+
+def test_more_async_ops_than_ring_entries_complete(daemon: Any, connect: Callable[..., Any]) -> None:
+    """Both ranks submit 3 × depth ops before waiting on any: the ring must not wait on itself."""
+    clients = [connect(r, 2) for r in range(2)]
+    rings, paths = _rings(clients), clients[0].paths
+    count = 3 * fr.DEPTH
+
+    def body(r: int) -> list[np.ndarray]:
+        xs = [np.full(4, (r + 1) * (i + 1), np.float32) for i in range(count)]
+        handles = [rings[r].all_reduce(x.view(np.uint8), "float32", "sum", None) for x in xs]
+        for h in handles:
+            h.wait(10)
+        return xs
+
+    results = _per_rank(body)
+    for r in range(2):
+        assert not isinstance(results[r], BaseException), results[r]
+        assert [float(x[0]) for x in results[r]] == [3.0 * (i + 1) for i in range(count)]
+    # ring ops never reach the daemon's scheduler; commd status counts them per ring
+    from commd.client.status import query_status
+
+    status = query_status(paths)
+    assert status["rings"]["world"] == {"ranks": 2, "ops": count, "posted": [count, count]}
+
+
+def test_a_mismatch_fails_every_rank_and_the_ring_goes_on(daemon: Any, connect: Callable[..., Any]) -> None:
+    rings = _rings([connect(r, 2) for r in range(2)])
+
+    def body(r: int) -> tuple[str, float]:
+        x = np.ones(2 + r, np.float32)
+        try:
+            rings[r].all_reduce(x.view(np.uint8), "float32", "sum", None).wait(10)
+            error = "no error"
+        except MismatchError as exc:
+            error = str(exc)
+        y = np.full(2, r + 1.0, np.float32)
+        rings[r].all_reduce(y.view(np.uint8), "float32", "sum", None).wait(10)
+        return error, float(y[0])
+
+    for r, (error, after) in enumerate(_per_rank(body)):
+        assert "mismatched collective #1 on group 'world': 'count' differs: ranks [0] 2, ranks [1] 3" in error, (
+            r, error)
+        assert after == 3.0
+
+
+def test_a_missing_rank_times_out_naming_it(daemon: Any, connect: Callable[..., Any]) -> None:
+    rings = _rings([connect(r, 2) for r in range(2)], timeout=0.5)
+    x = np.ones(2, np.float32)
+    start = time.monotonic()
+    handle = rings[0].all_reduce(x.view(np.uint8), "float32", "sum", None)
+    with pytest.raises(CommTimeoutError, match=r"allreduce #1 on group 'world' timed out after 0.5s waiting for group ranks \[1\]"):
+        handle.wait()
+    assert time.monotonic() - start < 5
+    with pytest.raises(CommTimeoutError):  # the ring is out of step: later ops fail at once
+        rings[0].all_reduce(x.view(np.uint8), "float32", "sum", None)
+
+
+def test_a_dead_rank_fails_the_waiting_op_before_its_timeout(daemon: Any, connect: Callable[..., Any]) -> None:
+    rings = _rings([connect(r, 2) for r in range(2)], timeout=60.0)
+    gone = subprocess.Popen(["true"])
+    gone.wait(10)
+    rings[1].control[rings[1].me, fr.PID] = gone.pid  # rank 1's process, as its ring shows it, has exited
+    start = time.monotonic()
+    handle = rings[0].all_reduce(np.ones(2, np.float32).view(np.uint8), "float32", "sum", None)
+    with pytest.raises(PeerDiedError, match=rf"group rank 1 \(pid {gone.pid}\) died"):
+        handle.wait()
+    assert time.monotonic() - start < 10
+
+
+def test_the_daemon_gives_rings_only_to_members_of_local_groups(
+    daemon: Any, connect: Callable[..., Any]
+) -> None:
+    clients = [connect(r, 3) for r in range(3)]
+    clients[0].register_group("solo", [0])
+    clients[1].register_group("pair", [1, 2])
+    c = clients[0]
+    with pytest.raises(CommdError, match="authentication failed"):
+        request_ring(c.paths.ops_socket, c.client_id, "wrong", "world", 10.0, c.daemon_pid)
+    with pytest.raises(CommdError, match="has not registered group 'pair'"):
+        request_ring(c.paths.ops_socket, c.client_id, c.secret, "pair", 10.0, c.daemon_pid)
+    with pytest.raises(CommdError, match="no exchange ring"):
+        request_ring(c.paths.ops_socket, c.client_id, c.secret, "solo", 10.0, c.daemon_pid)
+    # one region per group, the same for every member; the daemon keeps serving ops
+    r0, _ = request_ring(c.paths.ops_socket, c.client_id, c.secret, "world", 10.0, c.daemon_pid)
+    r1, meta = request_ring(c.paths.ops_socket, clients[1].client_id, c.secret, "world", 10.0, c.daemon_pid)
+    r0.array[fr.CONTROL_OFFSET] = 42
+    assert r1.array[fr.CONTROL_OFFSET] == 42 and meta["rank"] == 1 and meta["nranks"] == 3
+    from commd.client import ops
+
+    tensors = [torch.ones(3) for _ in clients]
+    handles = [ops.all_reduce(client, t) for client, t in zip(clients, tensors, strict=True)]
+    for h in handles:
+        h.wait(10)
+    assert [t.tolist() for t in tensors] == [[3.0] * 3] * 3
+
+
+# ---- the torch backend, end to end ----------------------------------------------------
+def ring_rank_main(rank: int) -> None:
+    import commd  # noqa: F401 - registers the backend
+
+    dist.init_process_group("commd", init_method="env://", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=30))
+    try:
+        x = torch.tensor([rank + 1.0, 2.0 * rank])
+        work = dist.all_reduce(x, async_op=True)
+        assert isinstance(work.handles[0], RingHandle), "a tiny all-reduce did not take the ring"
+        work.wait()
+        assert x.tolist() == [3.0, 2.0]
+        # non-contiguous, and the largest ring op; one byte-group larger goes through the daemon
+        y = torch.arange(12, dtype=torch.float64).reshape(3, 4).t() * (rank + 1)
+        dist.all_reduce(y, op=dist.ReduceOp.MAX)
+        assert torch.equal(y, torch.arange(12, dtype=torch.float64).reshape(3, 4).t() * 2)
+        for n in (fr.SLOT_BYTES // 4, fr.SLOT_BYTES // 4 + 1):
+            z = torch.full((n,), float(rank + 1))
+            w = dist.all_reduce(z, async_op=True)
+            assert isinstance(w.handles[0], RingHandle) == (n == fr.SLOT_BYTES // 4)
+            w.wait()
+            assert bool((z == 3).all())
+        # program order with a daemon op on the same tensor: the broadcast sees the reduced value
+        v = torch.full((8,), float(rank + 1))
+        dist.all_reduce(v, async_op=True)
+        dist.broadcast(v, src=1)
+        assert v.tolist() == [3.0] * 8
+        # futures complete without anyone waiting on the work
+        f = torch.full((4,), float(rank + 1))
+        fut = dist.all_reduce(f, async_op=True).get_future()
+        assert fut.wait()[0].tolist() == [3.0] * 4
+        # a mismatch fails both ranks; the group goes on
+        try:
+            dist.all_reduce(torch.ones(2 + rank))
+            raise AssertionError("a count mismatch went unnoticed")
+        except MismatchError as exc:
+            assert "'count' differs" in str(exc)
+        u = torch.tensor([rank * 10.0])
+        dist.all_reduce(u)
+        assert u.item() == 10.0
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_torch_backend_takes_the_ring_for_small_all_reduces(backend_env: Any) -> None:
+    spawn(ring_rank_main, ())
+
+
+def fallback_rank_main(rank: int) -> None:
+    """Rank 1 cannot use a ring (COMMD_LOCAL_RING=0): both ranks must then keep the daemon path."""
+    import os
+
+    import commd  # noqa: F401 - registers the backend
+
+    if rank == 1:
+        os.environ["COMMD_LOCAL_RING"] = "0"
+    dist.init_process_group("commd", init_method="env://", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=30))
+    try:
+        x = torch.tensor([rank + 1.0])
+        work = dist.all_reduce(x, async_op=True)
+        assert not isinstance(work.handles[0], RingHandle), f"rank {rank} took a ring its peer does not have"
+        work.wait()
+        assert x.item() == 3.0
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_without_a_ring_keeps_the_whole_group_on_the_daemon_path(backend_env: Any) -> None:
+    spawn(fallback_rank_main, ())
