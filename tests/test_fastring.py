@@ -230,6 +230,21 @@ def ring_rank_main(rank: int) -> None:
         dist.all_reduce(v, async_op=True)
         dist.broadcast(v, src=1)
         assert v.tolist() == [3.0] * 8
+        # ... and on a zero-copy tensor (the arena: the daemon writes it in place when the op runs):
+        # the ring reads it only after the pending broadcast wrote it, and a broadcast after a
+        # pending ring op sees the reduced value
+        a = commd.empty((16,), torch.float32)
+        a.fill_(rank + 1.0)
+        if rank == 1:
+            time.sleep(0.3)  # rank 0's broadcast is surely still pending when it reaches the all-reduce
+        dist.broadcast(a, src=1, async_op=True)
+        dist.all_reduce(a)
+        assert a.tolist() == [4.0] * 16, a.tolist()
+        a.fill_(rank + 1.0)
+        w = dist.all_reduce(a, async_op=True)
+        dist.broadcast(a, src=0)
+        w.wait()
+        assert a.tolist() == [3.0] * 16, a.tolist()
         # futures complete without anyone waiting on the work
         f = torch.full((4,), float(rank + 1))
         fut = dist.all_reduce(f, async_op=True).get_future()

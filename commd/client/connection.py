@@ -450,6 +450,21 @@ class Client:
         if role != "in":
             copied.append(storage)
 
+    def wait_group_idle(self, group: str) -> None:
+        """Let every pending op of ``group`` finish first (their own failures report themselves).
+
+        An op completed outside the op channel (a local group's exchange ring) on a tensor
+        that a pending op reads or writes in place (arena, registered storage) must not
+        overtake it: ops of one group keep program order, as on any backend.
+        """
+        with self._pending_lock:
+            handles = [h for h in self._pending.values() if h.group == group]
+        for handle in handles:
+            try:
+                handle.wait(max(0.0, handle.deadline - time.monotonic()))
+            except CommdError:
+                pass
+
     def wait_writes_to(self, tensor: torch.Tensor) -> None:
         """Before reading ``tensor`` outside ``submit``: let a pending op that writes it back finish."""
         if self._copy_back:

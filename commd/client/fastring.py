@@ -223,6 +223,20 @@ class ExchangeRing:
             self._wanted.set()
         return handle
 
+    def drain(self) -> None:
+        """Wait until every op posted here has completed (ops complete in order: the last one).
+
+        A daemon op of the same group may read or write the same tensors in place, so it
+        must not start before the ring ops submitted ahead of it are done.
+        """
+        with self._lock:
+            last = self.pending[-1].handle if self.pending else None
+        if last is not None:
+            try:
+                last.wait(max(0.0, last.deadline - time.monotonic()))
+            except CommdError:
+                pass  # the op reports its own failure
+
     def _progressed_behind(self, seq: int) -> list[int]:
         """Ranks that have not consumed ``seq`` yet, after completing what we can ourselves
         (two ranks that both filled the ring with async ops must not wait on each other)."""

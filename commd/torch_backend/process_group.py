@@ -203,6 +203,9 @@ class ProcessGroupCommd(dist.ProcessGroup):
         return self._name
 
     def _kw(self) -> dict[str, Any]:
+        """Every daemon op's options; called just before it is submitted, so ring ops ahead of it finish first."""
+        if self.ring is not None and self.ring.pending:
+            self.ring.drain()
         return {"group": self._name, "timeout": self._timeout, "lane": self._lane}
 
     def _work(self, handles: Handle | list[Handle], result: Any) -> CommdWork:

@@ -66,6 +66,7 @@ def ring_all_reduce(client: Client, ring: fastring.ExchangeRing, tensor: torch.T
         check_supported(op, dtype)
     except UnsupportedReduction:
         return None
+    client.wait_group_idle(ring.group)  # program order with the group's pending daemon ops
     client.wait_writes_to(tensor)
     flat = tensor if tensor.is_contiguous() else tensor.contiguous()
     after = None if flat is tensor else (lambda: tensor.copy_(flat))
