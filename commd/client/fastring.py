@@ -40,11 +40,10 @@ from commd.client.errors import (
     DaemonDiedError,
     MismatchError,
     PeerDiedError,
-    UntrustedDaemonError,
     from_reply,
 )
 from commd.client.handle import Handle
-from commd.client.trust import peer_credentials
+from commd.client.trust import connect_to_daemon
 from commd.kernels import small
 from commd.memory.arena import Segment
 from commd.protocol import fastring as fr
@@ -95,11 +94,7 @@ def request_ring(ops_socket: Any, client_id: int, secret: str, group: str, timeo
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
         sock.settimeout(timeout)
         try:
-            sock.connect(str(ops_socket))
-            peer_pid = peer_credentials(sock)[0]
-            if peer_pid != daemon_pid:
-                raise UntrustedDaemonError(f"refusing the exchange ring of group {group!r}: pid {peer_pid} "
-                                           f"listens on {ops_socket}, not the daemon (pid {daemon_pid})")
+            connect_to_daemon(sock, ops_socket, daemon_pid, f"the exchange ring of group {group!r}")
             sock.send(s.encode(request))
             frame, fds, _ = recv_with_fds(sock, 64 << 10)
             reply = s.decode(frame)

@@ -15,8 +15,8 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from commd.client.errors import CommdError, ConnectError, UntrustedDaemonError, from_reply
-from commd.client.trust import peer_credentials
+from commd.client.errors import CommdError, ConnectError, from_reply
+from commd.client.trust import connect_to_daemon
 from commd.memory.arena import ARENA, Segment
 from commd.protocol import schema as s
 from commd.protocol.fdpass import send_with_fd
@@ -50,13 +50,7 @@ def register_fd(ops_socket: Path, client_id: int, secret: str, daemon_pid: int, 
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
         sock.settimeout(timeout)
         try:
-            sock.connect(str(ops_socket))
-            peer_pid = peer_credentials(sock)[0]
-            if peer_pid != daemon_pid:
-                raise UntrustedDaemonError(
-                    f"refusing to register {what} {name!r}: pid {peer_pid} listens on "
-                    f"{ops_socket}, not the daemon (pid {daemon_pid})"
-                )
+            connect_to_daemon(sock, ops_socket, daemon_pid, f"to register {what} {name!r}")
             send_with_fd(sock, s.encode(request), fd)
             reply = s.decode(sock.recv(REPLY_BYTES))
         except (OSError, s.ProtocolError) as exc:

@@ -65,6 +65,20 @@ def read_job_secret(paths: JobPaths) -> str:
         raise ConnectError(str(exc)) from None
 
 
+def connect_to_daemon(sock: socket.socket, ops_socket: object, daemon_pid: int, what: str) -> None:
+    """Connect ``sock`` to ``ops_socket`` and refuse to go on unless ``daemon_pid`` listens there.
+
+    For the short connections that carry a descriptor or the job secret (a segment, a
+    ring): they go only to the daemon the client verified when it connected.
+    """
+    sock.connect(str(ops_socket))
+    peer_pid = peer_credentials(sock)[0]
+    if peer_pid != daemon_pid:
+        raise UntrustedDaemonError(
+            f"refusing {what}: pid {peer_pid} listens on {ops_socket}, not the daemon (pid {daemon_pid})"
+        )
+
+
 def connect_op_channel(sock: socket.socket, paths: JobPaths, deadline: float) -> int:
     """Connect ``sock`` to the job's ``ops.sock`` and prove the listener is our daemon; its pid.
 
