@@ -66,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds an op may wait for its peers (passed to the daemon)")
     parser.add_argument("--trace", default=None, metavar="FILE",
                         help="trace every op's phases into FILE (Chrome/Perfetto JSON; in a multi-node job "
-                             "node k writes FILE's stem + '.node<k>'; join them with `commd trace merge`)")
+                             "node k writes FILE's stem + '.node<k>'; join them with `commd trace merge`); "
+                             "small all-reduces then skip the exchange ring (COMMD_LOCAL_RING=0) so every op is traced")
     parser.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
                         help="seconds workers get after SIGTERM before SIGKILL (default 10)")
     parser.add_argument("--no-prefix", dest="prefix", action="store_false",
@@ -285,6 +286,10 @@ def _start_workers(args: argparse.Namespace, job: str, port: int, sigs: _Signals
             return
         env = worker_env(dict(os.environ), rank, args.nproc, job, args.master_addr, port,
                          args.node_rank, args.nnodes, args.node_name)
+        if args.trace is not None:
+            # a traced job's small all-reduces go through the daemon too, so the trace has every op
+            # (a local group's exchange ring bypasses the daemon, and the daemon writes the trace)
+            env.setdefault("COMMD_LOCAL_RING", "0")
         shown = args.shown_ranks is None or rank in args.shown_ranks
         stdout = subprocess.PIPE if args.prefix and shown else None if shown else subprocess.DEVNULL
         stderr = subprocess.PIPE if args.prefix else None
