@@ -265,6 +265,27 @@ def test_registration_can_be_turned_off(daemon: DaemonProcess, connect: Callable
     assert not in_memfd(tensors[0])
 
 
+def test_a_torch_that_cannot_swap_storages_stages_and_says_so(
+        daemon: DaemonProcess, connect: Callable[..., Any], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Older torch has no ``_swap_data_ptr_``: registration is off from the start (no memfd mapped in
+    the daemon per storage only to fail the move), the ops succeed staged, and the reason is logged once."""
+    from commd.client import registry
+
+    monkeypatch.setattr(registry, "storage_swap_supported", lambda: False)
+    monkeypatch.setattr(registry, "_unsupported_said", False)
+    with caplog.at_level(logging.WARNING, logger="commd.client"):
+        pair = [connect(0, 2), connect(1, 2)]
+    said = [r for r in caplog.records if "_swap_data_ptr_" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in caplog.records]
+    tensors = [torch.empty(N) for _ in pair]
+    for step in range(3):
+        fill(tensors, step)
+        all_reduce_checked(pair, tensors, f"step {step}")
+    assert status(daemon)["bytes_by_path"]["registered"] == 0
+    assert [r["registered_segments"] for r in client_rows(daemon)] == [0, 0]
+
+
 # ---- what the daemon accepts ----------------------------------------------------
 def _register(client: Any, daemon: DaemonProcess, fd: int, seg_id: int, size: int = N * 4) -> None:
     register_fd(daemon.paths.ops_socket, client.client_id, client.secret, client.daemon_pid, 10.0,

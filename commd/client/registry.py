@@ -59,9 +59,31 @@ NEVER = -1
 IN_FLIGHT = -1
 
 
+def storage_swap_supported() -> bool:
+    """Whether this torch can move a storage's memory in place (``UntypedStorage._swap_data_ptr_``, torch 2.13)."""
+    return hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
 def registration_enabled() -> bool:
-    """``COMMD_REGISTER`` (0 or 1, default 1), validated."""
-    return bool(env_int("COMMD_REGISTER", 1, 0, 1))
+    """``COMMD_REGISTER`` (0 or 1, default 1), validated; off, said once, on a torch that cannot swap storages.
+
+    Without the swap every registration would map a memfd in the daemon and then fail to move
+    the storage into it: one wasted round trip per storage, and nothing registered.
+    """
+    if not env_int("COMMD_REGISTER", 1, 0, 1):
+        return False
+    if not storage_swap_supported():
+        global _unsupported_said
+        if not _unsupported_said:
+            _unsupported_said = True
+            log.warning("torch %s cannot move a tensor's storage into shared memory in place "
+                        "(UntypedStorage._swap_data_ptr_, torch >= 2.13): ordinary tensors are copied "
+                        "through the arena", torch.__version__)
+        return False
+    return True
+
+
+_unsupported_said = False
 
 
 def default_budget() -> int:
