@@ -440,7 +440,9 @@ def _ddp_rank(rank: int) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    # this small model's buckets (~20 KiB) would take the group's exchange ring, which never
+    # registers anything; registration is what is under test, so they go through the daemon
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), COMMD_LOCAL_RING="0")
     import commd  # noqa: F401 - registers the backend
 
     dist.init_process_group("commd")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -115,8 +115,11 @@ class BufferResolver:
     def check_bounds(self, client: ClientRecord, sub: Submission) -> None:
         """Every reference inside a segment the client registered, aligned to the dtype."""
         itemsize = s.ITEMSIZE[sub.dtype]
-        # A CUDA export's first reference opens it: check those before the op's id-only references.
-        for name, ref in sorted(sub.buffers.items(), key=lambda item: item[1].cuda is None or item[1].cuda.handle is None):
+        buffers: Any = sub.buffers.items()
+        if any(ref.cuda is not None for ref in sub.buffers.values()):
+            # A CUDA export's first reference opens it: check those before the op's id-only references.
+            buffers = sorted(buffers, key=lambda item: item[1].cuda is None or item[1].cuda.handle is None)
+        for name, ref in buffers:
             if ref.inline is not None:
                 continue
             if ref.cuda is not None:

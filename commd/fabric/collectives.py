@@ -205,9 +205,7 @@ class Collectives:
     def _take_released(self, go: wire.Go) -> tuple[ReadyOp, GroupPlacement] | None:
         """The op a release names, no longer negotiating (None: not one of ours)."""
         key = (go.group, go.seq)
-        self._mine.pop(key, None)
-        self._early.pop(key, None)
-        entry = self.negotiating.pop(key, None)
+        entry = self._end_negotiation(key)
         if entry is None:
             if key in self._completed_early:
                 self._completed_early.discard(key)
@@ -244,7 +242,6 @@ class Collectives:
                 apply_result(op, placement, result, resolve)
         else:
             resolve = self.runner.resolver()
-
 
             def work(cap: float) -> None:
                 run(op, placement, self.fabric.lanes[lane_name], resolve, min(timeout, cap))
@@ -285,13 +282,19 @@ class Collectives:
         return self.runner.enqueue(lane_name, any(op.on_gpu for op in ops), placement.name, work, done,
                                    sum(op.nbytes for op in ops))
 
+    def _end_negotiation(self, key: tuple[str, int]) -> Any:
+        """Drop an op's negotiation entry and its early-contribution state; the entry, or None.
+
+        Every path that ends a negotiation (release, failure, a dead node) goes through here."""
+        self._mine.pop(key, None)
+        self._early.pop(key, None)
+        return self.negotiating.pop(key, None)
+
     # ---- failure ----------------------------------------------------------------
     def failed(self, fail: wire.Fail) -> None:
         """The coordinator failed a reported op (a mismatch across nodes, a timeout, a dead node)."""
         key = (fail.group, fail.seq)
-        self._mine.pop(key, None)
-        self._early.pop(key, None)
-        entry = self.negotiating.pop(key, None)
+        entry = self._end_negotiation(key)
         if entry is not None:
             self._outstanding[entry[0].group] -= 1
             self._fail_op(entry[0], fail.code, fail.message)
@@ -304,8 +307,7 @@ class Collectives:
         """A node died: fail every reported op that spans it."""
         for key, (op, placement, _) in list(self.negotiating.items()):
             if node in placement.nodes:
-                del self.negotiating[key]
-                self._mine.pop(key, None)
+                self._end_negotiation(key)
                 self._outstanding[op.group] -= 1
                 self._fail_op(op, s.E_PEER_DIED, f"{op.describe()} cannot run: {message}")
 
