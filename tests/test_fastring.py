@@ -255,6 +255,14 @@ def ring_rank_main(rank: int) -> None:
             raise AssertionError("a count mismatch went unnoticed")
         except MismatchError as exc:
             assert "'count' differs" in str(exc)
+        # ... and through get_future() (what DDP waits on), on every rank
+        fut = dist.all_reduce(torch.ones(3 + rank), async_op=True).get_future()
+        failure = None
+        try:
+            fut.wait()
+        except Exception as exc:  # torch reports a failed future as an error carrying the commd message
+            failure = str(exc)
+        assert failure is not None and "'count' differs" in failure, f"rank {rank}: {failure!r}"
         u = torch.tensor([rank * 10.0])
         dist.all_reduce(u)
         assert u.item() == 10.0
