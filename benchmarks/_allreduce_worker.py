@@ -1,7 +1,7 @@
 """One rank of an all_reduce benchmark path (started by benchmarks/allreduce.py).
 
 Usage: ``python benchmarks/_allreduce_worker.py CONFIG.json RANK``.  CONFIG
-names the path ("commd", "torch-commd", "torch-commd-staged" or "gloo"), the world size, the plan
+names the path ("commd", "torch-commd", "torch-commd-daemon", "torch-commd-staged" or "gloo"), the world size, the plan
 (message size, warm-up and timed iterations for each size) and the file this
 rank writes its per-iteration times to.  MPI has its own helper
 (_mpi_allreduce.py) because it runs under mpiexec.
@@ -119,7 +119,7 @@ def main() -> None:
     path = cfg["path"]
     if path == "commd":
         results = run_commd(cfg, rank)
-    elif path in ("torch-commd", "torch-commd-staged"):  # staged: COMMD_REGISTER=0, set by the orchestrator
+    elif path.startswith("torch-commd"):  # the variants' settings come from the orchestrator's environment
         results = run_torch(cfg, rank, "commd")
     elif path == "gloo":
         results = run_torch(cfg, rank, "gloo")

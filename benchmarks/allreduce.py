@@ -7,13 +7,18 @@ Measures float32 all_reduce (sum) of N local ranks, for message sizes from
                the zero-copy path), against a daemon started for a fresh job
                in a temporary runtime directory;
   torch-commd  torch.distributed with the "commd" backend on ordinary tensors
-               (what DDP users get): up to 4 KiB inline in the message; larger
-               tensors are staged at their first sighting and registered at
-               their second (the warm-up), so every timed iteration is
+               (what DDP users get): up to the exchange ring's largest op
+               (4 MiB with 2 ranks, 8 MiB / ranks) the ranks meet in the
+               group's shared-memory ring without the daemon; larger tensors
+               go to the daemon, staged at their first sighting and registered
+               at their second (the warm-up), so every timed iteration is
                zero-copy — the worker checks that the tensor lives in a memfd;
+  torch-commd-daemon
+               the same with COMMD_LOCAL_RING=0: every op through the daemon
+               (registered after the warm-up; up to 4 KiB inline in the message);
   torch-commd-staged
-               the same with COMMD_REGISTER=0: every larger tensor staged
-               through the arena (one copy in, one copy out);
+               COMMD_LOCAL_RING=0 and COMMD_REGISTER=0: every op through the
+               daemon, larger tensors staged through the arena (copy in, copy out);
   gloo         torch.distributed with Gloo, directly;
   mpi          mpi4py ``comm.Allreduce(MPI.IN_PLACE, ...)`` under mpiexec;
 
@@ -50,12 +55,16 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_allreduce_worker.py"
 MPI_WORKER = HERE / "_mpi_allreduce.py"
-PATHS = ("commd", "torch-commd", "torch-commd-staged", "gloo", "mpi")
+PATHS = ("commd", "torch-commd", "torch-commd-daemon", "torch-commd-staged", "gloo", "mpi")
 #: What each path's rows measure (printed with the report).
 PATH_NOTES = {
     "commd": "client library, arena tensors (commd.empty): zero-copy",
-    "torch-commd": "torch backend, ordinary tensors: inline <= 4 KiB, else registered after the warm-up (zero-copy)",
-    "torch-commd-staged": "torch backend, ordinary tensors, COMMD_REGISTER=0: inline <= 4 KiB, else staged",
+    "torch-commd": "torch backend, ordinary tensors: exchange ring up to its largest op, else registered after "
+                   "the warm-up (zero-copy)",
+    "torch-commd-daemon": "torch backend, ordinary tensors, COMMD_LOCAL_RING=0: through the daemon, inline <= 4 KiB, "
+                          "else registered after the warm-up",
+    "torch-commd-staged": "torch backend, ordinary tensors, COMMD_LOCAL_RING=0 COMMD_REGISTER=0: through the daemon, "
+                          "inline <= 4 KiB, else staged",
     "gloo": "torch backend gloo, ordinary tensors",
     "mpi": "mpi4py Allreduce(IN_PLACE) under mpiexec",
 }
@@ -202,6 +211,7 @@ def run_path(path: str, args: argparse.Namespace, plan: list[dict], work: Path) 
     env.pop("COMMD_JOB", None)
     env.setdefault("PYTHONUNBUFFERED", "1")
     env["COMMD_REGISTER"] = "0" if path == "torch-commd-staged" else "1"
+    env["COMMD_LOCAL_RING"] = "0" if path in ("torch-commd-daemon", "torch-commd-staged") else "1"
     cfg = {
         "path": path, "nproc": args.nproc, "plan": plan, "out": out, "port": free_port(),
         "op_timeout": max(60.0, args.timeout), "job": None,

@@ -83,13 +83,14 @@ def _reference(dtype: str, op: str, n: int, ranks: int = 2) -> np.ndarray:
 def test_ring_all_reduce_matches_numpy_for_every_dtype(daemon: Any, connect: Callable[..., Any]) -> None:
     clients = [connect(r, 2) for r in range(2)]
     rings = _rings(clients)
-    sizes = [1, 3, 1000, fr.SLOT_BYTES // 8]
+    # carried in the entry, then in the large slots (one element past a slot, the largest op)
+    sizes = [1, 3, 1000, fr.SLOT_BYTES // 8, fr.SLOT_BYTES // 8 + 1, fr.large_bytes(2)]
 
     def body(r: int) -> list[tuple[str, str, int, np.ndarray]]:
         got = []
         for dtype, op in _CASES:
             for n in sizes:
-                n = min(n, fr.SLOT_BYTES // np.dtype(dtype).itemsize)
+                n = min(n, fr.large_bytes(2) // np.dtype(dtype).itemsize)
                 x = _inputs(r, dtype, n)
                 rings[r].all_reduce(x.view(np.uint8), dtype, op, None).wait(10)
                 got.append((dtype, op, n, x))
@@ -109,13 +110,15 @@ def test_ring_all_reduce_matches_numpy_for_every_dtype(daemon: Any, connect: Cal
 
 
 def test_more_async_ops_than_ring_entries_complete(daemon: Any, connect: Callable[..., Any]) -> None:
-    """Both ranks submit 3 × depth ops before waiting on any: the ring must not wait on itself."""
+    """Both ranks submit 3 × depth ops before waiting on any, every third one larger than an
+    entry (so the large slots are reused too): the ring must not wait on itself."""
     clients = [connect(r, 2) for r in range(2)]
     rings, paths = _rings(clients), clients[0].paths
     count = 3 * fr.DEPTH
+    big = fr.SLOT_BYTES // 4 * 3
 
     def body(r: int) -> list[np.ndarray]:
-        xs = [np.full(4, (r + 1) * (i + 1), np.float32) for i in range(count)]
+        xs = [np.full(big if i % 3 == 1 else 4, (r + 1) * (i + 1), np.float32) for i in range(count)]
         handles = [rings[r].all_reduce(x.view(np.uint8), "float32", "sum", None) for x in xs]
         for h in handles:
             h.wait(10)
@@ -124,7 +127,7 @@ def test_more_async_ops_than_ring_entries_complete(daemon: Any, connect: Callabl
     results = _per_rank(body)
     for r in range(2):
         assert not isinstance(results[r], BaseException), results[r]
-        assert [float(x[0]) for x in results[r]] == [3.0 * (i + 1) for i in range(count)]
+        assert [(float(x.min()), float(x.max())) for x in results[r]] == [(3.0 * (i + 1),) * 2 for i in range(count)]
     # ring ops never reach the daemon's scheduler; commd status counts them per ring
     from commd.client.status import query_status
 
@@ -215,14 +218,16 @@ def ring_rank_main(rank: int) -> None:
         assert isinstance(work.handles[0], RingHandle), "a tiny all-reduce did not take the ring"
         work.wait()
         assert x.tolist() == [3.0, 2.0]
-        # non-contiguous, and the largest ring op; one byte-group larger goes through the daemon
+        # non-contiguous; an entry's worth and one more; the largest ring op, and one element more
+        # goes through the daemon
         y = torch.arange(12, dtype=torch.float64).reshape(3, 4).t() * (rank + 1)
         dist.all_reduce(y, op=dist.ReduceOp.MAX)
         assert torch.equal(y, torch.arange(12, dtype=torch.float64).reshape(3, 4).t() * 2)
-        for n in (fr.SLOT_BYTES // 4, fr.SLOT_BYTES // 4 + 1):
+        largest = fr.large_bytes(WORLD) // 4
+        for n in (fr.SLOT_BYTES // 4, fr.SLOT_BYTES // 4 + 1, largest, largest + 1):
             z = torch.full((n,), float(rank + 1))
             w = dist.all_reduce(z, async_op=True)
-            assert isinstance(w.handles[0], RingHandle) == (n == fr.SLOT_BYTES // 4)
+            assert isinstance(w.handles[0], RingHandle) == (n <= largest)
             w.wait()
             assert bool((z == 3).all())
         # program order with a daemon op on the same tensor: the broadcast sees the reduced value

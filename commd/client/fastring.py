@@ -1,22 +1,28 @@
-"""Small all-reduces of a local group exchanged in shared memory, without the daemon on the path.
+"""All-reduces of a local group exchanged in shared memory, without the daemon on the path.
 
 Measured on a 2-core node (2 ranks + daemon): the cheapest possible daemon round trip in
 Python (SEQPACKET, no validation) is ~95 µs, the same through shared memory with futex
 doorbells ~47 µs; two ranks meeting in shared memory need ~6 µs (spinning briefly) to
-~26 µs (sleeping at once).  So a tiny all-reduce of a group whose ranks all live on this
-node goes through the group's exchange ring (``protocol/fastring.py``): each rank
-publishes its input and the op's description in its own entry, and every rank, once all
-have published, checks that the descriptions agree (else a ``MismatchError`` on every
-rank, naming the fields and ranks) and reduces the entries itself, in group-rank order
-with the daemon's NumPy kernels, so every rank computes the same bits the daemon would.
+~26 µs (sleeping at once).  So an all-reduce of a group whose ranks all live on this
+node goes through the group's exchange ring (``protocol/fastring.py``) when it is at
+most the ring's largest op (4 MiB with 2 ranks: there a rank's copy in, its reduction
+and the result are cheaper than the daemon's round trip): each rank publishes its input
+and the op's description in its own entry (a larger input in its own large slot), and
+every rank, once all have published, checks that the descriptions agree (else a
+``MismatchError`` on every rank, naming the fields and ranks) and reduces the entries
+itself, in group-rank order with the daemon's NumPy kernels, so every rank computes the
+same bits the daemon would.
 
-Waiting spins for ``SPIN_S`` and then sleeps on the peer's futex word, in slices of at
-most ``SLICE_S`` after which it checks the op's deadline, the missing ranks' processes
-and the daemon's: a timeout, a dead rank or a dead daemon fails the op (and, since the
-ring is then out of step, every later op of the group's ring) instead of hanging.
+Waiting spins for ``SPIN_S`` (when every rank can have a core) and then sleeps on the
+peer's futex word, in slices of at most ``SLICE_S`` after which it checks the op's
+deadline, the missing ranks' processes and the daemon's: a timeout, a dead rank or a
+dead daemon fails the op (and, since the ring is then out of step, every later op of the
+group's ring) instead of hanging.  A rank announces its sleep in its control line, so a
+poster makes the futex call only when someone sleeps.
 
 Ordering relies on x86's store order (data and header are written before ``posted``,
-read after it); ``available()`` keeps the ring off other architectures.
+read after it; ``_Fence`` where a store must be seen before a later load);
+``available()`` keeps the ring off other architectures.
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ from commd.protocol.fdpass import close_all, recv_with_fds
 from commd.runtime import env_int, pid_alive
 
 #: Busy-wait this long for the peers before sleeping (a core is never burnt while idle).
-SPIN_S = 50e-6
+SPIN_S = 1e-3
 #: Longest sleep between checks of the deadline and of the peers' and daemon's processes.
 SLICE_S = 0.1
 _FUTEX_SYSCALL = {"x86_64": 202}
@@ -107,9 +113,11 @@ def request_ring(ops_socket: Any, client_id: int, secret: str, group: str, timeo
         nranks = s.int_field(reply, "nranks", 2, fr.MAX_RANKS)
         depth = s.int_field(reply, "depth", 1, 1 << 16)
         slot_bytes = s.int_field(reply, "slot_bytes", 8, 1 << 24)
+        large_depth = s.int_field(reply, "large_depth", 1, 64)
+        large_bytes = s.int_field(reply, "large_bytes", slot_bytes, 1 << 30)
         rank = s.int_field(reply, "rank", 0, nranks - 1)
-        size = fr.region_bytes(nranks, depth, slot_bytes)
-        if len(fds) != 1 or s.int_field(reply, "size", 1) != size:
+        size = fr.region_bytes(nranks, depth, slot_bytes, large_depth, large_bytes)
+        if len(fds) != 1 or s.int_field(reply, "size", 1) != size or slot_bytes % 8 or large_bytes % 8:
             raise ConnectError(f"the daemon's exchange ring for group {group!r} is malformed")
         try:
             region = Segment.from_fd(0, f"ring {group}", size, fds[0], os.getuid())
@@ -120,10 +128,11 @@ def request_ring(ops_socket: Any, client_id: int, secret: str, group: str, timeo
     finally:
         close_all(fds)
     header = region.array[: fr.HEADER_BYTES]
-    if int(header[:8].view("u8")[0]) != fr.MAGIC or tuple(int(x) for x in header[8:24].view("u4")) != (
-            fr.VERSION, nranks, depth, slot_bytes):
+    if int(header[:8].view("u8")[0]) != fr.MAGIC or tuple(int(x) for x in header[8:32].view("u4")) != (
+            fr.VERSION, nranks, depth, slot_bytes, large_depth, large_bytes):
         raise ConnectError(f"the exchange ring of group {group!r} has an unknown header")
-    return region, {"nranks": nranks, "depth": depth, "slot_bytes": slot_bytes, "rank": rank}
+    return region, {"nranks": nranks, "depth": depth, "slot_bytes": slot_bytes, "large_depth": large_depth,
+                    "large_bytes": large_bytes, "rank": rank}
 
 
 class RingHandle(Handle):
@@ -138,16 +147,43 @@ class RingHandle(Handle):
 
 
 class _Op:
-    __slots__ = ("seq", "dtype", "op", "count", "out", "handle", "after", "timeout")
+    __slots__ = ("seq", "dtype", "op", "count", "nbytes", "address", "handle", "after", "timeout")
 
-    def __init__(self, seq: int, dtype: int, op: int, count: int, out: np.ndarray, handle: RingHandle,
+    def __init__(self, seq: int, dtype: int, op: int, count: int, nbytes: int, address: int, handle: RingHandle,
                  after: Callable[[], None] | None, timeout: float) -> None:
-        self.seq, self.dtype, self.op, self.count, self.out, self.handle = seq, dtype, op, count, out, handle
-        self.after, self.timeout = after, timeout
+        self.seq, self.dtype, self.op, self.count, self.nbytes = seq, dtype, op, count, nbytes
+        self.address, self.handle, self.after, self.timeout = address, handle, after, timeout
+
+
+class _Fence:
+    """A full memory barrier (a locked instruction: an uncontended spin lock taken and released).
+
+    x86 may let a load overtake an earlier store; the sleep/wake handshake (a waiter
+    announces it sleeps, then reads the bell; a poster bumps the bell, then reads who
+    sleeps) needs each side's store seen before its load, or both could miss the other.
+    """
+
+    def __init__(self) -> None:
+        self._word = ctypes.c_int(0)
+        self._ref = ctypes.byref(self._word)
+        if _libc.pthread_spin_init(self._ref, 0) != 0:
+            raise OSError("pthread_spin_init failed")
+        self._lock, self._unlock = _libc.pthread_spin_trylock, _libc.pthread_spin_unlock
+
+    def __call__(self) -> None:
+        if self._lock(self._ref) == 0:  # only this ring's locked caller uses the word: always free
+            self._unlock(self._ref)
 
 
 class ExchangeRing:
-    """This rank's side of one local group's ring (thread-safe; one per group and process)."""
+    """This rank's side of one local group's ring (thread-safe; one per group and process).
+
+    The per-op path is a few dozen word reads and writes through ``memoryview``s of the
+    region (NumPy indexing and ``ctypes`` attribute lookups cost microseconds each in
+    Python, and a tiny all-reduce is nothing but such steps), one ``memmove`` in, one
+    cached NumPy reduction and one ``memmove`` out; the futex is touched only when a
+    peer sleeps.
+    """
 
     def __init__(self, region: Segment, meta: dict[str, Any], group: str, rank: int, daemon_pid: int,
                  op_timeout: float) -> None:
@@ -156,23 +192,41 @@ class ExchangeRing:
         self.rank = rank  # the process's global rank (for messages)
         self.me = meta["rank"]
         self.nranks, self.depth, self.slot_bytes = meta["nranks"], meta["depth"], meta["slot_bytes"]
+        self.large_depth, self.large_bytes = meta["large_depth"], meta["large_bytes"]
+        #: the largest all-reduce (bytes) this ring takes
+        self.max_bytes = max(self.slot_bytes, self.large_bytes)
         self.daemon_pid = daemon_pid
         self.op_timeout = op_timeout
         mm = region.mm
-        self.control = np.ndarray((self.nranks, fr.CONTROL_BYTES // 8), np.int64, mm, fr.CONTROL_OFFSET)
+        n, depth, slot = self.nranks, self.depth, self.slot_bytes
+        self.control = np.ndarray((n, fr.CONTROL_BYTES // 8), np.int64, mm, fr.CONTROL_OFFSET)
         self.bells = [ctypes.c_void_p(region.base + fr.CONTROL_OFFSET + r * fr.CONTROL_BYTES + fr.BELL_OFFSET)
-                      for r in range(self.nranks)]
-        self._bell_words = np.ndarray((self.nranks,), np.uint32, mm, fr.CONTROL_OFFSET + fr.BELL_OFFSET,
-                                      (fr.CONTROL_BYTES,))
-        self.headers = []  # per entry index: (nranks, 4) i64, one row per rank's entry header
-        self.data = []
-        for d in range(self.depth):
-            offsets = [fr.entry_offset(self.nranks, self.depth, self.slot_bytes, d, r) for r in range(self.nranks)]
-            self.headers.append(np.ndarray((self.nranks, 4), np.int64, mm, offsets[0],
-                                           (fr.entry_bytes(self.slot_bytes), 8)))
-            self.data.append([np.ndarray((self.slot_bytes,), np.uint8, mm, o + fr.ENTRY_HEADER_BYTES)
-                              for o in offsets])
-        self.next_seq = int(self.control[self.me, fr.POSTED]) + 1
+                      for r in range(n)]
+        # word indices into the region, for the memoryviews below
+        self._words = memoryview(mm).cast("q")
+        self._u32 = memoryview(mm).cast("I")
+        line = [(fr.CONTROL_OFFSET + r * fr.CONTROL_BYTES) // 8 for r in range(n)]
+        self._posted_at = [w + fr.POSTED for w in line]
+        self._consumed_at = [w + fr.CONSUMED for w in line]
+        self._sleeping_at = [w + fr.SLEEPING for w in line]
+        self._bell_at = [(fr.CONTROL_OFFSET + r * fr.CONTROL_BYTES + fr.BELL_OFFSET) // 4 for r in range(n)]
+        offsets = [[fr.entry_offset(n, depth, slot, d, r) for r in range(n)] for d in range(depth)]
+        self._header_at = [[o // 8 for o in row] for row in offsets]
+        self._data_offset = [[o + fr.ENTRY_HEADER_BYTES for o in row] for row in offsets]
+        self._data_address = [[region.base + o for o in row] for row in self._data_offset]
+        large = [[fr.large_slot_offset(n, depth, slot, self.large_bytes, j, r) for r in range(n)]
+                 for j in range(self.large_depth)]
+        self._large_offset = large
+        self._large_address = [[region.base + o for o in row] for row in large]
+        self._large_next = 0  # the large slot our next large op takes
+        self._large_last = [0] * self.large_depth  # per large slot: the last op of ours that used it
+        self._scratch = np.empty(slot, np.uint8)
+        self._scratch_address = self._scratch.ctypes.data
+        self._reductions: dict[tuple[int, int, int, int], Callable[[], None]] = {}
+        self._fence = _Fence()
+        # spinning only helps when every rank can run at once; otherwise sleep at once
+        self._spin_s = SPIN_S if n <= len(os.sched_getaffinity(0)) else 0.0
+        self.next_seq = self._words[self._posted_at[self.me]] + 1
         self.control[self.me, fr.PID] = os.getpid()
         self.pending: collections.deque[_Op] = collections.deque()
         self.broken: CommdError | None = None
@@ -185,36 +239,63 @@ class ExchangeRing:
 
     # ---- publishing -----------------------------------------------------
     def _ring_bell(self) -> None:
-        self._bell_words[self.me] = (int(self._bell_words[self.me]) + 1) & 0x7FFFFFFF
-        _futex_wake(self.bells[self.me])
+        """Tell the peers our posted/consumed moved: bump our bell; wake only a peer asleep on it."""
+        words, at = self._u32, self._bell_at[self.me]
+        words[at] = (words[at] + 1) & 0x7FFFFFFF
+        self._fence()
+        words64 = self._words
+        for index in self._sleeping_at:
+            if words64[index]:  # some thread of that rank sleeps (on our bell, or another's)
+                _futex_wake(self.bells[self.me])
+                return
 
     def all_reduce(self, array: np.ndarray, dtype: str, op: str, timeout: float | None,
                    result: Any = None, after: Callable[[], None] | None = None) -> RingHandle:
-        """Publish ``array`` (a contiguous byte view of the tensor, reduced in place) as the next op."""
+        """Publish ``array`` (a contiguous NumPy array, reduced in place) as the next op."""
+        return self.post(array.ctypes.data, array.nbytes, dtype, op, timeout, result, after, keep=array)
+
+    def post(self, address: int, nbytes: int, dtype: str, op: str, timeout: float | None,
+             result: Any = None, after: Callable[[], None] | None = None, keep: Any = None) -> RingHandle:
+        """Publish the ``nbytes`` at ``address`` (the caller keeps them alive: ``result``/``keep``)
+        as the next op; the result is written back there when it completes."""
         timeout = timeout or self.op_timeout
+        dcode, ocode = _DTYPE_CODE[dtype], _OP_CODE[op]
+        count = nbytes // small.NUMPY_DTYPES[dtype].itemsize
+        words, me = self._words, self.me
         with self._lock:
             if self.broken is not None:
                 raise type(self.broken)(str(self.broken))
             seq = self.next_seq
             self._ids += 1
             handle = RingHandle(self, self._ids, "allreduce", self.group, time.monotonic() + timeout,
-                                result=result)
+                                result=result, keep=keep)
             # entry (seq mod depth) is free once every rank has consumed seq - depth
-            if self._behind(seq - self.depth, fr.CONSUMED):
-                self._wait(lambda: self._progressed_behind(seq - self.depth), handle.deadline,
+            reuse = seq - self.depth
+            if reuse > 0 and any(words[i] < reuse for i in self._consumed_at):
+                self._wait(lambda: self._progressed_behind(reuse), handle.deadline,
                            f"allreduce on group '{self.group}' (rank {self.rank}): the exchange ring is full")
             d = seq % self.depth
-            nbytes = array.nbytes
-            count = nbytes // small.NUMPY_DTYPES[dtype].itemsize
-            self.data[d][self.me][:nbytes] = array.reshape(-1).view(np.uint8)
-            self.headers[d][self.me] = (seq, _DTYPE_CODE[dtype], _OP_CODE[op], count)
-            self.control[self.me, fr.POSTED] = seq  # publishes the entry (stores stay in order on x86)
+            if nbytes <= self.slot_bytes:
+                where, target = 0, self._data_address[d][me]
+            else:
+                j = self._large_next
+                last = self._large_last[j]
+                if last > 0 and any(words[i] < last for i in self._consumed_at):
+                    self._wait(lambda: self._progressed_behind(last), handle.deadline,
+                               f"allreduce on group '{self.group}' (rank {self.rank}): the large slots are full")
+                where, target = j + 1, self._large_address[j][me]
+                self._large_next = (j + 1) % self.large_depth
+                self._large_last[j] = seq
+            ctypes.memmove(target, address, nbytes)
+            h = self._header_at[d][me]
+            words[h], words[h + fr.DTYPE], words[h + fr.OP], words[h + fr.COUNT] = seq, dcode, ocode, count
+            words[h + fr.WHERE] = where
+            words[self._posted_at[me]] = seq  # publishes the entry (stores stay in order on x86)
             self.next_seq = seq + 1
             self._ring_bell()
-            self.pending.append(_Op(seq, _DTYPE_CODE[dtype], _OP_CODE[op], count, array, handle, after,
-                                    timeout))
+            self.pending.append(_Op(seq, dcode, ocode, count, nbytes, address, handle, after, timeout))
             self._progress()
-        if not handle.is_completed() and self._progress_thread is not None:
+        if not Handle.is_completed(handle) and self._progress_thread is not None:
             self._wanted.set()
         return handle
 
@@ -236,34 +317,42 @@ class ExchangeRing:
         """Ranks that have not consumed ``seq`` yet, after completing what we can ourselves
         (two ranks that both filled the ring with async ops must not wait on each other)."""
         self._progress()
-        return self._behind(seq, fr.CONSUMED)
+        return self._behind(seq, self._consumed_at)
 
-    def _behind(self, seq: int, field: int) -> list[int]:
-        """The group ranks whose ``field`` (posted / consumed) has not reached ``seq``."""
-        column = self.control[:, field].tolist()
-        return [r for r in range(self.nranks) if column[r] < seq]
+    def _behind(self, seq: int, where: list[int]) -> list[int]:
+        """The group ranks whose word at ``where`` (posted / consumed) has not reached ``seq``."""
+        words = self._words
+        return [r for r, index in enumerate(where) if words[index] < seq]
 
     # ---- completing -----------------------------------------------------
     def _progress(self) -> None:
         """Complete every pending op whose inputs are all published (caller holds the lock)."""
-        while self.pending:
-            head = self.pending[0]
-            if self._behind(head.seq, fr.POSTED):
-                return
-            self.pending.popleft()
-            d = head.seq % self.depth
-            headers = self.headers[d]
-            error = self._disagreement(head, headers)
+        words, pending = self._words, self.pending
+        while pending:
+            head = pending[0]
+            seq = head.seq
+            for index in self._posted_at:
+                if words[index] < seq:
+                    return
+            pending.popleft()
+            d = seq % self.depth
+            error = self._disagreement(head, d)
             if error is None:
-                nbytes = head.out.nbytes
-                dtype = small.NUMPY_DTYPES[fr.DTYPES[head.dtype]]
-                inputs = [entry[:nbytes].view(dtype) for entry in self.data[d]]
-                small.reduce_into(head.out.reshape(-1).view(dtype), inputs, fr.REDUCE_OPS[head.op])
-            self.control[self.me, fr.CONSUMED] = head.seq
+                if head.nbytes <= self.slot_bytes:
+                    key = (d, head.dtype, head.op, head.count)
+                    reduction = self._reductions.get(key)
+                    if reduction is None:
+                        reduction = self._reductions[key] = self._reduction(*key)
+                    reduction()  # into the scratch buffer: the caller's memory is written below
+                else:
+                    error = self._reduce_large(head, d)  # straight into the caller's memory
+            words[self._consumed_at[self.me]] = seq
             self._ring_bell()
             if error is not None:
                 head.handle.fail(error)
                 continue
+            if head.nbytes <= self.slot_bytes:
+                ctypes.memmove(head.address, self._scratch_address, head.nbytes)
             if head.after is not None:
                 try:
                     head.after()
@@ -272,16 +361,47 @@ class ExchangeRing:
                     continue
             head.handle.complete({})
 
-    def _disagreement(self, head: _Op, headers: np.ndarray) -> CommdError | None:
-        rows = headers.tolist()
-        first = rows[0]
-        if all(row == first for row in rows) and first[0] == head.seq:
+    def _reduction(self, d: int, dtype_code: int, op_code: int, count: int) -> Callable[[], None]:
+        """The reduction of entry ``d``'s inputs into the scratch buffer, built once per shape."""
+        if len(self._reductions) >= 4 * self.depth:
+            self._reductions.clear()  # a bound: shapes that come and go do not pile up
+        dtype = small.NUMPY_DTYPES[fr.DTYPES[dtype_code]]
+        op = fr.REDUCE_OPS[op_code]
+        mm = self.region.mm
+        inputs = [np.ndarray((count,), dtype, mm, offset) for offset in self._data_offset[d]]
+        out = self._scratch[: count * dtype.itemsize].view(dtype)
+        return lambda: small.reduce_into_unchecked(out, inputs, op)
+
+    def _reduce_large(self, head: _Op, d: int) -> CommdError | None:
+        """A large op: every rank's input is in the large slot its header names."""
+        dtype = small.NUMPY_DTYPES[fr.DTYPES[head.dtype]]
+        mm, words = self.region.mm, self._words
+        inputs = []
+        for r, h in enumerate(self._header_at[d]):
+            where = words[h + fr.WHERE]
+            if not 1 <= where <= self.large_depth:
+                return self._break(CommdError(f"{head.handle.description}: the exchange ring is corrupted "
+                                              f"(rank {r} names large slot {where - 1})"))
+            inputs.append(np.ndarray((head.count,), dtype, mm, self._large_offset[where - 1][r]))
+        out = np.frombuffer((ctypes.c_char * head.nbytes).from_address(head.address), dtype)
+        small.reduce_into_unchecked(out, inputs, fr.REDUCE_OPS[head.op])
+        return None
+
+    def _disagreement(self, head: _Op, d: int) -> CommdError | None:
+        words, seq = self._words, head.seq
+        for h in self._header_at[d]:
+            if (words[h] != seq or words[h + fr.DTYPE] != head.dtype or words[h + fr.OP] != head.op
+                    or words[h + fr.COUNT] != head.count):
+                break
+        else:
             return None
-        if any(row[0] != head.seq for row in rows):
+        rows = [[words[h + k] for k in range(4)] for h in self._header_at[d]]
+        if any(row[fr.SEQ] != seq for row in rows):
             return self._break(CommdError(f"{head.handle.description}: the exchange ring is corrupted "
-                                          f"(entries {[row[0] for row in rows]} for op {head.seq})"))
+                                          f"(entries {[row[fr.SEQ] for row in rows]} for op {seq})"))
         problems = []  # worded as the daemon's scheduler words them (scheduler/agreement.py)
-        for name, index, names in (("dtype", 1, fr.DTYPES), ("count", 3, None), ("reduce_op", 2, fr.REDUCE_OPS)):
+        for name, index, names in (("dtype", fr.DTYPE, fr.DTYPES), ("count", fr.COUNT, None),
+                                   ("reduce_op", fr.OP, fr.REDUCE_OPS)):
             values = [row[index] for row in rows]
             if len(set(values)) > 1:
                 shown: dict[str, list[int]] = {}
@@ -289,9 +409,7 @@ class ExchangeRing:
                     label = names[v] if names is not None and 0 <= v < len(names) else v
                     shown.setdefault(repr(label), []).append(r)
                 problems.append(f"'{name}' differs: " + ", ".join(f"ranks {rs} {v}" for v, rs in shown.items()))
-        if not problems:
-            return None
-        return MismatchError(f"mismatched collective #{head.seq} on group '{self.group}': " + "; ".join(problems))
+        return MismatchError(f"mismatched collective #{seq} on group '{self.group}': " + "; ".join(problems))
 
     def _break(self, error: CommdError) -> CommdError:
         """The ring is out of step: fail everything pending and refuse later ops of this group's ring."""
@@ -316,59 +434,65 @@ class ExchangeRing:
         """Block until ``handle`` completes or ``timeout`` passes (``Handle.wait`` calls this)."""
         limit = handle.deadline if timeout is None else min(handle.deadline, time.monotonic() + timeout)
         with self._lock:
-            while not handle.is_completed():
+            while not Handle.is_completed(handle):
                 self._progress()
-                if handle.is_completed() or not self.pending:
+                if Handle.is_completed(handle) or not self.pending:
                     return
                 head = self.pending[0]
                 seq = head.seq
                 try:
-                    arrived = self._wait(lambda seq=seq: self._behind(seq, fr.POSTED), limit, None)
+                    arrived = self._wait(lambda seq=seq: self._behind(seq, self._posted_at), limit, None)
                 except CommdError:
                     return  # a dead peer or daemon: _check_alive failed every pending handle
                 if not arrived:
                     if timeout is not None and limit < handle.deadline:
                         return  # the caller's own timeout: the op stays pending
-                    missing = self._behind(seq, fr.POSTED)
+                    missing = self._behind(seq, self._posted_at)
                     self._break(CommTimeoutError(
                         f"allreduce #{seq} on group '{self.group}' timed out after {head.timeout:.1f}s "
                         f"waiting for group ranks {missing} to submit it"))
 
     def _wait(self, missing: Callable[[], list[int]], deadline: float, full: str | None) -> bool:
-        """Wait until ``missing()`` is empty: spin, then sleep on a missing rank's bell.
+        """Wait until ``missing()`` is empty: spin briefly, then sleep on a missing rank's bell.
 
         False once ``deadline`` passes (raises instead when ``full`` names the wait); a dead
         missing rank or daemon breaks the ring (raises its error).
         """
-        waiting = missing()
-        if not waiting:
+        if not missing():
             return True
-        spin_end = time.perf_counter() + SPIN_S
-        while time.perf_counter() < spin_end:
-            os.sched_yield()  # a peer waiting for our core runs now (cores shared with the daemon and others)
-            if not missing():
-                return True
+        if self._spin_s:
+            clock = time.perf_counter
+            spin_end = clock() + self._spin_s
+            while clock() < spin_end:  # no sched_yield: it can hand the core away for a whole time slice
+                if not missing():
+                    return True
+        words, sleeping = self._words, self._sleeping_at[self.me]
         while True:
             waiting = missing()
             if not waiting:
                 return True
-            peer = waiting[0]
-            seen = int(self._bell_words[peer])
-            if not missing():
-                return True
             now = time.monotonic()
             if now >= self._next_check or now >= deadline:  # per ring: short waits check too
-                self._check_alive(waiting)
                 self._next_check = now + SLICE_S
+                self._check_alive(waiting)
             if now >= deadline:
                 if full is not None:
                     raise CommTimeoutError(f"{full}: group ranks {waiting} are {self.depth} ops behind")
                 return False
-            self._lock.release()
+            peer = waiting[0]
+            words[sleeping] += 1  # announce the sleep, then read the bell (see _Fence); under our lock
             try:
-                _futex_wait(self.bells[peer], seen, min(SLICE_S, max(deadline - now, 1e-4)))
+                self._fence()
+                seen = self._u32[self._bell_at[peer]]
+                if not missing():
+                    return True
+                self._lock.release()
+                try:
+                    _futex_wait(self.bells[peer], seen, min(SLICE_S, max(deadline - now, 1e-4)))
+                finally:
+                    self._lock.acquire()
             finally:
-                self._lock.acquire()
+                words[sleeping] -= 1
 
     def _check_alive(self, waiting: list[int]) -> None:
         for r in waiting:

@@ -22,7 +22,7 @@ from commd.protocol.fdpass import send_with_fd
 
 log = logging.getLogger("commd.daemon")
 
-#: All rings of the node together stay below this (a group is 0.5-4 MiB); past it, groups keep the daemon path.
+#: All rings of the node together stay below this (a group is 17-21 MiB); past it, groups keep the daemon path.
 MAX_RING_BYTES = 256 << 20
 
 
@@ -50,7 +50,8 @@ class RingRegions:
                                   "all on this node)")
         region = self.regions.get(group)
         if region is None:
-            size = fr.region_bytes(nranks)
+            large = fr.large_bytes(nranks)
+            size = fr.region_bytes(nranks, fr.DEPTH, fr.SLOT_BYTES, fr.LARGE_DEPTH, large)
             if self.total_bytes + size > MAX_RING_BYTES:
                 raise s.ProtocolError(f"no exchange ring for group {group!r}: the node's rings already hold "
                                       f"{self.total_bytes} bytes (at most {MAX_RING_BYTES})", s.E_LIMIT)
@@ -61,13 +62,14 @@ class RingRegions:
             self.total_bytes += size
             header = region.array[: fr.HEADER_BYTES].view("u8")
             header[0] = fr.MAGIC
-            meta = region.array[8:24].view("u4")
-            meta[:] = (fr.VERSION, nranks, fr.DEPTH, fr.SLOT_BYTES)
+            meta = region.array[8:32].view("u4")
+            meta[:] = (fr.VERSION, nranks, fr.DEPTH, fr.SLOT_BYTES, fr.LARGE_DEPTH, large)
             self.regions[group] = region
             log.debug("exchange ring for group %s: %d ranks, %d bytes", group, nranks, size)
         assert region.fd is not None
         reply = {"t": s.ACK, "size": region.size, "nranks": nranks, "depth": fr.DEPTH,
-                 "slot_bytes": fr.SLOT_BYTES, "rank": client.groups[group]}
+                 "slot_bytes": fr.SLOT_BYTES, "large_depth": fr.LARGE_DEPTH, "large_bytes": fr.large_bytes(nranks),
+                 "rank": client.groups[group]}
         send_with_fd(channel.sock, s.encode(reply), region.fd)
 
     def status(self) -> dict[str, Any]:

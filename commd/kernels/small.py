@@ -8,7 +8,14 @@ commd.kernels.reduce exactly.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
+
+# A float sum that overflows gives inf, as torch's does, without a word; NumPy would warn, and
+# entering np.errstate costs more than a tiny reduction itself (reduce_into_unchecked skips it).
+warnings.filterwarnings("ignore", r"(overflow|invalid value|divide by zero) encountered",
+                        RuntimeWarning, r"commd\.kernels\.small")
 
 NUMPY_DTYPES: dict[str, np.dtype] = {
     name: np.dtype(name)
@@ -34,6 +41,12 @@ def reduce_into(out: np.ndarray, inputs: list[np.ndarray], op: str, scale: float
     """out = op(inputs); ``out`` may alias ``inputs[0]``."""
     with np.errstate(all="ignore"):  # overflow wraps or saturates silently, as in torch
         _reduce(out, inputs, op, scale)
+
+
+def reduce_into_unchecked(out: np.ndarray, inputs: list[np.ndarray], op: str, scale: float = 1.0) -> None:
+    """``reduce_into`` without entering ``np.errstate`` (a few µs): for callers on the
+    latency-critical path; an overflow is silent all the same (the warning filter above)."""
+    _reduce(out, inputs, op, scale)
 
 
 def _reduce(out: np.ndarray, inputs: list[np.ndarray], op: str, scale: float) -> None:

@@ -11,14 +11,22 @@ the daemon on the path (``commd/client/fastring.py``).
 Layout (native byte order, every field naturally aligned):
 
 - bytes 0..63: the region header: ``magic`` u64, ``version`` u32, ``nranks`` u32,
-  ``depth`` u32, ``slot_bytes`` u32;
+  ``depth`` u32, ``slot_bytes`` u32, ``large_depth`` u32, ``large_bytes`` u32;
 - a 64-byte control line per group rank ``r`` at ``CONTROL_OFFSET + 64 r``: ``pid``
   i64 (written when the rank maps the region), ``posted`` i64 (the last op number it
   published), ``consumed`` i64 (the last op whose inputs it has read), ``bell`` u32
-  (bumped on every change of ``posted``/``consumed``: the futex word peers sleep on);
+  (bumped on every change of ``posted``/``consumed``: the futex word peers sleep on),
+  ``sleeping`` i64 at byte 32 (how many of the rank's threads sleep on a peer's bell: a
+  rank that bumps its bell makes the futex call only when some peer sleeps);
 - ``depth × nranks`` entries at ``entries_offset``: entry (k mod depth, r) is a 64-byte
-  header — ``seq`` i64 (the op number k), ``dtype`` u32 (index into ``DTYPES``),
-  ``op`` u32 (index into ``REDUCE_OPS``), ``count`` i64 — and ``slot_bytes`` of data.
+  header — ``seq`` i64 (the op number k), ``dtype`` i64 (index into ``DTYPES``),
+  ``op`` i64 (index into ``REDUCE_OPS``), ``count`` i64, ``where`` i64 (0: the data
+  follows in the entry's ``slot_bytes``; j + 1: it is in the rank's large slot j) —
+  and ``slot_bytes`` of data;
+- ``large_depth × nranks`` large slots of ``large_bytes`` at ``large_offset``: an op
+  larger than a slot (up to ``large_bytes``) keeps its header in its entry and its data
+  in the poster's next large slot, which the poster reuses only once every rank has
+  consumed the op that last used it.
 
 A rank may publish op k only once every rank has consumed op k - depth.
 """
@@ -26,22 +34,27 @@ A rank may publish op k only once every rank has consumed op k - depth.
 from __future__ import annotations
 
 MAGIC = 0x676E6972646D6D63  # "cmmdring"
-VERSION = 1
+VERSION = 2
 HEADER_BYTES = 64
 CONTROL_OFFSET = 64
 CONTROL_BYTES = 64
 ENTRY_HEADER_BYTES = 64
-#: Ops up to this many bytes take the ring; larger ones go through the daemon as before.
+#: Ops up to this many bytes are carried in the entry itself.
 SLOT_BYTES = 64 << 10
 DEPTH = 8
+#: Larger ops, up to ``large_bytes(nranks)``, in large slots: this many per rank.
+LARGE_DEPTH = 2
+#: A rank reduces every rank's input itself, so the largest ring op shrinks as the group grows:
+#: what one rank reads per op stays at this (measured: ``benchmarks/allreduce.py``).
+LARGE_READ_BYTES = 8 << 20
 #: Groups with more local ranks than this keep the daemon path (region size grows with n).
 MAX_RANKS = 8
 
 # Control line fields: i64 indices inside a rank's line, and the bell's byte offset.
-PID, POSTED, CONSUMED = 0, 1, 2
+PID, POSTED, CONSUMED, SLEEPING = 0, 1, 2, 4
 BELL_OFFSET = 24
 # Entry header fields (i64 indices inside an entry's header).
-SEQ, DTYPE, OP, COUNT = 0, 1, 2, 3
+SEQ, DTYPE, OP, COUNT, WHERE = 0, 1, 2, 3, 4
 
 #: Wire codes of the entry header: the position in these tuples.
 DTYPES = (
@@ -61,9 +74,26 @@ def entry_bytes(slot_bytes: int) -> int:
     return ENTRY_HEADER_BYTES + slot_bytes
 
 
-def region_bytes(nranks: int, depth: int = DEPTH, slot_bytes: int = SLOT_BYTES) -> int:
+def large_bytes(nranks: int) -> int:
+    """The largest op a ring of ``nranks`` takes (page multiple, never below a slot)."""
+    return max(SLOT_BYTES, LARGE_READ_BYTES // nranks // 4096 * 4096)
+
+
+def large_offset(nranks: int, depth: int, slot_bytes: int) -> int:
+    """Where the large slots start: after the entries, page aligned."""
+    end = entries_offset(nranks) + depth * nranks * entry_bytes(slot_bytes)
+    return (end + 4095) // 4096 * 4096
+
+
+def region_bytes(nranks: int, depth: int = DEPTH, slot_bytes: int = SLOT_BYTES, large_depth: int = LARGE_DEPTH,
+                 large: int | None = None) -> int:
     """The whole region's size (what the daemon creates and the client checks)."""
-    return entries_offset(nranks) + depth * nranks * entry_bytes(slot_bytes)
+    large = large_bytes(nranks) if large is None else large
+    return large_offset(nranks, depth, slot_bytes) + large_depth * nranks * large
+
+
+def large_slot_offset(nranks: int, depth: int, slot_bytes: int, large: int, index: int, rank: int) -> int:
+    return large_offset(nranks, depth, slot_bytes) + (index * nranks + rank) * large
 
 
 def entry_offset(nranks: int, depth: int, slot_bytes: int, seq: int, rank: int) -> int:

@@ -4,7 +4,7 @@ A group whose ranks all live on this node gets a ring when it is created; every 
 must then take the ring for exactly the same all-reduces, so the choice depends only
 on what the ranks agree on anyway: the ring exists (agreed through the store), the
 tensor is on the CPU, its dtype has a NumPy kernel, the reduce op suits the dtype, and
-it fits a ring slot.  Everything else goes through the daemon as before.
+it is no larger than the ring's largest op.  Everything else goes through the daemon as before.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -57,21 +56,30 @@ def open_ring(client: Client, store: dist.Store, name: str, rank: int, size: int
 def ring_all_reduce(client: Client, ring: fastring.ExchangeRing, tensor: torch.Tensor, op: str,
                     timeout: float | None, result: Any) -> Handle | None:
     """``tensor`` all-reduced through the ring, or None when it is not a ring op (see the module doc)."""
-    if tensor.device.type != "cpu":
-        return None
     dtype = RING_DTYPES.get(tensor.dtype)
-    if dtype is None or tensor.numel() * tensor.element_size() > ring.slot_bytes:
-        return None
-    try:
-        check_supported(op, dtype)
-    except UnsupportedReduction:
+    nbytes = tensor.nbytes
+    if dtype is None or not tensor.is_cpu or nbytes > ring.max_bytes or (op, dtype) not in _SUPPORTED:
         return None
     client.wait_group_idle(ring.group)  # program order with the group's pending daemon ops
     client.wait_writes_to(tensor)
-    flat = tensor if tensor.is_contiguous() else tensor.contiguous()
-    after = None if flat is tensor else (lambda: tensor.copy_(flat))
-    data = flat.detach().numpy().reshape(-1).view(np.uint8)  # two torch calls; the rest is NumPy's
-    handle = ring.all_reduce(data, dtype, op, timeout, result=result, after=after)
+    if tensor.is_contiguous():
+        handle = ring.post(tensor.data_ptr(), nbytes, dtype, op, timeout, result=result)
+    else:
+        flat = tensor.contiguous()
+        handle = ring.post(flat.data_ptr(), nbytes, dtype, op, timeout, result=result,
+                           after=lambda: tensor.copy_(flat), keep=flat)
     if not handle.is_completed():
         client.note_write_back(tensor, handle)
     return handle
+
+
+def _supported(op: str, dtype: str) -> bool:
+    try:
+        check_supported(op, dtype)
+    except UnsupportedReduction:
+        return False
+    return True
+
+
+#: (reduce op, dtype) pairs the ring takes: those the daemon's kernels support.
+_SUPPORTED = frozenset((op, dtype) for op in fr.REDUCE_OPS for dtype in RING_DTYPES.values() if _supported(op, dtype))
