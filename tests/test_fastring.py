@@ -303,3 +303,43 @@ def fallback_rank_main(rank: int) -> None:
 @pytest.mark.timeout(120)
 def test_a_rank_without_a_ring_keeps_the_whole_group_on_the_daemon_path(backend_env: Any) -> None:
     spawn(fallback_rank_main, ())
+
+
+def diverge_rank_main(rank: int) -> None:
+    """The ranks disagree on which path an op takes (rank 0's all-reduce fits the ring, rank 1's
+    is one element larger; later rank 0 all-reduces while rank 1 broadcasts): both ranks get a
+    MismatchError at once, long before the op's timeout, and the group goes on, right."""
+    import commd  # noqa: F401 - registers the backend
+
+    timeout = 60.0
+    dist.init_process_group("commd", init_method="env://", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=timeout))
+    try:
+        largest = fr.large_bytes(WORLD) // 4
+        for case in ("size", "kind"):
+            x = torch.ones(largest + (rank if case == "size" else 0))
+            started = time.monotonic()
+            try:
+                if case == "kind" and rank == 1:
+                    dist.broadcast(x, src=0)
+                else:
+                    dist.all_reduce(x)
+                raise AssertionError(f"rank {rank}: a ring/daemon disagreement ({case}) went unnoticed")
+            except MismatchError as exc:
+                elapsed = time.monotonic() - started
+                assert elapsed < timeout / 4, f"rank {rank}: the mismatch took {elapsed:.1f}s to surface"
+                assert "mismatched collective" in str(exc), str(exc)
+            # the group goes on (through the daemon: the ring was left), with right results
+            for n in (3, largest):
+                y = torch.full((n,), float(rank + 1))
+                work = dist.all_reduce(y, async_op=True)
+                assert not isinstance(work.handles[0], RingHandle), "the ring was used after it was left"
+                work.wait()
+                assert bool((y == 3).all()), f"rank {rank}: wrong result after the mismatch"
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_ranks_that_disagree_on_ring_or_daemon_get_a_mismatch_at_once(backend_env: Any) -> None:
+    spawn(diverge_rank_main, ())

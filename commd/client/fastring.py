@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import logging
 import os
 import platform
 import socket
@@ -56,6 +57,8 @@ from commd.protocol import fastring as fr
 from commd.protocol import schema as s
 from commd.protocol.fdpass import close_all, recv_with_fds
 from commd.runtime import env_int, pid_alive
+
+log = logging.getLogger("commd.client")
 
 #: Busy-wait this long for the peers before sleeping (a core is never burnt while idle).
 SPIN_S = 1e-3
@@ -147,11 +150,11 @@ class RingHandle(Handle):
 
 
 class _Op:
-    __slots__ = ("seq", "dtype", "op", "count", "nbytes", "address", "handle", "after", "timeout")
+    __slots__ = ("seq", "index", "dtype", "op", "count", "nbytes", "address", "handle", "after", "timeout")
 
-    def __init__(self, seq: int, dtype: int, op: int, count: int, nbytes: int, address: int, handle: RingHandle,
-                 after: Callable[[], None] | None, timeout: float) -> None:
-        self.seq, self.dtype, self.op, self.count, self.nbytes = seq, dtype, op, count, nbytes
+    def __init__(self, seq: int, index: int, dtype: int, op: int, count: int, nbytes: int, address: int,
+                 handle: RingHandle, after: Callable[[], None] | None, timeout: float) -> None:
+        self.seq, self.index, self.dtype, self.op, self.count, self.nbytes = seq, index, dtype, op, count, nbytes
         self.address, self.handle, self.after, self.timeout = address, handle, after, timeout
 
 
@@ -209,6 +212,8 @@ class ExchangeRing:
         self._posted_at = [w + fr.POSTED for w in line]
         self._consumed_at = [w + fr.CONSUMED for w in line]
         self._sleeping_at = [w + fr.SLEEPING for w in line]
+        self._submitted_at = [w + fr.SUBMITTED for w in line]
+        self._abandoned_at = [w + fr.ABANDONED for w in line]
         self._bell_at = [(fr.CONTROL_OFFSET + r * fr.CONTROL_BYTES + fr.BELL_OFFSET) // 4 for r in range(n)]
         offsets = [[fr.entry_offset(n, depth, slot, d, r) for r in range(n)] for d in range(depth)]
         self._header_at = [[o // 8 for o in row] for row in offsets]
@@ -227,6 +232,12 @@ class ExchangeRing:
         # spinning only helps when every rank can run at once; otherwise sleep at once
         self._spin_s = SPIN_S if n <= len(os.sched_getaffinity(0)) else 0.0
         self.next_seq = self._words[self._posted_at[self.me]] + 1
+        #: the group's collectives this rank has submitted, through the ring or the daemon
+        self.group_ops = self._words[self._submitted_at[self.me]]
+        #: called (dtype, reduce op, count) when this rank's ring op meets peers that sent the same
+        #: collective to the daemon: it submits a daemon all-reduce of that shape, so the daemon
+        #: reports the disagreement to those peers too (they wait for it there)
+        self.on_diverged: Callable[[str, str, int], Any] | None = None
         self.control[self.me, fr.PID] = os.getpid()
         self.pending: collections.deque[_Op] = collections.deque()
         self.broken: CommdError | None = None
@@ -266,6 +277,7 @@ class ExchangeRing:
             if self.broken is not None:
                 raise type(self.broken)(str(self.broken))
             seq = self.next_seq
+            index = self.group_ops + 1
             self._ids += 1
             handle = RingHandle(self, self._ids, "allreduce", self.group, time.monotonic() + timeout,
                                 result=result, keep=keep)
@@ -289,15 +301,35 @@ class ExchangeRing:
             ctypes.memmove(target, address, nbytes)
             h = self._header_at[d][me]
             words[h], words[h + fr.DTYPE], words[h + fr.OP], words[h + fr.COUNT] = seq, dcode, ocode, count
-            words[h + fr.WHERE] = where
+            words[h + fr.WHERE], words[h + fr.INDEX] = where, index
             words[self._posted_at[me]] = seq  # publishes the entry (stores stay in order on x86)
+            words[self._submitted_at[me]] = self.group_ops = index  # after posted: see _diverged
             self.next_seq = seq + 1
             self._ring_bell()
-            self.pending.append(_Op(seq, dcode, ocode, count, nbytes, address, handle, after, timeout))
+            self.pending.append(_Op(seq, index, dcode, ocode, count, nbytes, address, handle, after, timeout))
             self._progress()
         if not Handle.is_completed(handle) and self._progress_thread is not None:
             self._wanted.set()
         return handle
+
+    def usable(self) -> bool:
+        """False once this rank or a peer has left the ring: the group's ops then take the daemon path."""
+        if self.broken is None:
+            words = self._words
+            for r, index in enumerate(self._abandoned_at):
+                if words[index]:
+                    with self._lock:
+                        self._break(CommdError(f"group {self.group!r}: group rank {r} left the exchange ring"))
+                    break
+        return self.broken is None
+
+    def note_daemon_op(self) -> None:
+        """A collective of the group goes to the daemon: count it, so a peer whose ring op waits
+        at this place learns the ranks disagree at once (instead of when the op times out)."""
+        with self._lock:
+            self.group_ops += 1
+            self._words[self._submitted_at[self.me]] = self.group_ops
+            self._ring_bell()
 
     def drain(self) -> None:
         """Wait until every op posted here has completed (ops complete in order: the last one).
@@ -331,8 +363,11 @@ class ExchangeRing:
         while pending:
             head = pending[0]
             seq = head.seq
-            for index in self._posted_at:
+            for r, index in enumerate(self._posted_at):
                 if words[index] < seq:
+                    # submitted (written after posted) read first, posted again: did this place go to the daemon?
+                    if words[self._submitted_at[r]] >= head.index and words[index] < seq:
+                        self._diverged(head)  # fails it, and leaves the ring
                     return
             pending.popleft()
             d = seq % self.depth
@@ -411,10 +446,34 @@ class ExchangeRing:
                 problems.append(f"'{name}' differs: " + ", ".join(f"ranks {rs} {v}" for v, rs in shown.items()))
         return MismatchError(f"mismatched collective #{seq} on group '{self.group}': " + "; ".join(problems))
 
+    def _diverged(self, head: _Op) -> None:
+        """Peers sent the head's collective to the daemon: fail it here with a MismatchError,
+        leave the ring (every rank follows to the daemon path), and tell the daemon
+        (``on_diverged``): the peers wait for this rank's op there and get the daemon's
+        MismatchError, naming the fields that differ."""
+        words = self._words
+        daemon = [r for r in range(self.nranks)
+                  if words[self._submitted_at[r]] >= head.index and words[self._posted_at[r]] < head.seq]
+        ring = [r for r in range(self.nranks) if r not in daemon]
+        dtype, op = fr.DTYPES[head.dtype], fr.REDUCE_OPS[head.op]
+        self._break(MismatchError(
+            f"mismatched collective #{head.index} on group '{self.group}': group ranks {ring} submitted an "
+            f"all-reduce of {head.count} {dtype} ({op}) that goes through the exchange ring, group ranks "
+            f"{daemon} a collective that goes through the daemon (another kind, size, dtype, reduce op or device)"))
+        if self.on_diverged is not None:
+            try:
+                self.on_diverged(dtype, op, head.count)
+            except CommdError as exc:
+                log.warning("group %s: could not tell the daemon about mismatched collective #%d: %s",
+                            self.group, head.index, exc)
+
     def _break(self, error: CommdError) -> CommdError:
-        """The ring is out of step: fail everything pending and refuse later ops of this group's ring."""
+        """The ring is out of step: fail everything pending and leave the ring (``usable()``: the
+        group's later ops take the daemon path, on every rank once it sees the flag)."""
         if self.broken is None:
             self.broken = error
+            self._words[self._abandoned_at[self.me]] = 1
+            self._ring_bell()
         failed = list(self.pending)
         self.pending.clear()
         for op in failed:
@@ -441,7 +500,7 @@ class ExchangeRing:
                 head = self.pending[0]
                 seq = head.seq
                 try:
-                    arrived = self._wait(lambda seq=seq: self._behind(seq, self._posted_at), limit, None)
+                    arrived = self._wait(lambda head=head: self._head_missing(head), limit, None)
                 except CommdError:
                     return  # a dead peer or daemon: _check_alive failed every pending handle
                 if not arrived:
@@ -451,6 +510,15 @@ class ExchangeRing:
                     self._break(CommTimeoutError(
                         f"allreduce #{seq} on group '{self.group}' timed out after {head.timeout:.1f}s "
                         f"waiting for group ranks {missing} to submit it"))
+
+    def _head_missing(self, head: _Op) -> list[int]:
+        """The ranks ``head`` still waits for; none once it completed or failed (a disagreement)."""
+        missing = self._behind(head.seq, self._posted_at)
+        if missing:
+            self._progress()
+            if not self.pending or self.pending[0] is not head:
+                return []
+        return missing
 
     def _wait(self, missing: Callable[[], list[int]], deadline: float, full: str | None) -> bool:
         """Wait until ``missing()`` is empty: spin briefly, then sleep on a missing rank's bell.

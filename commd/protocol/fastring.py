@@ -17,18 +17,26 @@ Layout (native byte order, every field naturally aligned):
   published), ``consumed`` i64 (the last op whose inputs it has read), ``bell`` u32
   (bumped on every change of ``posted``/``consumed``: the futex word peers sleep on),
   ``sleeping`` i64 at byte 32 (how many of the rank's threads sleep on a peer's bell: a
-  rank that bumps its bell makes the futex call only when some peer sleeps);
+  rank that bumps its bell makes the futex call only when some peer sleeps),
+  ``submitted`` i64 at byte 40 (how many collectives of the group the rank has
+  submitted, through the ring or the daemon; written after ``posted``), ``abandoned``
+  i64 at byte 48 (1 once the rank has left the ring: every rank then follows it to the
+  daemon path);
 - ``depth × nranks`` entries at ``entries_offset``: entry (k mod depth, r) is a 64-byte
   header — ``seq`` i64 (the op number k), ``dtype`` i64 (index into ``DTYPES``),
   ``op`` i64 (index into ``REDUCE_OPS``), ``count`` i64, ``where`` i64 (0: the data
-  follows in the entry's ``slot_bytes``; j + 1: it is in the rank's large slot j) —
+  follows in the entry's ``slot_bytes``; j + 1: it is in the rank's large slot j),
+  ``index`` i64 (the op's place among the group's collectives, ``submitted`` after it) —
   and ``slot_bytes`` of data;
 - ``large_depth × nranks`` large slots of ``large_bytes`` at ``large_offset``: an op
   larger than a slot (up to ``large_bytes``) keeps its header in its entry and its data
   in the poster's next large slot, which the poster reuses only once every rank has
   consumed the op that last used it.
 
-A rank may publish op k only once every rank has consumed op k - depth.
+A rank may publish op k only once every rank has consumed op k - depth.  A rank whose
+op k (the group's collective number i) is missing while its ``submitted`` has reached i
+sent that collective to the daemon: the ranks disagree on the op, and those in the ring
+tell the daemon (see ``commd/client/fastring.py``).
 """
 
 from __future__ import annotations
@@ -51,10 +59,10 @@ LARGE_READ_BYTES = 8 << 20
 MAX_RANKS = 8
 
 # Control line fields: i64 indices inside a rank's line, and the bell's byte offset.
-PID, POSTED, CONSUMED, SLEEPING = 0, 1, 2, 4
+PID, POSTED, CONSUMED, SLEEPING, SUBMITTED, ABANDONED = 0, 1, 2, 4, 5, 6
 BELL_OFFSET = 24
 # Entry header fields (i64 indices inside an entry's header).
-SEQ, DTYPE, OP, COUNT, WHERE = 0, 1, 2, 3, 4
+SEQ, DTYPE, OP, COUNT, WHERE, INDEX = 0, 1, 2, 3, 4, 5
 
 #: Wire codes of the entry header: the position in these tuples.
 DTYPES = (

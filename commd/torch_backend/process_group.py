@@ -202,11 +202,19 @@ class ProcessGroupCommd(dist.ProcessGroup):
     def commd_group(self) -> str:
         return self._name
 
-    def _kw(self) -> dict[str, Any]:
-        """Every daemon op's options; called just before it is submitted, so ring ops ahead of it finish first."""
-        if self.ring is not None and self.ring.pending:
-            self.ring.drain()
+    def _kw(self, collective: bool = True) -> dict[str, Any]:
+        """Every daemon op's options; called just before it is submitted (``_to_daemon``)."""
+        self._to_daemon(collective)
         return {"group": self._name, "timeout": self._timeout, "lane": self._lane}
+
+    def _to_daemon(self, collective: bool = True) -> None:
+        """An op is about to go to the daemon: ring ops ahead of it finish first, and a collective
+        is counted in the ring (a peer whose ring op sits at its place then knows they disagree)."""
+        if self.ring is not None:
+            if self.ring.pending:
+                self.ring.drain()
+            if collective:
+                self.ring.note_daemon_op()
 
     def _work(self, handles: Handle | list[Handle], result: Any) -> CommdWork:
         return CommdWork(handles if isinstance(handles, list) else [handles], result)
@@ -229,6 +237,7 @@ class ProcessGroupCommd(dist.ProcessGroup):
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)
         handles = []
+        self._to_daemon()
         for group in by_dtype.values():
             flat = _flatten(group)
             handle = self._client.submit(
@@ -291,6 +300,7 @@ class ProcessGroupCommd(dist.ProcessGroup):
         if len(outs) != self.size():
             raise ValueError(f"all_gather needs {self.size()} output tensors, got {len(outs)}")
         counts = [o.numel() for o in outs]
+        self._to_daemon()
         flat = torch.empty(sum(counts), dtype=inp.dtype)
         handle = self._client.submit(
             "allgather", self._name, {"in": (inp, "in"), "out": (flat, "out")}, inp.dtype,
@@ -336,6 +346,7 @@ class ProcessGroupCommd(dist.ProcessGroup):
         if self.rank() == root:
             outs = outputs[0]
             counts = [o.numel() for o in outs]
+            self._to_daemon()
             flat = torch.empty(sum(counts), dtype=inp.dtype)
             handle = self._client.submit(
                 "gather", self._name, {"in": (inp, "in"), "out": (flat, "out")}, inp.dtype,
@@ -360,6 +371,7 @@ class ProcessGroupCommd(dist.ProcessGroup):
 
     @profiled("all_to_all")
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> CommdWork:
+        self._to_daemon()
         flat_out = torch.empty(sum(o.numel() for o in outputs), dtype=inputs[0].dtype)
         handle = self._client.submit(
             "alltoall", self._name, {"in": (_flatten(inputs), "in"), "out": (flat_out, "out")},
@@ -396,12 +408,12 @@ class ProcessGroupCommd(dist.ProcessGroup):
     # ---- point to point ---------------------------------------------------
     @profiled("send")
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> CommdWork:
-        handle = ops.send(self._client, tensors[0], dst, tag, **self._kw())
+        handle = ops.send(self._client, tensors[0], dst, tag, **self._kw(collective=False))
         return self._work(handle, tensors)
 
     @profiled("recv")
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> CommdWork:
-        handle = ops.recv(self._client, tensors[0], src, tag, **self._kw())
+        handle = ops.recv(self._client, tensors[0], src, tag, **self._kw(collective=False))
         return self._work(handle, tensors)
 
     @profiled("recv_anysource")

@@ -5,6 +5,13 @@ must then take the ring for exactly the same all-reduces, so the choice depends 
 on what the ranks agree on anyway: the ring exists (agreed through the store), the
 tensor is on the CPU, its dtype has a NumPy kernel, the reduce op suits the dtype, and
 it is no larger than the ring's largest op.  Everything else goes through the daemon as before.
+
+Ranks that disagree (one's all-reduce takes the ring, another's collective at the same
+place goes to the daemon) learn it at once: every daemon collective of the group is
+counted in the ring (``note_daemon_op``), a ring op that meets such a place fails with a
+MismatchError and submits the same all-reduce to the daemon (``on_diverged``), whose own
+agreement check then fails the peers' op too; the ring is left, and the group's later
+ops all take the daemon path.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commd.client import fastring
+from commd.client import fastring, ops
 from commd.client.connection import Client
 from commd.client.errors import CommdError
 from commd.client.handle import Handle
@@ -28,6 +35,7 @@ log = logging.getLogger("commd.torch")
 
 #: torch dtype -> name, for the dtypes a ring slot can carry.
 RING_DTYPES = {dtype: name for dtype, name in DTYPE_NAMES.items() if name in NUMPY_DTYPES}
+TORCH_DTYPES = {name: dtype for dtype, name in RING_DTYPES.items()}
 _STORE_KEY = "commd/ring/{name}/{rank}"
 
 
@@ -47,6 +55,9 @@ def open_ring(client: Client, store: dist.Store, name: str, rank: int, size: int
             log.warning("group %s: no exchange ring, small all-reduces go through the daemon: %s", name, exc)
     store.set(_STORE_KEY.format(name=name, rank=rank), "1" if ring is not None else "0")
     if all(store.get(_STORE_KEY.format(name=name, rank=r)) == b"1" for r in range(size)):
+        assert ring is not None
+        ring.on_diverged = lambda dtype, op, count: ops.all_reduce(
+            client, torch.zeros(count, dtype=TORCH_DTYPES[dtype]), op, group=name, timeout=timeout)
         return ring
     if ring is not None:
         ring.close()
@@ -58,7 +69,8 @@ def ring_all_reduce(client: Client, ring: fastring.ExchangeRing, tensor: torch.T
     """``tensor`` all-reduced through the ring, or None when it is not a ring op (see the module doc)."""
     dtype = RING_DTYPES.get(tensor.dtype)
     nbytes = tensor.nbytes
-    if dtype is None or not tensor.is_cpu or nbytes > ring.max_bytes or (op, dtype) not in _SUPPORTED:
+    if (dtype is None or not tensor.is_cpu or nbytes > ring.max_bytes or (op, dtype) not in _SUPPORTED
+            or not ring.usable()):
         return None
     client.wait_group_idle(ring.group)  # program order with the group's pending daemon ops
     client.wait_writes_to(tensor)
