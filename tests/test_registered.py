@@ -244,8 +244,9 @@ def test_a_flat_buffer_remade_every_step_is_registered_and_dropped_when_it_dies(
     assert status(daemon)["bytes_by_path"]["staged"] == 0
 
 
-def test_a_temporary_of_any_size_is_staged(daemon: DaemonProcess, pair: list[Any]) -> None:
-    """Seen once, referenced by itself alone: staging costs less than moving it into fresh shared memory."""
+def test_a_temporary_is_staged_below_64_mib_and_registered_from_it(daemon: DaemonProcess, pair: list[Any]) -> None:
+    """Seen once, referenced by itself alone: below COMMD_REGISTER_FIRST_BYTES (64 MiB) staging costs less than
+    moving it into fresh shared memory; from it, it is moved at once, and unregistered once it dies."""
     for step, count in enumerate((N, 64 * N)):  # 16 KiB and 1 MiB
         fresh = [torch.empty(count) for _ in pair]
         fill(fresh, step)
@@ -253,6 +254,14 @@ def test_a_temporary_of_any_size_is_staged(daemon: DaemonProcess, pair: list[Any
         assert not any(in_memfd(t) for t in fresh)
     paths = status(daemon)["bytes_by_path"]
     assert paths["registered"] == 0 and paths["staged"] == 2 * (N + 64 * N) * 4, paths
+    large = [torch.ones(16 << 20) for _ in pair]  # 64 MiB
+    all_reduce_checked(pair, large, "64 MiB")
+    assert all(in_memfd(t) for t in large)
+    assert status(daemon)["bytes_by_path"]["registered"] == 2 * (64 << 20)
+    del large
+    small = [torch.ones(N) for _ in pair]
+    all_reduce_checked(pair, small, "after the death")  # the unregisters go out before this op
+    assert [r["registered_segments"] for r in client_rows(daemon)] == [0, 0]
 
 
 def test_register_first_bytes_registers_large_temporaries_at_once_and_bounds_their_mappings(

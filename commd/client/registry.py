@@ -12,12 +12,12 @@ The one idea behind both zero-copy paths for tensors the user allocated:
   names it as ``{seg, off, n}``: the daemon reduces in place, no copy in, no copy out.
 
 When: moving costs one copy, but fresh shared memory (reserving and faulting its pages, the
-daemon's mapping, the unregister when it dies) costs more than staging's two copies at every size
-measured (``benchmarks/first_sighting.py``): a temporary, seen once, is staged.  So a storage is
+daemon's mapping, the unregister when it dies) costs more than staging's two copies below about
+64 MiB (``benchmarks/first_sighting.py``): a temporary, seen once, is staged.  So a storage is
 registered at its second sighting — or at its first when other tensors view it
 (``backs_other_tensors``: a flat buffer such as a DDP bucket, whose views are made when it is
 built; DDP rebuilds its buckets after the first step, and the rebuilt ones are zero-copy from the
-second step on) or when it holds at least ``COMMD_REGISTER_FIRST_BYTES`` (off by default).
+second step on) or when the op's tensor holds at least ``COMMD_REGISTER_FIRST_BYTES`` (64 MiB).
 
 No stale mapping is ever used: an entry is keyed by the storage object itself (torch keeps one
 Python object per storage, so a new storage at a recycled address is a different key), it is
@@ -60,7 +60,11 @@ log = logging.getLogger("commd.client")
 
 #: Registered storages one client keeps (the daemon's default COMMD_MAX_SEGMENTS is 1024, arena included).
 MAX_REGISTRATIONS = 512
-#: ``COMMD_REGISTER_FIRST_BYTES``'s default and largest value: no storage is registered at first sighting by size.
+#: ``COMMD_REGISTER_FIRST_BYTES``'s default: from about this size, moving a temporary into fresh shared memory
+#: costs no more than staging it (``benchmarks/first_sighting.py``: 16 MiB 1.06-1.26x staging's time, 32 MiB
+#: 1.3x, 64 MiB 0.36-0.94x, on a loaded 2-core machine).
+DEFAULT_FIRST_BYTES = 64 << 20
+#: ``COMMD_REGISTER_FIRST_BYTES``'s largest value: no storage is registered at first sighting by size alone.
 NEVER_BY_SIZE = 1 << 62
 #: A storage the registry will not register (evicted, refused, or not torch's own memory).
 NEVER = -1
@@ -98,10 +102,11 @@ _unsupported_said = False
 def first_sighting_bytes() -> int:
     """``COMMD_REGISTER_FIRST_BYTES``: an in-place op's storage this large is registered at its first sighting.
 
-    Off by default: moving a temporary into fresh shared memory costs more than staging it at
-    every size measured (``benchmarks/first_sighting.py``); a machine where it does not may lower it.
+    Below it, moving a temporary into fresh shared memory costs more than staging it (its pages
+    reserved and faulted, the daemon's mapping, the unregister when it dies), so a storage seen
+    once stays staged unless other tensors view it.
     """
-    return env_bytes("COMMD_REGISTER_FIRST_BYTES", NEVER_BY_SIZE, 0, NEVER_BY_SIZE)
+    return env_bytes("COMMD_REGISTER_FIRST_BYTES", DEFAULT_FIRST_BYTES, 0, NEVER_BY_SIZE)
 
 
 def default_budget() -> int:
