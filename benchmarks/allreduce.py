@@ -8,8 +8,9 @@ Measures float32 all_reduce (sum) of N local ranks, for message sizes from
                in a temporary runtime directory;
   torch-commd  torch.distributed with the "commd" backend on ordinary tensors
                (what DDP users get): up to 4 KiB inline in the message; larger
-               tensors are staged at their first sighting and registered at
-               their second (the warm-up), so every timed iteration is
+               tensors are staged at their first sighting (from 64 MiB,
+               COMMD_REGISTER_FIRST_BYTES, registered at once) and registered
+               at their second (the warm-up), so every timed iteration is
                zero-copy — the worker checks that the tensor lives in a memfd;
   torch-commd-staged
                the same with COMMD_REGISTER=0: every larger tensor staged

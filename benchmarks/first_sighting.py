@@ -15,9 +15,9 @@ timing, then dropped: its death and the unregister it causes are timed) through
 ``torch.distributed`` with the ``commd`` backend, 2 local ranks.  The two policies run
 in alternating rounds of fresh processes (``COMMD_REGISTER_FIRST_BYTES`` unset-large vs
 0); per size: the median over iterations of the slowest rank, the ratio registered /
-staged, and the load average.  ``COMMD_REGISTER_FIRST_BYTES`` is off by default because
-registering cost more than staging at every size measured; on a machine where this shows a
-size from which it does not, set it to that size.
+staged, and the load average.  ``COMMD_REGISTER_FIRST_BYTES``'s default (64 MiB) is the
+smallest size from which registering a temporary cost no more than staging it here; on a
+machine where this shows another size, set it to that size.
 
     python benchmarks/first_sighting.py [--sizes 256K,1M,4M,16M] [--iters 30] [--rounds 2]
 """
