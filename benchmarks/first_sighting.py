@@ -19,7 +19,7 @@ staged, and the load average.  ``COMMD_REGISTER_FIRST_BYTES``'s default (64 MiB)
 smallest size from which registering a temporary cost no more than staging it here; on a
 machine where this shows another size, set it to that size.
 
-    python benchmarks/first_sighting.py [--sizes 256K,1M,4M,16M] [--iters 30] [--rounds 2]
+    python benchmarks/first_sighting.py [--sizes 256K,1M,4M,16M] [--iters 30] [--rounds 2] [--parts]
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -84,6 +85,60 @@ def worker(cfg: dict, rank: int) -> None:
     Path(cfg["out"].format(rank=rank)).write_text(json.dumps({"rank": rank, "results": results}))
 
 
+# ---- where registering's time goes (one process, no daemon) -----------------------
+def _new_memfd(nbytes: int, _src: object) -> None:
+    from commd.memory.arena import sealed_memfd
+
+    os.close(sealed_memfd("commd-bench", nbytes, "benchmark"))
+
+
+def _new_memfd_moved(nbytes: int, src: object) -> None:
+    import ctypes
+    import mmap
+
+    import torch
+
+    from commd.memory.arena import sealed_memfd
+
+    fd = sealed_memfd("commd-bench", nbytes, "benchmark")
+    try:
+        mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        target = torch.frombuffer(mapping, dtype=torch.uint8)
+        ctypes.memmove(target.data_ptr(), src.data_ptr(), nbytes)  # type: ignore[attr-defined]
+        del target
+        mapping.close()
+    finally:
+        os.close(fd)
+
+
+def _median_us(run: Callable[[int, object], None], nbytes: int, src: object, iters: int) -> float:
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        run(nbytes, src)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def parts(sizes: list[int], iters: int) -> None:
+    """Client-side fixed costs of registering, against the warm copy staging does twice."""
+    import ctypes
+
+    import torch
+
+    print(f"\nclient-side parts (median of {iters}, us): a new sealed memfd (create, size, reserve every page, seal);"
+          "\nthe same, mapped and the tensor moved in (page faults of fresh shared memory); one warm copy")
+    print(f"{'size':>8} {'memfd':>9} {'memfd+move':>11} {'warm copy':>10}")
+    for nbytes in sizes:
+        src, dst = torch.ones(nbytes // ELEMENT), torch.empty(nbytes // ELEMENT)
+
+        def copy(n: int, s: object, dst: torch.Tensor = dst) -> None:
+            ctypes.memmove(dst.data_ptr(), s.data_ptr(), n)  # type: ignore[attr-defined]
+
+        print(f"{human(nbytes):>8} {_median_us(_new_memfd, nbytes, src, iters):>9.0f} "
+              f"{_median_us(_new_memfd_moved, nbytes, src, iters):>11.0f} {_median_us(copy, nbytes, src, iters):>10.0f}")
+
+
 # ---- orchestration --------------------------------------------------------------
 def run_policy(policy: str, sizes: list[int], args: argparse.Namespace, work: Path, tag: str) -> list[dict]:
     runtime = work / f"runtime-{tag}"
@@ -118,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of both policies (default 2)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds allowed per run (default 300)")
     parser.add_argument("--json", metavar="FILE", help="write the medians and raw times to FILE")
+    parser.add_argument("--parts", action="store_true",
+                        help="also time registering's client-side parts in this process (memfd, faults, copy)")
     args = parser.parse_args(argv)
     sizes = [parse_size(x) for x in args.sizes.split(",") if x.strip()]
     if not sizes or any(size < 64 << 10 or size % ELEMENT for size in sizes):
@@ -158,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nregistering costs no more than staging from: {human(crossover) if crossover else 'no size measured'}")
     print(f"(load average before/after: {[round(x, 2) for x in load_before]} / {[round(x, 2) for x in load_after]}"
           f" on {os.cpu_count()} cpus)")
+    if args.parts:
+        parts(sizes, max(5, args.iters // 2))
     if args.json:
         Path(args.json).write_text(json.dumps({
             "sizes": sizes, "medians_us": {p: {str(k): v for k, v in m.items()} for p, m in medians.items()},
