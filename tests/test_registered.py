@@ -462,6 +462,25 @@ def test_registry_keys_by_storage_object() -> None:
 
 
 
+def test_registry_first_sighting_rules() -> None:
+    """Unit check of the registry alone: which first sightings register (no daemon: the fd is only counted)."""
+    calls: list[int] = []
+    registry = StorageRegistry("commd-unit", lambda seg, name, n, fd: calls.append(n), budget=1 << 30,
+                               first_bytes=8 * N * 4)
+    assert registry.lookup(torch.zeros(N)) is None  # a temporary: itself alone
+    assert registry.lookup(torch.cat([torch.zeros(N), torch.zeros(N)])) is None
+    bucket = torch.zeros(2 * N)
+    grads = [bucket[:N], bucket[N:]]  # noqa: F841 - views a DDP bucket's parameters hold
+    assert registry.lookup(bucket) == (s.REGISTERED_SEG_BASE, 0) and calls == [2 * N * 4]
+    shared = torch.zeros(4 * N)
+    part = shared[:N]  # viewed, but the op uses a quarter of it: moving it all is not worth it
+    assert registry.lookup(part) is None and len(calls) == 1
+    assert registry.lookup(torch.zeros(8 * N)) is not None and calls[-1] == 8 * N * 4  # first_bytes
+    assert registry.lookup(torch.zeros(8 * N), may_register=False) is None and len(calls) == 2
+    assert registry.lookup(torch.from_numpy(np.zeros(8 * N, dtype=np.float32))) is None  # not torch's memory
+    assert len(calls) == 2
+
+
 def test_status_and_metrics_show_the_buffer_paths(start_daemon: Callable[..., DaemonProcess],
                                                   connect: Callable[..., Any]) -> None:
     """`commd status` and the Prometheus metrics show the same counters: after the first step, nothing staged."""
