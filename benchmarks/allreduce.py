@@ -10,7 +10,8 @@ Measures float32 all_reduce (sum) of N local ranks, for message sizes from
                (what DDP users get): up to the exchange ring's largest op
                (4 MiB with 2 ranks, 8 MiB / ranks) the ranks meet in the
                group's shared-memory ring without the daemon; larger tensors
-               go to the daemon, staged at their first sighting and registered
+               go to the daemon, staged at their first sighting (from 64 MiB,
+               COMMD_REGISTER_FIRST_BYTES, registered at once) and registered
                at their second (the warm-up), so every timed iteration is
                zero-copy — the worker checks that the tensor lives in a memfd;
   torch-commd-daemon

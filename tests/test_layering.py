@@ -67,7 +67,9 @@ THIRD_PARTY_PRIVATE: dict[str, set[str]] = {
     "commd.daemon.cuda": {"_new_shared_cuda"},
     # Registration moves a user's storage into shared memory in place (every view follows): torch's
     # share_memory_() does the same with the same swap, but into a file that cannot be sealed.
-    "commd.client.registry": {"_swap_data_ptr_"},
+    # It tells a flat buffer others view from a temporary by its storage's reference count
+    # (torch._C._storage_Use_Count(storage._cdata): torch has no public way to ask).
+    "commd.client.registry": {"_swap_data_ptr_", "_C", "_cdata"},
     # Gloo/NCCL groups built by hand (own device, timeouts) and Gloo's flat all-gather.
     # torch.distributed does not re-export AllgatherOptions (it lives in torch._C._distributed_c10d).
     "commd.lanes.gloo": {"_Options", "_devices", "_timeout", "_set_default_timeout"},

@@ -36,7 +36,7 @@ from commd.client.errors import (
     from_reply,
 )
 from commd.client.handle import Handle
-from commd.client.registry import StorageRegistry, default_budget, registration_enabled
+from commd.client.registry import StorageRegistry, default_budget, first_sighting_bytes, registration_enabled
 from commd.client.segments import register_fd, register_segment
 from commd.client.spawn import wait_for_secret
 from commd.client.trust import connect_op_channel, read_job_secret, verify_job_files
@@ -107,8 +107,9 @@ class Client:
         if op_timeout is not None and not 0.001 <= op_timeout <= s.MAX_OP_TIMEOUT_S:
             raise ValueError(f"op_timeout {op_timeout} must lie in [0.001, {s.MAX_OP_TIMEOUT_S:.0f}] seconds")
         self.op_timeout = op_timeout
-        # COMMD_REGISTER and COMMD_MAX_REGISTERED_BYTES are checked before anything connects
+        # COMMD_REGISTER, COMMD_MAX_REGISTERED_BYTES, COMMD_REGISTER_FIRST_BYTES are checked before anything connects
         self._register_budget = default_budget() if registration_enabled() else None
+        self._register_first_bytes = first_sighting_bytes() if self._register_budget is not None else None
         self._ids = itertools.count(1)
         self._seq: dict[str, int] = {}
         self._groups: dict[str, list[int]] = {}
@@ -190,8 +191,9 @@ class Client:
             raise from_reply(ack.get("code", ""), ack.get("message", "attach refused"))
         self._receiver: threading.Thread | None = None
         register_segment(self.paths.ops_socket, self.client_id, self.secret, first, timeout, self.daemon_pid)
-        # Ordinary tensors seen again are moved into shared memory once and named in place after.
-        self._registry = (StorageRegistry(self.arena.prefix, self._register_storage, self._register_budget)
+        # Ordinary tensors seen again (or viewed by others) are moved into shared memory once and named in place after.
+        self._registry = (StorageRegistry(self.arena.prefix, self._register_storage, self._register_budget,
+                                          first_bytes=self._register_first_bytes)
                           if self._register_budget is not None else None)
 
     def _request(self, message: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:

@@ -5,12 +5,19 @@ The one idea behind both zero-copy paths for tensors the user allocated:
 - CUDA tensors (``cuda_ipc.py``): a storage's IPC handle is exported the first time an op uses
   it, under an export id that later ops name; the daemon (``commd/daemon/cuda.py``) opens it once
   and closes it when the client says the storage died.
-- ordinary CPU tensors (here): the first time a storage is seen it is staged (a temporary is
-  never seen again); the second time, the client moves the storage into a sealed memfd in place
-  — the same kind of memory as an arena segment (``memory.arena.sealed_memfd``) — swaps it under
-  the user's storage (every view of it follows: DDP's gradient views into a bucket included),
-  and registers that memfd with the daemon as a segment of kind ``registered``.  From then on an
-  op names it as ``{seg, off, n}``: the daemon reduces in place, no copy in, no copy out.
+- ordinary CPU tensors (here): the client moves the storage into a sealed memfd in place — the
+  same kind of memory as an arena segment (``memory.arena.sealed_memfd``) —, swaps it under the
+  user's storage (every view of it follows: DDP's gradient views into a bucket included), and
+  registers that memfd with the daemon as a segment of kind ``registered``.  From then on an op
+  names it as ``{seg, off, n}``: the daemon reduces in place, no copy in, no copy out.
+
+When: moving costs one copy, but fresh shared memory (reserving and faulting its pages, the
+daemon's mapping, the unregister when it dies) costs more than staging's two copies below about
+64 MiB (``benchmarks/first_sighting.py``): a temporary, seen once, is staged.  So a storage is
+registered at its second sighting — or at its first when other tensors view it
+(``backs_other_tensors``: a flat buffer such as a DDP bucket, whose views are made when it is
+built; DDP rebuilds its buckets after the first step, and the rebuilt ones are zero-copy from the
+second step on) or when the op's tensor holds at least ``COMMD_REGISTER_FIRST_BYTES`` (64 MiB).
 
 No stale mapping is ever used: an entry is keyed by the storage object itself (torch keeps one
 Python object per storage, so a new storage at a recycled address is a different key), it is
@@ -53,6 +60,12 @@ log = logging.getLogger("commd.client")
 
 #: Registered storages one client keeps (the daemon's default COMMD_MAX_SEGMENTS is 1024, arena included).
 MAX_REGISTRATIONS = 512
+#: ``COMMD_REGISTER_FIRST_BYTES``'s default: from about this size, moving a temporary into fresh shared memory
+#: costs no more than staging it (``benchmarks/first_sighting.py``: 16 MiB 1.06-1.26x staging's time, 32 MiB
+#: 1.3x, 64 MiB 0.36-0.94x, on a loaded 2-core machine).
+DEFAULT_FIRST_BYTES = 64 << 20
+#: ``COMMD_REGISTER_FIRST_BYTES``'s largest value: no storage is registered at first sighting by size alone.
+NEVER_BY_SIZE = 1 << 62
 #: A storage the registry will not register (evicted, refused, or not torch's own memory).
 NEVER = -1
 #: ``Registration.last_use`` between a lookup and ``mark_used``: an op is being submitted with it.
@@ -86,6 +99,16 @@ def registration_enabled() -> bool:
 _unsupported_said = False
 
 
+def first_sighting_bytes() -> int:
+    """``COMMD_REGISTER_FIRST_BYTES``: an in-place op's storage this large is registered at its first sighting.
+
+    Below it, moving a temporary into fresh shared memory costs more than staging it (its pages
+    reserved and faulted, the daemon's mapping, the unregister when it dies), so a storage seen
+    once stays staged unless other tensors view it.
+    """
+    return env_bytes("COMMD_REGISTER_FIRST_BYTES", DEFAULT_FIRST_BYTES, 0, NEVER_BY_SIZE)
+
+
 def default_budget() -> int:
     """``COMMD_MAX_REGISTERED_BYTES`` when set (the daemon's cap too), else half the machine's memory."""
     try:
@@ -111,10 +134,12 @@ RegisterFd = Callable[[int, str, int, int], None]
 class StorageRegistry:
     """Per-client cache: torch storage -> its registered segment (thread-safe)."""
 
-    def __init__(self, prefix: str, register_fd: RegisterFd, budget: int, max_count: int = MAX_REGISTRATIONS) -> None:
+    def __init__(self, prefix: str, register_fd: RegisterFd, budget: int, max_count: int = MAX_REGISTRATIONS,
+                 first_bytes: int | None = None) -> None:
         self.prefix = prefix
         self.budget = budget
         self.max_count = max_count
+        self.first_bytes = first_sighting_bytes() if first_bytes is None else first_bytes
         self._register_fd = register_fd
         self._ids = itertools.count(s.REGISTERED_SEG_BASE)
         self._lock = threading.Lock()
@@ -154,8 +179,12 @@ class StorageRegistry:
             if seen == NEVER or not may_register:
                 return None
             if seen == 0:
-                self._seen[storage] = NEVER if not _torch_owned(storage) else 1
-                return None
+                if not _torch_owned(storage):
+                    self._seen[storage] = NEVER
+                    return None
+                if not self._register_at_first_sighting(tensor, storage):
+                    self._seen[storage] = 1
+                    return None
             entry = self._register(storage)
             if entry is None:
                 self._seen[storage] = NEVER
@@ -185,6 +214,16 @@ class StorageRegistry:
             return due
 
     # ---- internals (caller holds the lock) ----------------------------------
+    def _register_at_first_sighting(self, tensor: torch.Tensor, storage: torch.UntypedStorage) -> bool:
+        """A flat buffer that other tensors view, or a storage of at least ``first_bytes``.
+
+        Either way the op uses at least half of the storage (moving it copies all of it).
+        """
+        nbytes = tensor.numel() * tensor.element_size()
+        if 2 * nbytes < storage.nbytes():
+            return False
+        return nbytes >= self.first_bytes or backs_other_tensors(storage)
+
     def _register(self, storage: torch.UntypedStorage) -> Registration | None:
         nbytes = storage.nbytes()
         if nbytes > self.budget or (self._daemon_full and self.registered_bytes + nbytes > self.budget):
@@ -259,6 +298,21 @@ class StorageRegistry:
             self._refusal_logged = True
             log.warning("commd: a tensor is staged instead of registered (%s); further refusals are not logged",
                         why)
+
+
+def backs_other_tensors(storage: torch.UntypedStorage) -> bool:
+    """More tensors than the op's own share this storage: a flat buffer others view, kept across steps.
+
+    DDP's gradient buckets (one view per parameter, made when the buckets are built, also at the
+    rebuild after the first step), FSDP's flat parameters, optimizers' flattened state: each is
+    all-reduced only once per step, so its first sighting decides a whole step's copies.  A
+    temporary (``torch.cat``, ``clone``, a fresh result) is referenced by itself alone.  Counted on
+    the storage: the op's tensor and the ``storage`` object the caller holds are two references.
+    """
+    return _storage_use_count is not None and _storage_use_count(storage._cdata) > 2
+
+
+_storage_use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def _torch_owned(storage: torch.UntypedStorage) -> bool:
