@@ -42,11 +42,24 @@ def buffer_path(tensor: torch.Tensor) -> str:
     return "private"
 
 
+#: Seconds of all-reduces before the first timed size (see _measure).
+START_UP_S = 4.0
+
+
 def _measure(
     plan: list[dict], rank: int, n: int, make: Callable[[int], torch.Tensor],
     reduce_fn: Callable[[torch.Tensor], None], barrier: Callable[[], None], what: str,
 ) -> list[dict]:
     results = []
+    # The job's first seconds are not its steady state: the daemon imports torch in the background
+    # about a second after it starts (2-3 s of a core here), so the first size would time that.
+    started, flag = time.monotonic(), make(1)
+    while True:  # every rank leaves the loop together: once none of them still warms up
+        flag.fill_(1.0 if time.monotonic() - started < START_UP_S else 0.0)
+        reduce_fn(flag)
+        if flag.item() == 0:
+            break
+    del flag
     for step in plan:
         nbytes = step["bytes"]
         tensor = make(nbytes // ELEMENT)

@@ -1,6 +1,6 @@
 """Registered storages on the daemon's side: admitting them, forgetting them, counting buffer paths.
 
-A client moves an ordinary tensor storage it sees again into a sealed memfd and registers it
+A client moves an ordinary tensor storage it sees again (or a flat buffer others view) into a sealed memfd and registers it
 like an arena segment (same descriptor checks in ``Segment.from_fd``), kind ``registered``:
 ops then name it as ``{seg, off, n}`` and run in place, with no copy in or out.  Here:
 
