@@ -343,3 +343,34 @@ def diverge_rank_main(rank: int) -> None:
 @pytest.mark.timeout(120)
 def test_ranks_that_disagree_on_ring_or_daemon_get_a_mismatch_at_once(backend_env: Any) -> None:
     spawn(diverge_rank_main, ())
+
+
+def test_three_ranks_reduce_in_rank_order_in_entries_and_large_slots(daemon: Any, connect: Callable[..., Any]) -> None:
+    """An odd group: the largest op is 8 MiB / 3 (a page multiple); every rank computes the same
+    bits as NumPy adding the inputs in group-rank order, in the entries and in the large slots."""
+    clients = [connect(r, 3) for r in range(3)]
+    rings = _rings(clients)
+    largest = fr.large_bytes(3) // 8
+    assert rings[0].max_bytes == fr.large_bytes(3) and fr.large_bytes(3) % 4096 == 0
+    sizes = [5, fr.SLOT_BYTES // 8, fr.SLOT_BYTES // 8 + 1, largest]
+
+    def body(r: int) -> list[np.ndarray]:
+        got = []
+        for n in sizes:
+            for op in ("sum", "avg"):
+                x = _inputs(r, "float64", n)
+                rings[r].all_reduce(x.view(np.uint8), "float64", op, None).wait(20)
+                got.append(x)
+        return got
+
+    results = _per_rank(body, n=3)
+    for r in range(3):
+        assert not isinstance(results[r], BaseException), results[r]
+    i = 0
+    for n in sizes:
+        xs = [_inputs(r, "float64", n) for r in range(3)]
+        total = (xs[0] + xs[1]) + xs[2]
+        for want in (total, total / 3):
+            for r in range(3):
+                np.testing.assert_array_equal(results[r][i], want, err_msg=f"n={n} rank {r}")
+            i += 1
