@@ -643,6 +643,7 @@ def test_slurm_two_hosts(two_slurm_nodes: tuple[SlurmSite, list, list[str]]) -> 
 
 
 @needs_slurm_env
+@pytest.mark.slow  # 20 s (node 0 waits out its rendezvous timeout): make test-all
 @pytest.mark.timeout(400)
 def test_slurm_two_hosts_one_node_fails(two_slurm_nodes: tuple[SlurmSite, list, list[str]]) -> None:
     """Node 1's prolog cannot start commd: node 0's prolog still returns at once with 0, and the ranks

@@ -132,7 +132,7 @@ def test_node_with_wrong_secret_is_refused(tmp_path: Path) -> None:
         env["COMMD_SECRET"] = secret
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "commd", "daemon", "--job", "sec", "--nnodes", "2", "--node-rank", str(i),
-             "--rendezvous", f"127.0.0.1:{port}", "--rendezvous-timeout", "20"],
+             "--rendezvous", f"127.0.0.1:{port}", "--rendezvous-timeout", "6"],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     started = time.monotonic()
     try:

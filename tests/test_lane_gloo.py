@@ -454,16 +454,21 @@ def test_gloo_refusals_are_real_and_acceptances_correct(make_cluster: Callable[.
 def test_timeout_when_a_node_does_not_call(make_cluster: Callable[..., Cluster]) -> None:
     cluster = make_cluster("gloo", 2)
     gave_up = threading.Event()
+    gloo_deadline: list[float] = []
 
     def work(lane: Any, node: int) -> Any:
         lane.barrier((0, 1), T)  # the group exists: this is an op timeout, not a creation one
         if node == 1:
             assert gave_up.wait(10), "node 0 never timed out"
+            # Node 0's op was started with Gloo's own timeout at its deadline and ends there (the
+            # lane's contract); a call before that could still pair with it inside Gloo and succeed.
+            time.sleep(max(0.0, gloo_deadline[0] + 1.0 - time.monotonic()))
             started = time.monotonic()
             with pytest.raises(LaneError) as late:  # node 0 aborted the group: no hang here either
                 lane.allreduce((0, 1), torch.ones(8), "sum", 5.0)
             return late.value.code, time.monotonic() - started
         started = time.monotonic()
+        gloo_deadline.append(started + 0.5)
         with pytest.raises(LaneError) as first:
             lane.allreduce((0, 1), torch.ones(8), "sum", 0.5)
         took = time.monotonic() - started
