@@ -133,6 +133,15 @@ def test_more_async_ops_than_ring_entries_complete(daemon: Any, connect: Callabl
 
     status = query_status(paths)
     assert status["rings"]["world"] == {"ranks": 2, "ops": count, "posted": [count, count]}
+    # ... and so do its text and the Prometheus metrics (taken from the same status document)
+    from commd.cli.status import format_status
+    from commd.observe.metrics import DaemonCollector
+
+    assert f"exchange rings (all-reduces the ranks of a local group ran without the daemon): world {count}" in \
+        format_status(status)
+    snapshot = {"status": status, "by_op": {}, "error_replies": {}, "limits_hit": {}}
+    family = next(m for m in DaemonCollector(lambda: snapshot).collect() if m.name == "commd_ring_allreduces")
+    assert [(s.labels, s.value) for s in family.samples if s.name.endswith("_total")] == [({"group": "world"}, count)]
 
 
 def test_a_mismatch_fails_every_rank_and_the_ring_goes_on(daemon: Any, connect: Callable[..., Any]) -> None:

@@ -164,6 +164,10 @@ def format_status(status: dict[str, Any]) -> str:
         )
     else:
         out.append("  (none registered)")
+    rings = status.get("rings") or {}
+    if rings:  # all-reduces of local groups the ranks exchanged among themselves: never in the rows above
+        out.append("exchange rings (all-reduces the ranks of a local group ran without the daemon): " + ", ".join(
+            f"{name} {r.get('ops', 0):,}" for name, r in sorted(rings.items())))
 
     latency = status.get("latency_us") or {}
     out.append("")

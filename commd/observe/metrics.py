@@ -90,6 +90,11 @@ class DaemonCollector:
             limits.add_metric([name], count)
         yield limits
         yield from self._buffers(status)
+        rings = CounterMetricFamily("commd_ring_allreduces", "All-reduces the ranks of a local group ran in its "
+                                    "exchange ring, without the daemon (not in commd_ops)", labels=["group"])
+        for name, ring in sorted((status.get("rings") or {}).items()):
+            rings.add_metric([name], ring.get("ops", 0))
+        yield rings
         fabric = status.get("fabric")
         if fabric is not None:
             yield from self._fabric(fabric)
