@@ -383,3 +383,34 @@ def test_three_ranks_reduce_in_rank_order_in_entries_and_large_slots(daemon: Any
             for r in range(3):
                 np.testing.assert_array_equal(results[r][i], want, err_msg=f"n={n} rank {r}")
             i += 1
+
+
+def test_a_peer_that_sent_the_place_to_the_daemon_fails_the_ring_op_at_once(
+        daemon: Any, connect: Callable[..., Any]) -> None:
+    """The ring side of a disagreement, alone: rank 1 counts a daemon collective, rank 0 posts a
+    ring op at that place: a MismatchError in moments (the op's timeout is 60 s), the daemon told
+    the op's shape, both ranks leave the ring; a failing notification changes none of it."""
+    clients = [connect(r, 2) for r in range(2)]
+    for failing in (False, True):
+        group = f"pair{int(failing)}"
+        for c in clients:
+            c.register_group(group, [0, 1])
+        rings = _rings(clients, group=group, timeout=60.0)
+        told: list[tuple[str, str, int]] = []
+
+        def tell(dtype: str, op: str, count: int, failing: bool = failing,
+                 told: list[tuple[str, str, int]] = told) -> None:
+            told.append((dtype, op, count))
+            if failing:
+                raise RuntimeError("the daemon could not be told")
+
+        rings[0].on_diverged = tell
+        rings[1].note_daemon_op()
+        x = np.ones(5, np.float32)
+        started = time.monotonic()
+        with pytest.raises(MismatchError, match=r"group ranks \[1\] a collective that goes through the daemon"):
+            rings[0].all_reduce(x.view(np.uint8), "float32", "sum", None).wait(30)
+        assert time.monotonic() - started < 10
+        assert told == [("float32", "sum", 5)]
+        assert not rings[0].usable() and not rings[1].usable()
+        assert x.tolist() == [1.0] * 5  # the failed op left the input as it was

@@ -463,7 +463,7 @@ class ExchangeRing:
         if self.on_diverged is not None:
             try:
                 self.on_diverged(dtype, op, head.count)
-            except CommdError as exc:
+            except Exception as exc:  # noqa: BLE001 - this rank's op has failed already; the peers time out
                 log.warning("group %s: could not tell the daemon about mismatched collective #%d: %s",
                             self.group, head.index, exc)
 
@@ -590,6 +590,9 @@ class ExchangeRing:
                     self.wait_for(head, SLICE_S)
                 except CommdError:
                     pass  # the failed handles carry the error
+                except Exception as exc:  # noqa: BLE001 - never let futures wait on a dead thread
+                    with self._lock:
+                        self._break(CommdError(f"group {self.group!r}: the exchange ring failed: {exc!r}"))
 
     def close(self) -> None:
         with self._lock:
