@@ -316,8 +316,10 @@ def test_a_rank_without_a_ring_keeps_the_whole_group_on_the_daemon_path(backend_
 
 def diverge_rank_main(rank: int) -> None:
     """The ranks disagree on which path an op takes (rank 0's all-reduce fits the ring, rank 1's
-    is one element larger; later rank 0 all-reduces while rank 1 broadcasts): both ranks get a
-    MismatchError at once, long before the op's timeout, and the group goes on, right."""
+    is one element larger; or rank 0 all-reduces while rank 1 broadcasts): both ranks get a
+    MismatchError at once, long before the op's timeout, through wait() and through
+    get_future() (what DDP waits on), and the group goes on, right.  Each case on a fresh group
+    (the first disagreement makes a group leave its ring)."""
     import commd  # noqa: F401 - registers the backend
 
     timeout = 60.0
@@ -325,23 +327,32 @@ def diverge_rank_main(rank: int) -> None:
                             timeout=timedelta(seconds=timeout))
     try:
         largest = fr.large_bytes(WORLD) // 4
-        for case in ("size", "kind"):
-            x = torch.ones(largest + (rank if case == "size" else 0))
+        for case in ("size", "kind", "size, future"):
+            group = dist.new_group([0, 1])
+            probe = torch.ones(2)
+            work = dist.all_reduce(probe, group=group, async_op=True)
+            assert isinstance(work.handles[0], RingHandle), "the fresh group has no ring"
+            work.wait()
+            x = torch.ones(largest + (0 if case == "kind" else rank))
             started = time.monotonic()
             try:
                 if case == "kind" and rank == 1:
-                    dist.broadcast(x, src=0)
+                    dist.broadcast(x, src=0, group=group)
+                elif case == "size, future":
+                    dist.all_reduce(x, group=group, async_op=True).get_future().wait()
                 else:
-                    dist.all_reduce(x)
+                    dist.all_reduce(x, group=group)
                 raise AssertionError(f"rank {rank}: a ring/daemon disagreement ({case}) went unnoticed")
-            except MismatchError as exc:
+            except Exception as exc:  # a failed future surfaces as torch's error carrying commd's message
+                if case != "size, future" and not isinstance(exc, MismatchError):
+                    raise
                 elapsed = time.monotonic() - started
                 assert elapsed < timeout / 4, f"rank {rank}: the mismatch took {elapsed:.1f}s to surface"
-                assert "mismatched collective" in str(exc), str(exc)
+                assert "mismatched collective" in str(exc), f"rank {rank} ({case}): {exc}"
             # the group goes on (through the daemon: the ring was left), with right results
             for n in (3, largest):
                 y = torch.full((n,), float(rank + 1))
-                work = dist.all_reduce(y, async_op=True)
+                work = dist.all_reduce(y, group=group, async_op=True)
                 assert not isinstance(work.handles[0], RingHandle), "the ring was used after it was left"
                 work.wait()
                 assert bool((y == 3).all()), f"rank {rank}: wrong result after the mismatch"

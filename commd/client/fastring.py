@@ -282,19 +282,13 @@ class ExchangeRing:
             handle = RingHandle(self, self._ids, "allreduce", self.group, time.monotonic() + timeout,
                                 result=result, keep=keep)
             # entry (seq mod depth) is free once every rank has consumed seq - depth
-            reuse = seq - self.depth
-            if reuse > 0 and any(words[i] < reuse for i in self._consumed_at):
-                self._wait(lambda: self._progressed_behind(reuse), handle.deadline,
-                           f"allreduce on group '{self.group}' (rank {self.rank}): the exchange ring is full")
+            self._wait_consumed(seq - self.depth, handle.deadline, "the exchange ring is full")
             d = seq % self.depth
             if nbytes <= self.slot_bytes:
                 where, target = 0, self._data_address[d][me]
             else:
                 j = self._large_next
-                last = self._large_last[j]
-                if last > 0 and any(words[i] < last for i in self._consumed_at):
-                    self._wait(lambda: self._progressed_behind(last), handle.deadline,
-                               f"allreduce on group '{self.group}' (rank {self.rank}): the large slots are full")
+                self._wait_consumed(self._large_last[j], handle.deadline, "the large slots are full")
                 where, target = j + 1, self._large_address[j][me]
                 self._large_next = (j + 1) % self.large_depth
                 self._large_last[j] = seq
@@ -345,6 +339,12 @@ class ExchangeRing:
             except CommdError:
                 pass  # the op reports its own failure
 
+    def _wait_consumed(self, seq: int, deadline: float, full: str) -> None:
+        """Before reusing memory op ``seq`` used: wait until every rank has consumed it."""
+        if seq > 0 and self._behind(seq, self._consumed_at):
+            self._wait(lambda: self._progressed_behind(seq), deadline,
+                       f"allreduce on group '{self.group}' (rank {self.rank}): {full}")
+
     def _progressed_behind(self, seq: int) -> list[int]:
         """Ranks that have not consumed ``seq`` yet, after completing what we can ourselves
         (two ranks that both filled the ring with async ops must not wait on each other)."""
@@ -363,11 +363,11 @@ class ExchangeRing:
         while pending:
             head = pending[0]
             seq = head.seq
-            for r, index in enumerate(self._posted_at):
+            for index in self._posted_at:
                 if words[index] < seq:
-                    # submitted (written after posted) read first, posted again: did this place go to the daemon?
-                    if words[self._submitted_at[r]] >= head.index and words[index] < seq:
-                        self._diverged(head)  # fails it, and leaves the ring
+                    daemon = self._sent_to_daemon(head)
+                    if daemon:
+                        self._diverged(head, daemon)  # fails it, and leaves the ring
                     return
             pending.popleft()
             d = seq % self.depth
@@ -446,14 +446,20 @@ class ExchangeRing:
                 problems.append(f"'{name}' differs: " + ", ".join(f"ranks {rs} {v}" for v, rs in shown.items()))
         return MismatchError(f"mismatched collective #{seq} on group '{self.group}': " + "; ".join(problems))
 
-    def _diverged(self, head: _Op) -> None:
+    def _sent_to_daemon(self, head: _Op) -> list[int]:
+        """The ranks that submitted ``head``'s place without posting it: it went to their daemon.
+
+        ``submitted`` is written after ``posted``, so it is read first and ``posted`` after it.
+        """
+        words = self._words
+        return [r for r, (submitted, posted) in enumerate(zip(self._submitted_at, self._posted_at, strict=True))
+                if words[submitted] >= head.index and words[posted] < head.seq]
+
+    def _diverged(self, head: _Op, daemon: list[int]) -> None:
         """Peers sent the head's collective to the daemon: fail it here with a MismatchError,
         leave the ring (every rank follows to the daemon path), and tell the daemon
         (``on_diverged``): the peers wait for this rank's op there and get the daemon's
         MismatchError, naming the fields that differ."""
-        words = self._words
-        daemon = [r for r in range(self.nranks)
-                  if words[self._submitted_at[r]] >= head.index and words[self._posted_at[r]] < head.seq]
         ring = [r for r in range(self.nranks) if r not in daemon]
         dtype, op = fr.DTYPES[head.dtype], fr.REDUCE_OPS[head.op]
         self._break(MismatchError(

@@ -22,7 +22,7 @@ from commd.protocol.fdpass import send_with_fd
 
 log = logging.getLogger("commd.daemon")
 
-#: All rings of the node together stay below this (a group is 17-21 MiB); past it, groups keep the daemon path.
+#: All rings of the node together stay below this (a group is 17-20 MiB); past it, groups keep the daemon path.
 MAX_RING_BYTES = 256 << 20
 
 
@@ -48,9 +48,9 @@ class RingRegions:
         if placement is None or placement.multi_node or not 2 <= nranks <= fr.MAX_RANKS:
             raise s.ProtocolError(f"group {group!r} has no exchange ring (it needs 2..{fr.MAX_RANKS} ranks, "
                                   "all on this node)")
+        large = fr.large_bytes(nranks)
         region = self.regions.get(group)
         if region is None:
-            large = fr.large_bytes(nranks)
             size = fr.region_bytes(nranks, fr.DEPTH, fr.SLOT_BYTES, fr.LARGE_DEPTH, large)
             if self.total_bytes + size > MAX_RING_BYTES:
                 raise s.ProtocolError(f"no exchange ring for group {group!r}: the node's rings already hold "
@@ -68,7 +68,7 @@ class RingRegions:
             log.debug("exchange ring for group %s: %d ranks, %d bytes", group, nranks, size)
         assert region.fd is not None
         reply = {"t": s.ACK, "size": region.size, "nranks": nranks, "depth": fr.DEPTH,
-                 "slot_bytes": fr.SLOT_BYTES, "large_depth": fr.LARGE_DEPTH, "large_bytes": fr.large_bytes(nranks),
+                 "slot_bytes": fr.SLOT_BYTES, "large_depth": fr.LARGE_DEPTH, "large_bytes": large,
                  "rank": client.groups[group]}
         send_with_fd(channel.sock, s.encode(reply), region.fd)
 
