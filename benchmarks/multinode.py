@@ -11,6 +11,11 @@ In each setting, float32 all_reduce (sum) from --min-bytes to --max-bytes throug
   commd-tcp   commd client library on arena tensors (zero-copy), lane="tcp",
   commd-gloo  ... lane="gloo"   (both: daemons formed by TCPStore rendezvous),
   commd-mpi   ... lane="mpi"    (daemons started under one mpiexec, MPMD);
+  torch-commd torch.distributed backend "commd" on ordinary tensors (torch.empty), the user's
+              path: `commd launch --nnodes 2 --node-rank i --master host0:PORT --nproc-per-node 2`
+              in each host starts and forms the daemons, the ranks call dist.all_reduce;
+  torch-commd-daemon  the same with COMMD_LOCAL_RING=0: every op through the daemon's op
+              channel (not in the default --paths);
   gloo        torch.distributed Gloo directly across the 4 ranks (GLOO_SOCKET_IFNAME=eth0);
   mpi         mpi4py Allreduce directly across the 4 ranks under mpiexec, each rank in its
               host's namespace; MPICH is told which ranks share a host (see MPI_DIRECT_ENV),
@@ -27,12 +32,15 @@ counters read through ``query_status``).
 
 Per size and path: median over the timed iterations of the slowest rank's
 time, algbw = S/t, busbw = algbw * 2(n-1)/n with n = 4, the ratios of commd
-(best lane and each lane) to Gloo and MPI, and the targets (>= 1 MiB: commd
->= 1.5x Gloo direct and >= 1x MPI direct; scheduling <= 50 us per op).
+(best lane, each lane, each torch path) to Gloo and MPI, and the targets
+(>= 1 MiB: commd >= 1.5x Gloo direct and >= 1x MPI direct, torch-commd >= 1x
+MPI direct; unshaped: torch-commd's 1 KiB median <= 250 us; scheduling <= 50 us
+per op).
 
     python benchmarks/multinode.py                  # both settings, 1 KiB..256 MiB (~5-8 min on 2 cores)
-    python benchmarks/multinode.py --quick          # smoke test, about a minute
+    python benchmarks/multinode.py --quick          # smoke test, 1-2 minutes
     python benchmarks/multinode.py --json out.json --links shaped --paths commd-tcp,gloo
+    python benchmarks/multinode.py --links unshaped --paths torch-commd,torch-commd-daemon,mpi --max-bytes 64K
 """
 
 from __future__ import annotations
@@ -931,7 +939,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="hosts: MPI sees 2 nodes and crosses them over TCP on eth0 (default); "
                              "mpich-default: MPICH's own choice (shared memory between the namespaces)")
     parser.add_argument("--prefix", default="mnbench", help="name prefix of the simulated hosts (default mnbench)")
-    parser.add_argument("--quick", action="store_true", help="smoke test: 3 sizes, short budgets (about a minute)")
+    parser.add_argument("--quick", action="store_true", help="smoke test: 1 KiB, 1 MiB, 16 MiB, short budgets (1-2 minutes)")
     parser.add_argument("--json", metavar="FILE", help="write every number (and raw times) to FILE")
     parser.add_argument("--keep", action="store_true", help="keep the temp directory (worker logs and files)")
     args = parser.parse_args(argv)
