@@ -4,6 +4,7 @@ Usage::
 
     python _multinode_worker.py commd CONFIG.json RANK   # commd client library, arena tensors, lane hints
     python _multinode_worker.py gloo  CONFIG.json RANK   # torch.distributed Gloo across every rank
+    commd launch ... _multinode_worker.py torch CONFIG.json  # torch.distributed "commd", rank from RANK
     mpiexec ... python _multinode_worker.py mpi CONFIG.json   # mpi4py Allreduce, rank from COMM_WORLD
     python _multinode_worker.py link-server PORT CONNS TIMEOUT   # TCP sink / echo for the link bound
     python _multinode_worker.py link-client IP PORT sink|ping SECONDS|COUNT OUT.json
@@ -69,12 +70,15 @@ def _fill(buf: Any, value: float) -> None:
 def measure(
     cfg: dict[str, Any], rank: int, world: int, make: Callable[[int], Any],
     reduce_fn: Callable[[Any], None], agree_max: Callable[[float], float], barrier: Callable[[], None],
-    what: str, after_size: Callable[[], Any] | None = None,
+    what: str, after_size: Callable[[], Any] | None = None, counters: Callable[[], Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Time ``reduce_fn`` on tensors of each size; iteration counts from the per-size time budget.
 
     ``after_size`` (optional) is called after each size's timed loop; what it
     returns is kept with that size (commd: the daemon's fabric counters).
+    ``counters`` (optional) is read just before and just after the timed loop,
+    kept as ``counters: {"before", "after"}`` (the torch path: which of its ops
+    reached the daemons).
     """
     results = []
     want = world * (world + 1) / 2
@@ -96,6 +100,7 @@ def measure(
         for _ in range(extra_warmup):
             reduce_fn(buf)
         barrier()
+        seen = counters() if counters is not None else None
         before = link_counters()
         times = []
         clock = time.perf_counter
@@ -106,6 +111,8 @@ def measure(
         after = link_counters()
         link = {k: after[k] - before[k] for k in after} if before and after else None
         row = {"bytes": nbytes, "times": times, "warmup": 1 + extra_warmup, "link": link}
+        if counters is not None:
+            row["counters"] = {"before": seen, "after": counters()}
         if after_size is not None:
             row["after"] = after_size()
         results.append(row)
@@ -235,6 +242,72 @@ def _sched_bursts(cfg: dict[str, Any], client: Any, rank: int, paths: Any) -> li
         rows.append({"burst": burst, "n": n, "issue_s": t1 - t0, "total_s": t2 - t0, "status": status})
         del handles
     return rows
+
+
+# ---- torch.distributed "commd" (under commd launch) ---------------------------
+def run_torch(cfg: dict[str, Any]) -> None:
+    """``init_process_group("commd")`` on ordinary tensors, as a user's script under ``commd launch`` does.
+
+    The launcher started this host's daemon and gave us RANK/WORLD_SIZE/MASTER_*
+    and COMMD_JOB; nothing here names the daemon.  First a few seconds of small
+    all-reduces (the daemons import torch in the background after they start,
+    which would land in the first sizes' times), then the common sweep.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from commd.runtime import JobPaths
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world != cfg["world"]:
+        raise SystemExit(f"commd launch started {world} ranks, the benchmark wants {cfg['world']}")
+    dist.init_process_group("commd", timeout=timedelta(seconds=cfg["op_timeout"]))
+    paths = JobPaths.for_job(os.environ["COMMD_JOB"])
+    local_first = int(os.environ["LOCAL_RANK"]) == 0
+    try:
+        warmed = _torch_warmup(dist, torch, rank, cfg["torch_warmup_s"])
+        scalar = torch.zeros(1)
+
+        def agree(value: float) -> float:
+            scalar[0] = value
+            dist.all_reduce(scalar, op=dist.ReduceOp.MAX)
+            return float(scalar[0])
+
+        results = measure(cfg, rank, world, make=lambda count: torch.empty(count, dtype=torch.float32),
+                          reduce_fn=lambda t: dist.all_reduce(t), agree_max=agree, barrier=dist.barrier,
+                          what="torch commd", counters=(lambda: _daemon_counters(paths)) if local_first else None)
+    finally:
+        dist.destroy_process_group()
+    _finish(cfg, rank, {"results": results, "warmup_ops": warmed,
+                        "local_ring": os.environ.get("COMMD_LOCAL_RING", "1") != "0"})
+
+
+def _torch_warmup(dist: Any, torch: Any, rank: int, seconds: float) -> int:
+    """1 KiB sums until any rank has spent ``seconds`` (element 0 carries "I am done", so all stop together)."""
+    t = torch.zeros(256)
+    want = dist.get_world_size() * (dist.get_world_size() + 1) / 2
+    count = 0
+    start = time.monotonic()
+    while True:
+        t.zero_()
+        t[0] = 1.0 if time.monotonic() - start >= seconds else 0.0
+        t[1] = rank + 1
+        dist.all_reduce(t)
+        count += 1
+        if float(t[1]) != want:
+            raise SystemExit(f"torch commd warm-up: wrong all_reduce result on rank {rank}: {float(t[1])} != {want}")
+        if float(t[0]) > 0:
+            return count
+
+
+def _daemon_counters(paths: Any) -> dict[str, Any]:
+    """This host's daemon: fabric reports (ops that crossed the hosts through the fabric) and exchange-ring ops."""
+    from commd.client.status import query_status
+
+    status = query_status(paths, timeout=20.0)
+    fabric = status.get("fabric") or {}
+    rings = status.get("rings") or {}
+    return {"reported": fabric.get("reported"), "ring_ops": sum(int(r.get("ops", 0)) for r in rings.values())}
 
 
 # ---- gloo ----------------------------------------------------------------------
@@ -378,13 +451,15 @@ def link_client(ip: str, port: int, mode: str, amount: float, out: str) -> None:
 
 def main(argv: list[str]) -> None:
     mode = argv[0]
-    if mode in ("commd", "gloo", "mpi"):
+    if mode in ("commd", "gloo", "mpi", "torch"):
         with open(argv[1]) as f:
             cfg = json.load(f)
         if mode == "commd":
             run_commd(cfg, int(argv[2]))
         elif mode == "gloo":
             run_gloo(cfg, int(argv[2]))
+        elif mode == "torch":
+            run_torch(cfg)
         else:
             run_mpi(cfg)
     elif mode == "link-server":

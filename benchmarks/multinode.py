@@ -11,6 +11,11 @@ In each setting, float32 all_reduce (sum) from --min-bytes to --max-bytes throug
   commd-tcp   commd client library on arena tensors (zero-copy), lane="tcp",
   commd-gloo  ... lane="gloo"   (both: daemons formed by TCPStore rendezvous),
   commd-mpi   ... lane="mpi"    (daemons started under one mpiexec, MPMD);
+  torch-commd torch.distributed backend "commd" on ordinary tensors (torch.empty), the user's
+              path: `commd launch --nnodes 2 --node-rank i --master host0:PORT --nproc-per-node 2`
+              in each host starts and forms the daemons, the ranks call dist.all_reduce;
+  torch-commd-daemon  the same with COMMD_LOCAL_RING=0: every op through the daemon's op
+              channel (not in the default --paths);
   gloo        torch.distributed Gloo directly across the 4 ranks (GLOO_SOCKET_IFNAME=eth0);
   mpi         mpi4py Allreduce directly across the 4 ranks under mpiexec, each rank in its
               host's namespace; MPICH is told which ranks share a host (see MPI_DIRECT_ENV),
@@ -27,12 +32,15 @@ counters read through ``query_status``).
 
 Per size and path: median over the timed iterations of the slowest rank's
 time, algbw = S/t, busbw = algbw * 2(n-1)/n with n = 4, the ratios of commd
-(best lane and each lane) to Gloo and MPI, and the targets (>= 1 MiB: commd
->= 1.5x Gloo direct and >= 1x MPI direct; scheduling <= 50 us per op).
+(best lane, each lane, each torch path) to Gloo and MPI, and the targets
+(>= 1 MiB: commd >= 1.5x Gloo direct and >= 1x MPI direct, torch-commd >= 1x
+MPI direct; unshaped: torch-commd's 1 KiB median <= 250 us; scheduling <= 50 us
+per op).
 
     python benchmarks/multinode.py                  # both settings, 1 KiB..256 MiB (~5-8 min on 2 cores)
-    python benchmarks/multinode.py --quick          # smoke test, about a minute
+    python benchmarks/multinode.py --quick          # smoke test, 1-2 minutes
     python benchmarks/multinode.py --json out.json --links shaped --paths commd-tcp,gloo
+    python benchmarks/multinode.py --links unshaped --paths torch-commd,torch-commd-daemon,mpi --max-bytes 64K
 """
 
 from __future__ import annotations
@@ -66,10 +74,16 @@ from allreduce import human, message_sizes, parse_size  # noqa: E402  (the singl
 WORKER = HERE / "_multinode_worker.py"
 PY = sys.executable
 COMMD_PATHS = ("commd-tcp", "commd-gloo", "commd-mpi")
+#: The user's path: torch.distributed "commd" on ordinary tensors under `commd launch`, with the
+#: exchange ring (default) and with COMMD_LOCAL_RING=0 (every op through the daemon's op channel).
+TORCH_PATH, TORCH_DAEMON_PATH = "torch-commd", "torch-commd-daemon"
+TORCH_PATHS = (TORCH_PATH, TORCH_DAEMON_PATH)
 DIRECT_PATHS = ("gloo", "mpi")
 #: MPI with MPICH's own choice of all-reduce composition (shown, not used for the ratios).
 MPI_AUTO = "mpi-auto"
-PATHS = COMMD_PATHS + DIRECT_PATHS + (MPI_AUTO,)
+PATHS = COMMD_PATHS + TORCH_PATHS + DIRECT_PATHS + (MPI_AUTO,)
+#: Run when --paths is not given: every path but the daemon-only torch comparison.
+DEFAULT_PATHS = tuple(p for p in PATHS if p != TORCH_DAEMON_PATH)
 LINKS = ("shaped", "unshaped")
 NHOSTS = 2
 ELEMENT = 4
@@ -78,6 +92,9 @@ TARGET_MIN_BYTES = 1 << 20
 TARGET_VS_GLOO = 1.5
 TARGET_VS_MPI = 1.0
 TARGET_SCHED_US = 50.0
+#: The torch path's small-op target, on the unshaped hosts.
+TARGET_TORCH_LATENCY_BYTES = 1 << 10
+TARGET_TORCH_LATENCY_US = 250.0
 
 #: MPI directly: MPICH sees every rank on one hostname and would use shared memory
 #: between all of them (also between namespaces: /dev/shm is shared) — measured, the
@@ -396,6 +413,35 @@ def run_gloo(sim: Any, args: argparse.Namespace, work: Path, procs: Procs, tag: 
     return {"wall_s": round(time.monotonic() - started_at, 1), "per_rank": per_rank}
 
 
+def run_torch(sim: Any, args: argparse.Namespace, work: Path, procs: Procs, tag: str, path: str) -> dict[str, Any]:
+    """``commd launch --nnodes 2 --node-rank i --master host0:PORT --nproc-per-node 2`` in each host, as a
+    user starts a job: the launchers start and form the daemons, the ranks find them through COMMD_JOB."""
+    from commd.runtime import new_secret
+
+    name = f"{tag}-{path}"
+    log = work / f"{name}.log"
+    started_at = time.monotonic()
+    launchers: list[subprocess.Popen[Any]] = []
+    try:
+        cfg = worker_cfg(args, sim, work, name, torch_warmup_s=args.torch_warmup)
+        env = {"COMMD_SECRET": new_secret()}  # the same job secret on every node, as the README asks
+        if path == TORCH_DAEMON_PATH:
+            env["COMMD_LOCAL_RING"] = "0"
+        master = f"{sim.hosts[0].ip}:{random_port()}"
+        for i, host in enumerate(sim.hosts):
+            argv = [PY, "-m", "commd", "launch", "--nnodes", str(NHOSTS), "--node-rank", str(i), "--master", master,
+                    "--nproc-per-node", str(args.nproc), "--node-name", host.name,
+                    "--op-timeout", str(args.op_timeout), str(WORKER), "torch", str(cfg)]
+            launchers.append(procs.start(host.argv(argv), base_env(host, env), log))
+        wait_all(launchers, args.timeout, f"commd launch ({path})")
+        per_rank = collect(cfg, args.world)
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}\n--- log tail ---\n{_tail(log)}"}
+    finally:
+        procs.stop(launchers)
+    return {"wall_s": round(time.monotonic() - started_at, 1), "per_rank": per_rank}
+
+
 def run_mpi(sim: Any, args: argparse.Namespace, work: Path, procs: Procs, tag: str,
             env: dict[str, str], name: str) -> dict[str, Any]:
     """The 4 ranks under one mpiexec (MPMD: nproc ranks per host namespace), MPICH settings in ``env``."""
@@ -450,7 +496,21 @@ def summarize(per_rank: list[dict[str, Any]], world: int) -> dict[int, dict[str,
         }
         if fabric_after:
             rows[size]["fabric_after"] = fabric_after
+        counted = [r["results"][i]["counters"] for r in per_rank if r["results"][i].get("counters")]
+        if counted:
+            rows[size]["daemon_per_op"] = _daemon_per_op(counted, len(slowest))
     return rows
+
+
+def _daemon_per_op(counted: list[dict[str, Any]], iters: int) -> dict[str, Any]:
+    """Per timed op, over the hosts' daemons: fabric reports (max per daemon) and exchange-ring ops (sum)."""
+    def delta(key: str) -> list[int]:
+        return [c["after"][key] - c["before"][key] for c in counted
+                if c["before"].get(key) is not None and c["after"].get(key) is not None]
+
+    reported, ring = delta("reported"), delta("ring_ops")
+    return {"fabric_reports": max(reported) / iters if reported else None,
+            "ring_ops": sum(ring) / iters if ring else None}
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -472,11 +532,18 @@ def analyse(results: dict[str, dict[int, dict[str, Any]]], sizes: list[int]) -> 
                     theirs = results.get(other, {}).get(size)
                     if theirs:
                         row[f"{name}/{other}"] = _ratio(mine["busbw_gbps"], theirs["busbw_gbps"])
+        for path in TORCH_PATHS:
+            mine = results.get(path, {}).get(size)
+            for other in DIRECT_PATHS:
+                theirs = results.get(other, {}).get(size)
+                if mine and theirs:
+                    row[f"{path}/{other}"] = _ratio(mine["busbw_gbps"], theirs["busbw_gbps"])
         table[size] = row
     return table
 
 
-def check_targets(ratios: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+def check_targets(ratios: dict[int, dict[str, Any]], results: dict[str, dict[int, dict[str, Any]]],
+                  setting: str) -> list[dict[str, Any]]:
     checks = []
     for other, want in (("gloo", TARGET_VS_GLOO), ("mpi", TARGET_VS_MPI)):
         for size, row in ratios.items():
@@ -486,6 +553,19 @@ def check_targets(ratios: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
             checks.append({"target": f"{human(size)}: best commd lane ({row['best']}) busbw >= {want:g}x {other} "
                                      "direct", "size": size, "vs": other, "want": want, "value": round(value, 3),
                            "met": value >= want})
+    small = results.get(TORCH_PATH, {}).get(TARGET_TORCH_LATENCY_BYTES)
+    if setting == "unshaped" and small:
+        value = small["latency_us"]
+        checks.append({"target": f"{human(TARGET_TORCH_LATENCY_BYTES)} {TORCH_PATH} median <= "
+                                 f"{TARGET_TORCH_LATENCY_US:g} us", "size": TARGET_TORCH_LATENCY_BYTES,
+                       "vs": "latency_us", "want": TARGET_TORCH_LATENCY_US, "value": round(value, 1),
+                       "met": value <= TARGET_TORCH_LATENCY_US})
+    for size, row in ratios.items():
+        value = row.get(f"{TORCH_PATH}/mpi")
+        if size < TARGET_MIN_BYTES or value is None:
+            continue
+        checks.append({"target": f"{human(size)}: {TORCH_PATH} busbw >= {TARGET_VS_MPI:g}x mpi direct", "size": size,
+                       "vs": "mpi", "want": TARGET_VS_MPI, "value": round(value, 3), "met": value >= TARGET_VS_MPI})
     return checks
 
 
@@ -583,19 +663,20 @@ def print_setting(name: str, data: dict[str, Any], paths: list[str], sizes: list
                  f"busbw <= {data['nominal_gbit'] / 8 * busbw_factor(world):.3f})" if data.get("nominal_gbit") else ""))
     elif data.get("link_error"):
         print(f"link test FAILED: {data['link_error']}")
+    cw = {p: max(w, len(p) + 2) for p in paths}  # column width per path
     print("\nlatency (us): median over iterations of the slowest rank; 'iters' = timed iterations per path")
-    print(f"{'size':>9} " + "".join(f"{p:>{w}}" for p in paths) + "   iters")
+    print(f"{'size':>9} " + "".join(f"{p:>{cw[p]}}" for p in paths) + "   iters")
     for size in sizes:
         line = f"{human(size):>9} "
-        line += "".join(f"{_fmt(results.get(p, {}).get(size, {}).get('latency_us'), '.1f'):>{w}}" for p in paths)
+        line += "".join(f"{_fmt(results.get(p, {}).get(size, {}).get('latency_us'), '.1f'):>{cw[p]}}" for p in paths)
         iters = "/".join(str(results.get(p, {}).get(size, {}).get("iters", "-")) for p in paths)
         print(f"{line}   {iters}")
     print("\nbusbw (GB/s) = S/t * 2(n-1)/n, n = 4   [bound: from the measured link, see above]")
-    print(f"{'size':>9} {'bound':>{w}}" + "".join(f"{p:>{w}}" for p in paths))
+    print(f"{'size':>9} {'bound':>{w}}" + "".join(f"{p:>{cw[p]}}" for p in paths))
     bound = link.get("bound_busbw_gbps")
     for size in sizes:
         line = f"{human(size):>9} {_fmt(bound, 'bw'):>{w}}"
-        line += "".join(f"{_fmt(results.get(p, {}).get(size, {}).get('busbw_gbps'), 'bw'):>{w}}" for p in paths)
+        line += "".join(f"{_fmt(results.get(p, {}).get(size, {}).get('busbw_gbps'), 'bw'):>{cw[p]}}" for p in paths)
         print(line)
     lane_paths = [p for p in COMMD_PATHS if p in paths]
     others = [p for p in DIRECT_PATHS if p in paths]
@@ -609,6 +690,15 @@ def print_setting(name: str, data: dict[str, Any], paths: list[str], sizes: list
             line = f"{human(size):>9} {row.get('best', '-'):>11}"
             line += "".join(f"{_fmt(row.get(f'{a}/{b}'), '.2f'):>{w}}" for a, b in cols)
             print(line)
+    torch_paths = [p for p in TORCH_PATHS if p in paths]
+    if torch_paths and others:
+        cols = [(p, o) for p in torch_paths for o in others]
+        heads = [f"{a}/{b}" for a, b in cols]
+        print("\ntorch.distributed commd (ordinary tensors) / direct: busbw ratio (> 1: commd faster)")
+        print(f"{'size':>9}" + "".join(f"{h:>{len(h) + 2}}" for h in heads))
+        for size in sizes:
+            row = ratios.get(size, {})
+            print(f"{human(size):>9}" + "".join(f"{_fmt(row.get(h), '.2f'):>{len(h) + 2}}" for h in heads))
     big = max(sizes)
     print(f"\nbytes received per host per iteration on eth0 at {human(big)} (in units of S; "
           "the minimum for 2 hosts is 1.0):")
@@ -626,14 +716,32 @@ def print_setting(name: str, data: dict[str, Any], paths: list[str], sizes: list
               f"the same all-reduce among one host's 2 ranks (no fabric) {local['latency_us']:.0f} us; "
               "fabric negotiation (ready -> release) median per daemon "
               + "/".join(_fmt(v, ".0f") for v in neg) + " us")
+    _print_torch_small(results, paths, min(sizes))
     for path, error in data["errors"].items():
         print(f"\n{path} FAILED: {error}")
     if data["targets"]:
-        print("\ntargets (>= 1 MiB)")
+        print(f"\ntargets (bandwidth from {human(TARGET_MIN_BYTES)}; {TORCH_PATH} latency on the unshaped hosts)")
         for check in data["targets"]:
             print(STATUS_LINE.format("met" if check["met"] else "NOT met", f"{check['target']}: {check['value']:.2f}"))
     print(f"\n(load average before/after this setting: {data['load_before']} / {data['load_after']}; "
           f"wall time per run: " + ", ".join(f"{k} {v}s" for k, v in data["wall_s"].items()) + ")")
+
+
+def _print_torch_small(results: dict[str, dict[int, dict[str, Any]]], paths: list[str], size: int) -> None:
+    """The user's path at the smallest size beside the direct peers, and where its ops went."""
+    torch_paths = [p for p in TORCH_PATHS if size in results.get(p, {})]
+    if not torch_paths:
+        return
+    parts = []
+    for path in torch_paths:
+        row = results[path][size]
+        per_op = row.get("daemon_per_op") or {}
+        parts.append(f"{path} {row['latency_us']:.0f} us (per op: {_fmt(per_op.get('fabric_reports'), '.2f')} "
+                     f"fabric reports per daemon, {_fmt(per_op.get('ring_ops'), '.2f')} exchange-ring ops)")
+    peers = [f"{p} {results[p][size]['latency_us']:.0f} us" for p in (*DIRECT_PATHS, MPI_AUTO)
+             if p in paths and size in results.get(p, {})]
+    print(f"\ncommd at {human(size)} through torch.distributed (ordinary tensors, commd launch): "
+          + "; ".join(parts) + ("; direct: " + ", ".join(peers) if peers else ""))
 
 
 def print_sched(sched: dict[str, Any], n: int) -> None:
@@ -753,11 +861,14 @@ def run_setting(setting: str, args: argparse.Namespace, work: Path, procs: Procs
             print(f"[{setting}] commd lane mpi (fabric under mpiexec) ...", file=sys.stderr, flush=True)
             out = run_commd(sim, args, work, procs, tag, ["mpi"], use_mpi=True, sched=None)
             _take_commd(out, data, ["mpi"], args.world)
-        for path in ("gloo", "mpi", MPI_AUTO):
+        for path in (*TORCH_PATHS, "gloo", "mpi", MPI_AUTO):
             if path not in paths:
                 continue
-            print(f"[{setting}] {path} direct ...", file=sys.stderr, flush=True)
-            if path == "gloo":
+            print(f"[{setting}] {path} {'(commd launch)' if path in TORCH_PATHS else 'direct'} ...",
+                  file=sys.stderr, flush=True)
+            if path in TORCH_PATHS:
+                out = run_torch(sim, args, work, procs, tag, path)
+            elif path == "gloo":
                 out = run_gloo(sim, args, work, procs, tag)
             else:
                 env = args.mpi_direct_env if path == "mpi" else args.mpi_auto_env
@@ -777,7 +888,7 @@ def run_setting(setting: str, args: argparse.Namespace, work: Path, procs: Procs
                                                          else args.mpi_auto_env).items()) or "MPICH defaults"))
     data["load_after"] = _loadavg()
     data["ratios"] = analyse(data["results"], args.sizes)
-    data["targets"] = check_targets(data["ratios"])
+    data["targets"] = check_targets(data["ratios"], data["results"], setting)
     return data
 
 
@@ -804,12 +915,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--factor", type=int, default=4, help="sizes are max-bytes / factor^k, plus min-bytes "
                                                               "(default 4)")
     parser.add_argument("--links", default=",".join(LINKS), help=f"comma-separated subset of {','.join(LINKS)}")
-    parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated subset of {','.join(PATHS)}")
+    parser.add_argument("--paths", default=",".join(DEFAULT_PATHS),
+                        help=f"comma-separated subset of {','.join(PATHS)} (default: all but {TORCH_DAEMON_PATH})")
     parser.add_argument("--rate", default="10gbit", help="shaped link rate per host and direction (default 10gbit)")
     parser.add_argument("--delay-ms", type=float, default=0.1, help="shaped one-way delay (default 0.1 ms)")
     parser.add_argument("--time-per-size", type=float, default=2.0,
                         help="seconds of timed iterations per size and path (default 2.0)")
     parser.add_argument("--warmup", type=int, default=5, help="warm-up iterations at most (default 5)")
+    parser.add_argument("--torch-warmup", type=float, default=3.5,
+                        help="seconds of 1 KiB all-reduces before the torch paths' first size (default 3.5; the "
+                             "daemons import torch in the background after they start)")
     parser.add_argument("--min-iters", type=int, default=5, help="timed iterations at least (default 5)")
     parser.add_argument("--max-iters", type=int, default=200, help="timed iterations at most (default 200)")
     parser.add_argument("--burst", type=int, default=2000, help="async 8-byte all_reduces per burst (default "
@@ -824,7 +939,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="hosts: MPI sees 2 nodes and crosses them over TCP on eth0 (default); "
                              "mpich-default: MPICH's own choice (shared memory between the namespaces)")
     parser.add_argument("--prefix", default="mnbench", help="name prefix of the simulated hosts (default mnbench)")
-    parser.add_argument("--quick", action="store_true", help="smoke test: 3 sizes, short budgets (about a minute)")
+    parser.add_argument("--quick", action="store_true", help="smoke test: 1 KiB, 1 MiB, 16 MiB, short budgets (1-2 minutes)")
     parser.add_argument("--json", metavar="FILE", help="write every number (and raw times) to FILE")
     parser.add_argument("--keep", action="store_true", help="keep the temp directory (worker logs and files)")
     args = parser.parse_args(argv)
@@ -839,8 +954,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("need 4 <= --min-bytes <= --max-bytes")
     if args.factor < 2:
         parser.error("--factor must be at least 2")
+    if not 0 <= args.torch_warmup <= 600:
+        parser.error("--torch-warmup must lie in [0, 600] seconds")
     if args.quick:
-        args.sizes = sorted({s for s in (4 << 10, 1 << 20, 16 << 20) if args.min_bytes <= s <= args.max_bytes}
+        args.sizes = sorted({s for s in (1 << 10, 1 << 20, 16 << 20) if args.min_bytes <= s <= args.max_bytes}
                             or {args.min_bytes})
         args.time_per_size = min(args.time_per_size, 0.25)
         args.warmup, args.min_iters, args.max_iters = min(args.warmup, 2), min(args.min_iters, 2), 30
@@ -893,7 +1010,7 @@ def main(argv: list[str] | None = None) -> int:
         print_sched(sched, args.burst)
     all_checks = [c for d in settings.values() for c in d["targets"]]
     if all_checks:
-        print("\nsummary of the bandwidth targets: " + ", ".join(
+        print("\nsummary of the targets: " + ", ".join(
             f"{name} {sum(c['met'] for c in d['targets'])}/{len(d['targets'])} met"
             for name, d in settings.items() if d["targets"]))
     load_after = _loadavg()
@@ -911,7 +1028,8 @@ def main(argv: list[str] | None = None) -> int:
                      "kernel": platform.release(), "loadavg_before": load_before, "loadavg_after": load_after,
                      "commit": _commit()},
             "targets": {"min_bytes": TARGET_MIN_BYTES, "vs_gloo": TARGET_VS_GLOO, "vs_mpi": TARGET_VS_MPI,
-                        "sched_us": TARGET_SCHED_US},
+                        "sched_us": TARGET_SCHED_US, "torch_latency_bytes": TARGET_TORCH_LATENCY_BYTES,
+                        "torch_latency_us": TARGET_TORCH_LATENCY_US},
             "settings": {},
             "errors": errors,
             "wall_s": wall,
