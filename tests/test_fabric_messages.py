@@ -37,6 +37,7 @@ from commd.protocol.fabric import (
     RankDied,
     Ready,
     RemoteSend,
+    RingPart,
     SendFailed,
     Shutdown,
     Trace,
@@ -87,6 +88,12 @@ CASES: list[tuple[Any, dict[str, Any], dict[str, Any]]] = [
     (Fail("g", 3, s.E_MISMATCH, "mismatched"), {"t": "fail", "g": "g", "s": 3, "code": "mismatch", "m": "mismatched"},
      TO_MEMBER),
     (Early("g", 3, 4, b"\x05" * 8), {"t": "early", "g": "g", "s": 3, "c": 4, "d": b"\x05" * 8}, TO_MEMBER),
+    (RingPart("g", 7, 12, 1, [0], 1, 0, 2, b"\x00" * 8),
+     {"t": "ring", "g": "g", "s": 7, "i": 12, "sn": 1, "to": [0], "dt": 1, "o": 0, "n": 2, "d": b"\x00" * 8},
+     TO_COORDINATOR),
+    (RingPart("g", 8, -1, 0, [1, 2], 0, 0, 0, None, "diverged", "why"),
+     {"t": "ring", "g": "g", "s": 8, "i": -1, "sn": 0, "to": [1, 2], "dt": 0, "o": 0, "n": 0, "d": None,
+      "e": "diverged", "m": "why"}, TO_MEMBER),
     (RemoteSend(SEND, sender_node=0),
      {"t": "remote_send", "key": 9, "dn": 1, "g": "pp", "src": 0, "dst": 3, "tag": 7, "dtype": "bfloat16",
       "count": 10, "nb": 20, "to": 30.0, "h": None, "sn": 0}, TO_MEMBER),
@@ -132,7 +139,7 @@ def test_received_map_decodes_to_the_message(message, expected, vocabulary) -> N
 def test_every_wire_type_is_pinned() -> None:
     pinned = {(expected["t"], vocabulary is TO_MEMBER) for _, expected, vocabulary in CASES}
     assert pinned == {(t, False) for t in TO_COORDINATOR} | {(t, True) for t in TO_MEMBER}
-    assert len({t for t, _ in pinned}) == 15  # one vocabulary of 15 types, two directions
+    assert len({t for t, _ in pinned}) == 16  # one vocabulary of 16 types, two directions
 
 
 def test_a_frame_holds_the_same_bytes_as_the_batch_map() -> None:

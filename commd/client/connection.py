@@ -239,6 +239,14 @@ class Client:
         self._groups[name] = list(ranks)
         self._seq.setdefault(name, 0)
 
+    def notify_ring(self, group: str, **fields: Any) -> None:
+        """Tell the daemon about ``group``'s bridged exchange ring (``RINGOP``: an op every local rank
+        published, ``k=``, or this rank leaving it, ``left=``/``code=``); in order with this rank's ops."""
+        frame = s.encode({"t": s.RINGOP, "g": group, **fields})
+        with self._send_lock:
+            self._check_usable()
+            self._send_op(frame, time.monotonic() + self.op_timeout)
+
     def group_rank(self, group: str) -> int:
         return self._groups[group].index(self.rank)
 

@@ -21,7 +21,7 @@ group's ring) instead of hanging.  A rank announces its sleep in its control lin
 poster makes the futex call only when someone sleeps.
 
 Ordering relies on x86's store order (data and header are written before ``posted``,
-read after it; ``_Fence`` where a store must be seen before a later load);
+read after it; ``futex.Fence`` where a store must be seen before a later load);
 ``available()`` keeps the ring off other architectures.
 """
 
@@ -31,7 +31,6 @@ import collections
 import ctypes
 import logging
 import os
-import platform
 import socket
 import threading
 import time
@@ -52,6 +51,7 @@ from commd.client.errors import (
 from commd.client.handle import Handle
 from commd.client.trust import connect_to_daemon
 from commd.kernels import small
+from commd.memory import futex
 from commd.memory.arena import Segment
 from commd.protocol import fastring as fr
 from commd.protocol import schema as s
@@ -64,35 +64,17 @@ log = logging.getLogger("commd.client")
 SPIN_S = 1e-3
 #: Longest sleep between checks of the deadline and of the peers' and daemon's processes.
 SLICE_S = 0.1
-_FUTEX_SYSCALL = {"x86_64": 202}
-_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 _DTYPE_CODE = {name: i for i, name in enumerate(fr.DTYPES)}
 _OP_CODE = {name: i for i, name in enumerate(fr.REDUCE_OPS)}
+#: What a bridged ring tells its daemon when this rank leaves it, by the error's type.
+_ERROR_CODES = {MismatchError: "mismatch", CommTimeoutError: "timeout", PeerDiedError: "peer_died",
+                DaemonDiedError: "peer_died"}
 
 
 def available() -> bool:
     """The ring needs a total-store-order CPU and the futex syscall (both: x86-64 Linux);
     ``COMMD_LOCAL_RING=0`` keeps every op on the daemon path (a bad value raises ConfigError)."""
-    return platform.machine() in _FUTEX_SYSCALL and env_int("COMMD_LOCAL_RING", 1, 0, 1) == 1
-
-
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_syscall = _libc.syscall
-
-
-def _futex_wait(address: ctypes.c_void_p, expected: int, timeout_s: float) -> None:
-    """Sleep while the u32 at ``address`` equals ``expected`` (or until woken / ``timeout_s``)."""
-    spec = _Timespec(int(timeout_s), int((timeout_s % 1) * 1e9))
-    _syscall(_FUTEX_SYSCALL["x86_64"], address, _FUTEX_WAIT, ctypes.c_uint32(expected),
-                  ctypes.byref(spec), None, 0)
-
-
-def _futex_wake(address: ctypes.c_void_p) -> None:
-    _syscall(_FUTEX_SYSCALL["x86_64"], address, _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+    return futex.available() and env_int("COMMD_LOCAL_RING", 1, 0, 1) == 1
 
 
 def request_ring(ops_socket: Any, client_id: int, secret: str, group: str, timeout: float,
@@ -113,12 +95,17 @@ def request_ring(ops_socket: Any, client_id: int, secret: str, group: str, timeo
     try:
         if reply.get("t") != s.ACK:
             raise from_reply(reply.get("code", ""), reply.get("message", "ring refused"))
-        nranks = s.int_field(reply, "nranks", 2, fr.MAX_RANKS)
+        bridged = reply.get("bridged") is True
+        nranks = s.int_field(reply, "nranks", 2, fr.MAX_RANKS + bridged)
+        members = reply.get("members") if bridged else None
+        if bridged and (type(members) is not list or len(members) != nranks - 1
+                        or not all(type(m) is int and m >= 0 for m in members)):
+            raise s.ProtocolError("a bridged ring's reply must list its members' group ranks")
         depth = s.int_field(reply, "depth", 1, 1 << 16)
         slot_bytes = s.int_field(reply, "slot_bytes", 8, 1 << 24)
         large_depth = s.int_field(reply, "large_depth", 1, 64)
         large_bytes = s.int_field(reply, "large_bytes", slot_bytes, 1 << 30)
-        rank = s.int_field(reply, "rank", 0, nranks - 1)
+        rank = s.int_field(reply, "rank", 0, nranks - 1 - bridged)  # never the bridge's line
         size = fr.region_bytes(nranks, depth, slot_bytes, large_depth, large_bytes)
         if len(fds) != 1 or s.int_field(reply, "size", 1) != size or slot_bytes % 8 or large_bytes % 8:
             raise ConnectError(f"the daemon's exchange ring for group {group!r} is malformed")
@@ -131,11 +118,11 @@ def request_ring(ops_socket: Any, client_id: int, secret: str, group: str, timeo
     finally:
         close_all(fds)
     header = region.array[: fr.HEADER_BYTES]
-    if int(header[:8].view("u8")[0]) != fr.MAGIC or tuple(int(x) for x in header[8:32].view("u4")) != (
-            fr.VERSION, nranks, depth, slot_bytes, large_depth, large_bytes):
+    if int(header[:8].view("u8")[0]) != fr.MAGIC or tuple(int(x) for x in header[8:36].view("u4")) != (
+            fr.VERSION, nranks, depth, slot_bytes, large_depth, large_bytes, int(bridged)):
         raise ConnectError(f"the exchange ring of group {group!r} has an unknown header")
     return region, {"nranks": nranks, "depth": depth, "slot_bytes": slot_bytes, "large_depth": large_depth,
-                    "large_bytes": large_bytes, "rank": rank}
+                    "large_bytes": large_bytes, "rank": rank, "bridged": bridged, "members": members}
 
 
 class RingHandle(Handle):
@@ -158,26 +145,6 @@ class _Op:
         self.address, self.handle, self.after, self.timeout = address, handle, after, timeout
 
 
-class _Fence:
-    """A full memory barrier (a locked instruction: an uncontended spin lock taken and released).
-
-    x86 may let a load overtake an earlier store; the sleep/wake handshake (a waiter
-    announces it sleeps, then reads the bell; a poster bumps the bell, then reads who
-    sleeps) needs each side's store seen before its load, or both could miss the other.
-    """
-
-    def __init__(self) -> None:
-        self._word = ctypes.c_int(0)
-        self._ref = ctypes.byref(self._word)
-        if _libc.pthread_spin_init(self._ref, 0) != 0:
-            raise OSError("pthread_spin_init failed")
-        self._lock, self._unlock = _libc.pthread_spin_trylock, _libc.pthread_spin_unlock
-
-    def __call__(self) -> None:
-        if self._lock(self._ref) == 0:  # only this ring's locked caller uses the word: always free
-            self._unlock(self._ref)
-
-
 class ExchangeRing:
     """This rank's side of one local group's ring (thread-safe; one per group and process).
 
@@ -196,8 +163,14 @@ class ExchangeRing:
         self.me = meta["rank"]
         self.nranks, self.depth, self.slot_bytes = meta["nranks"], meta["depth"], meta["slot_bytes"]
         self.large_depth, self.large_bytes = meta["large_depth"], meta["large_bytes"]
+        #: a group that spans nodes: the last line is the daemon's bridge, which publishes each op's
+        #: result (the ranks copy it out instead of reducing)
+        self.bridged: bool = meta.get("bridged", False)
+        self.bridge = self.nranks - 1 if self.bridged else -1
+        #: the group rank of each line, for messages (the bridge's line: the group's other nodes)
+        self.members: list[int] = list(meta["members"]) if self.bridged else list(range(self.nranks))
         #: the largest all-reduce (bytes) this ring takes
-        self.max_bytes = max(self.slot_bytes, self.large_bytes)
+        self.max_bytes = self.slot_bytes if self.bridged else max(self.slot_bytes, self.large_bytes)
         self.daemon_pid = daemon_pid
         self.op_timeout = op_timeout
         mm = region.mm
@@ -228,9 +201,10 @@ class ExchangeRing:
         self._scratch = np.empty(slot, np.uint8)
         self._scratch_address = self._scratch.ctypes.data
         self._reductions: dict[tuple[int, int, int, int], Callable[[], None]] = {}
-        self._fence = _Fence()
-        # spinning only helps when every rank can run at once; otherwise sleep at once
-        self._spin_s = SPIN_S if n <= len(os.sched_getaffinity(0)) else 0.0
+        self._fence = futex.Fence()
+        # spinning only helps when every rank can run at once, and not for a bridged op's result,
+        # which comes from other nodes (the cores are better left to the daemon); else sleep at once
+        self._spin_s = SPIN_S if n <= len(os.sched_getaffinity(0)) and not self.bridged else 0.0
         self.next_seq = self._words[self._posted_at[self.me]] + 1
         #: the group's collectives this rank has submitted, through the ring or the daemon
         self.group_ops = self._words[self._submitted_at[self.me]]
@@ -238,6 +212,10 @@ class ExchangeRing:
         #: collective to the daemon: it submits a daemon all-reduce of that shape, so the daemon
         #: reports the disagreement to those peers too (they wait for it there)
         self.on_diverged: Callable[[str, str, int], Any] | None = None
+        #: bridged rings: called (op number) when this rank saw every local rank publish an op (the
+        #: daemon then reduces them), and (error code, reason) when this rank leaves the ring on its own
+        self.on_all_posted: Callable[[int], Any] | None = None
+        self.on_left: Callable[[str, str], Any] | None = None
         self.control[self.me, fr.PID] = os.getpid()
         self.pending: collections.deque[_Op] = collections.deque()
         self.broken: CommdError | None = None
@@ -257,7 +235,7 @@ class ExchangeRing:
         words64 = self._words
         for index in self._sleeping_at:
             if words64[index]:  # some thread of that rank sleeps (on our bell, or another's)
-                _futex_wake(self.bells[self.me])
+                futex.futex_wake(self.bells[self.me])
                 return
 
     def all_reduce(self, array: np.ndarray, dtype: str, op: str, timeout: float | None,
@@ -299,8 +277,10 @@ class ExchangeRing:
             words[self._posted_at[me]] = seq  # publishes the entry (stores stay in order on x86)
             words[self._submitted_at[me]] = self.group_ops = index  # after posted: see _diverged
             self.next_seq = seq + 1
-            self._ring_bell()
+            self._ring_bell()  # (its fence orders our posted before the reads below)
             self.pending.append(_Op(seq, index, dcode, ocode, count, nbytes, address, handle, after, timeout))
+            if self.bridged and self.on_all_posted is not None and not self._behind(seq, self._posted_at[:-1]):
+                self._tell_daemon(self.on_all_posted, seq)  # every rank that sees this may tell: no one misses it
             self._progress()
         if not Handle.is_completed(handle) and self._progress_thread is not None:
             self._wanted.set()
@@ -313,7 +293,12 @@ class ExchangeRing:
             for r, index in enumerate(self._abandoned_at):
                 if words[index]:
                     with self._lock:
-                        self._break(CommdError(f"group {self.group!r}: group rank {r} left the exchange ring"))
+                        if r == self.bridge:
+                            self._progress()  # a pending op the bridge failed fails as the bridge says
+                            self._bridge_failed(None)
+                        else:
+                            self._break(CommdError(f"group {self.group!r}: group rank {self.members[r]} left the "
+                                                   "exchange ring"))
                     break
         return self.broken is None
 
@@ -368,11 +353,16 @@ class ExchangeRing:
                     daemon = self._sent_to_daemon(head)
                     if daemon:
                         self._diverged(head, daemon)  # fails it, and leaves the ring
+                    elif self.bridged and words[self._abandoned_at[self.bridge]]:
+                        self._bridge_failed(head)
                     return
             pending.popleft()
             d = seq % self.depth
             error = self._disagreement(head, d)
-            if error is None:
+            if error is None and self.bridged:
+                # the bridge published the result in its entry (same header as ours)
+                ctypes.memmove(head.address, self._data_address[d][self.bridge], head.nbytes)
+            elif error is None:
                 if head.nbytes <= self.slot_bytes:
                     key = (d, head.dtype, head.op, head.count)
                     reduction = self._reductions.get(key)
@@ -386,7 +376,7 @@ class ExchangeRing:
             if error is not None:
                 head.handle.fail(error)
                 continue
-            if head.nbytes <= self.slot_bytes:
+            if head.nbytes <= self.slot_bytes and not self.bridged:
                 ctypes.memmove(head.address, self._scratch_address, head.nbytes)
             if head.after is not None:
                 try:
@@ -442,7 +432,7 @@ class ExchangeRing:
                 shown: dict[str, list[int]] = {}
                 for r, v in enumerate(values):
                     label = names[v] if names is not None and 0 <= v < len(names) else v
-                    shown.setdefault(repr(label), []).append(r)
+                    shown.setdefault(repr(label), []).append(self.members[r] if r != self.bridge else -1)
                 problems.append(f"'{name}' differs: " + ", ".join(f"ranks {rs} {v}" for v, rs in shown.items()))
         return MismatchError(f"mismatched collective #{seq} on group '{self.group}': " + "; ".join(problems))
 
@@ -460,12 +450,17 @@ class ExchangeRing:
         leave the ring (every rank follows to the daemon path), and tell the daemon
         (``on_diverged``): the peers wait for this rank's op there and get the daemon's
         MismatchError, naming the fields that differ."""
-        ring = [r for r in range(self.nranks) if r not in daemon]
+        ring = [self.members[r] for r in range(self.nranks) if r not in daemon and r != self.bridge]
         dtype, op = fr.DTYPES[head.dtype], fr.REDUCE_OPS[head.op]
         self._break(MismatchError(
             f"mismatched collective #{head.index} on group '{self.group}': group ranks {ring} submitted an "
             f"all-reduce of {head.count} {dtype} ({op}) that goes through the exchange ring, group ranks "
-            f"{daemon} a collective that goes through the daemon (another kind, size, dtype, reduce op or device)"))
+            f"{[self.members[r] for r in daemon]} a collective that goes through the daemon (another kind, size, "
+            "dtype, reduce op or device)"))
+        self._tell_daemon_diverged(head)
+
+    def _tell_daemon_diverged(self, head: _Op) -> None:
+        dtype, op = fr.DTYPES[head.dtype], fr.REDUCE_OPS[head.op]
         if self.on_diverged is not None:
             try:
                 self.on_diverged(dtype, op, head.count)
@@ -473,13 +468,37 @@ class ExchangeRing:
                 log.warning("group %s: could not tell the daemon about mismatched collective #%d: %s",
                             self.group, head.index, exc)
 
-    def _break(self, error: CommdError) -> CommdError:
+    def _bridge_failed(self, head: _Op | None) -> None:
+        """The daemon's bridge failed the ring's ops from ``head`` on (bridged rings): fail them with
+        its reason and leave the ring; when the group's ranks on another node sent ``head``'s place
+        to their daemon, also submit it there, as for a local disagreement (``_diverged``)."""
+        words = self._words
+        code_index = words[self._abandoned_at[self.bridge]] - 1
+        code = fr.BRIDGE_ERRORS[code_index] if 0 <= code_index < len(fr.BRIDGE_ERRORS) else "internal"
+        at = fr.large_slot_offset(self.nranks, self.depth, self.slot_bytes, self.large_bytes, 0, self.bridge)
+        length = min(self._u32[at // 4], self.large_bytes - 4)
+        reason = bytes(self.region.mm[at + 4: at + 4 + length]).decode(errors="replace")
+        error = MismatchError(reason) if code == "diverged" else from_reply(code, reason)
+        self._break(error, tell=False)
+        if code == "diverged" and head is not None:
+            self._tell_daemon_diverged(head)
+
+    def _tell_daemon(self, call: Callable[..., Any], *args: Any) -> None:
+        try:
+            call(*args)
+        except CommdError as exc:  # the daemon is gone or stuck: this rank's waits see it and fail
+            log.warning("group %s: could not reach the daemon for the exchange ring: %s", self.group, exc)
+
+    def _break(self, error: CommdError, tell: bool = True) -> CommdError:
         """The ring is out of step: fail everything pending and leave the ring (``usable()``: the
-        group's later ops take the daemon path, on every rank once it sees the flag)."""
+        group's later ops take the daemon path, on every rank once it sees the flag).  A bridged
+        ring also tells the daemon (``tell``), whose bridge fails the op on the other nodes."""
         if self.broken is None:
             self.broken = error
             self._words[self._abandoned_at[self.me]] = 1
             self._ring_bell()
+            if tell and self.bridged and self.on_left is not None:
+                self._tell_daemon(self.on_left, _ERROR_CODES.get(type(error), "internal"), str(error))
         failed = list(self.pending)
         self.pending.clear()
         for op in failed:
@@ -515,7 +534,15 @@ class ExchangeRing:
                     missing = self._behind(seq, self._posted_at)
                     self._break(CommTimeoutError(
                         f"allreduce #{seq} on group '{self.group}' timed out after {head.timeout:.1f}s "
-                        f"waiting for group ranks {missing} to submit it"))
+                        f"waiting for {self._describe(missing)} to submit it"))
+
+    def _describe(self, lines: list[int]) -> str:
+        """Ring lines as the user knows them: group ranks, and the bridge as the other nodes."""
+        ranks = [self.members[r] for r in lines if r != self.bridge]
+        words = [f"group ranks {ranks}"] if ranks else []
+        if self.bridge in lines:
+            words.append("the group's ranks on its other nodes")
+        return " and ".join(words)
 
     def _head_missing(self, head: _Op) -> list[int]:
         """The ranks ``head`` still waits for; none once it completed or failed (a disagreement)."""
@@ -551,10 +578,12 @@ class ExchangeRing:
                 self._check_alive(waiting)
             if now >= deadline:
                 if full is not None:
-                    raise CommTimeoutError(f"{full}: group ranks {waiting} are {self.depth} ops behind")
+                    raise CommTimeoutError(f"{full}: {self._describe(waiting)} are {self.depth} ops behind")
                 return False
-            peer = waiting[0]
-            words[sleeping] += 1  # announce the sleep, then read the bell (see _Fence); under our lock
+            # a bridged ring's result comes after every input: sleeping on the bridge's bell alone saves
+            # this rank a wake-up per local peer (a peer's rank change is seen within a slice)
+            peer = self.bridge if self.bridged and self.bridge in waiting else waiting[0]
+            words[sleeping] += 1  # announce the sleep, then read the bell (see futex.Fence); under our lock
             try:
                 self._fence()
                 seen = self._u32[self._bell_at[peer]]
@@ -562,7 +591,7 @@ class ExchangeRing:
                     return True
                 self._lock.release()
                 try:
-                    _futex_wait(self.bells[peer], seen, min(SLICE_S, max(deadline - now, 1e-4)))
+                    futex.futex_wait(self.bells[peer], seen, min(SLICE_S, max(deadline - now, 1e-4)))
                 finally:
                     self._lock.acquire()
             finally:
@@ -570,9 +599,11 @@ class ExchangeRing:
 
     def _check_alive(self, waiting: list[int]) -> None:
         for r in waiting:
+            if r == self.bridge:
+                continue  # the daemon's line: checked below
             pid = int(self.control[r, fr.PID])
             if pid and not pid_alive(pid):
-                raise self._break(PeerDiedError(f"group {self.group!r}: group rank {r} (pid {pid}) died"))
+                raise self._break(PeerDiedError(f"group {self.group!r}: group rank {self.members[r]} (pid {pid}) died"))
         if not pid_alive(self.daemon_pid):
             raise self._break(DaemonDiedError(f"commd daemon (pid {self.daemon_pid}) died"))
 
@@ -603,5 +634,5 @@ class ExchangeRing:
     def close(self) -> None:
         with self._lock:
             self.closed = True
-            self._break(CommdError("commd client is closed"))
+            self._break(CommdError("commd client is closed"), tell=False)
         self._wanted.set()

@@ -1,16 +1,19 @@
-"""Exchange rings of local groups: one sealed memfd per group, handed to each member that asks.
+"""Exchange rings: one sealed memfd per group, handed to each local member that asks.
 
 The ranks of a group that lives on this node only exchange small all-reduces in
 this shared memory themselves (layout: ``protocol/fastring.py``); the daemon only
 creates it, once per group, and gives its descriptor to the group's authenticated
 members over the op socket (a short connection each, like a segment registration).
+A group that spans nodes gets a *bridged* ring: one more line, the daemon's, whose
+part the fabric's ``RingBridges`` plays (``fabric/bridge.py``); ``RINGOP`` messages on
+the op channel drive it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from commd.core.placement import GroupPlacement
 from commd.daemon.clients import ClientRegistry
@@ -19,6 +22,9 @@ from commd.memory.arena import Segment
 from commd.protocol import fastring as fr
 from commd.protocol import schema as s
 from commd.protocol.fdpass import send_with_fd
+
+if TYPE_CHECKING:
+    from commd.daemon.state import NodeState
 
 log = logging.getLogger("commd.daemon")
 
@@ -29,9 +35,10 @@ MAX_RING_BYTES = 256 << 20
 class RingRegions:
     """The rings of this node's local groups, created on first request and kept while the daemon runs."""
 
-    def __init__(self, clients: ClientRegistry, placements: dict[str, GroupPlacement]) -> None:
+    def __init__(self, clients: ClientRegistry, placements: dict[str, GroupPlacement], state: NodeState) -> None:
         self.clients = clients
         self.placements = placements
+        self.state = state
         self.regions: dict[str, Segment] = {}
         self.total_bytes = 0
 
@@ -44,11 +51,14 @@ class RingRegions:
         if group not in client.groups:
             raise s.ProtocolError(f"rank {client.rank} has not registered group {group!r}")
         placement = self.placements.get(group)
-        nranks = len(placement.ranks) if placement is not None else 0
-        if placement is None or placement.multi_node or not 2 <= nranks <= fr.MAX_RANKS:
-            raise s.ProtocolError(f"group {group!r} has no exchange ring (it needs 2..{fr.MAX_RANKS} ranks, "
-                                  "all on this node)")
-        large = fr.large_bytes(nranks)
+        member = self.state.member
+        bridged = placement is not None and placement.multi_node
+        nranks = (len(placement.local) + 1 if bridged else len(placement.ranks)) if placement is not None else 0
+        if placement is None or not 2 <= nranks <= fr.MAX_RANKS + bridged or (bridged and member is None):
+            raise s.ProtocolError(f"group {group!r} has no exchange ring (it needs 2..{fr.MAX_RANKS} ranks on "
+                                  "this node, or a fabric when it spans nodes)")
+        # A bridged ring carries ops of one entry at most (its large slots hold the bridge's reason).
+        large = fr.SLOT_BYTES if bridged else fr.large_bytes(nranks)
         region = self.regions.get(group)
         if region is None:
             size = fr.region_bytes(nranks, fr.DEPTH, fr.SLOT_BYTES, fr.LARGE_DEPTH, large)
@@ -62,14 +72,18 @@ class RingRegions:
             self.total_bytes += size
             header = region.array[: fr.HEADER_BYTES].view("u8")
             header[0] = fr.MAGIC
-            meta = region.array[8:32].view("u4")
-            meta[:] = (fr.VERSION, nranks, fr.DEPTH, fr.SLOT_BYTES, fr.LARGE_DEPTH, large)
+            meta = region.array[8:36].view("u4")
+            meta[:] = (fr.VERSION, nranks, fr.DEPTH, fr.SLOT_BYTES, fr.LARGE_DEPTH, large, int(bridged))
             self.regions[group] = region
+            if bridged:
+                assert member is not None
+                member.bridges.attach(group, region, placement)
             log.debug("exchange ring for group %s: %d ranks, %d bytes", group, nranks, size)
         assert region.fd is not None
+        line = placement.local.index(client.groups[group]) if bridged else client.groups[group]
         reply = {"t": s.ACK, "size": region.size, "nranks": nranks, "depth": fr.DEPTH,
                  "slot_bytes": fr.SLOT_BYTES, "large_depth": fr.LARGE_DEPTH, "large_bytes": large,
-                 "rank": client.groups[group]}
+                 "rank": line, "bridged": bridged, "members": placement.local if bridged else None}
         send_with_fd(channel.sock, s.encode(reply), region.fd)
 
     def status(self) -> dict[str, Any]:

@@ -57,7 +57,7 @@ class OpIngress:
         self.stats = stats
         self.log_limit = log_limit
         self.registered = RegisteredSegments(config.max_registered_bytes, stats)
-        self.rings = RingRegions(clients, placements)
+        self.rings = RingRegions(clients, placements, state)
 
     def on_message(self, channel: OpConnection, frame: bytes, fds: list[int]) -> None:
         """One message on an op channel (the ``OpListener``'s callback)."""
@@ -76,6 +76,8 @@ class OpIngress:
                 self._on_client_op(channel.client, msg)
             elif msg["t"] == s.UNREGISTER:
                 self.registered.unregister(channel.client, msg)
+            elif msg["t"] == s.RINGOP:
+                self._on_ring_op(channel.client, msg)
             else:
                 raise s.ProtocolError(f"only ops travel on the op channel, not {msg['t']!r}")
         except s.ProtocolError as exc:
@@ -173,4 +175,20 @@ class OpIngress:
         self.limits.admit(client.rank, client.pending, sub.op_id, sub.buffers)
         self.registered.count(client, sub)
         self.stats.submitted(sub.group, sub.seq)
-        self.router.route(sub, self.placements.get(group_name))
+        placement = self.placements.get(group_name)
+        if placement is not None and placement.multi_node and self.state.member is not None:
+            self.state.member.bridges.daemon_op(group_name)  # a peer node's ring op may sit at its place
+        self.router.route(sub, placement)
+
+    def _on_ring_op(self, client: ClientRecord, msg: dict[str, Any]) -> None:
+        """A rank of a bridged ring: every local rank published an op, or this rank left the ring."""
+        group = s.field(msg, "g", str)
+        if group not in client.groups:
+            raise s.ProtocolError(f"rank {client.rank} has not registered group {group!r}")
+        member = self.state.member
+        if member is None:
+            raise s.ProtocolError("ringop: this daemon has no fabric")
+        if "left" in msg:
+            member.bridges.left(group, client.rank, s.field(msg, "code", str), s.field(msg, "left", str)[:1024])
+        else:
+            member.bridges.local_ready(group)

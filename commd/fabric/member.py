@@ -22,6 +22,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from commd.execution.workers import WorkerPool
+from commd.fabric.bridge import RingBridges
 from commd.fabric.collectives import Collectives
 from commd.fabric.liveness import Liveness
 from commd.fabric.p2p import PointToPoint
@@ -58,7 +59,9 @@ class FabricMember:
         self.collectives = Collectives(node, fabric, self.stats, self.runner, self._up_send,
                                        self.liveness.unreachable)
         self.p2p = PointToPoint(node, fabric, self.runner, self._up_send, self.liveness.unreachable)
-        self.liveness.casualties = (self.collectives, self.p2p)
+        #: Bridged exchange rings (small all-reduces of groups that span nodes, fabric/bridge.py).
+        self.bridges = RingBridges(self.me, self._send_ring_part)
+        self.liveness.casualties = (self.collectives, self.p2p, self.bridges)
         # The daemon's entry points, bound to the parts that serve them (no extra call per op).
         self.negotiate = self.collectives.negotiate
         self.forward_send = self.p2p.forward_send
@@ -118,6 +121,21 @@ class FabricMember:
             else:
                 self.loop.call_soon(self._flush_up)
 
+    def _send_ring_part(self, part: wire.RingPart) -> None:
+        """A bridged ring's part for the group's other nodes: straight to them from node 0, else
+        through the coordinator, which relays it."""
+        if self.coordinator is not None:
+            self._relay_ring_part(part)
+        else:
+            self._up_send(part)
+
+    def _relay_ring_part(self, part: wire.RingPart) -> None:
+        out = Outbox()
+        for node in part.to:
+            if 0 <= node < self.fabric.nnodes and node != part.node:
+                out.add(node, part)
+        self._dispatch(out)
+
     def _flush_up(self) -> None:
         self._flush_scheduled = False
         items, self._up = self._up, []
@@ -171,6 +189,9 @@ class FabricMember:
             elif type(m) is wire.Leaving:
                 coord.node_dead(node, f"left the fabric ({m.why})", out)
         self._dispatch(out)
+        for m in messages:
+            if type(m) is wire.RingPart and m.node == node:
+                self._relay_ring_part(m)
 
     def _dispatch(self, out: Outbox) -> None:
         # Other nodes first: our own part may run inline and wait for theirs.
@@ -220,6 +241,8 @@ class FabricMember:
                 self.liveness.coordinator_lost(f"left the fabric ({m.why})")
             elif type(m) is wire.Trace:
                 self.node.apply_trace(m.action, m.path)
+            elif type(m) is wire.RingPart:
+                self.bridges.on_part(m)
         run_released(fused)
 
     def forward_trace(self, action: str, path: str | None) -> int:
@@ -269,4 +292,5 @@ class FabricMember:
             },
             "tuning": self.fabric.config.tuning_note if self.fabric.config else None,
             "stalls": liveness.fabric_stalls,
+            "bridged_rings": self.bridges.status(),
         }

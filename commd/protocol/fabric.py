@@ -32,6 +32,7 @@ things each way):
 | ``trace`` | ``Trace`` | coordinator → member | start/stop the per-op trace | action ``a``, path ``p`` |
 | ``rank_died`` | ``RankDied`` | both | a rank is gone: fail what waits for it | rank ``rank``, why ``why`` |
 | ``leaving`` | ``Leaving`` | both | this node leaves the fabric (shutdown) | why ``why`` |
+| ``ring`` | ``RingPart`` | both | a node's part of a bridged exchange-ring all-reduce (the coordinator relays it) | group ``g``, seq ``s``, index ``i``, node ``sn``, to ``to``, dtype ``dt``, op ``o``, count ``n``, contribution ``d`` (bytes or nil); error ``e`` and message ``m`` when it failed there |
 
 Plain data only: nothing here imports above ``protocol/``.  The classes are slotted
 dataclasses, not frozen ones: a frozen dataclass's constructor sets each field through
@@ -578,18 +579,55 @@ class Leaving:
         return cls(_opt_str(item, "leaving", "why", "why"))
 
 
-ToCoordinator = Ready | P2pSend | P2pMatch | SendFailed | RankDied | Heartbeat | Leaving
-ToMember = Go | Fail | Early | RemoteSend | P2pGo | P2pFail | NodeDead | RankDied | CoordinatorHeartbeat | Shutdown | Leaving | Trace
+@dataclass(slots=True)
+class RingPart:
+    """One node's part of a bridged exchange-ring all-reduce (``fabric/bridge.py``): its local
+    ranks' contribution, or why the op fails there.  A member sends it to the coordinator, which
+    relays it to the group's other nodes (``to``); node 0 sends its own straight to them."""
+
+    TYPE: ClassVar[str] = "ring"
+    group: str
+    seq: int  # the ring's op number
+    index: int  # the op's place among the group's collectives
+    node: int  # the node it comes from
+    to: list[int]
+    dtype: int  # codes of protocol/fastring.py
+    op: int
+    count: int
+    contribution: bytes | None
+    error: str | None = None
+    message: str | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        item = {"t": "ring", "g": self.group, "s": self.seq, "i": self.index, "sn": self.node, "to": self.to,
+                "dt": self.dtype, "o": self.op, "n": self.count, "d": self.contribution}
+        if self.error is not None:
+            item["e"], item["m"] = self.error, self.message
+        return item
+
+    @classmethod
+    def from_wire(cls, item: dict[str, Any]) -> RingPart:
+        t = "ring"
+        return cls(_str(item, t, "g", "group"), _int(item, t, "s", "seq"), _int(item, t, "i", "index"),
+                   _int(item, t, "sn", "node"), _ints(item, t, "to", "to"), _int(item, t, "dt", "dtype"),
+                   _int(item, t, "o", "op"), _int(item, t, "n", "count"), _opt_bytes(item, t, "d", "contribution"),
+                   _opt_str(item, t, "e", "error"), _opt_str(item, t, "m", "message"))
+
+
+ToCoordinator = Ready | P2pSend | P2pMatch | SendFailed | RankDied | Heartbeat | Leaving | RingPart
+ToMember = (Go | Fail | Early | RemoteSend | P2pGo | P2pFail | NodeDead | RankDied | CoordinatorHeartbeat | Shutdown
+            | Leaving | Trace | RingPart)
 Message = ToCoordinator | ToMember
 
 #: What a coordinator accepts, by wire type.
 TO_COORDINATOR: dict[str, Any] = {
-    cls.TYPE: cls for cls in (Ready, P2pSend, P2pMatch, SendFailed, RankDied, Heartbeat, Leaving)
+    cls.TYPE: cls for cls in (Ready, P2pSend, P2pMatch, SendFailed, RankDied, Heartbeat, Leaving, RingPart)
 }
 #: What a member accepts, by wire type.
 TO_MEMBER: dict[str, Any] = {
     cls.TYPE: cls
-    for cls in (Go, Fail, Early, RemoteSend, P2pGo, P2pFail, NodeDead, RankDied, CoordinatorHeartbeat, Shutdown, Leaving, Trace)
+    for cls in (Go, Fail, Early, RemoteSend, P2pGo, P2pFail, NodeDead, RankDied, CoordinatorHeartbeat, Shutdown, Leaving,
+                Trace, RingPart)
 }
 
 

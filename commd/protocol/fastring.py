@@ -11,7 +11,9 @@ the daemon on the path (``commd/client/fastring.py``).
 Layout (native byte order, every field naturally aligned):
 
 - bytes 0..63: the region header: ``magic`` u64, ``version`` u32, ``nranks`` u32,
-  ``depth`` u32, ``slot_bytes`` u32, ``large_depth`` u32, ``large_bytes`` u32;
+  ``depth`` u32, ``slot_bytes`` u32, ``large_depth`` u32, ``large_bytes`` u32,
+  ``bridged`` u32 (1: the group spans nodes and the last of the ``nranks`` lines is the
+  daemon's *bridge*, see below);
 - a 64-byte control line per group rank ``r`` at ``CONTROL_OFFSET + 64 r``: ``pid``
   i64 (written when the rank maps the region), ``posted`` i64 (the last op number it
   published), ``consumed`` i64 (the last op whose inputs it has read), ``bell`` u32
@@ -37,12 +39,22 @@ A rank may publish op k only once every rank has consumed op k - depth.  A rank 
 op k (the group's collective number i) is missing while its ``submitted`` has reached i
 sent that collective to the daemon: the ranks disagree on the op, and those in the ring
 tell the daemon (see ``commd/client/fastring.py``).
+
+A group that spans nodes gets a *bridged* ring on each of its nodes: the lines are the
+node's members of the group, then the daemon's bridge (``fabric/bridge.py``).  Ranks
+publish as above; the rank that sees every local rank published tells the daemon
+(``RINGOP`` on its op channel); the daemon reduces the local inputs, exchanges that
+contribution with the group's other nodes over the fabric and publishes the result as
+the bridge's entry (its header as the ranks' headers; ``where`` = -(1 + i) instead when
+the op failed with ``BRIDGE_ERRORS[i]``, the data then the UTF-8 reason, ``count`` its
+length).  The ranks copy the bridge's entry out instead of reducing.  Only ops of at
+most ``slot_bytes`` are bridged.
 """
 
 from __future__ import annotations
 
 MAGIC = 0x676E6972646D6D63  # "cmmdring"
-VERSION = 2
+VERSION = 3
 HEADER_BYTES = 64
 CONTROL_OFFSET = 64
 CONTROL_BYTES = 64
@@ -57,6 +69,9 @@ LARGE_DEPTH = 2
 LARGE_READ_BYTES = 8 << 20
 #: Groups with more local ranks than this keep the daemon path (region size grows with n).
 MAX_RANKS = 8
+
+#: Why a bridged op failed (the bridge's ``where`` = -(1 + index)); the names are the daemon's error codes.
+BRIDGE_ERRORS = ("mismatch", "peer_died", "timeout", "internal", "diverged")
 
 # Control line fields: i64 indices inside a rank's line, and the bell's byte offset.
 PID, POSTED, CONSUMED, SLEEPING, SUBMITTED, ABANDONED = 0, 1, 2, 4, 5, 6

@@ -37,6 +37,10 @@ WELCOME = "welcome"
 SEGMENT = "segment"
 #: A local group's exchange ring (protocol/fastring.py): its memfd comes back beside the ACK.
 FASTRING = "fastring"
+#: On the op channel, for a bridged ring (a group that spans nodes): ``{"t": "ringop", "g": group,
+#: "k": op number}`` — every local rank has published ring op k; or ``{"t": "ringop", "g": group,
+#: "left": reason}`` — this rank left the ring.  No reply.
+RINGOP = "ringop"
 GROUP = "group"
 OP = "op"
 DONE = "done"

@@ -41,11 +41,15 @@ _STORE_KEY = "commd/ring/{name}/{rank}"
 
 def open_ring(client: Client, store: dist.Store, name: str, rank: int, size: int,
               global_ranks: list[int], timeout: float | None) -> fastring.ExchangeRing | None:
-    """The group's ring if every rank of it got one (agreed through the store), else None."""
+    """The group's ring if every rank of it got one (agreed through the store), else None.
+
+    A group that spans nodes gets a bridged ring on each (its daemon takes part): needs a
+    fabric, and at most ``MAX_RANKS`` of its ranks on each node."""
     nodes = client.nodes
-    local = nodes is None or len({nodes[r] for r in global_ranks}) == 1
+    here = len(global_ranks) if nodes is None else sum(nodes[r] == nodes[client.rank] for r in global_ranks)
+    spans = here < len(global_ranks)
     ring = None
-    if fastring.available() and local and 2 <= size <= fr.MAX_RANKS:
+    if fastring.available() and (2 <= size if not spans else 1 <= here) and here <= fr.MAX_RANKS:
         try:
             region, meta = fastring.request_ring(client.paths.ops_socket, client.client_id, client.secret, name,
                                                  30.0, client.daemon_pid)
@@ -58,6 +62,9 @@ def open_ring(client: Client, store: dist.Store, name: str, rank: int, size: int
         assert ring is not None
         ring.on_diverged = lambda dtype, op, count: ops.all_reduce(
             client, torch.zeros(count, dtype=TORCH_DTYPES[dtype]), op, group=name, timeout=timeout)
+        if ring.bridged:
+            ring.on_all_posted = lambda seq: client.notify_ring(name, k=seq)
+            ring.on_left = lambda code, why: client.notify_ring(name, left=why[:1024], code=code)
         return ring
     if ring is not None:
         ring.close()

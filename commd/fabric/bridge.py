@@ -1,0 +1,317 @@
+"""Bridged exchange rings: small all-reduces of groups that span nodes, without the op channel.
+
+Through the daemon's op path, a 1 KiB all-reduce of 2 hosts x 2 ranks cost ~1.8 ms on
+the 2-core machine: every rank's submission and reply (a socket message and a process
+wake-up each), local matching, a report, a release.  A bridged ring keeps the ranks'
+side in shared memory (``protocol/fastring.py``): they publish into the group's ring on
+their node, the last of them to publish tells the daemon in one message, and the daemon
+(this module, on its event loop) reduces the node's inputs with the eager kernels, sends
+that contribution to the group's other nodes over the fabric's control links
+(``RingPart``, relayed by the coordinator), combines the nodes' contributions in node
+order once all are in — the same bits on every node, and the bits the fabric's own tiny
+all-reduce computes — and publishes the result as its own entry, which the ranks copy out.
+
+Nothing here waits: every step is a callback on the loop, run when its input arrived.
+An op waits only for the same op on the group's other nodes, and a node's ranks publish
+a group's ring ops in order without waiting on anything else, so no cycle can form
+(ARCHITECTURE.md, "Exchange rings").  A failure — the nodes or the local ranks disagree,
+some node's ranks sent that collective to their daemon instead, a rank or node died, a
+rank left the ring — is published in the bridge's control line (``abandoned`` = 1 + the
+code's index in ``BRIDGE_ERRORS``, the reason in its first large slot) and sent to the
+other nodes, so every rank of the group fails the op and the group leaves the ring.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from commd.core.placement import GroupPlacement
+from commd.kernels import eager, small
+from commd.kernels.dtypes import UnsupportedReduction, check_supported
+from commd.memory import futex
+from commd.memory.arena import Segment
+from commd.protocol import fabric as wire
+from commd.protocol import fastring as fr
+
+log = logging.getLogger("commd.fabric")
+
+#: The longest reason published to the ranks (it lives in the bridge's first large slot).
+MAX_REASON_BYTES = 4096
+
+
+class RingBridge:
+    """The daemon's line in one group's bridged ring on this node."""
+
+    def __init__(self, group: str, region: Segment, placement: GroupPlacement, node: int,
+                 send: Callable[[wire.RingPart], None]) -> None:
+        self.group = group
+        self.region = region
+        self.placement = placement
+        self.node = node
+        self.send = send
+        header = region.array[8:32].view("u4")
+        n, depth, slot = int(header[1]), int(header[2]), int(header[3])
+        self.nlines, self.depth, self.slot_bytes = n, depth, slot
+        self.large_bytes = int(header[5])
+        self.me = n - 1
+        self.local_ranks = placement.local  # group ranks, in line order
+        self.others = [x for x in placement.nodes if x != node]
+        self.group_size = len(placement.ranks)
+        mm = region.mm
+        self.words = memoryview(mm).cast("q")
+        self.u32 = memoryview(mm).cast("I")
+        line = [(fr.CONTROL_OFFSET + r * fr.CONTROL_BYTES) // 8 for r in range(n)]
+        self.posted_at = [w + fr.POSTED for w in line]
+        self.consumed_at = [w + fr.CONSUMED for w in line]
+        self.sleeping_at = [w + fr.SLEEPING for w in line]
+        self.submitted_at = [w + fr.SUBMITTED for w in line]
+        self.abandoned_at = [w + fr.ABANDONED for w in line]
+        self.bell_at = (fr.CONTROL_OFFSET + self.me * fr.CONTROL_BYTES + fr.BELL_OFFSET) // 4
+        self.bell = ctypes.c_void_p(region.base + self.bell_at * 4)
+        self.fence = futex.Fence()
+        self.words[line[self.me] + fr.PID] = os.getpid()
+        self.next_local = 1  # the next op whose local inputs this node reduces
+        self.next_result = 1  # the next op whose result this node publishes
+        self.mine: dict[int, wire.RingPart] = {}
+        self.parts: dict[int, dict[int, wire.RingPart]] = {}
+        self.failed: str | None = None
+        self.ops = 0
+
+    # ---- this node's ranks ------------------------------------------------------------
+    def local_ready(self) -> None:
+        """Some rank says every local rank has published an op: reduce each such op in order."""
+        words, posted = self.words, self.posted_at
+        while self.failed is None and all(words[posted[r]] >= self.next_local for r in range(self.me)):
+            k = self.next_local
+            part = self._contribution(k)
+            if part is None:
+                return  # failed
+            self.next_local = k + 1
+            words[self.consumed_at[self.me]] = k  # the inputs are read: the ranks may reuse the entries
+            self._ring_bell()
+            self.mine[k] = part
+            self.send(part)
+            self._complete()
+
+    def _contribution(self, k: int) -> wire.RingPart | None:
+        words = self.words
+        heads = [(fr.entry_offset(self.nlines, self.depth, self.slot_bytes, k, r) // 8) for r in range(self.me)]
+        rows = [[words[h + f] for f in (fr.SEQ, fr.DTYPE, fr.OP, fr.COUNT, fr.WHERE, fr.INDEX)] for h in heads]
+        first = rows[0]
+        if any(row[0] != k for row in rows):
+            self.fail("internal", f"the exchange ring of group '{self.group}' is corrupted "
+                                  f"(entries {[row[0] for row in rows]} for op {k})")
+            return None
+        problems = []
+        for name, i, names in (("dtype", 1, fr.DTYPES), ("count", 3, None), ("reduce_op", 2, fr.REDUCE_OPS)):
+            values = [row[i] for row in rows]
+            if len(set(values)) > 1:
+                shown: dict[str, list[int]] = {}
+                for r, v in zip(self.local_ranks, values, strict=True):
+                    label = names[v] if names is not None and 0 <= v < len(names) else v
+                    shown.setdefault(repr(label), []).append(r)
+                problems.append(f"'{name}' differs: " + ", ".join(f"ranks {rs} {v}" for v, rs in shown.items()))
+        if problems:
+            self.fail("mismatch", f"mismatched collective #{first[5]} on group '{self.group}': " + "; ".join(problems))
+            return None
+        _, dcode, ocode, count, where, index = first
+        problem = self._check_shape(dcode, ocode, count, where)
+        if problem is not None:
+            self.fail("internal", f"all-reduce #{index} on group '{self.group}': {problem}")
+            return None
+        dtype = small.NUMPY_DTYPES[fr.DTYPES[dcode]]
+        mm = self.region.mm
+        inputs = [np.ndarray((count,), dtype, mm, h * 8 + fr.ENTRY_HEADER_BYTES) for h in heads]
+        data = eager.contribution(inputs, fr.REDUCE_OPS[ocode], 1.0)
+        return wire.RingPart(self.group, k, index, self.node, self.others, dcode, ocode, count, data)
+
+    def _check_shape(self, dcode: int, ocode: int, count: int, where: int) -> str | None:
+        """Why the ranks' header cannot be reduced here (they wrote it: never trusted), else None."""
+        if not 0 <= dcode < len(fr.DTYPES) or fr.DTYPES[dcode] not in small.NUMPY_DTYPES:
+            return f"unknown dtype code {dcode}"
+        if not 0 <= ocode < len(fr.REDUCE_OPS):
+            return f"unknown reduce op code {ocode}"
+        dtype, op = fr.DTYPES[dcode], fr.REDUCE_OPS[ocode]
+        if where != 0 or not 0 <= count * small.NUMPY_DTYPES[dtype].itemsize <= self.slot_bytes:
+            return f"{count} {dtype} do not fit a bridged ring entry ({self.slot_bytes} bytes)"
+        try:
+            check_supported(op, dtype)
+        except UnsupportedReduction as exc:
+            return str(exc)
+        if not eager.on_numpy(dtype, op):
+            return f"reduce op {op!r} of {dtype} is not bridged"
+        return None
+
+    # ---- the other nodes --------------------------------------------------------------
+    def on_part(self, part: wire.RingPart) -> None:
+        """Another node's contribution to op ``part.seq``, or why the op failed there."""
+        if self.failed is not None:
+            return
+        if part.error is not None:
+            code = part.error if part.error in fr.BRIDGE_ERRORS else "internal"
+            self.fail(code, part.message or f"all-reduce #{part.index} failed on node {part.node}", tell=False)
+            return
+        if part.seq < self.next_result or part.node not in self.others:
+            log.warning("group %s: dropped a ring part for op %d from node %d", self.group, part.seq, part.node)
+            return
+        self.parts.setdefault(part.seq, {})[part.node] = part
+        self.check_diverged()
+        self._complete()
+
+    def check_diverged(self) -> None:
+        """Fail the op if a peer node's ranks published it in their ring while ours sent the same
+        place of the group's collectives to the daemon (their ``submitted`` passed it unposted)."""
+        if self.failed is not None:
+            return
+        words = self.words
+        for k, parts in self.parts.items():
+            if k < self.next_local:
+                continue
+            index = next(iter(parts.values())).index
+            daemon = [g for r, g in enumerate(self.local_ranks)
+                      if words[self.submitted_at[r]] >= index and words[self.posted_at[r]] < k]
+            if daemon:
+                node = next(iter(parts))
+                self.fail("diverged", (
+                    f"mismatched collective #{index} on group '{self.group}': the ranks on node {node} submitted an "
+                    f"all-reduce that goes through the exchange ring, group ranks {daemon} a collective that goes "
+                    "through the daemon (another kind, size, dtype, reduce op or device)"))
+                return
+
+    def _complete(self) -> None:
+        """Publish every op, in order, whose contributions from all nodes are in."""
+        while self.failed is None and self.next_result in self.mine:
+            k = self.next_result
+            parts = self.parts.get(k, {})
+            if len(parts) < len(self.others):
+                return
+            mine = self.mine[k]
+            ordered = [mine if n == self.node else parts[n] for n in self.placement.nodes]
+            if len({(p.index, p.dtype, p.op, p.count) for p in ordered}) > 1:
+                # every node sees the same parts and fails alike: no need to tell the others
+                self.fail("mismatch", self._mismatch(ordered), tell=False)
+                return
+            dtype, op = fr.DTYPES[mine.dtype], fr.REDUCE_OPS[mine.op]
+            result = eager.combine([p.contribution or b"" for p in ordered], dtype, op)
+            offset = fr.entry_offset(self.nlines, self.depth, self.slot_bytes, k, self.me)
+            out = np.ndarray((mine.count,), small.NUMPY_DTYPES[dtype], self.region.mm, offset + fr.ENTRY_HEADER_BYTES)
+            eager.write_result(result, dtype, op, self.group_size, [out])
+            h, words = offset // 8, self.words
+            words[h], words[h + fr.DTYPE], words[h + fr.OP], words[h + fr.COUNT] = k, mine.dtype, mine.op, mine.count
+            words[h + fr.WHERE], words[h + fr.INDEX] = 0, mine.index
+            words[self.posted_at[self.me]] = k  # publishes the result (stores stay in order on x86)
+            del self.mine[k]
+            self.parts.pop(k, None)
+            self.next_result = k + 1
+            self.ops += 1
+            self._ring_bell()
+
+    def _mismatch(self, parts: list[wire.RingPart]) -> str:
+        """The nodes' parts differ: worded as the scheduler words a mismatch (scheduler/agreement.py)."""
+        problems = []
+        for name, field, names in (("collective number", "index", None), ("dtype", "dtype", fr.DTYPES),
+                                   ("count", "count", None), ("reduce_op", "op", fr.REDUCE_OPS)):
+            shown: dict[str, list[int]] = {}
+            for p in parts:
+                value = getattr(p, field)
+                label = repr(_name(names, value)) if names is not None else str(value)
+                shown.setdefault(label, []).extend(self.placement.members(p.node))
+            if len(shown) > 1:
+                problems.append(f"'{name}' differs: " + ", ".join(f"ranks {rs} {v}" for v, rs in shown.items()))
+        return (f"mismatched all-reduce #{parts[0].index} on group '{self.group}' across nodes "
+                f"{[p.node for p in parts]} (exchange ring op {parts[0].seq}): " + "; ".join(problems))
+
+    # ---- failures ---------------------------------------------------------------------
+    def fail(self, code: str, message: str, tell: bool = True) -> None:
+        """Every op from ``next_result`` on fails with ``message`` on every rank of the group (this
+        node's through the ring, the others' through a ``RingPart`` when ``tell``); the ring is left."""
+        if self.failed is not None:
+            return
+        self.failed = message
+        reason = message.encode()[:MAX_REASON_BYTES]
+        at = fr.large_slot_offset(self.nlines, self.depth, self.slot_bytes, self.large_bytes, 0, self.me)
+        self.region.mm[at + 4: at + 4 + len(reason)] = reason
+        self.u32[at // 4] = len(reason)
+        self.words[self.abandoned_at[self.me]] = 1 + fr.BRIDGE_ERRORS.index(code)  # after the reason
+        self._ring_bell()
+        log.info("group %s: bridged ring left: %s", self.group, message)
+        if tell and self.others:
+            self.send(wire.RingPart(self.group, self.next_result, -1, self.node, self.others, 0, 0, 0, None,
+                                    code, message))
+        self.mine.clear()
+        self.parts.clear()
+
+    def _ring_bell(self) -> None:
+        u32, at = self.u32, self.bell_at
+        u32[at] = (u32[at] + 1) & 0x7FFFFFFF
+        self.fence()
+        words = self.words
+        if any(words[i] for i in self.sleeping_at):
+            futex.futex_wake(self.bell)
+
+
+def _name(names: tuple[str, ...], code: int) -> str:
+    return names[code] if 0 <= code < len(names) else str(code)
+
+
+class RingBridges:
+    """This node's bridged rings, by group; fed by the op channel (``local_ready``, ``left``) and the
+    fabric (``on_part``, failures)."""
+
+    def __init__(self, node: int, send: Callable[[wire.RingPart], None]) -> None:
+        self.node = node
+        self.send = send
+        self.bridges: dict[str, RingBridge] = {}
+
+    def attach(self, group: str, region: Segment, placement: GroupPlacement) -> None:
+        if group not in self.bridges:
+            self.bridges[group] = RingBridge(group, region, placement, self.node, self.send)
+
+    def local_ready(self, group: str) -> None:
+        bridge = self.bridges.get(group)
+        if bridge is not None:
+            bridge.local_ready()
+
+    def left(self, group: str, rank: int, code: str, why: str) -> None:
+        """A local rank left the group's ring (its own op failed): the other nodes' ranks follow."""
+        bridge = self.bridges.get(group)
+        if bridge is not None:
+            code = code if code in fr.BRIDGE_ERRORS else "internal"
+            bridge.fail(code, f"rank {rank} left the exchange ring of group '{group}': {why}")
+
+    def daemon_op(self, group: str) -> None:
+        """A local rank sent a collective of ``group`` to the daemon: a peer node's ring op may sit there."""
+        bridge = self.bridges.get(group)
+        if bridge is not None and bridge.parts:
+            bridge.check_diverged()
+
+    def on_part(self, part: wire.RingPart) -> None:
+        bridge = self.bridges.get(part.group)
+        if bridge is not None:
+            bridge.on_part(part)
+        elif part.error is None:
+            log.warning("ring part for group %r, which has no bridged ring on this node: dropped", part.group)
+
+    # ---- failures the fabric reports ---------------------------------------------------
+    def rank_died(self, rank: int, why: str) -> None:
+        for bridge in self.bridges.values():
+            if rank in bridge.placement.ranks:
+                bridge.fail("peer_died", f"rank {rank} {why}", tell=False)
+
+    def fail_node(self, node: int, message: str) -> None:
+        for bridge in self.bridges.values():
+            if node in bridge.placement.nodes:
+                bridge.fail("peer_died", message, tell=False)
+
+    def fail_all(self, broken: str) -> None:
+        for bridge in self.bridges.values():
+            bridge.fail("peer_died", broken, tell=False)
+
+    def status(self) -> dict[str, Any]:
+        return {g: {"ops": b.ops, "failed": b.failed} for g, b in self.bridges.items()}
