@@ -183,3 +183,106 @@ def test_a_dead_rank_fails_the_bridged_ops_of_every_node(cluster: Any) -> None:
         value = results[rank]
         assert value.startswith(("PeerDiedError", "CommdError")), (rank, value)
         assert float(value.split(" after ")[1].split("s:")[0]) < 30, (rank, value)
+
+
+# ---- the daemon's side alone (no fabric): what the bridge accepts from ranks and nodes ----------------
+class _Sent(list):
+    def __call__(self, part: Any) -> None:
+        self.append(part)
+
+
+def _bridge(node: int = 1) -> tuple[Any, Any, _Sent]:
+    """A bridged ring of group ranks [2, 3] on node 1 of a group [0, 1 | 2, 3], as the daemon makes it."""
+    from commd.core.placement import GroupPlacement
+    from commd.fabric.bridge import RingBridge
+    from commd.memory.arena import Segment
+
+    nlines = 3
+    size = fr.region_bytes(nlines, fr.DEPTH, fr.SLOT_BYTES, fr.LARGE_DEPTH, fr.SLOT_BYTES)
+    region = Segment.create(0, "commd-ring-test", size)
+    region.array[:8].view("u8")[0] = fr.MAGIC
+    region.array[8:36].view("u4")[:] = (fr.VERSION, nlines, fr.DEPTH, fr.SLOT_BYTES, fr.LARGE_DEPTH, fr.SLOT_BYTES, 1)
+    placement = GroupPlacement("g", (0, 1, 2, 3), (0, 0, 1, 1), node)
+    sent = _Sent()
+    return RingBridge("g", region, placement, node, sent), region, sent
+
+
+def _post(region: Any, line: int, k: int, values: np.ndarray, index: int, count: int | None = None) -> None:
+    """What a rank writes for ring op k (protocol/fastring.py), then its ``posted``."""
+    words = region.array.view("i8")
+    h = fr.entry_offset(3, fr.DEPTH, fr.SLOT_BYTES, k, line) // 8
+    data = region.array[h * 8 + fr.ENTRY_HEADER_BYTES:][: values.nbytes]
+    data[:] = values.view(np.uint8)
+    words[h: h + 6] = (k, fr.DTYPES.index(values.dtype.name), fr.REDUCE_OPS.index("sum"),
+                       values.size if count is None else count, 0, index)
+    words[(fr.CONTROL_OFFSET + line * fr.CONTROL_BYTES) // 8 + fr.POSTED] = k
+
+
+def _failure(region: Any) -> tuple[str, str]:
+    """The bridge's published failure: (code, reason)."""
+    line = (fr.CONTROL_OFFSET + 2 * fr.CONTROL_BYTES) // 8
+    code = int(region.array.view("i8")[line + fr.ABANDONED])
+    at = fr.large_slot_offset(3, fr.DEPTH, fr.SLOT_BYTES, fr.SLOT_BYTES, 0, 2)
+    length = int(region.array[at: at + 4].view("u4")[0])
+    return fr.BRIDGE_ERRORS[code - 1] if code else "", bytes(region.array[at + 4: at + 4 + length]).decode()
+
+
+def test_the_bridge_combines_in_node_order_and_publishes_in_order() -> None:
+    from commd.protocol.fabric import RingPart
+
+    bridge, region, sent = _bridge()
+    a = [np.array([1.5, 2.0], np.float32), np.array([0.25, 4.0], np.float32)]
+    other = np.array([10.0, 20.0], np.float32)  # node 0's part of op 2 comes before op 1's
+    bridge.on_part(RingPart("g", 2, 8, 0, [1], 1, 0, 2, (other * 2).tobytes()))
+    for k in (1, 2):
+        for line in (0, 1):
+            _post(region, line, k, a[line] * k, index=6 + k)
+        bridge.local_ready()
+    assert [p.seq for p in sent] == [1, 2] and sent[0].to == [0]
+    assert np.frombuffer(sent[0].contribution, np.float32).tolist() == (a[0] + a[1]).tolist()
+    posted = (fr.CONTROL_OFFSET + 2 * fr.CONTROL_BYTES) // 8 + fr.POSTED
+    assert region.array.view("i8")[posted] == 0  # op 1 waits for node 0: op 2 must not be published before it
+    bridge.on_part(RingPart("g", 1, 7, 0, [1], 1, 0, 2, other.tobytes()))
+    assert region.array.view("i8")[posted] == 2
+    for k in (1, 2):
+        out = fr.entry_offset(3, fr.DEPTH, fr.SLOT_BYTES, k, 2) + fr.ENTRY_HEADER_BYTES
+        want = other * k + (a[0] * k + a[1] * k)  # node 0 first, then this node's ranks reduced in order
+        assert region.array[out: out + 8].view(np.float32).tolist() == want.tolist()
+    assert _failure(region) == ("", "")
+
+
+@pytest.mark.parametrize("case", ["local count", "node count", "short part", "bad dtype", "diverged"])
+def test_the_bridge_fails_what_it_cannot_reduce(case: str) -> None:
+    from commd.protocol.fabric import RingPart
+
+    bridge, region, sent = _bridge()
+    x = np.ones(4, np.float32)
+    part = RingPart("g", 1, 3, 0, [1], 1, 0, 4, (x * 2).tobytes())
+    if case == "diverged":  # node 0 published op 1 (collective #3) while our rank 3 sent #3 to its daemon
+        words = region.array.view("i8")
+        words[(fr.CONTROL_OFFSET + fr.CONTROL_BYTES) // 8 + fr.SUBMITTED] = 3
+        bridge.on_part(part)
+        code, reason = _failure(region)
+        assert code == "diverged" and "group ranks [3]" in reason, reason
+        assert sent[-1].error == "diverged" and sent[-1].to == [0]
+        return
+    _post(region, 0, 1, x, index=3)
+    _post(region, 1, 1, x, index=3, count=5 if case == "local count" else None)
+    if case == "bad dtype":
+        h = fr.entry_offset(3, fr.DEPTH, fr.SLOT_BYTES, 1, 0) // 8
+        for line in (0, 1):
+            region.array.view("i8")[h + fr.DTYPE + line * (fr.ENTRY_HEADER_BYTES + fr.SLOT_BYTES) // 8] = 99
+    bridge.local_ready()
+    if case == "node count":
+        part = RingPart("g", 1, 3, 0, [1], 1, 0, 5, (np.ones(5, np.float32)).tobytes())
+    elif case == "short part":
+        part = RingPart("g", 1, 3, 0, [1], 1, 0, 4, b"\0" * 3)
+    bridge.on_part(part)
+    code, reason = _failure(region)
+    expected = {"local count": ("mismatch", "'count' differs: ranks [2] 4, ranks [3] 5"),
+                "node count": ("mismatch", "'count' differs: ranks [0, 1] 5, ranks [2, 3] 4"),
+                "short part": ("internal", "the parts of nodes [0] are not 16 bytes long"),
+                "bad dtype": ("internal", "unknown dtype code 99")}[case]
+    assert code == expected[0] and expected[1] in reason, (code, reason)
+    posted = (fr.CONTROL_OFFSET + 2 * fr.CONTROL_BYTES) // 8 + fr.POSTED
+    assert region.array.view("i8")[posted] == 0  # nothing published as a result

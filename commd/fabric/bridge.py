@@ -198,6 +198,12 @@ class RingBridge:
                 self.fail("mismatch", self._mismatch(ordered), tell=False)
                 return
             dtype, op = fr.DTYPES[mine.dtype], fr.REDUCE_OPS[mine.op]
+            nbytes = len(mine.contribution or b"")
+            short = [p.node for p in ordered if len(p.contribution or b"") != nbytes]
+            if short:
+                self.fail("internal", f"all-reduce #{mine.index} on group '{self.group}': the parts of nodes {short} "
+                                      f"are not {nbytes} bytes long")
+                return
             result = eager.combine([p.contribution or b"" for p in ordered], dtype, op)
             offset = fr.entry_offset(self.nlines, self.depth, self.slot_bytes, k, self.me)
             out = np.ndarray((mine.count,), small.NUMPY_DTYPES[dtype], self.region.mm, offset + fr.ENTRY_HEADER_BYTES)
