@@ -1,6 +1,8 @@
-"""The torch backend's use of a local group's exchange ring (``commd/client/fastring.py``).
+"""The torch backend's use of a group's exchange ring (``commd/client/fastring.py``).
 
-A group whose ranks all live on this node gets a ring when it is created; every rank
+A group whose ranks all live on this node gets a ring when it is created (a group that
+spans nodes a bridged one on each node, whose daemon takes part: ``fabric/bridge.py``;
+it carries ops of one 64 KiB entry at most); every rank
 must then take the ring for exactly the same all-reduces, so the choice depends only
 on what the ranks agree on anyway: the ring exists (agreed through the store), the
 tensor is on the CPU, its dtype has a NumPy kernel, the reduce op suits the dtype, and
