@@ -602,7 +602,7 @@ def _create(dist_opts: Any, backend_opts: Any) -> ProcessGroupCommd:
     client.register_group(name, global_ranks)
     lane = getattr(backend_opts, "lane", None) if isinstance(backend_opts, Options) else None
     group = ProcessGroupCommd(client, name, rank, size, op_timeout_s(timeout), base, lane)
-    group.ring = open_ring(client, store, name, rank, size, global_ranks, op_timeout_s(timeout))
+    group.ring = open_ring(client, store, name, rank, size, global_ranks, op_timeout_s(timeout), lane)
     return group
 
 

@@ -42,16 +42,17 @@ _STORE_KEY = "commd/ring/{name}/{rank}"
 
 
 def open_ring(client: Client, store: dist.Store, name: str, rank: int, size: int,
-              global_ranks: list[int], timeout: float | None) -> fastring.ExchangeRing | None:
+              global_ranks: list[int], timeout: float | None, lane: str | None = None) -> fastring.ExchangeRing | None:
     """The group's ring if every rank of it got one (agreed through the store), else None.
 
     A group that spans nodes gets a bridged ring on each (its daemon takes part): needs a
-    fabric, and at most ``MAX_RANKS`` of its ranks on each node."""
+    fabric, at most ``MAX_RANKS`` of its ranks on each node, and no lane asked for (a group
+    made with ``commd.Options(lane=...)`` runs every op on that lane)."""
     nodes = client.nodes
     here = len(global_ranks) if nodes is None else sum(nodes[r] == nodes[client.rank] for r in global_ranks)
     spans = here < len(global_ranks)
     ring = None
-    if fastring.available() and (2 <= size if not spans else 1 <= here) and here <= fr.MAX_RANKS:
+    if fastring.available() and (2 <= size if not spans else lane is None and 1 <= here) and here <= fr.MAX_RANKS:
         try:
             region, meta = fastring.request_ring(client.paths.ops_socket, client.client_id, client.secret, name,
                                                  30.0, client.daemon_pid)
