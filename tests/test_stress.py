@@ -3,7 +3,7 @@
 Every op kind, random groups (spanning random nodes, random rank order),
 random sizes, a random lane per op, async handles waited in random order,
 random delays in the ranks and (COMMD_CHAOS_DELAY_MS) in the daemons' lanes.
-`make test` runs a couple of programs; `make stress` runs many
+`make test` runs one program; `make stress` runs many
 (STRESS_PROGRAMS, STRESS_HOSTS, STRESS_LENGTH, STRESS_SEED, STRESS_MPI=1 to add
 the MPI lane with daemons started by mpiexec).
 """
@@ -19,7 +19,7 @@ from cluster import Cluster
 
 from commd.sim.hosts import netns_unavailable
 
-PROGRAMS = int(os.environ.get("STRESS_PROGRAMS", "2"))
+PROGRAMS = int(os.environ.get("STRESS_PROGRAMS", "1"))
 HOSTS = int(os.environ.get("STRESS_HOSTS", "3"))
 LENGTH = int(os.environ.get("STRESS_LENGTH", "24"))
 FIRST_SEED = int(os.environ.get("STRESS_SEED", "1"))
