@@ -69,9 +69,10 @@ CASES = [("float32", "sum", 1), ("float32", "avg", 1000), ("float64", "max", 300
          ("float32", "min", fr.SLOT_BYTES // 4 + 1)]
 
 
-def bridged_ops(ctx: Any, port: int) -> dict[str, str]:
+def bridged_ops(ctx: Any, port: int) -> str:
     """Every case on the world (2 nodes x 2 ranks) and on subgroups, in flight together and between
-    daemon collectives; each result equal to NumPy's.  Then ranks that disagree (one fabric start for both)."""
+    daemon collectives; each result equal to NumPy's.  Then ranks that disagree, then a rank that
+    dies (one fabric start for all three)."""
     _init(ctx, port, timeout_s=60.0)
     rank, world = ctx.rank, ctx.world_size
     groups = {"world": (None, list(range(world)))}
@@ -103,12 +104,15 @@ def bridged_ops(ctx: Any, port: int) -> dict[str, str]:
         z = torch.arange(12, dtype=torch.float32).reshape(3, 4).t() * (rank + 1)
         dist.all_reduce(z, group=group)
         assert torch.equal(z, torch.arange(12, dtype=torch.float32).reshape(3, 4).t() * sum(r + 1 for r in ranks))
-    return disagreements(rank)
+    ctx.event("disagreements", disagreements(rank))
+    ctx.command()  # the test has read the daemons' status
+    return dies_mid_ring(ctx)
 
 
-def test_bridged_all_reduces_match_numpy_and_disagreements_fail_every_rank(cluster: Any) -> None:
+def test_bridged_all_reduces_match_numpy_disagreements_and_deaths_fail_every_rank(cluster: Any) -> None:
     c = cluster(2, 2, op_timeout=60.0)
-    results = c.join(c.start_workers(bridged_ops, free_port()), timeout=110)
+    workers = c.start_workers(bridged_ops, free_port())
+    results = {r: w.wait_event(r, "disagreements", 110) for w in workers for r in w.procs}
     for rank, out in results.items():
         assert out["count"].startswith(MismatchError.__name__) and "count" in out["count"], (rank, out)
         assert out["path"].startswith(MismatchError.__name__), (rank, out)
@@ -120,6 +124,16 @@ def test_bridged_all_reduces_match_numpy_and_disagreements_fail_every_rank(clust
         # (the ranks' departures at the end leave the rings: nothing else did)
         assert all(row["failed"] is None or row["failed"].endswith("left the job") for row in used), rings
         assert all("mismatched" in (row["failed"] or "") for row in rings.values() if row not in used), rings
+    # a rank of node 1 dies between ops: every other rank's next bridged op fails, well before its timeout
+    for w in workers:
+        for r in w.procs:
+            w.send(r, "go on")
+    died: dict[int, Any] = {}
+    for w in workers:  # rank 3 has no result: it died
+        died.update(w.join(110, ranks=[r for r in w.procs if r != 3]))
+    for rank in (0, 1, 2):
+        assert died[rank].startswith(("PeerDiedError", "CommdError")), (rank, died[rank])
+        assert float(died[rank].split(" after ")[1].split("s:")[0]) < 30, (rank, died[rank])
 
 
 def disagreements(rank: int) -> dict[str, str]:
@@ -145,12 +159,10 @@ def disagreements(rank: int) -> dict[str, str]:
     x = torch.full((4,), float(rank + 1))
     dist.all_reduce(x, group=g2)
     assert x.tolist() == [10.0] * 4, x
-    dist.destroy_process_group()
     return out
 
 
-def dies_mid_ring(ctx: Any, port: int) -> str:
-    _init(ctx, port, timeout_s=60.0)
+def dies_mid_ring(ctx: Any) -> str:
     x = torch.ones(8)
     dist.all_reduce(x)
     assert x.tolist() == [4.0] * 8
@@ -163,18 +175,6 @@ def dies_mid_ring(ctx: Any, port: int) -> str:
         return "no error"
     except CommdError as exc:
         return f"{type(exc).__name__} after {time.monotonic() - started:.1f}s: {exc}"
-
-
-def test_a_dead_rank_fails_the_bridged_ops_of_every_node(cluster: Any) -> None:
-    c = cluster(2, 2, op_timeout=60.0)
-    workers = c.start_workers(dies_mid_ring, free_port())
-    results: dict[int, Any] = {}
-    for w in workers:  # rank 3 has no result: it died
-        results.update(w.join(110, ranks=[r for r in w.procs if r != 3]))
-    for rank in (0, 1, 2):
-        value = results[rank]
-        assert value.startswith(("PeerDiedError", "CommdError")), (rank, value)
-        assert float(value.split(" after ")[1].split("s:")[0]) < 30, (rank, value)
 
 
 # ---- the daemon's side alone (no fabric): what the bridge accepts from ranks and nodes ----------------
