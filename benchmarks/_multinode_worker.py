@@ -120,6 +120,24 @@ def measure(
     return results
 
 
+def _measure_torch(cfg: dict[str, Any], rank: int, world: int, what: str,
+                   counters: Callable[[], dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """``measure`` through the initialised torch.distributed default group (commd or Gloo)."""
+    import torch
+    import torch.distributed as dist
+
+    scalar = torch.zeros(1)
+
+    def agree(value: float) -> float:
+        scalar[0] = value
+        dist.all_reduce(scalar, op=dist.ReduceOp.MAX)
+        return float(scalar[0])
+
+    return measure(cfg, rank, world, make=lambda count: torch.empty(count, dtype=torch.float32),
+                   reduce_fn=lambda t: dist.all_reduce(t), agree_max=agree, barrier=dist.barrier, what=what,
+                   counters=counters)
+
+
 def _finish(cfg: dict[str, Any], rank: int, value: dict[str, Any]) -> None:
     value.update(rank=rank, pid=os.getpid(), host=os.environ.get("COMMD_NODE"))
     _write_json(cfg["out"].format(rank=rank), value)
@@ -266,16 +284,8 @@ def run_torch(cfg: dict[str, Any]) -> None:
     local_first = int(os.environ["LOCAL_RANK"]) == 0
     try:
         warmed = _torch_warmup(dist, torch, rank, cfg["torch_warmup_s"])
-        scalar = torch.zeros(1)
-
-        def agree(value: float) -> float:
-            scalar[0] = value
-            dist.all_reduce(scalar, op=dist.ReduceOp.MAX)
-            return float(scalar[0])
-
-        results = measure(cfg, rank, world, make=lambda count: torch.empty(count, dtype=torch.float32),
-                          reduce_fn=lambda t: dist.all_reduce(t), agree_max=agree, barrier=dist.barrier,
-                          what="torch commd", counters=(lambda: _daemon_counters(paths)) if local_first else None)
+        results = _measure_torch(cfg, rank, world, "torch commd",
+                                 (lambda: _daemon_counters(paths)) if local_first else None)
     finally:
         dist.destroy_process_group()
     _finish(cfg, rank, {"results": results, "warmup_ops": warmed,
@@ -313,23 +323,13 @@ def _daemon_counters(paths: Any) -> dict[str, Any]:
 # ---- gloo ----------------------------------------------------------------------
 def run_gloo(cfg: dict[str, Any], rank: int) -> None:
     """torch.distributed Gloo across every rank (GLOO_SOCKET_IFNAME picks the namespace's eth0)."""
-    import torch
     import torch.distributed as dist
 
     world = cfg["world"]
     dist.init_process_group("gloo", init_method=f"tcp://{cfg['master']}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=cfg["op_timeout"]))
     try:
-        scalar = torch.zeros(1)
-
-        def agree(value: float) -> float:
-            scalar[0] = value
-            dist.all_reduce(scalar, op=dist.ReduceOp.MAX)
-            return float(scalar[0])
-
-        results = measure(cfg, rank, world, make=lambda count: torch.empty(count, dtype=torch.float32),
-                          reduce_fn=lambda t: dist.all_reduce(t), agree_max=agree, barrier=dist.barrier,
-                          what="gloo")
+        results = _measure_torch(cfg, rank, world, "gloo")
     finally:
         dist.destroy_process_group()
     _finish(cfg, rank, {"results": results})
