@@ -155,6 +155,7 @@ def test_lane_choice_per_fabric() -> None:
         resolve_lanes(spec_from_args(build_parser().parse_args(["--lanes", "mpi"])), True, ["gloo", "tcp"])
 
 
+@pytest.mark.slow  # 10 s: make test-all (tables steering the lane choice: test_fusion_tuning.py)
 def test_tune_on_simulated_hosts_writes_a_loadable_table(rt: Path, tmp_path: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("simulated hosts need root (network namespaces)")

@@ -177,6 +177,29 @@ def dies_mid_ring(ctx: Any) -> str:
         return f"{type(exc).__name__} after {time.monotonic() - started:.1f}s: {exc}"
 
 
+def relayed(ctx: Any, port: int) -> str:
+    """A group of nodes 1 and 2 of a 3-node fabric: its parts go through node 0, which relays them."""
+    _init(ctx, port)
+    group = dist.new_group([1, 2])
+    if ctx.rank in (1, 2):
+        for salt in range(12):  # more than the ring's depth, in flight together
+            x = torch.from_numpy(_data(ctx.rank, 100, np.dtype("float64"), salt).copy())
+            work = dist.all_reduce(x, group=group, async_op=True)
+            assert isinstance(work.handles[0], RingHandle)
+            work.wait()
+            want = _data(1, 100, np.dtype("float64"), salt) + _data(2, 100, np.dtype("float64"), salt)
+            assert np.array_equal(x.numpy(), want), salt
+    dist.barrier()
+    return "ok"
+
+
+@pytest.mark.slow  # a 3-node fabric: make test-all
+def test_parts_of_a_group_without_node_0_are_relayed_by_it(cluster: Any) -> None:
+    c = cluster(3, 1)
+    assert c.join(c.start_workers(relayed, free_port()), timeout=110) == {0: "ok", 1: "ok", 2: "ok"}
+    assert [len(c.status(i)["fabric"]["bridged_rings"]) for i in (1, 2)] == [2, 2]
+
+
 # ---- the daemon's side alone (no fabric): what the bridge accepts from ranks and nodes ----------------
 class _Sent(list):
     def __call__(self, part: Any) -> None:

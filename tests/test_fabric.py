@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import fabric_workers as fw
+import pytest
 from cluster import Cluster
 from helpers import wait_until
 
@@ -83,6 +84,7 @@ def test_dead_node_fails_ops_instead_of_hanging(cluster) -> None:
         assert "node 1" in text or "n1" in text, text
 
 
+@pytest.mark.slow  # 12 s: make test-all (every op across simulated hosts also runs in test_stress.py)
 def test_every_op_between_simulated_hosts_with_shaped_links(sim_hosts, tmp_path: Path) -> None:
     """Two network namespaces joined by a bridge, links at 10 Gbit/s with 0.1 ms delay."""
     hosts = sim_hosts(2, delay_ms=0.1, rate="10gbit")
