@@ -580,9 +580,7 @@ class ExchangeRing:
                 if full is not None:
                     raise CommTimeoutError(f"{full}: {self._describe(waiting)} are {self.depth} ops behind")
                 return False
-            # a bridged ring's result comes after every input: sleeping on the bridge's bell alone saves
-            # this rank a wake-up per local peer (a peer's rank change is seen within a slice)
-            peer = self.bridge if self.bridged and self.bridge in waiting else waiting[0]
+            peer = self._sleep_on(waiting, full is None)
             words[sleeping] += 1  # announce the sleep, then read the bell (see futex.Fence); under our lock
             try:
                 self._fence()
@@ -596,6 +594,26 @@ class ExchangeRing:
                     self._lock.acquire()
             finally:
                 words[sleeping] -= 1
+
+    def _sleep_on(self, waiting: list[int], for_result: bool) -> int:
+        """Whose bell to sleep on while ``waiting`` (lines) have not moved.
+
+        Never our own when a peer's move is what we need: when we ourselves are behind (a full
+        ring waits for our own consumption too), what we need is the head op's missing inputs.
+        A bridged ring's result comes after every input, so waiting for results (not for a
+        peer's consumption, which rings only that peer's bell) we sleep on the bridge's alone:
+        a wake-up per local peer saved.
+        """
+        if self.me in waiting and self.pending:
+            behind = [r for r in self._behind(self.pending[0].seq, self._posted_at) if r != self.me]
+            if behind:
+                waiting, for_result = behind, True
+        others = [r for r in waiting if r != self.me]
+        if not others:
+            return self.me  # nothing a peer must do: a slice, then look again
+        if self.bridged and for_result and self.bridge in others:
+            return self.bridge
+        return others[0]
 
     def _check_alive(self, waiting: list[int]) -> None:
         for r in waiting:
