@@ -183,6 +183,7 @@ class ExchangeRing:
         self._u32 = memoryview(mm).cast("I")
         line = [(fr.CONTROL_OFFSET + r * fr.CONTROL_BYTES) // 8 for r in range(n)]
         self._posted_at = [w + fr.POSTED for w in line]
+        self._local_posted_at = self._posted_at[:-1] if self.bridged else self._posted_at  # the ranks' lines
         self._consumed_at = [w + fr.CONSUMED for w in line]
         self._sleeping_at = [w + fr.SLEEPING for w in line]
         self._submitted_at = [w + fr.SUBMITTED for w in line]
@@ -279,7 +280,7 @@ class ExchangeRing:
             self.next_seq = seq + 1
             self._ring_bell()  # (its fence orders our posted before the reads below)
             self.pending.append(_Op(seq, index, dcode, ocode, count, nbytes, address, handle, after, timeout))
-            if self.bridged and self.on_all_posted is not None and not self._behind(seq, self._posted_at[:-1]):
+            if self.bridged and self.on_all_posted is not None and not self._behind(seq, self._local_posted_at):
                 self._tell_daemon(self.on_all_posted, seq)  # every rank that sees this may tell: no one misses it
             self._progress()
         if not Handle.is_completed(handle) and self._progress_thread is not None:
@@ -424,16 +425,7 @@ class ExchangeRing:
         if any(row[fr.SEQ] != seq for row in rows):
             return self._break(CommdError(f"{head.handle.description}: the exchange ring is corrupted "
                                           f"(entries {[row[fr.SEQ] for row in rows]} for op {seq})"))
-        problems = []  # worded as the daemon's scheduler words them (scheduler/agreement.py)
-        for name, index, names in (("dtype", fr.DTYPE, fr.DTYPES), ("count", fr.COUNT, None),
-                                   ("reduce_op", fr.OP, fr.REDUCE_OPS)):
-            values = [row[index] for row in rows]
-            if len(set(values)) > 1:
-                shown: dict[str, list[int]] = {}
-                for r, v in enumerate(values):
-                    label = names[v] if names is not None and 0 <= v < len(names) else v
-                    shown.setdefault(repr(label), []).append(self.members[r] if r != self.bridge else -1)
-                problems.append(f"'{name}' differs: " + ", ".join(f"ranks {rs} {v}" for v, rs in shown.items()))
+        problems = fr.differences(rows, [[self.members[r] if r != self.bridge else -1] for r in range(self.nranks)])
         return MismatchError(f"mismatched collective #{seq} on group '{self.group}': " + "; ".join(problems))
 
     def _sent_to_daemon(self, head: _Op) -> list[int]:

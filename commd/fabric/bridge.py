@@ -74,6 +74,8 @@ class RingBridge:
         self.abandoned_at = [w + fr.ABANDONED for w in line]
         self.bell_at = (fr.CONTROL_OFFSET + self.me * fr.CONTROL_BYTES + fr.BELL_OFFSET) // 4
         self.bell = ctypes.c_void_p(region.base + self.bell_at * 4)
+        # per entry (op number mod depth): where each line's entry starts (byte offsets)
+        self.entry_at = [[fr.entry_offset(n, depth, slot, d, r) for r in range(n)] for d in range(depth)]
         self.fence = futex.Fence()
         self.words[line[self.me] + fr.PID] = os.getpid()
         self.next_local = 1  # the next op whose local inputs this node reduces
@@ -101,22 +103,14 @@ class RingBridge:
 
     def _contribution(self, k: int) -> wire.RingPart | None:
         words = self.words
-        heads = [(fr.entry_offset(self.nlines, self.depth, self.slot_bytes, k, r) // 8) for r in range(self.me)]
+        heads = [offset // 8 for offset in self.entry_at[k % self.depth][: self.me]]
         rows = [[words[h + f] for f in (fr.SEQ, fr.DTYPE, fr.OP, fr.COUNT, fr.WHERE, fr.INDEX)] for h in heads]
         first = rows[0]
         if any(row[0] != k for row in rows):
             self.fail("internal", f"the exchange ring of group '{self.group}' is corrupted "
                                   f"(entries {[row[0] for row in rows]} for op {k})")
             return None
-        problems = []
-        for name, i, names in (("dtype", 1, fr.DTYPES), ("count", 3, None), ("reduce_op", 2, fr.REDUCE_OPS)):
-            values = [row[i] for row in rows]
-            if len(set(values)) > 1:
-                shown: dict[str, list[int]] = {}
-                for r, v in zip(self.local_ranks, values, strict=True):
-                    label = names[v] if names is not None and 0 <= v < len(names) else v
-                    shown.setdefault(repr(label), []).append(r)
-                problems.append(f"'{name}' differs: " + ", ".join(f"ranks {rs} {v}" for v, rs in shown.items()))
+        problems = fr.differences(rows, [[r] for r in self.local_ranks])
         if problems:
             self.fail("mismatch", f"mismatched collective #{first[5]} on group '{self.group}': " + "; ".join(problems))
             return None
@@ -154,8 +148,7 @@ class RingBridge:
         if self.failed is not None:
             return
         if part.error is not None:
-            code = part.error if part.error in fr.BRIDGE_ERRORS else "internal"
-            self.fail(code, part.message or f"all-reduce #{part.index} failed on node {part.node}", tell=False)
+            self.fail(part.error, part.message or f"all-reduce #{part.index} failed on node {part.node}", tell=False)
             return
         if part.seq < self.next_result or part.node not in self.others:
             log.warning("group %s: dropped a ring part for op %d from node %d", self.group, part.seq, part.node)
@@ -205,7 +198,7 @@ class RingBridge:
                                       f"are not {nbytes} bytes long")
                 return
             result = eager.combine([p.contribution or b"" for p in ordered], dtype, op)
-            offset = fr.entry_offset(self.nlines, self.depth, self.slot_bytes, k, self.me)
+            offset = self.entry_at[k % self.depth][self.me]
             out = np.ndarray((mine.count,), small.NUMPY_DTYPES[dtype], self.region.mm, offset + fr.ENTRY_HEADER_BYTES)
             eager.write_result(result, dtype, op, self.group_size, [out])
             h, words = offset // 8, self.words
@@ -220,25 +213,20 @@ class RingBridge:
 
     def _mismatch(self, parts: list[wire.RingPart]) -> str:
         """The nodes' parts differ: worded as the scheduler words a mismatch (scheduler/agreement.py)."""
-        problems = []
-        for name, field, names in (("collective number", "index", None), ("dtype", "dtype", fr.DTYPES),
-                                   ("count", "count", None), ("reduce_op", "op", fr.REDUCE_OPS)):
-            shown: dict[str, list[int]] = {}
-            for p in parts:
-                value = getattr(p, field)
-                label = repr(_name(names, value)) if names is not None else str(value)
-                shown.setdefault(label, []).extend(self.placement.members(p.node))
-            if len(shown) > 1:
-                problems.append(f"'{name}' differs: " + ", ".join(f"ranks {rs} {v}" for v, rs in shown.items()))
+        rows = [_header(p.seq, p.dtype, p.op, p.count, p.index) for p in parts]
+        problems = fr.differences(rows, [self.placement.members(p.node) for p in parts],
+                                  (("collective number", fr.INDEX, None), *fr.AGREED))
         return (f"mismatched all-reduce #{parts[0].index} on group '{self.group}' across nodes "
                 f"{[p.node for p in parts]} (exchange ring op {parts[0].seq}): " + "; ".join(problems))
 
     # ---- failures ---------------------------------------------------------------------
     def fail(self, code: str, message: str, tell: bool = True) -> None:
         """Every op from ``next_result`` on fails with ``message`` on every rank of the group (this
-        node's through the ring, the others' through a ``RingPart`` when ``tell``); the ring is left."""
+        node's through the ring, the others' through a ``RingPart`` when ``tell``); the ring is left.
+        ``code`` names one of ``BRIDGE_ERRORS`` (anything else, as another node or a rank may send: "internal")."""
         if self.failed is not None:
             return
+        code = code if code in fr.BRIDGE_ERRORS else "internal"
         self.failed = message
         reason = message.encode()[:MAX_REASON_BYTES]
         at = fr.large_slot_offset(self.nlines, self.depth, self.slot_bytes, self.large_bytes, 0, self.me)
@@ -262,8 +250,11 @@ class RingBridge:
             futex.futex_wake(self.bell)
 
 
-def _name(names: tuple[str, ...], code: int) -> str:
-    return names[code] if 0 <= code < len(names) else str(code)
+def _header(seq: int, dtype: int, op: int, count: int, index: int) -> list[int]:
+    """An entry header's i64 words (protocol/fastring.py) for an op with these fields."""
+    row = [0] * (fr.INDEX + 1)
+    row[fr.SEQ], row[fr.DTYPE], row[fr.OP], row[fr.COUNT], row[fr.INDEX] = seq, dtype, op, count, index
+    return row
 
 
 class RingBridges:
@@ -288,7 +279,6 @@ class RingBridges:
         """A local rank left the group's ring (its own op failed): the other nodes' ranks follow."""
         bridge = self.bridges.get(group)
         if bridge is not None:
-            code = code if code in fr.BRIDGE_ERRORS else "internal"
             bridge.fail(code, f"rank {rank} left the exchange ring of group '{group}': {why}")
 
     def daemon_op(self, group: str) -> None:

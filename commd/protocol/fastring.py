@@ -53,6 +53,8 @@ most ``slot_bytes`` are bridged.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 MAGIC = 0x676E6972646D6D63  # "cmmdring"
 VERSION = 3
 HEADER_BYTES = 64
@@ -85,6 +87,28 @@ DTYPES = (
     "complex64", "complex128",
 )
 REDUCE_OPS = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor")
+
+
+#: The entry header fields every rank of an op must agree on, as the scheduler names them
+#: (scheduler/agreement.py): (name, i64 index in the header, the names of its codes or None).
+AGREED = (("dtype", DTYPE, DTYPES), ("count", COUNT, None), ("reduce_op", OP, REDUCE_OPS))
+
+
+def differences(rows: Sequence[Sequence[int]], ranks: Sequence[Sequence[int]],
+                fields: Sequence[tuple[str, int, tuple[str, ...] | None]] = AGREED) -> list[str]:
+    """The ``fields`` on which entry headers ``rows`` (i64 words from ``SEQ`` on) differ, worded as the
+    scheduler words a mismatch: "'count' differs: ranks [0] 4, ranks [1] 5"; ``ranks[i]``: the group
+    ranks behind row i."""
+    problems = []
+    for name, index, names in fields:
+        shown: dict[str, list[int]] = {}
+        for row, who in zip(rows, ranks, strict=True):
+            value = row[index]
+            label = names[value] if names is not None and 0 <= value < len(names) else value
+            shown.setdefault(repr(label), []).extend(who)
+        if len(shown) > 1:
+            problems.append(f"'{name}' differs: " + ", ".join(f"ranks {rs} {v}" for v, rs in shown.items()))
+    return problems
 
 
 def entries_offset(nranks: int) -> int:
