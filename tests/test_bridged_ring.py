@@ -116,11 +116,12 @@ def test_bridged_all_reduces_match_numpy_disagreements_and_deaths_fail_every_ran
     for rank, out in results.items():
         assert out["count"].startswith(MismatchError.__name__) and "count" in out["count"], (rank, out)
         assert out["path"].startswith(MismatchError.__name__), (rank, out)
+        assert "'count' differs" in out["future"], (rank, out)
         assert float(out["seconds"]) < 30, (rank, out)  # not the 60 s op timeout
     for i in range(2):  # the ops went through the bridges; only the disagreements failed them
         rings = c.status(i)["fabric"]["bridged_rings"]
         used = [row for row in rings.values() if row["ops"] >= 3 * 7]
-        assert len(rings) == 6 and len(used) == 4, rings
+        assert len(rings) == 7 and len(used) == 4, rings
         # (the ranks' departures at the end leave the rings: nothing else did)
         assert all(row["failed"] is None or row["failed"].endswith("left the job") for row in used), rings
         assert all("mismatched" in (row["failed"] or "") for row in rings.values() if row not in used), rings
@@ -154,6 +155,14 @@ def disagreements(rank: int) -> dict[str, str]:
         out["path"] = "no error"
     except CommdError as exc:
         out["path"] = f"{type(exc).__name__}: {exc}"
+    # through get_future() (what DDP waits on), on every rank: the nodes' counts differ
+    g3 = dist.new_group([0, 1, 2, 3])
+    fut = dist.all_reduce(torch.ones(20 if rank < 2 else 21), group=g3, async_op=True).get_future()
+    try:
+        fut.wait()
+        out["future"] = "no error"
+    except Exception as exc:  # torch reports a failed future as an error carrying the commd message
+        out["future"] = str(exc)
     out["seconds"] = f"{time.monotonic() - started:.1f}"
     # the group still works afterwards, through the daemon, on every rank
     x = torch.full((4,), float(rank + 1))
