@@ -42,6 +42,8 @@ FORBIDDEN = {
     "scheduler": {"daemon", "fabric", "execution", "lanes"},
     "execution": {"daemon", "fabric", "scheduler"},
     "fabric": {"daemon"},
+    # programs and their runtime: below the daemon; they move bytes only through lanes.base.Transport
+    "algorithms": {"scheduler", "execution", "fabric", "daemon", "client", "torch_backend"},
 }
 
 #: Rule 5: the only commd layers the client library and the torch backend may import.
