@@ -1,0 +1,203 @@
+"""Programs on the tcp lane, the daemon's catalogue of programs, and the release's program fields.
+
+The lane tests run K real TcpLanes in threads on 127.0.0.1 with a stand-in program runner
+(a whole-buffer exchange reduced in node order, checked against NumPy): they prove the
+lane's part (DSL rank = the node's index in ``nodes``, the hash agreement, failures as
+LaneErrors) whatever the interpreter does.  Catalogue tests use stand-in stages (reader,
+checker, library) so that each refusal path is exercised on purpose.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from commd.algorithms import catalog as cat
+from commd.algorithms.errors import ProgramError
+from commd.algorithms.ir import Algorithm
+from commd.lanes.base import LaneError, Transport, memory_view, refuse_program
+from commd.lanes.tcp import TcpLane
+from commd.protocol import fabric as wire
+from commd.protocol import schema as s
+
+SECRET = "job-secret-for-tests"
+JOIN_S = 30.0
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+
+
+def run_nodes(fns: Sequence[Callable[[], Any]]) -> list[Any]:
+    """``fns[i]`` in thread i; each entry is its return value or the exception it raised (bounded)."""
+    results: list[Any] = [None] * len(fns)
+
+    def work(i: int) -> None:
+        try:
+            results[i] = fns[i]()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            results[i] = exc
+
+    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(len(fns))]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + JOIN_S
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    stuck = [i for i, thread in enumerate(threads) if thread.is_alive()]
+    if stuck:
+        pytest.fail(f"node thread(s) {stuck} still running after {JOIN_S} s")
+    return results
+
+
+@pytest.fixture
+def lanes() -> Iterator[Callable[[int], list[TcpLane]]]:
+    made: list[TcpLane] = []
+
+    def make(k: int) -> list[TcpLane]:
+        new = [TcpLane(i, k, SECRET, "127.0.0.1", chunk_bytes=4096) for i in range(k)]
+        made.extend(new)
+        endpoints = [lane.endpoint for lane in new]
+        outcome = run_nodes([lambda lane=lane: lane.connect(endpoints, 10.0) for lane in new])
+        assert outcome == [None] * k
+        return new
+
+    yield make
+    for lane in made:
+        lane.close()
+
+
+def empty_algo(name: str, ngpus: int, coll: str = "allreduce") -> Algorithm:
+    return Algorithm(name=name, coll=coll, ngpus=ngpus, nchunksperloop=ngpus, nchannels=1, inplace=True, ranks=())
+
+
+def program(name: str, ngpus: int, digest: str) -> cat.Program:
+    return cat.Program(name, empty_algo(name, ngpus), digest, cat.LIBRARY)
+
+
+DIGEST_A = "a" * 64
+DIGEST_B = "b" * 64
+
+
+class ExchangeRunner:
+    """Stand-in interpreter: every node sends its whole buffer to every other and reduces all of
+    them in ``nodes`` order; records what the lane handed it."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[int, ...], int, int]] = []
+
+    def __call__(self, tp: Transport, prog: cat.Program, nodes: tuple[int, ...], me: int, arr: np.ndarray,
+                 op: str, deadline: float, plans: Any) -> None:
+        assert op == "sum" and deadline > time.monotonic()
+        self.calls.append((prog.name, nodes, me, arr.size))
+        parts = [arr.copy() if i == me else np.empty_like(arr) for i in range(len(nodes))]
+        for i, node in enumerate(nodes):
+            if i != me:
+                tp.post_send(node, memoryview(parts[me]).cast("B"))
+                tp.post_recv(node, memoryview(parts[i]).cast("B"))
+        tp.wait()
+        arr[:] = np.sum(parts, axis=0, dtype=arr.dtype)
+
+
+# ---- the lane runs a program ------------------------------------------------------------------
+
+
+def test_lane_runs_program_as_rank_of_its_index(lanes: Callable[[int], list[TcpLane]]) -> None:
+    three = lanes(3)
+    runners = [ExchangeRunner() for _ in three]
+    for lane, runner in zip(three, runners, strict=True):
+        lane.program_runner = runner
+    nodes = (0, 2)  # node 2 is DSL rank 1
+    rng = np.random.default_rng(1)
+    inputs = {n: rng.integers(-1000, 1000, 1001).astype(np.int64) for n in nodes}
+    bufs = {n: torch.from_numpy(inputs[n].copy()) for n in nodes}
+    chosen = cat.Chosen("twoshot", DIGEST_A, program("twoshot", 2, DIGEST_A))
+    out = run_nodes([lambda n=n: three[n].allreduce(nodes, bufs[n], "sum", 10.0, program=chosen) for n in nodes])
+    assert out == [None, None]
+    for n in nodes:
+        np.testing.assert_array_equal(bufs[n].numpy(), inputs[0] + inputs[2])
+    assert runners[0].calls == [("twoshot", nodes, 0, 1001)]
+    assert runners[2].calls == [("twoshot", nodes, 1, 1001)]
+    assert runners[1].calls == []
+
+
+@pytest.mark.parametrize("theirs", ["other", "missing"])
+def test_lane_refuses_on_every_node_when_a_copy_differs(lanes: Callable[[int], list[TcpLane]], theirs: str) -> None:
+    two = lanes(2)
+    runner = ExchangeRunner()
+    for lane in two:
+        lane.program_runner = runner
+    nodes = (0, 1)
+    good = cat.Chosen("mine", DIGEST_A, program("mine", 2, DIGEST_A))
+    bad = (cat.Chosen("mine", DIGEST_A, program("mine", 2, DIGEST_B)) if theirs == "other"
+           else cat.Chosen("mine", DIGEST_A, None, "unknown algorithm 'mine'"))
+    bufs = [torch.ones(64, dtype=torch.float32) for _ in nodes]
+    out = run_nodes([lambda: two[0].allreduce(nodes, bufs[0], "sum", 10.0, program=good),
+                     lambda: two[1].allreduce(nodes, bufs[1], "sum", 10.0, program=bad)])
+    for error in out:
+        assert isinstance(error, LaneError) and error.code == "mismatch", error
+        assert "'mine'" in str(error) and f"sha256 {DIGEST_A[:16]}" in str(error)
+        assert (f"node 1 has sha256 {DIGEST_B[:16]}" if theirs == "other" else "node 1 has no such program") \
+            in str(error)
+    assert runner.calls == []  # not a step ran
+    if theirs == "missing":
+        assert "here: unknown algorithm 'mine'" in str(out[1])
+    # the agreement exchange completed: the streams are in step and the lane goes on
+    out = run_nodes([lambda i=i: two[i].allreduce(nodes, bufs[i], "sum", 10.0) for i in nodes])
+    assert out == [None, None]
+    assert bufs[0].tolist() == [2.0] * 64
+
+
+def test_lane_checks_hashes_once_per_program_and_nodes(lanes: Callable[[int], list[TcpLane]]) -> None:
+    """A second call sends no hashes: if it did, a runner that sends nothing would leave them
+    unread, and the next native call would read a hash as data (a stream out of step)."""
+    two = lanes(2)
+    nodes = (0, 1)
+    chosen = cat.Chosen("idle", DIGEST_A, program("idle", 2, DIGEST_A))
+    calls: list[int] = []
+    for lane in two:
+        lane.program_runner = lambda tp, prog, nodes, me, arr, op, deadline, plans: calls.append(me)
+    bufs = [torch.full((16,), float(i + 1)) for i in nodes]
+    for _ in range(3):
+        assert run_nodes([lambda i=i: two[i].allreduce(nodes, bufs[i], "sum", 10.0, program=chosen)
+                          for i in nodes]) == [None, None]
+    assert sorted(calls) == [0, 0, 0, 1, 1, 1]
+    assert run_nodes([lambda i=i: two[i].allreduce(nodes, bufs[i], "sum", 10.0) for i in nodes]) == [None, None]
+    assert bufs[1].tolist() == [3.0] * 16
+
+
+def test_lane_runner_failure_is_a_lane_error_naming_the_call(lanes: Callable[[int], list[TcpLane]]) -> None:
+    two = lanes(2)
+
+    def broken(tp: Transport, prog: cat.Program, nodes: Any, me: int, arr: Any, op: str, deadline: float,
+               plans: Any) -> None:
+        raise RuntimeError("plan cannot be built")
+
+    for lane in two:
+        lane.program_runner = broken
+    chosen = cat.Chosen("bad", DIGEST_A, program("bad", 2, DIGEST_A))
+    bufs = [torch.zeros(8) for _ in range(2)]
+    out = run_nodes([lambda i=i: two[i].allreduce((0, 1), bufs[i], "sum", 5.0, program=chosen) for i in range(2)])
+    for error in out:
+        assert isinstance(error, LaneError)
+        assert "algorithm 'bad'" in str(error) and "plan cannot be built" in str(error)
+
+
+def test_lanes_without_programs_refuse_one() -> None:
+    refuse_program("gloo", None)  # no program: nothing to refuse
+    with pytest.raises(LaneError, match="lane 'gloo' cannot run algorithm 'twoshot'"):
+        refuse_program("gloo", cat.Chosen("twoshot", DIGEST_A, None))
+
+
+def test_memory_view_of_numpy_runner_buffers_is_shared() -> None:
+    """The runner gets ``flat.numpy()``: writes must land in the lane's tensor (no copy)."""
+    t = torch.zeros(4, dtype=torch.int32)
+    arr = t.reshape(-1).numpy()
+    arr[:] = 7
+    assert t.tolist() == [7] * 4 and len(memory_view(t)) == 16
