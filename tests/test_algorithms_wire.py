@@ -201,3 +201,155 @@ def test_memory_view_of_numpy_runner_buffers_is_shared() -> None:
     arr = t.reshape(-1).numpy()
     arr[:] = 7
     assert t.tolist() == [7] * 4 and len(memory_view(t)) == 16
+
+
+# ---- the catalogue ----------------------------------------------------------------------------
+
+
+def fake_tools(library: dict[str, Callable[[int], Algorithm]] | None = None,
+               refuse: dict[str, str] | None = None) -> cat.Tools:
+    """Stand-in stages: a "file" is one line ``coll ngpus name``; the checker refuses the
+    programs named in ``refuse`` (by algorithm name) with the given reason."""
+    library = library if library is not None else {"twoshot": lambda n: empty_algo("twoshot", n)}
+    refuse = refuse or {}
+
+    def load(path: Path) -> Algorithm:
+        fields = path.read_text().split()
+        if len(fields) != 3:
+            raise ProgramError("not a program", source=str(path))
+        return empty_algo(fields[2], int(fields[1]), fields[0])
+
+    def check(algo: Algorithm, post: Any, source: str) -> None:
+        if algo.name in refuse:
+            raise ProgramError(refuse[algo.name], source=source, rank=1, threadblock=0, step=2)
+
+    def library_get(name: str, nranks: int) -> Algorithm:
+        if name not in library:
+            raise ValueError(f"no library program {name!r}")
+        return library[name](nranks)
+
+    return cat.Tools(dumps=lambda algo: f"{algo.coll}/{algo.ngpus}/{algo.name}", load=load, check=check,
+                     postcondition=lambda algo, sidecar: sidecar, library_get=library_get,
+                     library_names=lambda: sorted(library))
+
+
+def test_catalog_library_programs_compiled_per_node_count_and_cached() -> None:
+    built: list[int] = []
+
+    def twoshot(n: int) -> Algorithm:
+        built.append(n)
+        return empty_algo("twoshot", n)
+
+    catalog = cat.Catalog(tools=fake_tools({"twoshot": twoshot}))
+    p3 = catalog.runnable("twoshot", "allreduce", 3, "float32", "sum")
+    assert isinstance(p3, cat.Program) and p3.algo.ngpus == 3 and p3.source == cat.LIBRARY
+    import hashlib
+    assert p3.digest == hashlib.sha256(b"allreduce/3/twoshot").hexdigest()
+    assert catalog.runnable("twoshot", "allreduce", 3, "int64", "max") is p3
+    p2 = catalog.get("twoshot", 2)
+    assert isinstance(p2, cat.Program) and p2.digest != p3.digest
+    assert built == [3, 2]
+
+
+def test_catalog_says_why_a_program_cannot_run() -> None:
+    catalog = cat.Catalog(tools=fake_tools({"twoshot": lambda n: empty_algo("twoshot", n),
+                                            "a2a": lambda n: empty_algo("a2a", n, "alltoall")}))
+    assert catalog.runnable("nosuch", "allreduce", 2, "float32", "sum") == \
+        "unknown algorithm 'nosuch' (known: a2a, twoshot)"
+    assert "programs run allreduce only" in catalog.runnable("twoshot", "broadcast", 2, "float32", None)
+    assert catalog.runnable("a2a", "allreduce", 2, "float32", "sum") == \
+        "algorithm 'a2a' is a alltoall program, not allreduce"
+    assert "no bfloat16" in catalog.runnable("twoshot", "allreduce", 2, "bfloat16", "sum")
+
+
+def test_catalog_library_program_the_checker_refuses_is_never_offered() -> None:
+    catalog = cat.Catalog(tools=fake_tools(refuse={"twoshot": "rank 1 races on i[0]"}))
+    reason = catalog.runnable("twoshot", "allreduce", 4, "float32", "sum")
+    assert isinstance(reason, str) and "library program 'twoshot' for 4 nodes cannot be used" in reason
+    assert "rank 1, threadblock 0, step 2: rank 1 races on i[0]" in reason
+
+
+def test_catalog_user_files_checked_at_load(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "mine.xml").write_text("allreduce 3 mine")
+    (tmp_path / "racy.xml").write_text("allreduce 3 racy")
+    (tmp_path / "garbled.xml").write_text("<algo")
+    (tmp_path / "twoshot.xml").write_text("allreduce 3 twoshot")
+    (tmp_path / "fan.xml").write_text("custom 3 fan")  # custom without its sidecar
+    (tmp_path / "notes.txt").write_text("not a program")
+    with caplog.at_level("WARNING", logger="commd.algorithms"):
+        catalog = cat.Catalog(tmp_path, tools=fake_tools(refuse={"racy": "two writes to o[1] unordered"}))
+    assert sorted(catalog.files) == ["mine"]
+    mine = catalog.runnable("mine", "allreduce", 3, "float32", "sum")
+    assert isinstance(mine, cat.Program) and mine.source == str(tmp_path / "mine.xml")
+    assert catalog.runnable("mine", "allreduce", 2, "float32", "sum") == \
+        "algorithm 'mine' is written for 3 nodes, the op spans 2"
+    refused = {r.name: r.reason for r in catalog.refused}
+    assert sorted(refused) == ["fan", "garbled", "racy", "twoshot"]
+    assert "rank 1, threadblock 0, step 2: two writes to o[1] unordered" in refused["racy"]
+    assert "not a program" in refused["garbled"]
+    assert "shadows the library's program 'twoshot'" in refused["twoshot"]
+    assert "fan.xml.post.json" in refused["fan"]
+    racy = catalog.runnable("racy", "allreduce", 3, "float32", "sum")
+    assert isinstance(racy, str) and racy.startswith("algorithm 'racy' was refused at load:")
+    assert all(str(tmp_path / f"{n}.xml") in caplog.text for n in refused)  # each refusal logged
+    status = catalog.status()
+    assert status["files"]["mine"]["sha256"] == mine.digest and len(status["refused"]) == 4
+
+
+def test_catalog_custom_file_takes_its_sidecar(tmp_path: Path) -> None:
+    (tmp_path / "fan.xml").write_text("custom 3 fan")
+    (tmp_path / "fan.xml.post.json").write_text("{}")
+    seen: list[Any] = []
+    tools = fake_tools()
+    tools = cat.Tools(tools.dumps, tools.load, lambda algo, post, source: seen.append(post), tools.postcondition,
+                      tools.library_get, tools.library_names)
+    catalog = cat.Catalog(tmp_path, tools=tools)
+    assert sorted(catalog.files) == ["fan"] and seen == [tmp_path / "fan.xml.post.json"]
+
+
+def test_algorithms_dir_resolution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(cat.ENV_DIR, raising=False)
+    assert cat.resolve_dir(None, None) is None
+    assert cat.resolve_dir(None, str(tmp_path)) == tmp_path
+    other = tmp_path / "env"
+    other.mkdir()
+    monkeypatch.setenv(cat.ENV_DIR, str(other))
+    assert cat.resolve_dir(None, str(tmp_path)) == other  # the environment beats the config
+    assert cat.resolve_dir(str(tmp_path), None) == tmp_path  # the flag beats both
+    with pytest.raises(ValueError, match="is not a directory"):
+        cat.resolve_dir(str(tmp_path / "missing"), None)
+
+
+def test_chosen_lookup_names_why_a_node_has_no_program() -> None:
+    catalog = cat.Catalog(tools=fake_tools())
+    found = cat.Chosen.lookup(catalog, "twoshot", DIGEST_A, 2)
+    assert found.program is not None and found.local_digest == found.program.digest
+    missing = cat.Chosen.lookup(catalog, "nosuch", DIGEST_A, 2)
+    assert missing.program is None and missing.local_digest == "" and "unknown algorithm" in missing.missing
+    assert "no algorithm catalogue" in cat.Chosen.lookup(None, "x", DIGEST_A, 2).missing
+
+
+# ---- the release's program fields -------------------------------------------------------------
+
+
+def test_go_carries_program_name_and_hash() -> None:
+    go = wire.Go("g", 3, 7, "tcp", algo="twoshot", algo_hash=DIGEST_A)
+    item = go.to_wire()
+    assert item["a"] == "twoshot" and item["ah"] == DIGEST_A
+    assert wire.Go.from_wire(item) == go
+    plain = wire.Go("g", 3, 7, "tcp")
+    assert "a" not in plain.to_wire() and wire.Go.from_wire(plain.to_wire()) == plain
+
+
+@pytest.mark.parametrize(("fields", "complaint"), [
+    ({"a": "twoshot"}, "'ah' (algorithm hash) must be given exactly when 'a'"),
+    ({"ah": DIGEST_A}, "'ah' (algorithm hash) must be given exactly when 'a'"),
+    ({"a": "twoshot", "ah": "A" * 64}, "64 lowercase hex digits"),
+    ({"a": "twoshot", "ah": "ab"}, "64 lowercase hex digits"),
+    ({"a": 5, "ah": DIGEST_A}, "'a' (algorithm) must be a string"),
+    ({"a": "", "ah": DIGEST_A}, "'a' (algorithm) must be 1 to 200 characters"),
+])
+def test_go_refuses_bad_program_fields(fields: dict[str, Any], complaint: str) -> None:
+    item = {"t": "go", "g": "g", "s": 1, "o": 1, "l": "tcp", **fields}
+    with pytest.raises(wire.FabricMessageError, match=complaint.replace("(", r"\(").replace(")", r"\)")):
+        wire.Go.from_wire(item)
