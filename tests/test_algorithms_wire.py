@@ -25,7 +25,6 @@ from commd.algorithms.ir import Algorithm
 from commd.lanes.base import LaneError, Transport, memory_view, refuse_program
 from commd.lanes.tcp import TcpLane
 from commd.protocol import fabric as wire
-from commd.protocol import schema as s
 
 SECRET = "job-secret-for-tests"
 JOIN_S = 30.0
