@@ -42,8 +42,8 @@ def tile_view(buf: np.ndarray, q: int, off: int, cnt: int, lo: int, hi: int) -> 
 
 def run_step(step: Step, bufs: Mapping[str, np.ndarray], q: int, lo: int, hi: int, op: str,
              received: np.ndarray | None = None) -> np.ndarray | None:
-    """Apply ``step`` to tile ``[lo, hi)`` of its chunks; return the data it sends (a new
-    contiguous ``(cnt, hi - lo)`` array, never a view of a working buffer), or None.
+    """Apply ``step`` to tile ``[lo, hi)`` of its chunks; return the data it sends (a contiguous
+    ``(cnt, hi - lo)`` array that no later step writes: never a view of a working buffer), or None.
 
     ``received`` is the matched send's data for a receiving step (``(cnt, hi - lo)`` or flat)."""
     kind = step.type
@@ -60,7 +60,7 @@ def run_step(step: Step, bufs: Mapping[str, np.ndarray], q: int, lo: int, hi: in
         return np.array(src)
     if kind in (StepType.RECV, StepType.RECV_COPY_SEND):
         dst[...] = received
-        return np.array(received) if kind.sends else None
+        return received if kind.sends else None  # received data is never written: no copy to forward it
     if kind is StepType.COPY:
         dst[...] = src
         return None

@@ -105,7 +105,7 @@ class RankLayout:
         return self.o.user_elements
 
 
-def _block_elements(coll: str, scaled: bool, count: int, nranks: int, source: str) -> int:
+def _block_elements(coll: str, count: int, nranks: int, source: str) -> int:
     if coll == "alltoall":  # torch's count is the whole input, R blocks of count/R
         if count % nranks:
             raise ProgramError(f"an all-to-all over {nranks} ranks needs a count divisible by {nranks}, got {count}",
@@ -146,7 +146,7 @@ def rank_layout(algo: Algorithm, rank: int, count: int, source: str = "<program>
                            f"chunk count per block (input blocks {blocks_i}, output blocks {blocks_o})",
                            source=source, rank=rank)
     k = ks.pop()
-    block_elements = _block_elements(algo.coll, scaled_i, count, nranks, source)
+    block_elements = _block_elements(algo.coll, count, nranks, source)
     q = -(-block_elements // k)
     i = BufferLayout(blocks_i * k, blocks_i, block_elements, q)
     o = BufferLayout(blocks_o * k, blocks_o, block_elements, q)
@@ -160,6 +160,30 @@ def rank_layout(algo: Algorithm, rank: int, count: int, source: str = "<program>
         else:
             alias = ("o", "i", 0)
     return RankLayout(algo.coll, rank, count, q, i, o, s, alias)
+
+
+def check_ranks(algo: Algorithm, source: str) -> None:
+    """ProgramError unless the ranks are numbered 0..ngpus-1 in order (positions are rank ids)."""
+    if algo.ngpus != len(algo.ranks) or [r.id for r in algo.ranks] != list(range(len(algo.ranks))):
+        raise ProgramError(f"ngpus={algo.ngpus} but the ranks are {[r.id for r in algo.ranks]} (want 0..ngpus-1)",
+                           source=source)
+
+
+def layouts_for(algo: Algorithm, count: int, source: str = "<program>") -> dict[int, RankLayout]:
+    """Every rank's layout; ProgramError unless all chunks hold the same number of elements."""
+    check_ranks(algo, source)
+    layouts = {r.id: rank_layout(algo, r.id, count, source) for r in algo.ranks}
+    qs = {lay.q for lay in layouts.values()}
+    if len(qs) > 1:
+        raise ProgramError(f"ranks disagree on the chunk size ({sorted(qs)} elements for count {count}): their "
+                           "chunk counts do not describe the same collective", source=source)
+    return layouts
+
+
+def writes_input(algo: Algorithm, rank: int) -> bool:
+    """Whether any step of ``rank`` writes its ``i`` buffer (then the user's input is copied first)."""
+    return any(step.type.writes_dst and step.dstbuf == "i"
+               for tb in algo.ranks[rank].threadblocks for step in tb.steps)
 
 
 def allocate(layout: RankLayout, dtype: np.dtype, inp: np.ndarray, out: np.ndarray,

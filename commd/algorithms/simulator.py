@@ -17,7 +17,7 @@ import numpy as np
 from commd.algorithms.errors import ProgramError
 from commd.algorithms.execute import REDUCE_OPS, StepId, Wiring, run_step, tiles
 from commd.algorithms.ir import Algorithm
-from commd.algorithms.layout import RankLayout, allocate, finish, rank_layout
+from commd.algorithms.layout import allocate, check_ranks, finish, layouts_for, writes_input
 
 
 @dataclass(frozen=True)
@@ -71,29 +71,6 @@ def op_count(algo: Algorithm, inputs: list[np.ndarray], source: str = "<program>
     return lengths.pop()
 
 
-def _check_ranks(algo: Algorithm, source: str) -> None:
-    if algo.ngpus != len(algo.ranks) or [r.id for r in algo.ranks] != list(range(len(algo.ranks))):
-        raise ProgramError(f"ngpus={algo.ngpus} but the ranks are {[r.id for r in algo.ranks]} (want 0..ngpus-1)",
-                           source=source)
-
-
-def layouts_for(algo: Algorithm, count: int, source: str = "<program>") -> dict[int, RankLayout]:
-    """Every rank's layout; ProgramError unless all chunks hold the same number of elements."""
-    _check_ranks(algo, source)
-    layouts = {r.id: rank_layout(algo, r.id, count, source) for r in algo.ranks}
-    qs = {lay.q for lay in layouts.values()}
-    if len(qs) > 1:
-        raise ProgramError(f"ranks disagree on the chunk size ({sorted(qs)} elements for count {count}): their "
-                           "chunk counts do not describe the same collective", source=source)
-    return layouts
-
-
-def writes_input(algo: Algorithm, rank: int) -> bool:
-    """Whether any step of ``rank`` writes its ``i`` buffer (then the user's input is copied first)."""
-    return any(step.type.writes_dst and step.dstbuf == "i"
-               for tb in algo.ranks[rank].threadblocks for step in tb.steps)
-
-
 def simulate(algo: Algorithm, inputs: list[np.ndarray], op: str = "sum", *, tile_elements: int | None = None,
              trace: list[TraceRecord] | None = None, count: int | None = None,
              source: str = "<program>") -> list[np.ndarray]:
@@ -105,7 +82,7 @@ def simulate(algo: Algorithm, inputs: list[np.ndarray], op: str = "sum", *, tile
     whose count no rank's input shows."""
     if op not in REDUCE_OPS:
         raise ValueError(f"reduce op {op!r} is not one of {sorted(REDUCE_OPS)}")
-    _check_ranks(algo, source)
+    check_ranks(algo, source)
     if len(inputs) != algo.ngpus:
         raise ProgramError(f"{len(inputs)} inputs for a program of {algo.ngpus} ranks", source=source)
     arrays = [np.ascontiguousarray(np.asarray(a)).reshape(-1) for a in inputs]
