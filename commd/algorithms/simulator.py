@@ -10,6 +10,7 @@ names every blocked step and what it waits for — what a hang on real hardware 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +19,7 @@ from commd.algorithms.errors import ProgramError
 from commd.algorithms.execute import REDUCE_OPS, StepId, Wiring, run_step, tiles
 from commd.algorithms.ir import Algorithm
 from commd.algorithms.layout import allocate, check_ranks, finish, layouts_for, writes_input
+from commd.algorithms.postcondition import Postcondition
 
 
 @dataclass(frozen=True)
@@ -174,3 +176,54 @@ def _blocked(wiring: Wiring, nxt: dict[tuple[int, int], int], mailbox: dict[Step
 
 
 
+
+
+#: NumPy's own element-wise operators, for references independent of ``commd.kernels``.
+_UFUNCS = {"sum": np.add, "product": np.multiply, "min": np.minimum, "max": np.maximum,
+           "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
+
+
+def reference(algo: Algorithm, inputs: list[np.ndarray], op: str = "sum", *, count: int | None = None,
+              post: Postcondition | None = None, source: str = "<program>") -> list[tuple[np.ndarray, np.ndarray]]:
+    """What NumPy says each rank's output must be: ``(expected, specified)`` per rank, where
+    ``specified`` masks the elements the collective defines (all of them, except for a custom
+    collective's chunks its postcondition ``post`` leaves open).  Broadcast's root is rank 0."""
+    ufunc = _UFUNCS[op]
+    arrays = [np.asarray(a).reshape(-1) for a in inputs]
+    nranks = algo.ngpus
+
+    def combine(parts: list[np.ndarray]) -> np.ndarray:
+        return functools.reduce(lambda a, b: ufunc(a, b), parts[1:], parts[0].copy())
+
+    if algo.coll == "custom":
+        if post is None:
+            raise ProgramError("a custom collective's reference needs its postcondition", source=source)
+        layouts = layouts_for(algo, op_count(algo, arrays, source) if count is None else count, source)
+        results = [(np.zeros(layouts[r].output_elements, arrays[0].dtype),
+                    np.zeros(layouts[r].output_elements, bool)) for r in range(nranks)]
+        for slot, sources in post:
+            if slot.buf != "o" or any(src.buf != "i" for src in sources):
+                raise ProgramError(f"the reference compares outputs with inputs; {slot.short()} names other buffers",
+                                   source=source, rank=slot.rank)
+            q, size = layouts[slot.rank].q, layouts[slot.rank].output_elements
+            lo, hi = min(slot.index * q, size), min((slot.index + 1) * q, size)
+            parts = [arrays[src.rank][src.index * q:src.index * q + (hi - lo)] for src in sorted(sources)]
+            expected, specified = results[slot.rank]
+            expected[lo:hi] = combine(parts)
+            specified[lo:hi] = True
+        return results
+    if algo.coll == "allreduce":
+        outs = [combine(arrays)] * nranks
+    elif algo.coll == "broadcast":
+        outs = [arrays[0]] * nranks
+    elif algo.coll == "allgather":
+        outs = [np.concatenate(arrays)] * nranks
+    elif algo.coll == "reducescatter":
+        total, n = combine(arrays), arrays[0].size // nranks
+        outs = [total[r * n:(r + 1) * n] for r in range(nranks)]
+    elif algo.coll == "alltoall":
+        n = arrays[0].size // nranks
+        outs = [np.concatenate([arrays[src][r * n:(r + 1) * n] for src in range(nranks)]) for r in range(nranks)]
+    else:
+        raise ProgramError(f"no reference for collective {algo.coll!r}", source=source)
+    return [(out.copy(), np.ones(out.size, bool)) for out in outs]
