@@ -9,6 +9,7 @@ checker, library) so that each refusal path is exercised on purpose.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -18,6 +19,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+
+from algorithm_programs import twoshot_allreduce
 
 from commd.algorithms import catalog as cat
 from commd.algorithms.errors import ProgramError
@@ -352,3 +355,56 @@ def test_go_refuses_bad_program_fields(fields: dict[str, Any], complaint: str) -
     item = {"t": "go", "g": "g", "s": 1, "o": 1, "l": "tcp", **fields}
     with pytest.raises(wire.FabricMessageError, match=complaint.replace("(", r"\(").replace(")", r"\)")):
         wire.Go.from_wire(item)
+
+
+# ---- the real interpreter on the lane ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize(("dtype", "op"), [("int64", "sum"), ("float32", "max"), ("int32", "bxor")])
+def test_lane_runs_a_checked_program_through_the_interpreter(lanes: Callable[[int], list[TcpLane]], k: int,
+                                                            dtype: str, op: str) -> None:
+    """A hand-made two-shot all-reduce (accepted by the checker) on K lanes equals NumPy, bit for
+    bit on every node, on sizes that do and do not divide into K chunks (and fewer elements than chunks)."""
+    from commd.algorithms import checker, mscclxml
+
+    algo = twoshot_allreduce(k)
+    checker.check(algo)
+    prog = cat.Program("handmade", algo, cat.digest_of(algo, mscclxml.dumps), "test")
+    chosen = cat.Chosen("handmade", prog.digest, prog)
+    nodes = tuple(range(k))
+    mine = lanes(k)
+    reduce = {"sum": np.add, "max": np.maximum, "bxor": np.bitwise_xor}[op]
+    for n in (1, k * 3, 1000 + 1, 70_001):
+        rng = np.random.default_rng(n)
+        inputs = [(rng.standard_normal(n) * 100).astype(dtype) for _ in nodes]
+        want = functools.reduce(reduce, inputs)
+        bufs = [torch.from_numpy(a.copy()) for a in inputs]
+        out = run_nodes([lambda i=i: mine[i].allreduce(nodes, bufs[i], op, 20.0, program=chosen) for i in nodes])
+        assert out == [None] * k, out
+        for buf in bufs:
+            assert buf.numpy().tobytes() == want.tobytes(), (n, dtype, op)
+
+
+def test_real_catalog_accepts_a_checked_file_and_refuses_the_bad_ones(tmp_path: Path) -> None:
+    from commd.algorithms import mscclxml
+
+    mscclxml.dump(twoshot_allreduce(3, "mine"), tmp_path / "mine.xml")
+    shared = Path("/work/shared/msccl/NEG_ns3_peer2peer_8r_labelled_allgather.xml")
+    if shared.exists():
+        (tmp_path / "peer2peer.xml").write_text(shared.read_text())
+    broken = twoshot_allreduce(2, "racy")  # rank 0's second reduction no longer waits for the first
+    (tmp_path / "garbled.xml").write_text("<algo name='x'")
+    mscclxml.dump(broken, tmp_path / "racy.xml")
+    text = (tmp_path / "racy.xml").read_text().replace('type="rrc"', 'type="r"', 1)
+    (tmp_path / "racy.xml").write_text(text)  # a plain receive: the program no longer reduces → wrong result
+    catalog = cat.Catalog(tmp_path)
+    assert sorted(catalog.files) == ["mine"]
+    mine = catalog.runnable("mine", "allreduce", 3, "float32", "sum")
+    assert isinstance(mine, cat.Program)
+    assert mine.digest == cat.digest_of(mscclxml.load(tmp_path / "mine.xml"), mscclxml.dumps)
+    refused = {r.name: r.reason for r in catalog.refused}
+    assert {"racy", "garbled"} <= set(refused)
+    assert str(tmp_path / "racy.xml") in refused["racy"] and "rank 0" in refused["racy"]
+    if shared.exists():
+        assert "peer2peer" in refused

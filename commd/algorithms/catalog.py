@@ -75,14 +75,31 @@ class Tools:
 def default_tools() -> Tools:
     """The real stages (imported here, not at module level: a daemon that never uses a program
     pays nothing for them)."""
-    from commd.algorithms import checker, library, mscclxml, postcondition
+    from commd.algorithms import checker, mscclxml, postcondition
 
     def post(algo: Algorithm, sidecar: Path | None) -> Any:
         return postcondition.for_algorithm(algo, postcondition.load_sidecar(sidecar) if sidecar else None)
 
+    library_get, library_names = _library()
     return Tools(dumps=mscclxml.dumps, load=mscclxml.load,
                  check=lambda algo, p, source: checker.check(algo, p, source=source),
-                 postcondition=post, library_get=library.get, library_names=library.names)
+                 postcondition=post, library_get=library_get, library_names=library_names)
+
+
+def _library() -> tuple[Callable[[str, int], Algorithm], Callable[[], list[str]]]:
+    """The built-in library's ``get`` and ``names``; without it (a build that lacks the DSL) user
+    files still run, and asking for a library program says why there is none."""
+    try:
+        from commd.algorithms import library
+    except ImportError as exc:
+        missing = f"the built-in library cannot be loaded: {exc}"
+        log.warning("algorithms: %s", missing)
+
+        def unavailable(name: str, nranks: int) -> Algorithm:
+            raise ProgramError(missing, source=f"library program {name!r}")
+
+        return unavailable, list
+    return library.get, library.names
 
 
 def digest_of(algo: Algorithm, dumps: Callable[[Algorithm], str]) -> str:

@@ -18,9 +18,13 @@ WORLD = "world"
 
 
 def all_reduce(client: Client, tensor: torch.Tensor, op: str = "sum", group: str = WORLD,
-               scale: float | None = None, timeout: float | None = None, lane: str | None = None) -> Handle:
+               scale: float | None = None, timeout: float | None = None, lane: str | None = None,
+               algo: str | None = None) -> Handle:
+    """``algo``: run the inter-node phase with this program (a library name or a file of the
+    daemons' algorithms directory) on the tcp lane; the op fails on every rank if it cannot."""
     return client.submit("allreduce", group, {"buf": (tensor, "inout")}, tensor.dtype,
-                         result=tensor, count=tensor.numel(), op=op, scale=scale, timeout=timeout, lane=lane)
+                         result=tensor, count=tensor.numel(), op=op, scale=scale, timeout=timeout, lane=lane,
+                         algo=algo)
 
 
 def reduce(client: Client, tensor: torch.Tensor, root: int, op: str = "sum", group: str = WORLD,

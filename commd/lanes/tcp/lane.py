@@ -69,7 +69,7 @@ def interpret(tp: Transport, program: Program, nodes: tuple[int, ...], me: int, 
     key = (program.digest, me, arr.size, arr.dtype.str)
     plan = plans.get(key)
     if plan is None:
-        plan = plans[key] = interpreter.Plan.build(program.algo, me, arr.size, arr.dtype)
+        plan = plans[key] = interpreter.Plan.build(program.algo, me, arr.size, arr.dtype, source=program.source)
         while len(plans) > MAX_PLANS:
             plans.popitem(last=False)
     else:
