@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-
 from algorithm_programs import twoshot_allreduce
 
 from commd.algorithms import catalog as cat
@@ -380,7 +379,7 @@ def test_lane_runs_a_checked_program_through_the_interpreter(lanes: Callable[[in
         inputs = [(rng.standard_normal(n) * 100).astype(dtype) for _ in nodes]
         want = functools.reduce(reduce, inputs)
         bufs = [torch.from_numpy(a.copy()) for a in inputs]
-        out = run_nodes([lambda i=i: mine[i].allreduce(nodes, bufs[i], op, 20.0, program=chosen) for i in nodes])
+        out = run_nodes([lambda i=i, b=bufs[i]: mine[i].allreduce(nodes, b, op, 20.0, program=chosen) for i in nodes])
         assert out == [None] * k, out
         for buf in bufs:
             assert buf.numpy().tobytes() == want.tobytes(), (n, dtype, op)

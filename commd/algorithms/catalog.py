@@ -154,10 +154,8 @@ class Catalog:
                     raise ProgramError(f"its name shadows the library's program {name!r}; rename the file",
                                        source=str(path))
                 self.files[name] = self._load_file(name, path)
-            except ProgramError as exc:
-                self._refuse(name, str(path), str(exc))
-            except (OSError, ValueError) as exc:  # the reader's own refusals are ProgramErrors
-                self._refuse(name, str(path), f"{path}: {exc}")
+            except (ProgramError, OSError, ValueError) as exc:  # (a stage that did not know the file's name)
+                self._refuse(name, str(path), str(exc) if str(path) in str(exc) else f"{path}: {exc}")
         log.info("algorithms: %d user program(s) from %s%s", len(self.files), directory,
                  f", {len(self.refused)} refused" if self.refused else "")
 
