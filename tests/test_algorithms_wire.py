@@ -16,10 +16,12 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import algorithm_workers as aw
 import numpy as np
 import pytest
 import torch
 from algorithm_programs import twoshot_allreduce
+from cluster import Cluster
 
 from commd.algorithms import catalog as cat
 from commd.algorithms.errors import ProgramError
@@ -407,3 +409,118 @@ def test_real_catalog_accepts_a_checked_file_and_refuses_the_bad_ones(tmp_path: 
     assert str(tmp_path / "racy.xml") in refused["racy"] and "rank 0" in refused["racy"]
     if shared.exists():
         assert "peer2peer" in refused
+
+
+# ---- fabrics on loopback: selection, release and run ------------------------------------------
+
+
+class ProgramCluster(Cluster):
+    """A loopback fabric whose node i reads its programs from ``dirs[i]`` (COMMD_ALGORITHMS_DIR)."""
+
+    def __init__(self, root: Path, nnodes: int, dirs: list[Path], **kwargs: Any) -> None:
+        super().__init__(root, nnodes, 1, **kwargs)
+        self.dirs = dirs
+
+    def _env(self, i: int) -> dict[str, str]:
+        return dict(super()._env(i), COMMD_ALGORITHMS_DIR=str(self.dirs[i]))
+
+
+@pytest.fixture
+def fabric(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., ProgramCluster]]:
+    made: list[ProgramCluster] = []
+
+    def make(nnodes: int, dirs: list[Path], config: str = "") -> ProgramCluster:
+        monkeypatch.delenv("COMMD_SECRET", raising=False)
+        extra = []
+        if config:
+            (tmp_path / "commd.toml").write_text(config)
+            extra = ["--config", str(tmp_path / "commd.toml")]
+        c = ProgramCluster(tmp_path / f"fab{len(made)}", nnodes, dirs, extra=extra)
+        made.append(c)
+        return c.start()
+
+    yield make
+    for c in made:
+        c.stop()
+        print(c.logs())
+
+
+def program_dir(root: Path, name: str, files: dict[str, Algorithm | str]) -> Path:
+    from commd.algorithms import mscclxml
+
+    d = root / name
+    d.mkdir()
+    for stem, content in files.items():
+        if isinstance(content, str):
+            (d / f"{stem}.xml").write_text(content)
+        else:
+            mscclxml.dump(content, d / f"{stem}.xml")
+    return d
+
+
+def racy(n: int) -> str:
+    """The two-shot program with its first reduction made a plain receive (the checker refuses it)."""
+    from commd.algorithms import mscclxml
+
+    return mscclxml.dumps(twoshot_allreduce(n, "racy")).replace('type="rrc"', 'type="r"', 1)
+
+
+def test_two_nodes_rule_picks_a_user_file_and_bad_hints_fail_every_rank(
+        fabric: Callable[..., ProgramCluster], tmp_path: Path) -> None:
+    """A config rule picks the checked user file for all-reduces (NumPy-exact on even and uneven
+    sizes, counted per algorithm in the status); a refused file is listed and never runs; hints
+    naming an unknown or refused program fail every rank naming it."""
+    d = program_dir(tmp_path, "algos", {"pairs": twoshot_allreduce(2), "racy": racy(2)})
+    c = fabric(2, [d, d], config='[[algorithms]]\nname = "pairs"\nkind = "allreduce"\nmin_bytes = 16\n')
+    sizes = [3, 1000, 70_001]
+    cases = [("float32", "sum"), ("int64", "max")]
+    assert set(c.join(c.start_workers(aw.allreduces, [None], sizes, cases), timeout=120).values()) == {"ok"}
+    results = c.join(c.start_workers(aw.failing_hints, ["nosuch", "racy"]), timeout=120)
+    for rank, (unknown, refused) in results.items():
+        assert "unknown algorithm 'nosuch'" in unknown and "pairs" in unknown, (rank, unknown)
+        assert "algorithm 'racy' was refused at load" in refused and "wrong result" in refused, (rank, refused)
+    for node in range(2):
+        status = c.status(node)
+        fab = status["fabric"]
+        # the rule's range: every op of at least 16 bytes (the last one: failing_hints' plain all-reduce
+        # of 6 float32), not the 12-byte one, which ran the lane's own algorithm
+        assert fab["algorithm_ops"] == {"pairs": {"ops": 6, "bytes": 4 * (1000 + 70_001 + 6) + 8 * (3 + 1000 + 70_001)},
+                                        "native": {"ops": 1, "bytes": 12}}, fab["algorithm_ops"]
+        assert [r["name"] for r in fab["algorithms"]["refused"]] == ["racy"]
+        assert "pairs" in fab["algorithms"]["files"]
+
+
+def test_three_nodes_hinted_programs_equal_numpy(fabric: Callable[..., ProgramCluster], tmp_path: Path) -> None:
+    """Each all-reduce program by hint on 3 nodes (the library's when it is built, and a user
+    file) equals NumPy on several sizes, uneven ones included."""
+    d = program_dir(tmp_path, "algos", {"mine3": twoshot_allreduce(3)})
+    names = ["mine3"]
+    try:
+        from commd.algorithms import library
+    except ImportError:
+        library = None
+    if library is not None:
+        names += [n for n in library.names() if library.get(n, 3).coll == "allreduce"]
+    c = fabric(3, [d, d, d])
+    cases = [("float32", "sum"), ("int64", "min")]
+    out = c.join(c.start_workers(aw.allreduces, names, [1, 5, 4096, 100_003], cases), timeout=150)
+    assert set(out.values()) == {"ok"}, out
+    counts = c.status(0)["fabric"]["algorithm_ops"]
+    assert all(counts[n]["ops"] == 8 for n in names), counts
+
+
+def test_a_node_whose_copy_differs_fails_the_op_on_every_rank(fabric: Callable[..., ProgramCluster],
+                                                              tmp_path: Path) -> None:
+    """Node 1's file of the same name is another program: the op fails on every rank, naming the
+    released hash and node 1's; the fabric goes on (a plain all-reduce after it works)."""
+    from commd.algorithms import mscclxml
+
+    ours, theirs = twoshot_allreduce(2), twoshot_allreduce(2, "renamed")
+    d0 = program_dir(tmp_path, "n0", {"pairs": ours})
+    d1 = program_dir(tmp_path, "n1", {"pairs": theirs})
+    ours_hash, theirs_hash = (cat.digest_of(a, mscclxml.dumps)[:16] for a in (ours, theirs))
+    c = fabric(2, [d0, d1])
+    results = c.join(c.start_workers(aw.failing_hints, ["pairs"]), timeout=120)
+    for rank, (message,) in results.items():
+        assert "algorithm 'pairs' differs between nodes" in message, (rank, message)
+        assert f"release names sha256 {ours_hash}" in message and f"node 1 has sha256 {theirs_hash}" in message
