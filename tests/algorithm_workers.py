@@ -40,7 +40,7 @@ def allreduces(ctx: Any, algos: list[str | None], sizes: list[int], cases: list[
 
 
 def failing_hints(ctx: Any, names: list[str]) -> list[str]:
-    """An all_reduce hinted with each name must fail; the message of each, then a plain op still works."""
+    """An all_reduce hinted with each name must fail: the message of each (after each, a plain op works)."""
     client = ctx.connect()
     messages = []
     for name in names:
@@ -50,8 +50,8 @@ def failing_hints(ctx: Any, names: list[str]) -> list[str]:
             messages.append("no error")
         except Exception as exc:  # noqa: BLE001 - the message is the result
             messages.append(f"{type(exc).__name__}: {exc}")
-    t = torch.ones(6)
-    ops.all_reduce(client, t).wait(60)
-    assert t.tolist() == [float(ctx.world_size)] * 6, t
+        t = torch.ones(6)
+        ops.all_reduce(client, t).wait(60)
+        assert t.tolist() == [float(ctx.world_size)] * 6, t
     client.close()
     return messages

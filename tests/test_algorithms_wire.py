@@ -469,25 +469,34 @@ def test_two_nodes_rule_picks_a_user_file_and_bad_hints_fail_every_rank(
         fabric: Callable[..., ProgramCluster], tmp_path: Path) -> None:
     """A config rule picks the checked user file for all-reduces (NumPy-exact on even and uneven
     sizes, counted per algorithm in the status); a refused file is listed and never runs; hints
-    naming an unknown or refused program fail every rank naming it."""
-    d = program_dir(tmp_path, "algos", {"pairs": twoshot_allreduce(2), "racy": racy(2)})
-    c = fabric(2, [d, d], config='[[algorithms]]\nname = "pairs"\nkind = "allreduce"\nmin_bytes = 16\n')
+    naming an unknown or refused program fail every rank naming it; a program whose copy on
+    node 1 is another program fails every rank naming the released hash and node 1's, and the
+    fabric goes on (a plain all-reduce after each failure works)."""
+    from commd.algorithms import mscclxml
+
+    ours, theirs = twoshot_allreduce(2), twoshot_allreduce(2, "renamed")
+    d0 = program_dir(tmp_path, "n0", {"pairs": twoshot_allreduce(2), "racy": racy(2), "split": ours})
+    d1 = program_dir(tmp_path, "n1", {"pairs": twoshot_allreduce(2), "racy": racy(2), "split": theirs})
+    ours_hash, theirs_hash = (cat.digest_of(a, mscclxml.dumps)[:16] for a in (ours, theirs))
+    c = fabric(2, [d0, d1], config='[[algorithms]]\nname = "pairs"\nkind = "allreduce"\nmin_bytes = 16\n')
     sizes = [3, 1000, 70_001]
     cases = [("float32", "sum"), ("int64", "max")]
     assert set(c.join(c.start_workers(aw.allreduces, [None], sizes, cases), timeout=120).values()) == {"ok"}
-    results = c.join(c.start_workers(aw.failing_hints, ["nosuch", "racy"]), timeout=120)
-    for rank, (unknown, refused) in results.items():
+    results = c.join(c.start_workers(aw.failing_hints, ["nosuch", "racy", "split"]), timeout=120)
+    for rank, (unknown, refused, differs) in results.items():
         assert "unknown algorithm 'nosuch'" in unknown and "pairs" in unknown, (rank, unknown)
         assert "algorithm 'racy' was refused at load" in refused and "wrong result" in refused, (rank, refused)
+        assert "algorithm 'split' differs between nodes" in differs, (rank, differs)
+        assert f"release names sha256 {ours_hash}" in differs and f"node 1 has sha256 {theirs_hash}" in differs
     for node in range(2):
-        status = c.status(node)
-        fab = status["fabric"]
-        # the rule's range: every op of at least 16 bytes (the last one: failing_hints' plain all-reduce
-        # of 6 float32), not the 12-byte one, which ran the lane's own algorithm
-        assert fab["algorithm_ops"] == {"pairs": {"ops": 6, "bytes": 4 * (1000 + 70_001 + 6) + 8 * (3 + 1000 + 70_001)},
-                                        "native": {"ops": 1, "bytes": 12}}, fab["algorithm_ops"]
+        fab = c.status(node)["fabric"]
+        # the rule's range: every op of at least 16 bytes (the last: failing_hints' plain all-reduces of
+        # 6 float32), not the 12-byte one, which ran the lane's own algorithm; 'split' never ran
+        assert fab["algorithm_ops"] == {
+            "pairs": {"ops": 5 + 3, "bytes": 4 * (1000 + 70_001 + 3 * 6) + 8 * (3 + 1000 + 70_001)},
+            "native": {"ops": 1, "bytes": 12}}, fab["algorithm_ops"]
         assert [r["name"] for r in fab["algorithms"]["refused"]] == ["racy"]
-        assert "pairs" in fab["algorithms"]["files"]
+        assert sorted(fab["algorithms"]["files"]) == ["pairs", "split"]
 
 
 def test_three_nodes_hinted_programs_equal_numpy(fabric: Callable[..., ProgramCluster], tmp_path: Path) -> None:
@@ -507,20 +516,3 @@ def test_three_nodes_hinted_programs_equal_numpy(fabric: Callable[..., ProgramCl
     assert set(out.values()) == {"ok"}, out
     counts = c.status(0)["fabric"]["algorithm_ops"]
     assert all(counts[n]["ops"] == 8 for n in names), counts
-
-
-def test_a_node_whose_copy_differs_fails_the_op_on_every_rank(fabric: Callable[..., ProgramCluster],
-                                                              tmp_path: Path) -> None:
-    """Node 1's file of the same name is another program: the op fails on every rank, naming the
-    released hash and node 1's; the fabric goes on (a plain all-reduce after it works)."""
-    from commd.algorithms import mscclxml
-
-    ours, theirs = twoshot_allreduce(2), twoshot_allreduce(2, "renamed")
-    d0 = program_dir(tmp_path, "n0", {"pairs": ours})
-    d1 = program_dir(tmp_path, "n1", {"pairs": theirs})
-    ours_hash, theirs_hash = (cat.digest_of(a, mscclxml.dumps)[:16] for a in (ours, theirs))
-    c = fabric(2, [d0, d1])
-    results = c.join(c.start_workers(aw.failing_hints, ["pairs"]), timeout=120)
-    for rank, (message,) in results.items():
-        assert "algorithm 'pairs' differs between nodes" in message, (rank, message)
-        assert f"release names sha256 {ours_hash}" in message and f"node 1 has sha256 {theirs_hash}" in message
