@@ -93,6 +93,45 @@ def swap_2r(first: StepType = T.SEND) -> Algorithm:
     return Algorithm("swap", "allreduce", 2, 1, 1, True, tuple(ranks))
 
 
+def ring_reducescatter(nranks: int, inplace: bool) -> Algorithm:
+    """Ring reduce-scatter: chunk c starts at rank c+1 and is reduced on its way to rank c with
+    ``rrs`` (reduce and pass on, no local write), finished by ``rrc``: into ``i[r]`` in place,
+    else into ``o[0]``."""
+    ranks = []
+    for r in range(nranks):
+        steps = [Step(0, T.SEND, "i", (r - 1) % nranks, "i", (r - 1) % nranks, 1)]
+        for j in range(1, nranks):
+            c = (r - 1 - j) % nranks
+            last = j == nranks - 1
+            kind = T.RECV_REDUCE_COPY if last else T.RECV_REDUCE_SEND
+            dst = ("i", r) if inplace or not last else ("o", 0)
+            steps.append(Step(j, kind, "i", c, dst[0], dst[1], 1))
+        ranks.append(Rank(r, nranks, 0 if inplace else 1, 0,
+                          (Threadblock(0, (r + 1) % nranks, (r - 1) % nranks, 0, tuple(steps)),)))
+    return Algorithm("rs", "reducescatter", nranks, nranks, 1, inplace, tuple(ranks))
+
+
+def ring_allgather_in_place(nranks: int) -> Algorithm:
+    """In-place ring all-gather: rank r's input already sits at ``o[r]`` (s, rcs…, r)."""
+    ranks = []
+    for r in range(nranks):
+        seq = [(T.SEND, r)] + [(T.RECV_COPY_SEND, (r - j) % nranks) for j in range(1, nranks - 1)]
+        seq.append((T.RECV, (r + 1) % nranks))
+        steps = tuple(Step(s, t, "o", c, "o", c, 1) for s, (t, c) in enumerate(seq))
+        ranks.append(Rank(r, 0, nranks, 0, (Threadblock(0, (r + 1) % nranks, (r - 1) % nranks, 0, steps),)))
+    return Algorithm("ag", "allgather", nranks, nranks, 1, True, tuple(ranks))
+
+
+def chain_broadcast(nranks: int) -> Algorithm:
+    """Out-of-place chain broadcast from rank 0 (copy, s; rcs…; r), two chunks per step."""
+    ranks = [Rank(0, 2, 2, 0, (Threadblock(0, 1, -1, 0, (Step(0, T.SEND, "i", 0, "i", 0, 2),)),
+                               Threadblock(1, -1, -1, 0, (Step(0, T.COPY, "i", 0, "o", 0, 2),))))]
+    for r in range(1, nranks):
+        kind, send = (T.RECV_COPY_SEND, r + 1) if r < nranks - 1 else (T.RECV, -1)
+        ranks.append(Rank(r, 2, 2, 0, (Threadblock(0, send, r - 1, 0, (Step(0, kind, "i", 0, "o", 0, 2),)),)))
+    return Algorithm("bc", "broadcast", nranks, 2, 1, False, tuple(ranks))
+
+
 def reduce_all(arrays: list[np.ndarray], op: str) -> np.ndarray:
     return functools.reduce(UFUNCS[op], arrays[1:], arrays[0].copy())
 
@@ -329,6 +368,29 @@ def test_simulating_every_accepted_msccl_file_equals_numpy(name: str) -> None:
                     np.testing.assert_allclose(got[r], want, rtol=1e-5, atol=1e-5, err_msg=f"rank {r}")
             if algo.coll == "allreduce" and dtype == "float32":  # every file here is deterministic
                 assert all(np.array_equal(g, got[0]) for g in got), "ranks differ bit-wise"
+
+
+@pytest.mark.parametrize("nranks", [2, 3, 4])
+def test_reduce_scatter_all_gather_and_broadcast_in_and_out_of_place(nranks: int) -> None:
+    for count in (1, 7, 64):
+        for inplace in (False, True):
+            algo = ring_reducescatter(nranks, inplace)
+            inputs = make_inputs(algo, count, "int64")  # R·count each: block r is rank r's result
+            assert inputs[0].size == nranks * count
+            total = np.sum(inputs, axis=0)
+            for r, got in enumerate(simulate(algo, inputs, tile_elements=4)):
+                np.testing.assert_array_equal(got, total[r * count:(r + 1) * count], err_msg=f"in place {inplace}")
+            outputs, _, _ = interpret(algo, inputs, tile_bytes=16, count=count)
+            for r, got in enumerate(outputs):
+                np.testing.assert_array_equal(got, total[r * count:(r + 1) * count], err_msg=f"in place {inplace}")
+        algo = ring_allgather_in_place(nranks)
+        inputs = make_inputs(algo, count, "int64")
+        for got in simulate(algo, inputs, tile_elements=4) + interpret(algo, inputs, tile_bytes=16)[0]:
+            np.testing.assert_array_equal(got, np.concatenate(inputs))
+        algo = chain_broadcast(nranks)
+        inputs = make_inputs(algo, count, "float32")
+        for got in simulate(algo, inputs, tile_elements=4) + interpret(algo, inputs, tile_bytes=16)[0]:
+            assert np.array_equal(got, inputs[0])
 
 
 # --- the interpreter ----------------------------------------------------------------------------
