@@ -212,15 +212,23 @@ def allocate(layout: RankLayout, dtype: np.dtype, inp: np.ndarray, out: np.ndarr
     inner, outer, offset = layout.alias
     outer_layout = layout.buffer(outer)
     view = slice(offset * layout.q, (offset + layout.buffer(inner).chunks) * layout.q)
-    if outer == "o" and not outer_layout.padded:
-        big = out  # the result is computed in the user's output itself
+    # compute in the user's output itself when it is the whole aliased buffer, unpadded
+    # (all-gather's output; all-reduce's, broadcast's and all-to-all's, the size of the input)
+    if not outer_layout.padded and (outer == "o" or (offset == 0 and outer_layout.user_elements == out.size)):
+        big = out
     else:
         big = np.zeros(outer_layout.working_elements, dtype)
     work = {outer: big, inner: big[view], "s": scratch}
-    layout.i.load(inp, work["i"])  # a no-op copy when the caller already put it there
+    if not _same_memory(inp, work["i"]):
+        layout.i.load(inp, work["i"])
     if big is not out:
         stores.append((layout.o, work["o"], out))
     return work, stores
+
+
+def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether ``a`` and ``b`` are the same elements (an in-place call: nothing to copy)."""
+    return a.size == b.size and a.dtype == b.dtype and (a.size == 0 or a.ctypes.data == b.ctypes.data)
 
 
 def finish(stores: list[tuple[BufferLayout, np.ndarray, np.ndarray]]) -> None:
