@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from commd.algorithms.dsl import Operation, Slots
 from commd.algorithms.ir import StepType
+from commd.algorithms.trace import Operation, Slots
 
 
 @dataclass(eq=False)

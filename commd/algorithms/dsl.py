@@ -14,7 +14,6 @@ the program and the line of the program that did it.
 from __future__ import annotations
 
 import contextlib
-import enum
 import inspect
 import os
 from collections.abc import Iterator
@@ -35,8 +34,10 @@ from commd.algorithms.collectives import (
     ReduceScatter,
     Value,
 )
+from commd.algorithms.compiler import compile_program
 from commd.algorithms.errors import ProgramError
 from commd.algorithms.ir import Algorithm
+from commd.algorithms.trace import Operation, Slots, ThreadblockPolicy
 
 __all__ = [
     "AllGather", "AllReduce", "AllToAll", "AllToNext", "Broadcast", "Buffer", "Check", "Chunk", "Collective",
@@ -45,13 +46,6 @@ __all__ = [
 ]
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-
-
-class ThreadblockPolicy(enum.Enum):
-    """``auto``: the compiler assigns threadblocks (hints honoured); ``manual``: every transfer names its own."""
-
-    auto = "auto"
-    manual = "manual"
 
 
 class Topology:
@@ -79,37 +73,6 @@ def buffer_name(buffer: Any) -> str:
     if isinstance(buffer, Buffer):
         return buffer.value
     return str(buffer)
-
-
-@dataclass(frozen=True)
-class Slots:
-    """Chunks ``[index, index + size)`` of buffer ``buffer`` on ``rank`` (in-place aliasing resolved)."""
-
-    rank: int
-    buffer: str
-    index: int
-    size: int
-
-    @property
-    def end(self) -> int:
-        return self.index + self.size
-
-    def overlaps(self, other: Slots) -> bool:
-        return (self.rank == other.rank and self.buffer == other.buffer
-                and self.index < other.end and other.index < self.end)
-
-
-@dataclass(frozen=True)
-class Operation:
-    """One traced operation: ``copy`` (dst ← src) or ``reduce`` (dst ← dst ⊕ src), with its hints."""
-
-    kind: str  # "copy" or "reduce"
-    src: Slots
-    dst: Slots
-    sendtb: int
-    recvtb: int
-    ch: int
-    where: str  # the program line that asked for it
 
 
 _current: MSCCLProgram | None = None
@@ -261,7 +224,6 @@ class MSCCLProgram:
     def compile(self) -> Algorithm:
         """The program lowered to the IR (cached until the program records more)."""
         if self._algorithm is None:
-            from commd.algorithms.compiler import compile_program
             self._algorithm = compile_program(self)
         return self._algorithm
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 
 from commd.algorithms.dag import Instruction
-from commd.algorithms.dsl import Slots
 from commd.algorithms.schedule import Block, Schedule
+from commd.algorithms.trace import Slots
 
 
 def scratch_extents(schedule: Schedule) -> dict[tuple[int, str], int]:

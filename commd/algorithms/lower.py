@@ -11,9 +11,9 @@ Threadblock ids are renumbered densely per rank.
 from __future__ import annotations
 
 from commd.algorithms.dag import Instruction
-from commd.algorithms.dsl import Slots
 from commd.algorithms.ir import Algorithm, Rank, Step, StepType, Threadblock
 from commd.algorithms.schedule import Schedule
+from commd.algorithms.trace import Slots
 
 
 def scratch_offsets(extents: dict[tuple[int, str], int], instances: int) -> dict[tuple[int, str], int]:
