@@ -169,8 +169,8 @@ def assign(dag: Dag, source: str, manual: bool) -> Schedule:
         level = levels(dag)
         for ins in sorted(dag.ranks[rank], key=lambda x: (level[x], x.order)):
             assigner.place_hinted(ins)
-        level = levels(dag)
-        for ins in sorted(dag.ranks[rank], key=lambda x: (level[x], x.order)):
+        level = levels(dag)  # transfers first: local steps then join the threadblock of what they wait for
+        for ins in sorted(dag.ranks[rank], key=lambda x: (x.send_to < 0 and x.recv_from < 0, level[x], x.order)):
             assigner.place_auto(ins)
         blocks.append(assigner.blocks)
     return Schedule(blocks)
