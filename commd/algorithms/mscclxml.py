@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Any
 from xml.parsers import expat
 
 from commd.algorithms.errors import ProgramError
@@ -183,7 +184,7 @@ class _Reader:
         self.parser.StartDoctypeDeclHandler = self._doctype  # refused earlier too; never let one through
         self.parser.EntityDeclHandler = self._entity
         self.stack: list[str] = []
-        self.head: dict[str, object] = {}
+        self.head: dict[str, Any] = {}  # <algo>'s fields, as Algorithm takes them
         self.ranks: list[Rank] = []
         self.threadblocks: list[Threadblock] = []
         self.steps: list[Step] = []
@@ -251,7 +252,7 @@ class _Reader:
         coll = attrs["coll"]
         if coll not in COLLECTIVES:
             raise self._fail(f"<algo> attribute coll={coll!r} is not a known collective ({', '.join(COLLECTIVES)})")
-        head: dict[str, object] = {
+        self.head = {
             "name": name, "proto": proto, "coll": coll,
             "nchannels": self._integer("algo", attrs, "nchannels", 1),
             "nchunksperloop": self._integer("algo", attrs, "nchunksperloop", 1),
@@ -261,28 +262,26 @@ class _Reader:
             "min_bytes": self._integer("algo", attrs, "minBytes", 0, _INT64_MAX) if "minBytes" in attrs else None,
             "max_bytes": self._integer("algo", attrs, "maxBytes", 0, _INT64_MAX) if "maxBytes" in attrs else None,
         }
-        self.head = head
 
     def _end_algo(self) -> None:
         ngpus = self.head["ngpus"]
-        assert isinstance(ngpus, int)
         if len(self.ranks) < ngpus:
             missing = len(self.ranks) if len(self.ranks) == ngpus - 1 else f"{len(self.ranks)}..{ngpus - 1}"
             raise self._fail(f"ngpus={ngpus} but <gpu id> {missing} missing")
-        self.result = Algorithm(ranks=tuple(self.ranks), **self.head)  # type: ignore[arg-type]
+        self.result = Algorithm(ranks=tuple(self.ranks), **self.head)
 
     def _start_gpu(self, attrs: dict[str, str]) -> None:
+        gpu_id = self.rank_id = self._identify("gpu", attrs, "id")
         self._attributes("gpu", attrs, GPU_ATTRIBUTES)
-        gpu_id = self._integer("gpu", attrs, "id", 0)
-        self.rank_id = gpu_id
+        assert gpu_id is not None  # a missing id was refused just above
         expected = len(self.ranks)
         ngpus = self.head["ngpus"]
         if gpu_id < expected:
             raise self._fail(f"duplicate <gpu id={gpu_id}>")
         if gpu_id > expected:
             raise self._fail(f"<gpu id={gpu_id}> out of order: expected id={expected} (gpu ids are 0..ngpus-1 in order)")
-        if gpu_id >= ngpus:  # type: ignore[operator]
-            raise self._fail(f"<gpu id={gpu_id}> is outside 0..{ngpus - 1} (ngpus={ngpus})")  # type: ignore[operator]
+        if gpu_id >= ngpus:
+            raise self._fail(f"<gpu id={gpu_id}> is outside 0..{ngpus - 1} (ngpus={ngpus})")
         self.gpu = (gpu_id, self._integer("gpu", attrs, "i_chunks", 0), self._integer("gpu", attrs, "o_chunks", 0),
                     self._integer("gpu", attrs, "s_chunks", 0))
         self.threadblocks = []
@@ -296,9 +295,9 @@ class _Reader:
         self.rank_id = None
 
     def _start_tb(self, attrs: dict[str, str]) -> None:
+        tb_id = self.tb_id = self._identify("tb", attrs, "id")
         self._attributes("tb", attrs, TB_ATTRIBUTES)
-        tb_id = self._integer("tb", attrs, "id", 0)
-        self.tb_id = tb_id
+        assert tb_id is not None  # a missing id was refused just above
         expected = len(self.threadblocks)
         if tb_id < expected:
             raise self._fail(f"duplicate <tb id={tb_id}>")
@@ -316,9 +315,9 @@ class _Reader:
         self.tb_id = None
 
     def _start_step(self, attrs: dict[str, str]) -> None:
+        s = self.step_id = self._identify("step", attrs, "s")
         self._attributes("step", attrs, STEP_ATTRIBUTES)
-        s = self._integer("step", attrs, "s", 0)
-        self.step_id = s
+        assert s is not None  # a missing id was refused just above
         expected = len(self.steps)
         if s < expected:
             raise self._fail(f"duplicate <step s={s}>")
@@ -347,6 +346,10 @@ class _Reader:
         self.step_id = None
 
     # -- attributes
+
+    def _identify(self, tag: str, attrs: dict[str, str], key: str) -> int | None:
+        """The element's id, read first so that every later refusal names it (None while absent)."""
+        return self._integer(tag, attrs, key, 0) if key in attrs else None
 
     def _attributes(self, tag: str, attrs: dict[str, str], required: tuple[str, ...],
                     optional: tuple[str, ...] = ()) -> None:
