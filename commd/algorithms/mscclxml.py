@@ -353,6 +353,8 @@ class _Reader:
 
     def _attributes(self, tag: str, attrs: dict[str, str], required: tuple[str, ...],
                     optional: tuple[str, ...] = ()) -> None:
+        if len(attrs) == len(required) and all(key in attrs for key in required):
+            return  # the common case: exactly the required ones
         unknown = [key for key in attrs if key not in required and key not in optional]
         if unknown:
             raise self._fail(f"<{tag}> has unknown attribute{'s' if len(unknown) > 1 else ''} "
