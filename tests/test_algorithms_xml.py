@@ -475,3 +475,13 @@ def test_file_refusals_name_the_path(tmp_path: Path) -> None:
     with pytest.raises(ProgramError) as info:
         mscclxml.load(path)
     assert str(info.value).startswith(f"{path}, rank 1, threadblock 0, step 1: <step> attribute type='recv'")
+
+
+def test_declaration_comments_crlf_and_bom_are_accepted(tmp_path: Path) -> None:
+    """What XML tools add around the same program changes nothing."""
+    decorated = '<?xml version="1.0" encoding="UTF-8"?>\n<!-- made by hand -->\n' + GOOD.replace(
+        "<gpu id=\"1\"", "<!-- the second rank --><gpu id=\"1\"")
+    assert mscclxml.loads(decorated.replace("\n", "\r\n")) == mscclxml.loads(GOOD)
+    path = tmp_path / "bom.xml"
+    path.write_bytes(b"\xef\xbb\xbf" + GOOD.encode())
+    assert mscclxml.load(path) == mscclxml.loads(GOOD)
