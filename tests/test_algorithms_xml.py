@@ -485,3 +485,8 @@ def test_declaration_comments_crlf_and_bom_are_accepted(tmp_path: Path) -> None:
     path = tmp_path / "bom.xml"
     path.write_bytes(b"\xef\xbb\xbf" + GOOD.encode())
     assert mscclxml.load(path) == mscclxml.loads(GOOD)
+
+
+def test_refusals_quote_long_values_cut_short() -> None:
+    err = _refused(_edit_line(LAST_STEP, 'type="r"', f'type="{"x" * 100_000}"'))
+    assert f"type={'x' * 40!r}… is not a known step type" in err.reason and len(str(err)) < 300

@@ -161,6 +161,11 @@ def _text(value: object, where: str) -> str:
     return value
 
 
+def _shown(value: str, limit: int = 40) -> str:
+    """A value from the file as an error message quotes it: repr'd, and cut short."""
+    return repr(value) if len(value) <= limit else repr(value[:limit]) + "…"
+
+
 def _too_big(size: int, unit: str) -> str:
     return f"{size} {unit} is over the {MAX_BYTES // (1024 * 1024)} MiB limit on program files"
 
@@ -235,9 +240,7 @@ class _Reader:
 
     def _text(self, data: str) -> None:
         if data.strip():
-            shown = data.strip()
-            shown = shown if len(shown) <= 40 else shown[:40] + "…"
-            raise self._fail(f"text {shown!r} inside <{self.stack[-1]}>: MSCCL files carry only elements")
+            raise self._fail(f"text {_shown(data.strip())} inside <{self.stack[-1]}>: MSCCL files carry only elements")
 
     # -- elements
 
@@ -245,13 +248,13 @@ class _Reader:
         self._attributes("algo", attrs, ALGO_ATTRIBUTES, ALGO_OPTIONAL_ATTRIBUTES)
         name = attrs["name"]
         if not name or len(name) > _MAX_NAME or not name.isprintable():
-            raise self._fail(f"<algo> attribute name={name!r} must be 1..{_MAX_NAME} printable characters")
+            raise self._fail(f"<algo> attribute name={_shown(name)} must be 1..{_MAX_NAME} printable characters")
         proto = attrs["proto"]
         if proto not in PROTOCOLS:
-            raise self._fail(f"<algo> attribute proto={proto!r} is not one of MSCCL's protocols {', '.join(PROTOCOLS)}")
+            raise self._fail(f"<algo> attribute proto={_shown(proto)} is not one of MSCCL's protocols {', '.join(PROTOCOLS)}")
         coll = attrs["coll"]
         if coll not in COLLECTIVES:
-            raise self._fail(f"<algo> attribute coll={coll!r} is not a known collective ({', '.join(COLLECTIVES)})")
+            raise self._fail(f"<algo> attribute coll={_shown(coll)} is not a known collective ({', '.join(COLLECTIVES)})")
         self.head = {
             "name": name, "proto": proto, "coll": coll,
             "nchannels": self._integer("algo", attrs, "nchannels", 1),
@@ -327,7 +330,7 @@ class _Reader:
             step_type = StepType(attrs["type"])
         except ValueError:
             known = ", ".join(t.value for t in StepType)
-            raise self._fail(f"<step> attribute type={attrs['type']!r} is not a known step type ({known})") from None
+            raise self._fail(f"<step> attribute type={_shown(attrs['type'])} is not a known step type ({known})") from None
         lowest_offset = -1 if step_type is StepType.NOP else 0  # msccl-tools writes nop's unused offsets as -1
         srcbuf = self._buffer(attrs, "srcbuf")
         srcoff = self._integer("step", attrs, "srcoff", lowest_offset)
@@ -366,7 +369,7 @@ class _Reader:
     def _integer(self, tag: str, attrs: dict[str, str], key: str, low: int, high: int = _INT32_MAX) -> int:
         text = attrs[key]
         if not _INTEGER.fullmatch(text):
-            raise self._fail(f"<{tag}> attribute {key}={text!r} is not an integer")
+            raise self._fail(f"<{tag}> attribute {key}={_shown(text)} is not an integer")
         value = int(text)
         if value < low:
             bound = "-1 or ≥ 0" if low == -1 else f"≥ {low}"
@@ -378,11 +381,11 @@ class _Reader:
     def _boolean(self, tag: str, attrs: dict[str, str], key: str) -> bool:
         text = attrs[key]
         if text not in ("0", "1"):
-            raise self._fail(f"<{tag}> attribute {key}={text!r} must be 0 or 1")
+            raise self._fail(f"<{tag}> attribute {key}={_shown(text)} must be 0 or 1")
         return text == "1"
 
     def _buffer(self, attrs: dict[str, str], key: str) -> str:
         text = attrs[key]
         if text not in BUFFERS:
-            raise self._fail(f"<step> attribute {key}={text!r} is not a buffer ({', '.join(BUFFERS)})")
+            raise self._fail(f"<step> attribute {key}={_shown(text)} is not a buffer ({', '.join(BUFFERS)})")
         return text
