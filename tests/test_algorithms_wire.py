@@ -10,6 +10,7 @@ checker, library) so that each refusal path is exercised on purpose.
 from __future__ import annotations
 
 import functools
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -29,6 +30,7 @@ from commd.algorithms.ir import Algorithm
 from commd.lanes.base import LaneError, Transport, memory_view, refuse_program
 from commd.lanes.tcp import TcpLane
 from commd.protocol import fabric as wire
+from commd.protocol import schema as s
 
 SECRET = "job-secret-for-tests"
 JOIN_S = 30.0
@@ -516,3 +518,107 @@ def test_three_nodes_hinted_programs_equal_numpy(fabric: Callable[..., ProgramCl
     assert set(out.values()) == {"ok"}, out
     counts = c.status(0)["fabric"]["algorithm_ops"]
     assert all(counts[n]["ops"] == 8 for n in names), counts
+
+
+# ---- the coordinator's choice (pure logic) ----------------------------------------------------
+
+
+class AnyLane:
+    def can_run(self, primitive: str, dtype: str, reduce_op: str | None, nodes: tuple[int, ...]) -> None:
+        return None
+
+
+def report(seq: int, node: int, nbytes: int = 4096, algo: str = "", lane: str = "", data: bytes | None = None,
+           cid: int | None = None, kind: str = "allreduce") -> wire.Ready:
+    if cid is not None:
+        return wire.Ready.from_wire({"t": "ready", "g": "g", "s": seq, "c": cid, **({"d": data} if data else {})})
+    sig = {"lane": lane, "algo": algo, "dtype": "float32", "count": nbytes // 4, "reduce_op": "sum", "scale": 1.0}
+    item = {"t": "ready", "g": "g", "s": seq, "k": kind, "sig": sig, "ranks": [0, 1], "pl": [0, 1], "n": [0, 1],
+            "mine": [node], "nb": nbytes, "to": 30.0}
+    if data is not None:
+        item["d"] = data
+    return wire.Ready.from_wire(item)
+
+
+def release(coord: Any, seq: int, **kw: Any) -> dict[int, list[dict[str, Any]]]:
+    from commd.scheduler.coordinator import Outbox
+
+    out = Outbox()
+    for node in (0, 1):
+        coord.report(node, [report(seq, node, **kw)], out)
+    return {node: [m.to_wire() for m in messages] for node, messages in out.messages.items()}
+
+
+def coordinator(config_text: str = "") -> Any:
+    import tomllib
+
+    from commd.scheduler.config import parse_config
+    from commd.scheduler.coordinator import Coordinator
+
+    catalog = cat.Catalog(tools=fake_tools({"twoshot": lambda n: empty_algo("twoshot", n),
+                                            "a2a": lambda n: empty_algo("a2a", n, "alltoall")}))
+    config = parse_config(tomllib.loads(config_text))
+    return Coordinator(2, config, {"tcp": AnyLane(), "gloo": AnyLane()}, catalog=catalog), catalog
+
+
+def test_coordinator_releases_the_hinted_program_with_its_hash() -> None:
+    coord, catalog = coordinator()
+    twoshot = catalog.get("twoshot", 2)
+    assert isinstance(twoshot, cat.Program)
+    sent = release(coord, 0, algo="twoshot", nbytes=8, data=b"\0" * 8)  # tiny, with contributions
+    for node in (0, 1):
+        (go,) = sent[node]
+        assert (go["l"], go["a"], go["ah"]) == ("tcp", "twoshot", twoshot.digest)
+        assert "r" not in go  # the program runs it: not reduced by the coordinator
+    cid = sent[0][0]["c"]
+    cached = release(coord, 1, cid=cid)  # the fast path releases the same program
+    assert [(m["a"], m["ah"]) for m in cached[0]] == [("twoshot", twoshot.digest)]
+    plain = release(coord, 2)
+    assert "a" not in plain[0][0]
+
+
+def test_coordinator_fails_every_node_when_a_hint_cannot_be_honoured() -> None:
+    coord, _ = coordinator()
+    cases = [({"algo": "nosuch"}, "unknown algorithm 'nosuch' (known: a2a, twoshot)"),
+             ({"algo": "a2a"}, "algorithm 'a2a' is a alltoall program, not allreduce"),
+             ({"algo": "twoshot", "lane": "gloo"}, "the op's lane is 'gloo'")]
+    for seq, (kw, reason) in enumerate(cases):
+        sent = release(coord, seq, **kw)
+        for node in (0, 1):
+            (fail,) = sent[node]
+            assert fail["t"] == "fail" and fail["code"] == s.E_PROTOCOL and reason in fail["m"], fail
+
+
+def test_coordinator_rules_pick_a_program_by_size_and_skip_one_that_cannot_run(
+        caplog: pytest.LogCaptureFixture) -> None:
+    coord, catalog = coordinator('[[algorithms]]\nname = "a2a"\n'
+                                 '[[algorithms]]\nname = "twoshot"\nkind = "allreduce"\nmin_bytes = 1024\n'
+                                 'max_bytes = 65536\n')
+    with caplog.at_level("WARNING", logger="commd.coordinator"):
+        big = release(coord, 0, nbytes=4096)
+    assert big[0][0]["a"] == "twoshot"
+    assert "algorithm rule for 'a2a' skipped for allreduce of 4096 bytes on 2 nodes: algorithm 'a2a' is a " \
+        "alltoall program" in caplog.text
+    small, huge = release(coord, 1, nbytes=512), release(coord, 2, nbytes=1 << 20)
+    assert "a" not in small[0][0] and "a" not in huge[0][0]  # outside the rule's range: the lane's own
+    lane_hint = release(coord, 3, nbytes=4096, lane="gloo")  # rules choose programs for tcp ops only
+    assert lane_hint[0][0]["l"] == "gloo" and "a" not in lane_hint[0][0]
+
+
+def test_algorithm_rules_in_the_config_are_validated() -> None:
+    import tomllib
+
+    from commd.scheduler.config import config_from_wire, parse_config
+
+    config = parse_config(tomllib.loads('[scheduler]\nalgorithms_dir = "/x"\n'
+                                        '[[algorithms]]\nname = "twoshot"\nmin_group = 2\nmax_bytes = 100\n'))
+    assert config.algorithms_dir == "/x" and config.algorithm_rules[0].matches("allreduce", 100, 2)
+    assert not config.algorithm_rules[0].matches("allreduce", 101, 2)
+    assert config_from_wire(config.to_wire()).algorithm_rules == config.algorithm_rules  # travels to members
+    for text, complaint in (('[[algorithms]]\nkind = "allreduce"\n', "'name' must be an algorithm's name"),
+                            ('[[algorithms]]\nname = "x"\nlane = "tcp"\n', "unknown key(s) ['lane']"),
+                            ('[[algorithms]]\nname = "x"\nkind = "nope"\n', "'kind' 'nope' is not"),
+                            ('[[algorithms]]\nname = "x"\nmin_bytes = 9\nmax_bytes = 1\n', "empty range"),
+                            ('[scheduler]\nalgorithms_dir = 3\n', "algorithms_dir must be a path")):
+        with pytest.raises(ValueError, match=re.escape(complaint)):
+            parse_config(tomllib.loads(text))
