@@ -622,3 +622,17 @@ def test_algorithm_rules_in_the_config_are_validated() -> None:
                             ('[scheduler]\nalgorithms_dir = 3\n', "algorithms_dir must be a path")):
         with pytest.raises(ValueError, match=re.escape(complaint)):
             parse_config(tomllib.loads(text))
+
+
+def test_status_text_counts_ops_per_algorithm_and_lists_refused_programs() -> None:
+    from commd.cli.status import format_status
+
+    text = format_status({"fabric": {
+        "node": 0, "nodes": [], "lanes": ["tcp"],
+        "algorithm_ops": {"twoshot": {"ops": 12, "bytes": 4096}, "native": {"ops": 3, "bytes": 12}},
+        "algorithms": {"directory": "/algos", "files": {"mine": {"sha256": DIGEST_A, "path": "/algos/mine.xml"}},
+                       "refused": [{"name": "racy", "path": "/algos/racy.xml", "reason": "rank 0: wrong result"}]},
+    }})
+    assert "inter-node ops per algorithm ('native': the lane's own): native 3 (12 B), twoshot 12 (4.0 KiB)" in text
+    assert f"programs from /algos: mine (sha256 {DIGEST_A[:16]})" in text
+    assert "REFUSED program racy: rank 0: wrong result" in text
