@@ -98,8 +98,8 @@ class ExchangeRunner:
         self.calls: list[tuple[str, tuple[int, ...], int, int]] = []
 
     def __call__(self, tp: Transport, prog: cat.Program, nodes: tuple[int, ...], me: int, arr: np.ndarray,
-                 op: str, deadline: float, plans: Any) -> None:
-        assert op == "sum" and deadline > time.monotonic()
+                 out: np.ndarray, op: str, deadline: float, plans: Any) -> None:
+        assert op == "sum" and deadline > time.monotonic() and out is arr
         self.calls.append((prog.name, nodes, me, arr.size))
         parts = [arr.copy() if i == me else np.empty_like(arr) for i in range(len(nodes))]
         for i, node in enumerate(nodes):
@@ -167,7 +167,7 @@ def test_lane_checks_hashes_once_per_program_and_nodes(lanes: Callable[[int], li
     chosen = cat.Chosen("idle", DIGEST_A, program("idle", 2, DIGEST_A))
     calls: list[int] = []
     for lane in two:
-        lane.program_runner = lambda tp, prog, nodes, me, arr, op, deadline, plans: calls.append(me)
+        lane.program_runner = lambda tp, prog, nodes, me, arr, out, op, deadline, plans: calls.append(me)
     bufs = [torch.full((16,), float(i + 1)) for i in nodes]
     for _ in range(3):
         assert run_nodes([lambda i=i: two[i].allreduce(nodes, bufs[i], "sum", 10.0, program=chosen)
@@ -180,8 +180,8 @@ def test_lane_checks_hashes_once_per_program_and_nodes(lanes: Callable[[int], li
 def test_lane_runner_failure_is_a_lane_error_naming_the_call(lanes: Callable[[int], list[TcpLane]]) -> None:
     two = lanes(2)
 
-    def broken(tp: Transport, prog: cat.Program, nodes: Any, me: int, arr: Any, op: str, deadline: float,
-               plans: Any) -> None:
+    def broken(tp: Transport, prog: cat.Program, nodes: Any, me: int, arr: Any, out: Any, op: str,
+               deadline: float, plans: Any) -> None:
         raise RuntimeError("plan cannot be built")
 
     for lane in two:
@@ -261,7 +261,7 @@ def test_catalog_says_why_a_program_cannot_run() -> None:
                                             "a2a": lambda n: empty_algo("a2a", n, "alltoall")}))
     assert catalog.runnable("nosuch", "allreduce", 2, "float32", "sum") == \
         "unknown algorithm 'nosuch' (known: a2a, twoshot)"
-    assert "programs run allreduce only" in catalog.runnable("twoshot", "broadcast", 2, "float32", None)
+    assert "programs run allreduce, alltoall only" in catalog.runnable("twoshot", "broadcast", 2, "float32", None)
     assert catalog.runnable("a2a", "allreduce", 2, "float32", "sum") == \
         "algorithm 'a2a' is a alltoall program, not allreduce"
     assert "no bfloat16" in catalog.runnable("twoshot", "allreduce", 2, "bfloat16", "sum")
@@ -502,22 +502,22 @@ def test_two_nodes_rule_picks_a_user_file_and_bad_hints_fail_every_rank(
 
 
 def test_three_nodes_hinted_programs_equal_numpy(fabric: Callable[..., ProgramCluster], tmp_path: Path) -> None:
-    """Each all-reduce program by hint on 3 nodes (the library's when it is built, and a user
-    file) equals NumPy on several sizes, uneven ones included."""
+    """Each all-reduce program by hint on 3 nodes (the library's, and a user file) equals NumPy on
+    several sizes, uneven ones included; the library's all-to-all by hint moves every block right."""
     d = program_dir(tmp_path, "algos", {"mine3": twoshot_allreduce(3)})
     names = ["mine3"]
-    try:
-        from commd.algorithms import library
-    except ImportError:
-        library = None
-    if library is not None:
-        names += [n for n in library.names() if library.get(n, 3).coll == "allreduce"]
+    from commd.algorithms import library
+
+    names += [n for n in library.names() if library.get(n, 3).coll == "allreduce"]
     c = fabric(3, [d, d, d])
     cases = [("float32", "sum"), ("int64", "min")]
-    out = c.join(c.start_workers(aw.allreduces, names, [1, 5, 4096, 100_003], cases), timeout=150)
+    blocks = [1, 3, 20_000]
+    out = c.join(c.start_workers(aw.allreduces_and_alltoalls, names, [1, 5, 4096, 100_003], cases,
+                                 ["alltoall", None], blocks), timeout=150)
     assert set(out.values()) == {"ok"}, out
     counts = c.status(0)["fabric"]["algorithm_ops"]
     assert all(counts[n]["ops"] == 8 for n in names), counts
+    assert counts["alltoall"]["ops"] == len(blocks), counts
 
 
 # ---- the coordinator's choice (pure logic) ----------------------------------------------------
@@ -636,3 +636,65 @@ def test_status_text_counts_ops_per_algorithm_and_lists_refused_programs() -> No
     assert "inter-node ops per algorithm ('native': the lane's own): native 3 (12 B), twoshot 12 (4.0 KiB)" in text
     assert f"programs from /algos: mine (sha256 {DIGEST_A[:16]})" in text
     assert "REFUSED program racy: rank 0: wrong result" in text
+
+
+# ---- all-to-all programs ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block", [1, 7, 40_000])
+def test_lane_runs_the_library_alltoall_program(lanes: Callable[[int], list[TcpLane]], block: int) -> None:
+    """Node i's block j lands in node j's output at block i (NumPy transposition of the blocks)."""
+    catalog = cat.Catalog()
+    prog = catalog.runnable("alltoall", "alltoall", 3, "uint8", None)
+    assert isinstance(prog, cat.Program), prog
+    chosen = cat.Chosen("alltoall", prog.digest, prog)
+    three = lanes(3)
+    nodes = (0, 1, 2)
+    rng = np.random.default_rng(block)
+    inputs = [rng.integers(0, 256, 3 * block, dtype=np.uint8) for _ in nodes]
+    outs = [torch.zeros(3 * block, dtype=torch.uint8) for _ in nodes]
+    sizes = [block] * 3
+    got = run_nodes([lambda i=i: three[i].alltoallv(nodes, torch.from_numpy(inputs[i]), sizes, outs[i], sizes, 20.0,
+                                                    program=chosen) for i in nodes])
+    assert got == [None] * 3, got
+    for j in nodes:
+        want = np.concatenate([inputs[i][j * block:(j + 1) * block] for i in nodes])
+        np.testing.assert_array_equal(outs[j].numpy(), want)
+
+
+def test_lane_refuses_an_alltoall_program_with_unequal_blocks(lanes: Callable[[int], list[TcpLane]]) -> None:
+    two = lanes(2)
+    chosen = cat.Chosen("a2a", DIGEST_A, program("a2a", 2, DIGEST_A))
+    with pytest.raises(LaneError, match=r"needs one block size to and from every node, got in_sizes \[1, 2\]"):
+        two[0].alltoallv((0, 1), torch.zeros(3, dtype=torch.uint8), [1, 2], torch.zeros(3, dtype=torch.uint8),
+                         [1, 2], 5.0, program=chosen)
+
+
+def alltoall_report(seq: int, node: int, splits: list[list[int]], algo: str = "") -> wire.Ready:
+    """A 2-node all-to-all of int32, one rank per node; ``splits[r]``: rank r's splits_in."""
+    sig = {"lane": "", "algo": algo, "dtype": "int32"}
+    item = {"t": "ready", "g": "g", "s": seq, "k": "alltoall", "sig": sig, "ranks": [0, 1], "pl": [0, 1],
+            "n": [0, 1], "mine": [node], "nb": 4 * sum(splits[node]), "to": 30.0,
+            "a2a": [[node, splits[node], [splits[0][node], splits[1][node]]]]}
+    return wire.Ready.from_wire(item)
+
+
+def test_coordinator_releases_alltoall_programs_only_for_equal_node_blocks() -> None:
+    from commd.scheduler.coordinator import Outbox
+
+    coord, catalog = coordinator()
+    for seq, (splits, algo) in enumerate([([[3, 3], [3, 3]], "a2a"), ([[3, 3], [3, 4]], "a2a"),
+                                          ([[3, 3], [3, 3]], "twoshot")]):
+        out = Outbox()
+        for node in (0, 1):
+            coord.report(node, [alltoall_report(seq, node, splits, algo)], out)
+        got = {node: [m.to_wire() for m in ms] for node, ms in out.messages.items()}
+        for node in (0, 1):
+            (msg,) = got[node]
+            if seq == 0:
+                a2a = catalog.get("a2a", 2)
+                assert isinstance(a2a, cat.Program) and (msg["a"], msg["ah"]) == ("a2a", a2a.digest)
+            elif seq == 1:
+                assert msg["t"] == "fail" and "range from 12 to 16 bytes" in msg["m"], msg
+            else:
+                assert msg["t"] == "fail" and "'twoshot' is a allreduce program, not alltoall" in msg["m"], msg

@@ -32,7 +32,7 @@ log = logging.getLogger("commd.algorithms")
 #: The environment variable naming the directory of user programs (the flag and the config key win).
 ENV_DIR = "COMMD_ALGORITHMS_DIR"
 #: Op kinds a program can run, and the collective (the IR's ``coll``) it must be for.
-COLL_FOR_KIND = {"allreduce": "allreduce"}
+COLL_FOR_KIND = {"allreduce": "allreduce", "alltoall": "alltoall"}
 #: Lane dtypes NumPy cannot hold (the interpreter works on NumPy views of the lane's buffer).
 NO_NUMPY_DTYPES = frozenset({"bfloat16"})
 #: Where a program came from when it is the library's.
@@ -232,7 +232,7 @@ class Catalog:
             return f"algorithm {name!r} is written for {algo.ngpus} nodes, the op spans {nnodes}"
         if kind == "allreduce" and op is None:
             return f"algorithm {name!r} needs a reduce op"
-        if dtype in NO_NUMPY_DTYPES:
+        if kind == "allreduce" and dtype in NO_NUMPY_DTYPES:  # (an all-to-all moves bytes)
             return f"algorithm {name!r} cannot run {dtype}: programs run on NumPy arrays, which have no {dtype}"
         return found
 

@@ -60,13 +60,13 @@ def run(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Resolve, ti
     """Execute one released multi-node collective; ``op.subs`` are the local ranks', in group-rank order.
 
     ``program`` (``commd.algorithms.catalog.Chosen``): the released program that runs the lane
-    phase of an all-reduce (the only kind the coordinator gives one)."""
+    phase of an all-reduce or an all-to-all (the kinds the coordinator gives one)."""
     staging = _Staging(resolve)
     if program is not None:
-        if op.kind != "allreduce":
+        if op.kind not in ("allreduce", "alltoall"):
             raise LaneError(f"{op.describe()}: algorithm {program.name!r} was released for a {op.kind}; "
-                            "programs run all-reduces only")
-        _allreduce(op, placement, lane, staging, timeout, program)
+                            "programs run all-reduces and all-to-alls only")
+        (_allreduce if op.kind == "allreduce" else _alltoall)(op, placement, lane, staging, timeout, program)
     else:
         _RUNNERS[op.kind](op, placement, lane, staging, timeout)
     staging.finish()
@@ -265,7 +265,8 @@ def _reduce_scatter(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve:
         resolve(sub, "out").copy_(scratch[offsets[g] : offsets[g] + counts[g]])
 
 
-def _alltoall(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float) -> None:
+def _alltoall(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float,
+              program: Any = None) -> None:
     itemsize = s.ITEMSIZE[op.subs[0].dtype]
     inputs = [byte_view(resolve(x, "in")) for x in op.subs]
     outs = [byte_view(resolve(x, "out")) for x in op.subs]
@@ -286,7 +287,10 @@ def _alltoall(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Resol
         sum(sub.splits_out[j] for j in placement.members(n) for sub in op.subs) * itemsize for n in placement.nodes
     ]
     received = torch.empty(sum(out_sizes), dtype=torch.uint8)
-    lane.alltoallv(placement.nodes, packed, in_sizes, received, out_sizes, timeout)
+    if program is None:
+        lane.alltoallv(placement.nodes, packed, in_sizes, received, out_sizes, timeout)
+    else:
+        lane.alltoallv(placement.nodes, packed, in_sizes, received, out_sizes, timeout, program=program)
     at = 0
     for n in placement.nodes:
         for j in placement.members(n):

@@ -124,10 +124,10 @@ def allreduce_dtype(lane: Lane, nodes: tuple[int, ...], buf: torch.Tensor, op: s
     return dtype
 
 
-def refuse_program(lane: str, program: Any) -> None:
+def refuse_program(lane: str, program: Any, what: str = "allreduce") -> None:
     """LaneError when a lane that runs no programs is handed one (only the tcp lane runs them)."""
     if program is not None:
-        raise LaneError(f"{lane} allreduce: lane '{lane}' cannot run algorithm "
+        raise LaneError(f"{lane} {what}: lane '{lane}' cannot run algorithm "
                         f"{getattr(program, 'name', program)!r}; programs run on the tcp lane only")
 
 
@@ -190,10 +190,12 @@ class Lane(Protocol):
         out: torch.Tensor,
         out_sizes: list[int],
         timeout: float,
+        program: Any = None,
     ) -> None:
         """uint8 tensors: ``inp`` is split into consecutive blocks of ``in_sizes[i]`` bytes for node
         ``nodes[i]``; ``out`` receives consecutive blocks of ``out_sizes[i]`` bytes from ``nodes[i]``.
-        The block for this node itself is copied locally."""
+        The block for this node itself is copied locally.  ``program``: an all-to-all program
+        runs it instead (every block then has one size); refused as by ``allreduce``."""
 
     def send(self, dst: int, buf: torch.Tensor, timeout: float) -> None:
         """Send ``buf`` (uint8) to node ``dst``, which calls ``recv`` with the same byte length."""

@@ -305,8 +305,10 @@ class MpiLane:
         out: torch.Tensor,
         out_sizes: list[int],
         timeout: float,
+        program: Any = None,
     ) -> None:
         """Ialltoallv of byte blocks."""
+        refuse_program("mpi", program, "alltoallv")
         nodes = self._usable("alltoallv", nodes)
         check_cpu_tensors("mpi", "alltoallv", inp, out)
         in_sizes, out_sizes = [int(s) for s in in_sizes], [int(s) for s in out_sizes]

@@ -381,8 +381,10 @@ class TorchGroupLane:
         out: torch.Tensor,
         out_sizes: list[int],
         timeout: float,
+        program: Any = None,
     ) -> None:
         """Personalised exchange of byte blocks (the backend copies this node's own block locally)."""
+        refuse_program(self.name, program, "alltoallv")
         nodes = self._check_nodes("alltoallv", nodes)
         self._check_tensor("alltoallv", inp)
         self._check_tensor("alltoallv", out)

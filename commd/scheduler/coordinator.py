@@ -104,6 +104,24 @@ class Outbox:
         return None
 
 
+def _unequal_blocks(pending: Pending) -> str | None:
+    """Why an all-to-all cannot run as a program (whose blocks all have one size): the bytes each
+    node sends each node (its ranks' splits together) differ; None if they are all equal."""
+    first = pending.entries[pending.nodes[0]]
+    itemsize = s.ITEMSIZE.get(first.signature.get("dtype", "uint8"), 1)
+    sent = dict.fromkeys(((a, b) for a in pending.nodes for b in pending.nodes), 0)
+    for entry in pending.entries.values():
+        for grank, splits_in, _ in entry.alltoall_splits or ():
+            for dst, count in enumerate(splits_in):
+                key = (first.placement[grank], first.placement[dst])
+                sent[key] = sent.get(key, 0) + count * itemsize
+    sizes = set(sent.values())
+    if len(sizes) == 1:
+        return None
+    return (f"programs run all-to-alls in which every node sends every node the same number of bytes; "
+            f"here node to node blocks range from {min(sizes)} to {max(sizes)} bytes")
+
+
 def _op(pending: Pending) -> str:
     """'allreduce #3 on group 'g'' (the kind as the first report gave it; '#3' alone before any)."""
     first = next(iter(pending.entries.values()), None)
@@ -232,6 +250,7 @@ class Coordinator:
                 program = choose_algorithm(
                     first.kind, sig.get("dtype", "uint8"), sig.get("reduce_op"), nbytes, pending.nodes,
                     len(first.placement), algo_hint, lane, self.config, self.catalog,
+                    _unequal_blocks(pending) if first.kind == "alltoall" else None,
                 )
             except SelectionError as exc:
                 for node in pending.nodes:

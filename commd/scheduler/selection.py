@@ -101,10 +101,12 @@ def choose_algorithm(
     lane: str,
     config: SchedulerConfig,
     catalog: Catalog | None,
+    unfit: str | None = None,
 ) -> Program | None:
     """The program that runs an op on the tcp lane: the hint, then ``[[algorithms]]`` rules, then
     None (the lane's own algorithm).  SelectionError if a hint cannot be honoured; a rule whose
-    program cannot run the op is skipped with its reason in the log, never silently."""
+    program cannot run the op is skipped with its reason in the log, never silently.  ``unfit``:
+    why no program can run this op whatever its name (e.g. an all-to-all of unequal blocks)."""
     primitive = PRIMITIVE_FOR_KIND[kind]
     op = split_reduce(reduce_op).lane_op if primitive == "allreduce" and reduce_op else None
     if hint:
@@ -113,7 +115,7 @@ def choose_algorithm(
                                  f"the op's lane is {lane!r}")
         if catalog is None:
             raise SelectionError(f"{kind} asked for algorithm {hint!r}, but the coordinator has no programs")
-        found = catalog.runnable(hint, kind, len(nodes), dtype, op)
+        found = unfit or catalog.runnable(hint, kind, len(nodes), dtype, op)
         if isinstance(found, str):
             raise SelectionError(f"{kind} asked for algorithm {hint!r}, which cannot run it: {found}")
         return found
@@ -121,7 +123,7 @@ def choose_algorithm(
         return None
     for rule in config.algorithm_rules:
         if rule.matches(kind, nbytes, group_size):
-            found = catalog.runnable(rule.name, kind, len(nodes), dtype, op)
+            found = unfit or catalog.runnable(rule.name, kind, len(nodes), dtype, op)
             if not isinstance(found, str):
                 return found
             log.warning("algorithm rule for %r skipped for %s of %d bytes on %d nodes: %s", rule.name, kind,
