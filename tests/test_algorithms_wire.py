@@ -698,3 +698,13 @@ def test_coordinator_releases_alltoall_programs_only_for_equal_node_blocks() -> 
                 assert msg["t"] == "fail" and "range from 12 to 16 bytes" in msg["m"], msg
             else:
                 assert msg["t"] == "fail" and "'twoshot' is a allreduce program, not alltoall" in msg["m"], msg
+
+
+def test_torch_group_options_carry_an_algorithm() -> None:
+    from commd.torch_backend.process_group import Options
+
+    assert Options(algo="twoshot").algo == "twoshot" and Options().algo is None
+    assert Options(lane="tcp", algo="ring").lane == "tcp"
+    for bad in ("", 3):
+        with pytest.raises(ValueError, match="algo must be an algorithm's name"):
+            Options(algo=bad)  # type: ignore[arg-type]
