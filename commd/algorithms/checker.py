@@ -296,22 +296,24 @@ class _Checker:
         reads: dict[ChunkRef, list[int]] = {}
         reported: set[tuple[int, int]] = set()
 
-        def ordered(a: int, b: int, slot: ChunkRef, what: str) -> None:
+        def ordered(a: int, b: int, slot: ChunkRef, a_writes: bool, b_writes: bool) -> None:
             if (ancestors[b] >> a) & 1 or (a, b) in reported:
                 return
             reported.add((a, b))
-            self.problem(f"data race on {slot.short()}: {what} {order[a].short()} "
-                         f"({self.step(order[a]).type.value}) with no happens-before order between them "
-                         "(add a dependency or reorder the threadblock)", order[b])
+            other = order[a]
+            self.problem(f"data race on {slot.short()}: this step {'writes' if b_writes else 'reads'} it and "
+                         f"{other.short()} ({self.step(other).type.value}) {'writes' if a_writes else 'reads'} it, "
+                         "with no happens-before order between them (add a dependency or reorder the "
+                         "threadblock)", order[b])
 
         for n, ref in enumerate(order):
             for slot, writes in self.accesses(ref).items():
                 lw = last_write.get(slot)
                 if lw is not None:
-                    ordered(lw, n, slot, f"{'written' if writes else 'read'} here and written by")
+                    ordered(lw, n, slot, True, writes)
                 if writes:
                     for rd in reads.pop(slot, []):
-                        ordered(rd, n, slot, "written here and read by")
+                        ordered(rd, n, slot, False, True)
                     last_write[slot] = n
                 else:
                     reads.setdefault(slot, []).append(n)

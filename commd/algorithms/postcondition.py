@@ -58,10 +58,10 @@ class Postcondition:
             if not sources:
                 raise ProgramError(f"{slot.short()}: empty list of sources", source=where, rank=slot.rank)
             for src in sources:
-                _check_ref(algo, src, f"source of {slot.short()}", where)
                 if src.buf == "s":
                     raise ProgramError(f"{slot.short()}: source {src.short()} is a scratch chunk, which has no "
                                        "initial value", source=where, rank=slot.rank)
+                _check_ref(algo, src, f"source of {slot.short()}", where)
 
 
 def _check_ref(algo: Algorithm, ref: ChunkRef, what: str, where: str) -> None:
