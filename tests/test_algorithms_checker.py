@@ -417,6 +417,16 @@ def test_reducing_a_chunk_with_itself_stays_cheap() -> None:
     assert len(err.reason) < 400  # the tree is shown cut short
 
 
+def test_a_program_too_large_to_check_is_refused_at_once() -> None:
+    # one step over two billion chunks: refused before anything walks them
+    huge = program("allreduce", 1, [rank(0, (2**31 - 1, 0, 0), tb(0, -1, -1, st("re", cnt=2**31 - 1)))])
+    t0 = time.perf_counter()
+    err = refusal(huge)
+    assert time.perf_counter() - t0 < 0.1 and err.reason.startswith("too large to check")
+    many = program("custom", 1, [rank(0, (1, 0, 0), tb(0, -1, -1, *[st("nop")] * (checker.MAX_STEPS + 1)))])
+    assert f"{checker.MAX_STEPS + 1} steps" in refusal(many, Postcondition({})).reason
+
+
 # --- postconditions ---------------------------------------------------------------------------------
 
 

@@ -53,10 +53,14 @@ class Postcondition:
     def validate(self, algo: Algorithm, source: str = "<program>") -> None:
         """Refuse slots or sources that do not exist in ``algo`` (ranks, buffers, chunk indices)."""
         where = self.sidecar or source
+        checked: set[frozenset[ChunkRef]] = set()
         for slot, sources in self.expect.items():
             _check_ref(algo, slot, "output slot", where)
             if not sources:
                 raise ProgramError(f"{slot.short()}: empty list of sources", source=where, rank=slot.rank)
+            if sources in checked:
+                continue
+            checked.add(sources)
             for src in sources:
                 if src.buf == "s":
                     raise ProgramError(f"{slot.short()}: source {src.short()} is a scratch chunk, which has no "
@@ -129,9 +133,10 @@ def builtin(algo: Algorithm) -> Postcondition:
     res = "i" if algo.inplace else "o"
     expect: dict[ChunkRef, frozenset[ChunkRef]] = {}
     if algo.coll == "allreduce":
+        sums = [frozenset(ChunkRef(q, "i", j) for q in ranks) for j in range(c)]  # shared: checked once each
         for r in ranks:
             for j in range(c):
-                expect[ChunkRef(r, res, j)] = frozenset(ChunkRef(q, "i", j) for q in ranks)
+                expect[ChunkRef(r, res, j)] = sums[j]
     elif algo.coll == "allgather":
         for r in ranks:
             for q in ranks:
