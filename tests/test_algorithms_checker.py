@@ -536,6 +536,9 @@ def test_sidecar_document_errors(tmp_path: Path) -> None:
             postcondition.load_sidecar(bad)
     with pytest.raises(ProgramError, match="cannot read"):
         postcondition.load_sidecar(tmp_path / "missing.post.json")
+    # a hand-made postcondition naming a buffer that does not exist is refused, not a KeyError
+    with pytest.raises(ProgramError, match="buffer 'x' is not one of i, o, s"):
+        checker.check(fanout(), Postcondition({ChunkRef(1, "x", 0): refs((0, "i", 0))}))
     # a sidecar written for another file
     write_sidecar(bad, [entry(1, "o", 0, src(0))])
     with pytest.raises(ProgramError, match="describes 'fan.xml', not 'x.xml'"):
@@ -683,3 +686,10 @@ def test_races_agree_with_brute_force_when_a_dependency_is_dropped(name: str) ->
                 assert raced or not found, found[:1]  # no race: then the program is still right
                 verdicts.append(raced)
     assert any(verdicts)
+
+
+def test_an_oversized_sidecar_is_refused_unread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(postcondition, "MAX_SIDECAR_BYTES", 100)
+    side = write_sidecar(tmp_path / "fan.post.json", [entry(1, "o", 0, src(0)), entry(2, "o", 0, src(0))])
+    with pytest.raises(ProgramError, match="limit on sidecar files"):
+        postcondition.load_sidecar(side)

@@ -14,6 +14,11 @@ Stages, in order; each names the file, rank, threadblock and step of every probl
 6. determinism (commd's lane contract) — every rank holding the reduction of the same
    sources holds the same reduction tree, so every node ends bit-identical.
 
+A step's accesses happen while it runs: a send has read its source once its step is done
+(the runtime copies the data out, so a later step may overwrite the chunk), a receive writes
+its destination when its step runs.  Chunks suffice: the runtime runs the same program on
+every tile, and tiles touch disjoint elements.
+
 A stage runs only when the stages before it found nothing: each relies on what the earlier
 ones proved (a race makes the symbolic run's result depend on the schedule, a cycle leaves
 no order to run it in).  :class:`Analysis` keeps what the stages computed for the
