@@ -500,9 +500,13 @@ def test_custom_with_sidecar_beside_the_file(tmp_path: Path) -> None:
 
 
 def test_custom_without_sidecar_names_the_expected_path(tmp_path: Path) -> None:
+    (tmp_path / "fan.xml").write_text("<algo/>")  # only its name matters here
     with pytest.raises(ProgramError) as info:
         checker.check(fanout(), source=str(tmp_path / "fan.xml"))
     assert str(tmp_path / "fan.post.json") in info.value.reason
+    # a program that is no file (compiled in memory) is told to give its postcondition
+    with pytest.raises(ProgramError, match="needs its postcondition"):
+        checker.check(fanout(), source="fanout-program")
 
 
 @pytest.mark.parametrize(("expect", "words"), [

@@ -188,8 +188,9 @@ def for_algorithm(algo: Algorithm, sidecar: str | Path | Postcondition | None = 
     if algo.coll != "custom" and sidecar is None:
         return builtin(algo)  # right by construction once the shape is
     if sidecar is None:
-        if source.startswith("<"):
-            raise ProgramError("a custom collective needs a postcondition sidecar (FILE.post.json)", source=source)
+        if source.startswith("<") or not Path(source).is_file():
+            raise ProgramError("a custom collective needs its postcondition: a sidecar FILE.post.json beside its "
+                               "file, or one given", source=source)
         path = sidecar_path(source)
         if not path.is_file():
             raise ProgramError(f"a custom collective needs its postcondition sidecar {path}, which does not exist",
