@@ -489,6 +489,7 @@ def src(r: int, buf: str = "i", index: int = 0) -> dict[str, object]:
 
 def test_custom_with_sidecar_beside_the_file(tmp_path: Path) -> None:
     xml = tmp_path / "fan.xml"
+    xml.write_text("<algo/>")  # the program is given as IR; the file only places the sidecar
     side = write_sidecar(tmp_path / "fan.post.json", [entry(1, "o", 0, src(0)), entry(2, "o", 0, src(0))])
     assert postcondition.sidecar_path(xml) == side
     checker.check(fanout(), source=str(xml))
