@@ -13,9 +13,10 @@ import json
 import os
 import re
 import time
-from itertools import combinations
+from itertools import combinations, permutations
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from commd.algorithms import checker, mscclxml, postcondition
@@ -698,3 +699,83 @@ def test_an_oversized_sidecar_is_refused_unread(tmp_path: Path, monkeypatch: pyt
     side = write_sidecar(tmp_path / "fan.post.json", [entry(1, "o", 0, src(0)), entry(2, "o", 0, src(0))])
     with pytest.raises(ProgramError, match="limit on sidecar files"):
         postcondition.load_sidecar(side)
+
+
+def run_numbers(algo: Algorithm, rng: np.random.Generator, leaves: dict[ChunkRef, np.float32]) -> dict[ChunkRef, np.float32]:
+    """An independent chunk-level run in float32: a random ready step at a time (any schedule)."""
+    state = dict(leaves)
+    nxt = {(r.id, t.id): 0 for r in algo.ranks for t in r.threadblocks}
+    blocks = {(r.id, t.id): t for r in algo.ranks for t in r.threadblocks}
+    queues: dict[tuple[int, int, int], list[list[np.float32]]] = {}  # (src, dst, chan) → data in flight
+    while True:
+        ready = []
+        for (r, t), s in nxt.items():
+            block = blocks[(r, t)]
+            if s == len(block.steps):
+                continue
+            step = block.steps[s]
+            if step.depid >= 0 and nxt[(r, step.depid)] <= step.deps:
+                continue
+            if step.type.receives and not queues.get((block.recv, r, block.chan)):
+                continue
+            ready.append((r, t))
+        if not ready:
+            break
+        r, t = ready[rng.integers(len(ready))]
+        block = blocks[(r, t)]
+        step = block.steps[nxt[(r, t)]]
+        nxt[(r, t)] += 1
+        kind = step.type
+        src = [state[ChunkRef(r, step.srcbuf, step.srcoff + k)] for k in range(step.cnt)] if kind.reads_src else None
+        got = queues[(block.recv, r, block.chan)].pop(0) if kind.receives else None
+        if kind is StepType.REDUCE:
+            out = [np.float32(state[ChunkRef(r, step.dstbuf, step.dstoff + k)] + v) for k, v in enumerate(src)]
+        elif kind.reduces:
+            out = [np.float32(a + b) for a, b in zip(src, got, strict=True)]
+        else:
+            out = got if got is not None else src
+        if kind.sends:
+            queues.setdefault((r, block.send, block.chan), []).append(out)
+        if kind.writes_dst:
+            for k, v in enumerate(out):
+                state[ChunkRef(r, step.dstbuf, step.dstoff + k)] = v
+    assert all(s == len(blocks[key].steps) for key, s in nxt.items()), "the run stopped early"
+    return state
+
+
+def evaluate(tree, leaves: dict[ChunkRef, np.float32]) -> np.float32:  # type: ignore[no-untyped-def]
+    if tree.is_leaf:
+        return leaves[tree.source]
+    a, b = (evaluate(c, leaves) for c in tree.children)
+    return np.float32(a + b)
+
+
+@needs_files
+@pytest.mark.parametrize("name", ACCEPT)
+def test_trees_predict_the_float_bits_of_every_schedule(name: str) -> None:
+    """Run each accepted file in float32 under random schedules: every output equals its tree
+    evaluated in float32, bit for bit, whatever the schedule (no race, and the tree is the order
+    the runtime adds in); and all ranks holding one sum hold the same bits."""
+    assert MSCCL is not None
+    algo = mscclxml.load(MSCCL / name)
+    analysis = checker.analyze(algo, source=str(MSCCL / name))
+    rng = np.random.default_rng(12)
+    leaves = {ChunkRef(r.id, b, c): np.float32(rng.standard_normal())
+              for r in algo.ranks for b in ("i", "o", "s") for c in range(r.chunks(b))}
+    for _ in range(3):
+        state = run_numbers(algo, rng, leaves)
+        for slot, tree in analysis.outputs.items():
+            assert state[slot].tobytes() == evaluate(tree, leaves).tobytes(), (slot, tree)
+    sums: dict[frozenset[ChunkRef], set[bytes]] = {}
+    for slot, sources in analysis.post:
+        sums.setdefault(sources, set()).add(state[slot].tobytes())
+    assert all(len(bits) == 1 for bits in sums.values())
+    # the test has teeth: with these leaves the order of the additions shows in the bits
+    if algo.coll == "allreduce":
+        def fold(order: tuple[ChunkRef, ...]) -> bytes:
+            acc = leaves[order[0]]
+            for ref in order[1:]:
+                acc = np.float32(acc + leaves[ref])
+            return acc.tobytes()
+
+        assert any(len({fold(p) for p in permutations(sorted(sources))}) > 1 for sources in sums)
