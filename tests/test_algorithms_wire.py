@@ -234,7 +234,7 @@ def fake_tools(library: dict[str, Callable[[int], Algorithm]] | None = None,
         return library[name](nranks)
 
     return cat.Tools(dumps=lambda algo: f"{algo.coll}/{algo.ngpus}/{algo.name}", load=load, check=check,
-                     postcondition=lambda algo, sidecar: sidecar, library_get=library_get,
+                     postcondition=lambda algo, sidecar, source: sidecar, library_get=library_get,
                      library_names=lambda: sorted(library))
 
 

@@ -67,7 +67,7 @@ class Tools:
     dumps: Callable[[Algorithm], str]
     load: Callable[[Path], Algorithm]
     check: Callable[[Algorithm, Any, str], None]
-    postcondition: Callable[[Algorithm, Path | None], Any]
+    postcondition: Callable[[Algorithm, Path | None, str], Any]
     library_get: Callable[[str, int], Algorithm]
     library_names: Callable[[], list[str]]
 
@@ -77,8 +77,8 @@ def default_tools() -> Tools:
     pays nothing for them)."""
     from commd.algorithms import checker, mscclxml, postcondition
 
-    def post(algo: Algorithm, sidecar: Path | None) -> Any:
-        return postcondition.for_algorithm(algo, postcondition.load_sidecar(sidecar) if sidecar else None)
+    def post(algo: Algorithm, sidecar: Path | None, source: str) -> Any:
+        return postcondition.for_algorithm(algo, sidecar, source=source)
 
     library_get, library_names = _library()
     return Tools(dumps=mscclxml.dumps, load=mscclxml.load,
@@ -169,7 +169,7 @@ class Catalog:
                         if p.is_file()), None)
         if algo.coll == "custom" and sidecar is None:
             raise ProgramError(f"coll=\"custom\" needs its postcondition in {path.name}.post.json", source=str(path))
-        self.tools.check(algo, self.tools.postcondition(algo, sidecar), str(path))
+        self.tools.check(algo, self.tools.postcondition(algo, sidecar, str(path)), str(path))
         return Program(name, algo, digest_of(algo, self.tools.dumps), str(path))
 
     def _refuse(self, name: str, source: str, reason: str) -> None:
@@ -210,7 +210,7 @@ class Catalog:
         source = f"library program {name!r} for {nnodes} nodes"
         try:
             algo = self.tools.library_get(name, nnodes)
-            self.tools.check(algo, self.tools.postcondition(algo, None), source)
+            self.tools.check(algo, self.tools.postcondition(algo, None, source), source)
         except (ProgramError, ValueError) as exc:
             log.warning("algorithms: %s cannot be used: %s", source, exc)
             return f"{source} cannot be used: {exc}"
