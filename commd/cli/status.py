@@ -121,6 +121,16 @@ def format_status(status: dict[str, Any]) -> str:
                 f"{fusion.get('cycle_ms') or 0:g} ms; {fusion.get('ops', 0):,} ops ran in "
                 f"{fusion.get('sets', 0):,} fused sets"
             )
+        algo_ops = fabric.get("algorithm_ops") or {}
+        if algo_ops:
+            out.append("  inter-node ops per algorithm ('native': the lane's own): " + ", ".join(
+                f"{name} {row['ops']:,} ({human_bytes(row['bytes'])})" for name, row in sorted(algo_ops.items())))
+        catalog = fabric.get("algorithms") or {}
+        if catalog.get("files"):
+            out.append(f"  programs from {catalog.get('directory')}: " + ", ".join(
+                f"{name} (sha256 {row['sha256'][:16]})" for name, row in sorted(catalog["files"].items())))
+        for refused in catalog.get("refused") or []:
+            out.append(f"  REFUSED program {refused['name']}: {refused['reason']}")
 
     by_kind = status.get("ops_by_lane") or {}
     if by_kind:

@@ -18,9 +18,13 @@ WORLD = "world"
 
 
 def all_reduce(client: Client, tensor: torch.Tensor, op: str = "sum", group: str = WORLD,
-               scale: float | None = None, timeout: float | None = None, lane: str | None = None) -> Handle:
+               scale: float | None = None, timeout: float | None = None, lane: str | None = None,
+               algo: str | None = None) -> Handle:
+    """``algo``: run the inter-node phase with this program (a library name or a file of the
+    daemons' algorithms directory) on the tcp lane; the op fails on every rank if it cannot."""
     return client.submit("allreduce", group, {"buf": (tensor, "inout")}, tensor.dtype,
-                         result=tensor, count=tensor.numel(), op=op, scale=scale, timeout=timeout, lane=lane)
+                         result=tensor, count=tensor.numel(), op=op, scale=scale, timeout=timeout, lane=lane,
+                         algo=algo)
 
 
 def reduce(client: Client, tensor: torch.Tensor, root: int, op: str = "sum", group: str = WORLD,
@@ -73,11 +77,13 @@ def reduce_scatter(client: Client, output: torch.Tensor, input: torch.Tensor, op
 
 
 def all_to_all(client: Client, output: torch.Tensor, input: torch.Tensor, splits_in: list[int],
-               splits_out: list[int], group: str = WORLD, timeout: float | None = None, lane: str | None = None) -> Handle:
-    """Rank r sends input[offsets_in[j] : +splits_in[j]] to rank j (elements)."""
+               splits_out: list[int], group: str = WORLD, timeout: float | None = None, lane: str | None = None,
+               algo: str | None = None) -> Handle:
+    """Rank r sends input[offsets_in[j] : +splits_in[j]] to rank j (elements).  ``algo``: an
+    all-to-all program for the inter-node phase (every node then sends every node equal bytes)."""
     return client.submit("alltoall", group, {"in": (input, "in"), "out": (output, "out")}, input.dtype,
                          result=output, splits_in=list(splits_in), splits_out=list(splits_out),
-                         timeout=timeout, lane=lane)
+                         timeout=timeout, lane=lane, algo=algo)
 
 
 def send(client: Client, tensor: torch.Tensor, dst: int, tag: int = 0, group: str = WORLD,

@@ -54,6 +54,8 @@ class Submission:
     on_gpu: bool = False
     #: Lane hint ("" = let the scheduler choose); part of the agreed fields.
     lane: str = ""
+    #: Algorithm hint (a program's catalogue name, "" = let the scheduler choose); agreed too.
+    algo: str = ""
     #: For a send forwarded from another node: that node (the sender is not a local client).
     origin: int = -1
     #: The fields every member must agree on, for a cheap equality check.
@@ -83,6 +85,7 @@ class ReadyOp:
     nbytes: int = -1
     on_gpu: bool = False
     lane: str = "local"  # the lane that ran its inter-node phase ("local": none)
+    algo: str = ""  # the program that ran it ("": the lane's own algorithm)
 
     def __post_init__(self) -> None:
         if self.nbytes < 0:

@@ -72,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tuning table written by `commd tune` (default: $COMMD_TUNING, else the config's "
                              "[scheduler] tuning, else the default location for node 0's name and the node count; "
                              "'off': none)")
+    tuning.add_argument("--algorithms-dir", default=None, metavar="DIR",
+                        help="collective programs (MSCCL XML files, checked at load) this node can run "
+                             "(default: $COMMD_ALGORITHMS_DIR, else the config's [scheduler] algorithms_dir)")
     tuning.add_argument("--fusion-threshold", type=int, default=None, metavar="BYTES",
                         help="fuse small all-reduces released together up to this many bytes; 0 disables "
                              "(default: $COMMD_FUSION_THRESHOLD, else the config, else 65536)")

@@ -36,7 +36,8 @@ class Completions:
         tracer = self.state.tracer
         if tracer.on:
             tracer.op_done(op, error)
-        self.stats.finished(op.group, op.kind, op.nbytes, time.monotonic() - op.first_at, error is None, op.lane)
+        self.stats.finished(op.group, op.kind, op.nbytes, time.monotonic() - op.first_at, error is None, op.lane,
+                            op.algo)
         if error is not None:
             code = s.E_SHUTDOWN if self.state.closing else (code or s.E_INTERNAL)
             self.fail_op(op.subs, code, error)

@@ -10,7 +10,9 @@ import os
 import re
 import socket
 import sys
+from pathlib import Path
 
+from commd.algorithms.catalog import ENV_DIR, Catalog, resolve_dir
 from commd.daemon import notify
 from commd.daemon.args import add_arguments, fabric_spec, fusion_settings, load_table, tuning_path
 from commd.daemon.cuda import gpu_device_present
@@ -69,6 +71,10 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         fusion_settings(args, scheduler)
+        try:
+            algorithms_dir = resolve_dir(args.algorithms_dir, scheduler.algorithms_dir)
+        except ValueError as exc:
+            raise ConfigError(f"--algorithms-dir / ${ENV_DIR} / [scheduler] algorithms_dir: {exc}") from None
         metrics, trace = observe.daemon_settings(args, config_path)
         spec = fabric_spec(args, node_name, op_timeout)
         if spec is not None and spec.node_rank in (0, None):  # node 0 loads (MPI: not known yet, all do)
@@ -114,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"commd daemon: cannot form the fabric: {exc}", file=sys.stderr)
             return 1
         secret = fabric.secret
+        fabric.catalog = _catalog(algorithms_dir)
         scheduler = fabric.config or scheduler
         # Every node checks the coordinator's table against its own fabric (same verdict everywhere).
         scheduler.adopt_table(scheduler.table, fabric.nnodes, sorted(fabric.lanes))
@@ -150,6 +157,16 @@ def _physical_memory() -> int:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):  # pragma: no cover - Linux has both
         return 1 << 40
+
+
+def _catalog(directory: Path | None) -> Catalog | None:
+    """This node's programs (library and ``directory``'s files, checked); None, said in the log,
+    when the program stages cannot be loaded (every algorithm hint then fails with that reason)."""
+    try:
+        return Catalog(directory)
+    except ImportError as exc:
+        logging.getLogger("commd.daemon").warning("collective programs unavailable: %s", exc)
+        return None
 
 
 def _report_fatal_signals(log_file: str | None) -> None:

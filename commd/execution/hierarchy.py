@@ -10,6 +10,7 @@ take part; ranks keep their group-rank order whatever the placement.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,7 +24,7 @@ from commd.kernels.reduce import TORCH_DTYPES, reduce_into
 from commd.kernels.small import NUMPY_DTYPES
 from commd.kernels.small import reduce_into as small_reduce_into
 from commd.kernels.split import split_reduce
-from commd.lanes.base import Lane
+from commd.lanes.base import Lane, LaneError
 from commd.protocol import schema as s
 
 __all__ = ["GroupPlacement", "apply_result", "run", "run_fused_allreduce", "run_p2p", "scratch_like"]
@@ -54,21 +55,35 @@ class _Staging:
             torch.cuda.synchronize()
 
 
-def run(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float) -> None:
-    """Execute one released multi-node collective; ``op.subs`` are the local ranks', in group-rank order."""
+def run(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float,
+        program: Any = None) -> None:
+    """Execute one released multi-node collective; ``op.subs`` are the local ranks', in group-rank order.
+
+    ``program`` (``commd.algorithms.catalog.Chosen``): the released program that runs the lane
+    phase of an all-reduce or an all-to-all (the kinds the coordinator gives one)."""
     staging = _Staging(resolve)
-    _RUNNERS[op.kind](op, placement, lane, staging, timeout)
+    if program is not None:
+        if op.kind not in ("allreduce", "alltoall"):
+            raise LaneError(f"{op.describe()}: algorithm {program.name!r} was released for a {op.kind}; "
+                            "programs run all-reduces and all-to-alls only")
+        (_allreduce if op.kind == "allreduce" else _alltoall)(op, placement, lane, staging, timeout, program)
+    else:
+        _RUNNERS[op.kind](op, placement, lane, staging, timeout)
     staging.finish()
 
 
-def _allreduce(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float) -> None:
+def _allreduce(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float,
+               program: Any = None) -> None:
     first = op.subs[0]
     bufs = [resolve(x, "buf") for x in op.subs]
     split = split_reduce(first.reduce_op)
     acc = bufs[0]
     if len(bufs) > 1 or first.reduce_op == "premul_sum":
         parallel_reduce_into(acc, bufs, split.local_op, first.scale)
-    lane.allreduce(placement.nodes, acc, split.lane_op, timeout)
+    if program is None:
+        lane.allreduce(placement.nodes, acc, split.lane_op, timeout)
+    else:
+        lane.allreduce(placement.nodes, acc, split.lane_op, timeout, program=program)
     split.finish(acc, len(placement.ranks))
     parallel_copy(bufs[1:], acc)
 
@@ -250,7 +265,8 @@ def _reduce_scatter(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve:
         resolve(sub, "out").copy_(scratch[offsets[g] : offsets[g] + counts[g]])
 
 
-def _alltoall(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float) -> None:
+def _alltoall(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float,
+              program: Any = None) -> None:
     itemsize = s.ITEMSIZE[op.subs[0].dtype]
     inputs = [byte_view(resolve(x, "in")) for x in op.subs]
     outs = [byte_view(resolve(x, "out")) for x in op.subs]
@@ -271,7 +287,10 @@ def _alltoall(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Resol
         sum(sub.splits_out[j] for j in placement.members(n) for sub in op.subs) * itemsize for n in placement.nodes
     ]
     received = torch.empty(sum(out_sizes), dtype=torch.uint8)
-    lane.alltoallv(placement.nodes, packed, in_sizes, received, out_sizes, timeout)
+    if program is None:
+        lane.alltoallv(placement.nodes, packed, in_sizes, received, out_sizes, timeout)
+    else:
+        lane.alltoallv(placement.nodes, packed, in_sizes, received, out_sizes, timeout, program=program)
     at = 0
     for n in placement.nodes:
         for j in placement.members(n):

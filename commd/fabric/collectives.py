@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from commd.algorithms.catalog import Chosen
 from commd.core.ops import COUNTED, ReadyOp
 from commd.execution.hierarchy import GroupPlacement, apply_result, run, run_fused_allreduce
 from commd.execution.workers import INLINE_BYTES
@@ -242,9 +243,13 @@ class Collectives:
                 apply_result(op, placement, result, resolve)
         else:
             resolve = self.runner.resolver()
+            program = None
+            if go.algo is not None and go.algo_hash is not None:  # this node's copy; the lane checks it
+                program = Chosen.lookup(self.fabric.catalog, go.algo, go.algo_hash, len(placement.nodes))
+                op.algo = go.algo
 
             def work(cap: float) -> None:
-                run(op, placement, self.fabric.lanes[lane_name], resolve, min(timeout, cap))
+                run(op, placement, self.fabric.lanes[lane_name], resolve, min(timeout, cap), program)
 
         work = self.node.tracer.wrap((op,), work)
         done = self.runner.done

@@ -46,7 +46,8 @@ class FabricMember:
         self.peer_timeout = peer_timeout
         self.stats = FabricStats()  # every counter of the fabric, this member's and its coordinator's
         self.coordinator = (
-            Coordinator(fabric.nnodes, fabric.config, fabric.lanes, [n.name for n in fabric.nodes], self.stats)
+            Coordinator(fabric.nnodes, fabric.config, fabric.lanes, [n.name for n in fabric.nodes], self.stats,
+                        fabric.catalog)
             if fabric.is_coordinator else None
         )
         self.links = fabric.links
@@ -285,6 +286,8 @@ class FabricMember:
             "scheduling_us_per_op": stats.scheduling_us_per_op(),
             "coordinator_us_per_report": stats.coordinator_us_per_report(),
             "lane_ops": self.node.stats.per_lane(),
+            "algorithm_ops": dict(self.node.stats.by_algorithm),
+            "algorithms": self.fabric.catalog.status() if self.fabric.catalog is not None else None,
             "fusion": {
                 "threshold_bytes": self.fabric.config.fusion_threshold_bytes if self.fabric.config else None,
                 "cycle_ms": self.fabric.config.fusion_cycle_ms if self.fabric.config else None,

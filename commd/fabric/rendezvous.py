@@ -83,6 +83,8 @@ class Fabric:
     #: Control connections: the coordinator holds one per member; a member holds {0: coordinator}.
     links: dict[int, Connection] = field(default_factory=dict)
     keep: list[Any] = field(default_factory=list)  # stores / communicators the lanes use
+    #: This node's programs (``commd.algorithms.catalog.Catalog``; None: programs unavailable).
+    catalog: Any = None
 
     @property
     def nnodes(self) -> int:

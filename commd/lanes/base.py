@@ -20,7 +20,7 @@ or compressed collectives) can be written once and run over any transport.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -124,6 +124,13 @@ def allreduce_dtype(lane: Lane, nodes: tuple[int, ...], buf: torch.Tensor, op: s
     return dtype
 
 
+def refuse_program(lane: str, program: Any, what: str = "allreduce") -> None:
+    """LaneError when a lane that runs no programs is handed one (only the tcp lane runs them)."""
+    if program is not None:
+        raise LaneError(f"{lane} {what}: lane '{lane}' cannot run algorithm "
+                        f"{getattr(program, 'name', program)!r}; programs run on the tcp lane only")
+
+
 def memory_view(tensor: torch.Tensor) -> memoryview:
     """A writable, zero-copy byte view of a flat contiguous CPU tensor of any dtype (what a
     :class:`Transport` moves)."""
@@ -159,8 +166,12 @@ class Lane(Protocol):
     def can_run(self, primitive: str, dtype: str, reduce_op: str | None, nodes: tuple[int, ...]) -> str | None:
         """None if this lane can run ``primitive`` for ``dtype`` (and ``reduce_op``) on ``nodes``; else why not."""
 
-    def allreduce(self, nodes: tuple[int, ...], buf: torch.Tensor, op: str, timeout: float) -> None:
-        """In place: every node's ``buf`` becomes the element-wise reduction of all nodes' ``buf``."""
+    def allreduce(self, nodes: tuple[int, ...], buf: torch.Tensor, op: str, timeout: float,
+                  program: Any = None) -> None:
+        """In place: every node's ``buf`` becomes the element-wise reduction of all nodes' ``buf``.
+
+        ``program`` (a ``commd.algorithms.catalog.Chosen``): run that released program instead of
+        the lane's own algorithm; a lane that runs no programs refuses it with a LaneError."""
 
     def broadcast(self, nodes: tuple[int, ...], buf: torch.Tensor, root: int, timeout: float) -> None:
         """``root`` (a node rank in ``nodes``) sends its ``buf`` into every other node's ``buf``."""
@@ -179,10 +190,12 @@ class Lane(Protocol):
         out: torch.Tensor,
         out_sizes: list[int],
         timeout: float,
+        program: Any = None,
     ) -> None:
         """uint8 tensors: ``inp`` is split into consecutive blocks of ``in_sizes[i]`` bytes for node
         ``nodes[i]``; ``out`` receives consecutive blocks of ``out_sizes[i]`` bytes from ``nodes[i]``.
-        The block for this node itself is copied locally."""
+        The block for this node itself is copied locally.  ``program``: an all-to-all program
+        runs it instead (every block then has one size); refused as by ``allreduce``."""
 
     def send(self, dst: int, buf: torch.Tensor, timeout: float) -> None:
         """Send ``buf`` (uint8) to node ``dst``, which calls ``recv`` with the same byte length."""

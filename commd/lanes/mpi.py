@@ -36,6 +36,7 @@ from commd.lanes.base import (
     node_index,
     pair_nodes,
     refusal,
+    refuse_program,
 )
 from commd.lanes.mpi_env import WORLD_SIZE_ENV, mpi_world_size_from_env
 
@@ -247,8 +248,10 @@ class MpiLane:
         self._wait([request], keep, deadline, what, timeout, sum(a.nbytes for a in keep))
 
     # ---- primitives ---------------------------------------------------------------
-    def allreduce(self, nodes: tuple[int, ...], buf: torch.Tensor, op: str, timeout: float) -> None:
+    def allreduce(self, nodes: tuple[int, ...], buf: torch.Tensor, op: str, timeout: float,
+                  program: Any = None) -> None:
         """In place Iallreduce with the dtype's MPI type (bool as C_BOOL with LOR/LAND/LXOR)."""
+        refuse_program("mpi", program)
         nodes = self._usable("allreduce", nodes)
         check_cpu_tensors("mpi", "allreduce", buf)
         dtype = allreduce_dtype(self, nodes, buf, op)
@@ -302,8 +305,10 @@ class MpiLane:
         out: torch.Tensor,
         out_sizes: list[int],
         timeout: float,
+        program: Any = None,
     ) -> None:
         """Ialltoallv of byte blocks."""
+        refuse_program("mpi", program, "alltoallv")
         nodes = self._usable("alltoallv", nodes)
         check_cpu_tensors("mpi", "alltoallv", inp, out)
         in_sizes, out_sizes = [int(s) for s in in_sizes], [int(s) for s in out_sizes]

@@ -39,6 +39,7 @@ from commd.lanes.base import (
     node_index,
     pair_nodes,
     refusal,
+    refuse_program,
 )
 
 # torch.distributed does not re-export AllgatherOptions (the other *Options it does).
@@ -273,8 +274,10 @@ class TorchGroupLane:
             pass
 
     # ---- primitives ---------------------------------------------------------------
-    def allreduce(self, nodes: tuple[int, ...], buf: torch.Tensor, op: str, timeout: float) -> None:
+    def allreduce(self, nodes: tuple[int, ...], buf: torch.Tensor, op: str, timeout: float,
+                  program: Any = None) -> None:
         """In place element-wise reduction of ``buf`` over ``nodes`` (the backend's ring: same bits everywhere)."""
+        refuse_program(self.name, program)
         nodes = self._check_nodes("allreduce", nodes)
         self._check_tensor("allreduce", buf)
         dtype = allreduce_dtype(self, nodes, buf, op)
@@ -378,8 +381,10 @@ class TorchGroupLane:
         out: torch.Tensor,
         out_sizes: list[int],
         timeout: float,
+        program: Any = None,
     ) -> None:
         """Personalised exchange of byte blocks (the backend copies this node's own block locally)."""
+        refuse_program(self.name, program, "alltoallv")
         nodes = self._check_nodes("alltoallv", nodes)
         self._check_tensor("alltoallv", inp)
         self._check_tensor("alltoallv", out)

@@ -66,6 +66,8 @@ class Stats:
     bytes_moved: int = 0
     #: (op kind, lane, group) -> totals; lane "local": no lane, the node's ranks only
     by_op: dict[tuple[str, str, str], OpTotals] = field(default_factory=dict)
+    #: inter-node ops completed per algorithm: a program's name, or "native" (the lane's own)
+    by_algorithm: dict[str, dict[str, int]] = field(default_factory=dict)
     #: error replies sent to ranks, per error code (timeout, peer_died, mismatch, ...)
     error_replies: dict[str, int] = field(default_factory=dict)
     #: requests refused because a configured limit was reached, per limit name
@@ -95,7 +97,8 @@ class Stats:
                 stats.queued -= 1
             stats.executing += 1
 
-    def finished(self, group: str, kind: str, nbytes: int, seconds: float, ok: bool, lane: str = "local") -> None:
+    def finished(self, group: str, kind: str, nbytes: int, seconds: float, ok: bool, lane: str = "local",
+                 algo: str = "") -> None:
         stats = self.groups.get(group)
         if stats is not None:
             stats.executing -= 1
@@ -119,6 +122,12 @@ class Stats:
             totals.bytes += nbytes
             totals.latency_sum += seconds
             totals.buckets[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+            if lane != "local":
+                row = self.by_algorithm.get(algo or "native")
+                if row is None:
+                    row = self.by_algorithm[algo or "native"] = {"ops": 0, "bytes": 0}
+                row["ops"] += 1
+                row["bytes"] += nbytes
 
     def per_kind(self) -> dict[str, dict[str, dict[str, int]]]:
         """Ops and bytes completed per op kind and lane (``commd status``), all groups together."""

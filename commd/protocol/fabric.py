@@ -20,7 +20,7 @@ things each way):
 | ``p2p_match`` | ``P2pMatch`` | member → coordinator | a forwarded send met its receive: order the transfer | sender_node ``sn``, key ``key`` |
 | ``p2p_fail`` | ``SendFailed`` | member → coordinator | the receiver's node failed a forwarded send (mismatch, timeout) | sender_node ``sn``, key ``key``, code ``code``, message ``m`` |
 | ``hb`` | ``Heartbeat`` | member → coordinator | liveness, with the ops this node's ranks partly submitted | stalled ``stalled``: [group, seq, missing ranks] |
-| ``go`` | ``Go`` | coordinator → member | release: run the op at this place of the global order | group ``g``, seq ``s``, order ``o``, lane ``l``; cache_id ``c``, result ``r`` (bytes), fused_with ``fz`` (the fused set's first order), each optional |
+| ``go`` | ``Go`` | coordinator → member | release: run the op at this place of the global order | group ``g``, seq ``s``, order ``o``, lane ``l``; cache_id ``c``, result ``r`` (bytes), fused_with ``fz`` (the fused set's first order), algorithm ``a`` with its sha256 ``ah`` (hex; both or neither), each optional |
 | ``fail`` | ``Fail`` | coordinator → member | the collective fails on every node | group ``g``, seq ``s``, code ``code``, message ``m`` |
 | ``early`` | ``Early`` | coordinator → member | node 0's contribution to a tiny all-reduce of a 2-node group, sent before the other node reported | group ``g``, seq ``s``, cache_id ``c``, contribution ``d`` (bytes) |
 | ``remote_send`` | ``RemoteSend`` | coordinator → member | a send forwarded to its receiver's node | the ``p2p_send`` fields, then sender_node ``sn`` |
@@ -44,6 +44,7 @@ message; the code treats every message as immutable.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, ClassVar, NoReturn
 
@@ -58,6 +59,10 @@ class FabricMessageError(ProtocolError):
 
 
 # ---- field checks (one place; the text names type, key and meaning) ---------------------------------
+
+#: A release's program: its name (a catalogue name: a library name or a file's stem) and sha256.
+MAX_ALGO_NAME = 200
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 def _bad(t: str, key: str, name: str, want: str, value: Any) -> NoReturn:
@@ -318,7 +323,8 @@ class Heartbeat:
 
 @dataclass(slots=True)
 class Go:
-    """A release: run the collective at place ``order`` of the global order, on ``lane``."""
+    """A release: run the collective at place ``order`` of the global order, on ``lane``
+    (with program ``algo``, whose sha256 is ``algo_hash``, when the coordinator chose one)."""
 
     TYPE: ClassVar[str] = "go"
     group: str
@@ -328,6 +334,8 @@ class Go:
     cache_id: int | None = None  # the pattern's cache id, for a node that does not know it yet
     result: bytes | None = None  # a tiny all-reduce the coordinator reduced itself
     fused_with: int | None = None  # the order of the fused set's first op this one joins
+    algo: str | None = None  # the program's catalogue name (None: the lane's own algorithm)
+    algo_hash: str | None = None  # its sha256, hex (with ``algo``, and only with it)
 
     def to_wire(self) -> dict[str, Any]:
         item: dict[str, Any] = {"t": "go", "g": self.group, "s": self.seq, "o": self.order, "l": self.lane}
@@ -337,6 +345,9 @@ class Go:
             item["r"] = self.result
         if self.fused_with is not None:
             item["fz"] = self.fused_with
+        if self.algo is not None:
+            item["a"] = self.algo
+            item["ah"] = self.algo_hash
         return item
 
     @classmethod
@@ -348,16 +359,24 @@ class Go:
         cache_id, result, fused_with = item.get("c"), item.get("r"), item.get("fz")
         if (type(group) is str and type(seq) is int and type(order) is int and type(lane) is str
                 and (cache_id is None or type(cache_id) is int) and (result is None or type(result) is bytes)
-                and (fused_with is None or type(fused_with) is int)):  # valid: no more checks
+                and (fused_with is None or type(fused_with) is int)
+                and "a" not in item and "ah" not in item):  # valid: no more checks
             return cls(group, seq, order, lane, cache_id, result, fused_with)
         return cls.checked(item)
 
     @classmethod
     def checked(cls, item: dict[str, Any]) -> Go:
         """``from_wire`` field by field (names the first bad field)."""
+        algo, algo_hash = _opt_str(item, "go", "a", "algorithm"), _opt_str(item, "go", "ah", "algorithm hash")
+        if algo is not None and not 0 < len(algo) <= MAX_ALGO_NAME:
+            _bad("go", "a", "algorithm", f"1 to {MAX_ALGO_NAME} characters", algo)
+        if (algo is None) != (algo_hash is None):
+            _bad("go", "ah", "algorithm hash", "given exactly when 'a' (algorithm) is", algo_hash)
+        if algo_hash is not None and not SHA256_HEX.fullmatch(algo_hash):
+            _bad("go", "ah", "algorithm hash", "64 lowercase hex digits (sha256)", algo_hash)
         return cls(_str(item, "go", "g", "group"), _int(item, "go", "s", "seq"), _int(item, "go", "o", "order"),
                    _str(item, "go", "l", "lane"), _opt_int(item, "go", "c", "cache id"),
-                   _opt_bytes(item, "go", "r", "result"), _opt_int(item, "go", "fz", "fused set"))
+                   _opt_bytes(item, "go", "r", "result"), _opt_int(item, "go", "fz", "fused set"), algo, algo_hash)
 
 
 @dataclass(slots=True)

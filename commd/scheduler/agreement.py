@@ -10,6 +10,7 @@ from typing import Any
 from commd.core.ops import COUNTED, REDUCING, ROOTED, BufferRef, Submission
 from commd.protocol import schema as s
 from commd.protocol.cuda import CudaRef
+from commd.protocol.fabric import MAX_ALGO_NAME
 from commd.protocol.schema import LANE_NAMES
 
 
@@ -120,9 +121,12 @@ def parse_submission(
         splits_out=_int_list(msg, "splits_out", group_size),
         timeout=_int(msg, "timeout_ms", int(default_timeout * 1000), 1, _MAX_TIMEOUT_MS) / 1000.0,
         lane=_str(msg, "lane", ""),
+        algo=_str(msg, "algo", ""),
     )
     if sub.lane and sub.lane not in LANE_NAMES:
         raise s.ProtocolError(f"unknown lane {sub.lane!r}; known: {list(LANE_NAMES)}")
+    if len(sub.algo) > MAX_ALGO_NAME:
+        raise s.ProtocolError(f"field 'algo' (an algorithm's name) is longer than {MAX_ALGO_NAME} characters")
     for name in ("buf", "in", "out"):
         if name in msg:
             ref = _ref(msg, name)
@@ -198,7 +202,7 @@ def _check_shape(sub: Submission) -> None:
 
 @functools.cache
 def _agreed_fields(kind: str) -> tuple[str, ...]:
-    fields: tuple[str, ...] = ("kind", "lane")
+    fields: tuple[str, ...] = ("kind", "lane", "algo")
     if kind == "barrier":
         return fields
     fields += ("dtype",)

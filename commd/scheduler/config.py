@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from commd.protocol import schema as s
+from commd.protocol.fabric import MAX_ALGO_NAME
 from commd.protocol.schema import LANE_NAMES
 from commd.scheduler.tuning import TuningTable
 
@@ -42,6 +43,22 @@ class LaneRule:
         return self.min_bytes <= nbytes <= self.max_bytes and self.min_group <= group_size <= self.max_group
 
 
+@dataclass(frozen=True)
+class AlgorithmRule:
+    """``kind`` ('*' for any), byte range, group-size range → the program ``name`` (tcp lane ops)."""
+
+    name: str
+    kind: str = "*"
+    min_bytes: int = 0
+    max_bytes: int = 1 << 62
+    min_group: int = 1
+    max_group: int = s.MAX_GROUP_SIZE
+
+    def matches(self, kind: str, nbytes: int, group_size: int) -> bool:
+        return ((self.kind == "*" or self.kind == kind) and self.min_bytes <= nbytes <= self.max_bytes
+                and self.min_group <= group_size <= self.max_group)
+
+
 @dataclass
 class SchedulerConfig:
     """The daemon's `[scheduler]` settings and lane rules (from a TOML file)."""
@@ -59,6 +76,10 @@ class SchedulerConfig:
     #: The table in force (None: none, or refused; ``tuning_note`` says which and why).
     table: TuningTable | None = None
     tuning_note: str = "no tuning table"
+    #: ``[[algorithms]]`` rules: which program runs a tcp lane op (node 0's decide).
+    algorithm_rules: list[AlgorithmRule] = field(default_factory=list)
+    #: ``[scheduler] algorithms_dir``: this node's user programs ("" = none; flag and env win).
+    algorithms_dir: str = ""
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -70,6 +91,8 @@ class SchedulerConfig:
             "fusion_cycle_ms": self.fusion_cycle_ms,
             "table": self.table.to_json() if self.table is not None else None,
             "tuning_note": self.tuning_note,
+            "algorithm_rules": [[r.name, r.kind, r.min_bytes, r.max_bytes, r.min_group, r.max_group]
+                                for r in self.algorithm_rules],
         }
 
     def adopt_table(self, table: TuningTable | None, nnodes: int, lanes: list[str]) -> None:
@@ -103,14 +126,15 @@ def _int(table: dict[str, Any], key: str, where: str, default: int) -> int:
 def parse_config(data: dict[str, Any], where: str = "config") -> SchedulerConfig:
     """Validate a config mapping (the TOML file's contents); errors name the key."""
     # [limits]: commd.daemon.limits reads it; [metrics]: commd.observe.settings
-    unknown = set(data) - {"scheduler", "rules", "limits", "metrics"}
+    unknown = set(data) - {"scheduler", "rules", "algorithms", "limits", "metrics"}
     if unknown:
-        raise ValueError(f"{where}: unknown section(s) {sorted(unknown)}; known: scheduler, rules, limits, metrics")
+        raise ValueError(f"{where}: unknown section(s) {sorted(unknown)}; known: scheduler, rules, algorithms, "
+                         "limits, metrics")
     sched = data.get("scheduler", {})
     if not isinstance(sched, dict):
         raise ValueError(f"{where}: [scheduler] must be a table")
     unknown = set(sched) - {"default_lane", "stall_warning_s", "stall_shutdown_s", "fusion_threshold_bytes",
-                            "fusion_cycle_ms", "tuning"}
+                            "fusion_cycle_ms", "tuning", "algorithms_dir"}
     if unknown:
         raise ValueError(f"{where}: unknown [scheduler] key(s) {sorted(unknown)}")
     config = SchedulerConfig()
@@ -131,6 +155,11 @@ def parse_config(data: dict[str, Any], where: str = "config") -> SchedulerConfig
     if not isinstance(tuning, str):
         raise ValueError(f"{where}: [scheduler] tuning must be a path or \"off\", got {tuning!r}")
     config.tuning = tuning
+    algorithms_dir = sched.get("algorithms_dir", "")
+    if not isinstance(algorithms_dir, str):
+        raise ValueError(f"{where}: [scheduler] algorithms_dir must be a path, got {algorithms_dir!r}")
+    config.algorithms_dir = algorithms_dir
+    config.algorithm_rules = _algorithm_rules(data.get("algorithms", []), where)
     rules = data.get("rules", [])
     if not isinstance(rules, list):
         raise ValueError(f"{where}: 'rules' must be an array of tables ([[rules]])")
@@ -159,6 +188,36 @@ def parse_config(data: dict[str, Any], where: str = "config") -> SchedulerConfig
     return config
 
 
+def _algorithm_rules(rules: Any, where: str) -> list[AlgorithmRule]:
+    """``[[algorithms]]``: each a program ``name`` with the kind, size and group-size ranges it serves."""
+    if not isinstance(rules, list):
+        raise ValueError(f"{where}: 'algorithms' must be an array of tables ([[algorithms]])")
+    out = []
+    for i, raw in enumerate(rules):
+        at = f"{where} algorithms[{i}]"
+        if not isinstance(raw, dict):
+            raise ValueError(f"{at}: must be a table")
+        unknown = set(raw) - {"name", "kind", "min_bytes", "max_bytes", "min_group", "max_group"}
+        if unknown:
+            raise ValueError(f"{at}: unknown key(s) {sorted(unknown)}")
+        name = raw.get("name")
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_ALGO_NAME:
+            raise ValueError(f"{at}: 'name' must be an algorithm's name (1 to {MAX_ALGO_NAME} characters), "
+                             f"got {name!r}")
+        kind = raw.get("kind", "*")
+        if kind != "*" and kind not in s.OP_KINDS:
+            raise ValueError(f"{at}: 'kind' {kind!r} is not '*' or one of {sorted(s.OP_KINDS)}")
+        rule = AlgorithmRule(
+            name=name, kind=kind,
+            min_bytes=_int(raw, "min_bytes", at, 0), max_bytes=_int(raw, "max_bytes", at, 1 << 62),
+            min_group=_int(raw, "min_group", at, 1), max_group=_int(raw, "max_group", at, s.MAX_GROUP_SIZE),
+        )
+        if rule.min_bytes > rule.max_bytes or rule.min_group > rule.max_group:
+            raise ValueError(f"{at}: empty range (min above max)")
+        out.append(rule)
+    return out
+
+
 def load_config(path: str | Path) -> SchedulerConfig:
     """Read and validate a TOML config file."""
     try:
@@ -177,4 +236,5 @@ def config_from_wire(raw: dict[str, Any]) -> SchedulerConfig:
     if raw.get("table") is not None:
         config.table = TuningTable.from_json(raw["table"], "the coordinator's tuning table")
     config.tuning_note = str(raw.get("tuning_note", ""))
+    config.algorithm_rules = [AlgorithmRule(*r) for r in raw.get("algorithm_rules", [])]
     return config

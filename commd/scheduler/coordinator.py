@@ -52,7 +52,7 @@ from commd.protocol.fabric import (
     ToMember,
 )
 from commd.scheduler.config import SchedulerConfig
-from commd.scheduler.selection import LaneCapability, SelectionError, choose_lane
+from commd.scheduler.selection import LaneCapability, SelectionError, choose_algorithm, choose_lane
 
 log = logging.getLogger("commd.coordinator")
 
@@ -104,6 +104,24 @@ class Outbox:
         return None
 
 
+def _unequal_blocks(pending: Pending) -> str | None:
+    """Why an all-to-all cannot run as a program (whose blocks all have one size): the bytes each
+    node sends each node (its ranks' splits together) differ; None if they are all equal."""
+    first = pending.entries[pending.nodes[0]]
+    itemsize = s.ITEMSIZE.get(first.signature.get("dtype", "uint8"), 1)
+    sent = dict.fromkeys(((a, b) for a in pending.nodes for b in pending.nodes), 0)
+    for entry in pending.entries.values():
+        for grank, splits_in, _ in entry.alltoall_splits or ():
+            for dst, count in enumerate(splits_in):
+                key = (first.placement[grank], first.placement[dst])
+                sent[key] = sent.get(key, 0) + count * itemsize
+    sizes = set(sent.values())
+    if len(sizes) == 1:
+        return None
+    return (f"programs run all-to-alls in which every node sends every node the same number of bytes; "
+            f"here node to node blocks range from {min(sizes)} to {max(sizes)} bytes")
+
+
 def _op(pending: Pending) -> str:
     """'allreduce #3 on group 'g'' (the kind as the first report gave it; '#3' alone before any)."""
     first = next(iter(pending.entries.values()), None)
@@ -113,7 +131,8 @@ def _op(pending: Pending) -> str:
 
 class Coordinator:
     def __init__(self, nnodes: int, config: SchedulerConfig, lanes: dict[str, LaneCapability],
-                 node_names: Sequence[str] | None = None, stats: FabricStats | None = None) -> None:
+                 node_names: Sequence[str] | None = None, stats: FabricStats | None = None,
+                 catalog: Any = None) -> None:
         self.nnodes = nnodes
         #: Counters live with the rest of the fabric's (observe/stats.py); the member passes its own.
         self.stats = stats if stats is not None else FabricStats()
@@ -121,6 +140,10 @@ class Coordinator:
         self.node_names = list(node_names) if node_names is not None else None
         self.config = config
         self.lanes = lanes
+        #: Node 0's programs (``commd.algorithms.catalog.Catalog``), from which it chooses; None: none.
+        self.catalog = catalog
+        #: cache id -> the (name, sha256) of the program its ops run (absent: the lane's own algorithm)
+        self.cache_algo: dict[int, tuple[str, str]] = {}
         self.order = 0
         self.pending: dict[tuple[str, int], Pending] = {}
         # cache id -> (each node's pattern, lane, (fusion key, bytes) or None)
@@ -201,9 +224,11 @@ class Coordinator:
         cids = set(pending.cids.values())
         lane: str | None = None
         cid: int | None = None
+        algo: tuple[str, str] | None = None
         if len(pending.cids) == len(pending.nodes) and len(cids) == 1:
             cid = cids.pop()
             _, lane, fuse_key = self.cache[cid]
+            algo = self.cache_algo.get(cid)
             self.stats.coord_fast_path += 1
         else:
             problem = self._mismatch(pending)
@@ -215,23 +240,34 @@ class Coordinator:
             first = pending.entries[pending.nodes[0]]
             sig = first.signature
             nbytes = max(e.nbytes for e in pending.entries.values())  # buffers differ per rank (gather...)
+            algo_hint = sig.get("algo") or None
             try:
-                lane = choose_lane(
+                lane = choose_lane(  # (programs run on the tcp lane: an algorithm hint implies it)
                     first.kind, sig.get("dtype", "uint8"), sig.get("reduce_op"), nbytes, pending.nodes,
-                    len(first.placement), sig.get("lane") or None, self.config, self.lanes,
+                    len(first.placement), sig.get("lane") or ("tcp" if algo_hint else None), self.config,
+                    self.lanes,
+                )
+                program = choose_algorithm(
+                    first.kind, sig.get("dtype", "uint8"), sig.get("reduce_op"), nbytes, pending.nodes,
+                    len(first.placement), algo_hint, lane, self.config, self.catalog,
+                    _unequal_blocks(pending) if first.kind == "alltoall" else None,
                 )
             except SelectionError as exc:
                 for node in pending.nodes:
                     out.add(node, Fail(pending.group, pending.seq, s.E_PROTOCOL,
                                        f"{_op(pending)} on {self.nodes(pending.nodes)}: {exc}"))
                 return
-            fuse_key = self._fusion_key(pending.group, first, nbytes, lane)
+            algo = (program.name, program.digest) if program is not None else None
+            # a program runs one op per lane call: never fused, never reduced here
+            fuse_key = self._fusion_key(pending.group, first, nbytes, lane) if algo is None else None
             if len(self.cache) < MAX_CACHE_ENTRIES:
                 cid = len(self.cache) + 1
                 self.cache[cid] = (dict(pending.entries), lane, fuse_key)
+                if algo is not None:
+                    self.cache_algo[cid] = algo
         self.order += 1
         self.stats.coord_released += 1
-        result = self._eager_result(pending, lane)
+        result = self._eager_result(pending, lane) if algo is None else None
         # An op the coordinator reduced itself, or one a node keeps apart, ends any open set.
         fusible = fuse_key is not None and result is None and not pending.no_fusion
         key, size = fuse_key if fusible else (None, 0)
@@ -239,7 +275,8 @@ class Coordinator:
         for node in pending.nodes:
             # (positional: this runs for every node of every op; fields: cache id, result, fused with)
             out.add(node, Go(pending.group, pending.seq, self.order, lane,
-                             cid if cid is not None and pending.cids.get(node) != cid else None, result, head))
+                             cid if cid is not None and pending.cids.get(node) != cid else None, result, head,
+                             *(algo or (None, None))))
 
     def _send_early(self, pending: Pending, item: Ready, out: Outbox) -> None:
         """This node (the coordinator's own) reported a tiny all-reduce of a 2-node group first,
@@ -252,7 +289,8 @@ class Coordinator:
         if len(pending.nodes) != 2 or cid is None or not data:
             return
         cached = self.cache.get(cid)
-        if cached is None or cached[1] != "tcp" or cached[0][HOME_NODE].kind != "allreduce":
+        if (cached is None or cached[1] != "tcp" or cached[0][HOME_NODE].kind != "allreduce"
+                or cid in self.cache_algo):
             return  # only what _eager_result would reduce (the tcp lane's tiny all-reduces)
         other = pending.nodes[1] if pending.nodes[0] == HOME_NODE else pending.nodes[0]
         if other not in self.dead:

@@ -11,11 +11,17 @@ rule for lanes that must not run at once on one device, are execution's:
 
 from __future__ import annotations
 
-from typing import Protocol
+import logging
+from typing import TYPE_CHECKING, Protocol
 
 from commd.kernels.split import split_reduce
 from commd.protocol.schema import LANE_NAMES
 from commd.scheduler.config import SchedulerConfig
+
+if TYPE_CHECKING:
+    from commd.algorithms.catalog import Catalog, Program
+
+log = logging.getLogger("commd.coordinator")
 
 #: The lane primitive each op kind's inter-node phase uses.
 PRIMITIVE_FOR_KIND = {
@@ -82,3 +88,44 @@ def choose_lane(
     raise SelectionError(f"no lane can run {kind} of {dtype}" + (f" with {reduce_op}" if reduce_op else ""))
 
 
+
+
+def choose_algorithm(
+    kind: str,
+    dtype: str,
+    reduce_op: str | None,
+    nbytes: int,
+    nodes: tuple[int, ...],
+    group_size: int,
+    hint: str | None,
+    lane: str,
+    config: SchedulerConfig,
+    catalog: Catalog | None,
+    unfit: str | None = None,
+) -> Program | None:
+    """The program that runs an op on the tcp lane: the hint, then ``[[algorithms]]`` rules, then
+    None (the lane's own algorithm).  SelectionError if a hint cannot be honoured; a rule whose
+    program cannot run the op is skipped with its reason in the log, never silently.  ``unfit``:
+    why no program can run this op whatever its name (e.g. an all-to-all of unequal blocks)."""
+    primitive = PRIMITIVE_FOR_KIND[kind]
+    op = split_reduce(reduce_op).lane_op if primitive == "allreduce" and reduce_op else None
+    if hint:
+        if lane != "tcp":
+            raise SelectionError(f"{kind} asked for algorithm {hint!r}, but programs run on the tcp lane and "
+                                 f"the op's lane is {lane!r}")
+        if catalog is None:
+            raise SelectionError(f"{kind} asked for algorithm {hint!r}, but the coordinator has no programs")
+        found = unfit or catalog.runnable(hint, kind, len(nodes), dtype, op)
+        if isinstance(found, str):
+            raise SelectionError(f"{kind} asked for algorithm {hint!r}, which cannot run it: {found}")
+        return found
+    if lane != "tcp" or catalog is None:
+        return None
+    for rule in config.algorithm_rules:
+        if rule.matches(kind, nbytes, group_size):
+            found = unfit or catalog.runnable(rule.name, kind, len(nodes), dtype, op)
+            if not isinstance(found, str):
+                return found
+            log.warning("algorithm rule for %r skipped for %s of %d bytes on %d nodes: %s", rule.name, kind,
+                        nbytes, len(nodes), found)
+    return None

@@ -159,15 +159,19 @@ class Options:
     """``pg_options`` for ``init_process_group("commd", pg_options=...)`` / ``new_group``.
 
     ``lane``: the inter-node lane for this group's ops ("tcp", "gloo", "mpi",
-    "nccl"); None lets the daemons' rules decide per op.
+    "nccl"); None lets the daemons' rules decide per op.  ``algo``: the program that
+    runs this group's all-reduces between nodes (on the tcp lane); None: the rules decide.
     """
 
-    def __init__(self, lane: str | None = None) -> None:
+    def __init__(self, lane: str | None = None, algo: str | None = None) -> None:
         from commd.protocol.schema import LANE_NAMES
 
         if lane is not None and lane not in LANE_NAMES:
             raise ValueError(f"unknown lane {lane!r}; known: {list(LANE_NAMES)}")
+        if algo is not None and (not isinstance(algo, str) or not algo):
+            raise ValueError(f"algo must be an algorithm's name, got {algo!r}")
         self.lane = lane
+        self.algo = algo
 
 
 class ProcessGroupCommd(dist.ProcessGroup):
@@ -175,7 +179,7 @@ class ProcessGroupCommd(dist.ProcessGroup):
 
     def __init__(
         self, client: Client, name: str, rank: int, size: int, timeout: float | None, torch_name: str,
-        lane: str | None = None,
+        lane: str | None = None, algo: str | None = None,
     ) -> None:
         """``timeout``: this group's op timeout in seconds, None for the client's (see ``op_timeout_s``)."""
         super().__init__(rank, size)
@@ -184,6 +188,7 @@ class ProcessGroupCommd(dist.ProcessGroup):
         self._torch_name = torch_name
         self._timeout = timeout
         self._lane = lane
+        self._algo = algo
         self.ring: Any = None  # the group's exchange ring (ring_ops.py), set by _create
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
@@ -227,7 +232,7 @@ class ProcessGroupCommd(dist.ProcessGroup):
             handle = ring_all_reduce(self._client, self.ring, tensors[0], op, self._timeout, tensors)
             if handle is not None:
                 return CommdWork([handle], tensors)
-        handles = [ops.all_reduce(self._client, t, op, **self._kw()) for t in tensors]
+        handles = [ops.all_reduce(self._client, t, op, **self._kw(), algo=self._algo) for t in tensors]
         return self._work(handles, tensors)
 
     @profiled("all_reduce_coalesced")
@@ -601,8 +606,12 @@ def _create(dist_opts: Any, backend_opts: Any) -> ProcessGroupCommd:
     name = f"g{base}.{generation}".replace(" ", "_")[:200]
     client.register_group(name, global_ranks)
     lane = getattr(backend_opts, "lane", None) if isinstance(backend_opts, Options) else None
-    group = ProcessGroupCommd(client, name, rank, size, op_timeout_s(timeout), base, lane)
-    group.ring = open_ring(client, store, name, rank, size, global_ranks, op_timeout_s(timeout), lane)
+    algo = getattr(backend_opts, "algo", None) if isinstance(backend_opts, Options) else None
+    group = ProcessGroupCommd(client, name, rank, size, op_timeout_s(timeout), base, lane, algo)
+    # a group with a program runs its all-reduces through the coordinator (which releases the
+    # program), never through a bridged ring, as a group with a lane does
+    group.ring = open_ring(client, store, name, rank, size, global_ranks, op_timeout_s(timeout),
+                           lane or ("tcp" if algo else None))
     return group
 
 

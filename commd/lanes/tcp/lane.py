@@ -15,10 +15,14 @@ import logging
 import socket
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 import torch
 
+from commd.algorithms.catalog import NO_NUMPY_DTYPES, Chosen, Program, short
 from commd.kernels.reduce import UnsupportedReduction, check_supported
 from commd.lanes.base import (
     LaneError,
@@ -46,6 +50,36 @@ SMALL_ALLREDUCE_BYTES = 64 * 1024
 SMALL_BROADCAST_BYTES = 64 * 1024
 #: Smallest accepted ``chunk_bytes`` (below this the per-chunk overhead dominates everything).
 MIN_CHUNK_BYTES = 256
+#: Compiled program plans kept per lane (one per program, count, dtype and rank in use).
+MAX_PLANS = 64
+
+#: Runs one node's part of a program: (transport, program, nodes, this node's index, input and
+#: output as NumPy arrays (the same array for an all-reduce), lane op, deadline, the lane's plan cache).
+ProgramRunner = Callable[[Transport, Program, tuple[int, ...], int, np.ndarray, np.ndarray, str, float,
+                          "OrderedDict[tuple, Any]"], None]
+
+
+def interpret(tp: Transport, program: Program, nodes: tuple[int, ...], me: int, inp: np.ndarray, out: np.ndarray,
+              op: str, deadline: float, plans: OrderedDict[tuple, Any]) -> None:
+    """Run ``program`` as DSL rank ``me`` through the interpreter: ``out`` gets this node's result.
+
+    Plans are built once per (program, rank, count, dtype) and kept (least recently used out)."""
+    from commd.algorithms import interpreter
+
+    key = (program.digest, me, inp.size, inp.dtype.str)
+    plan = plans.get(key)
+    if plan is None:
+        plan = plans[key] = interpreter.Plan.build(program.algo, me, inp.size, inp.dtype, source=program.source)
+        while len(plans) > MAX_PLANS:
+            plans.popitem(last=False)
+    else:
+        plans.move_to_end(key)
+    if program.algo.inplace and inp is not out:  # an in-place program reads its input where it writes
+        out[:] = inp
+        inp = out
+    elif not program.algo.inplace and inp is out:  # an out-of-place one must not see its output change
+        inp = inp.copy()
+    interpreter.run(plan, tp, nodes, inp, out, op, deadline)
 
 
 class TcpLane:
@@ -90,6 +124,11 @@ class TcpLane:
         self._connect_error: LaneError | None = None
         self._closed = False
         self._op_lock = threading.Lock()  # one call at a time; close() waits for it to let go
+        #: How a program runs (the interpreter; tests substitute their own).
+        self.program_runner: ProgramRunner = interpret
+        self._plans: OrderedDict[tuple, Any] = OrderedDict()
+        #: (name, hash, nodes) whose every node was seen to hold that program (checked once).
+        self._agreed: set[tuple[str, str, tuple[int, ...]]] = set()
 
     @property
     def endpoint(self) -> tuple[str, int]:
@@ -207,8 +246,10 @@ class TcpLane:
         raise error from cause
 
     # ---- primitives -----------------------------------------------------------------------
-    def allreduce(self, nodes: tuple[int, ...], buf: torch.Tensor, op: str, timeout: float) -> None:
-        """In-place reduction over ``nodes``: whole-buffer exchange when small, ring when large."""
+    def allreduce(self, nodes: tuple[int, ...], buf: torch.Tensor, op: str, timeout: float,
+                  program: Chosen | None = None) -> None:
+        """In-place reduction over ``nodes``: whole-buffer exchange when small, ring when large;
+        ``program``: the released program instead (DSL rank = this node's index in ``nodes``)."""
         nodes, me = self._check_nodes("allreduce", nodes)
         self._check_tensor("allreduce", buf)
         dtype = allreduce_dtype(self, nodes, buf, op)
@@ -217,9 +258,49 @@ class TcpLane:
             self._usable("allreduce", nodes)
             return
         nbytes = flat.numel() * flat.element_size()
+        if program is not None:
+            if dtype in NO_NUMPY_DTYPES:
+                raise LaneError(f"tcp allreduce: algorithm {program.name!r} cannot run {dtype} (no NumPy dtype)")
+            deadline = time.monotonic() + timeout
+            arr = flat.numpy()
+            self._run(f"allreduce({dtype}, {op}, {nbytes} bytes, algorithm {program.name!r})", "allreduce", nodes,
+                      timeout, lambda ex: self._run_program(ex, "allreduce", program, nodes, me, arr, arr, op,
+                                                            deadline))
+            return
         algo = algorithms.direct_allreduce if nbytes <= SMALL_ALLREDUCE_BYTES else algorithms.ring_allreduce
         self._run(f"allreduce({dtype}, {op}, {nbytes} bytes)", "allreduce", nodes, timeout,
                   lambda ex: algo(ex, nodes, me, flat, op))
+
+    def _run_program(self, tp: Transport, what: str, chosen: Chosen, nodes: tuple[int, ...], me: int,
+                     inp: np.ndarray, out: np.ndarray, op: str, deadline: float) -> None:
+        """Check that every node holds the released program, then run this node's part of it."""
+        self._agree_on_program(tp, what, chosen, nodes)
+        assert chosen.program is not None  # (agreement fails the call on every node otherwise)
+        self.program_runner(tp, chosen.program, nodes, me, inp, out, op, deadline, self._plans)
+
+    def _agree_on_program(self, tp: Transport, what: str, chosen: Chosen, nodes: tuple[int, ...]) -> None:
+        """Every node sends every other its own hash for the released name (zeros: none); each
+        compares them all with the release's.  All nodes see the same hashes, so all fail alike,
+        and the streams stay in step (the exchange completes before the error).  Done once per
+        (program, nodes): every node of ``nodes`` makes the same calls in the same order."""
+        key = (chosen.name, chosen.digest, nodes)
+        if key in self._agreed:
+            return
+        mine = bytes.fromhex(chosen.local_digest) if chosen.local_digest else bytes(32)
+        theirs = {node: bytearray(32) for node in nodes if node != self.node_rank}
+        for node, into in theirs.items():
+            tp.post_send(node, memoryview(mine))
+            tp.post_recv(node, memoryview(into))
+        tp.wait()
+        hashes = {**{node: bytes(d) for node, d in theirs.items()}, self.node_rank: mine}
+        wrong = {node: d for node, d in sorted(hashes.items()) if d.hex() != chosen.digest}
+        if wrong:
+            held = "; ".join(f"node {node} has " + (f"sha256 {short(d.hex())}" if any(d) else "no such program")
+                             for node, d in wrong.items())
+            local = f" (here: {chosen.missing})" if chosen.program is None and chosen.missing else ""
+            raise LaneError(f"tcp {what}: algorithm {chosen.name!r} differs between nodes: the release names "
+                            f"sha256 {short(chosen.digest)}; {held}{local}", "mismatch")
+        self._agreed.add(key)
 
     def broadcast(self, nodes: tuple[int, ...], buf: torch.Tensor, root: int, timeout: float) -> None:
         """``root``'s bytes into everyone's ``buf``: direct when small, pipelined chain when large."""
@@ -261,8 +342,10 @@ class TcpLane:
         out: torch.Tensor,
         out_sizes: list[int],
         timeout: float,
+        program: Chosen | None = None,
     ) -> None:
-        """Personalised exchange of byte blocks, pairwise (step s: to me + s, from me - s)."""
+        """Personalised exchange of byte blocks, pairwise (step s: to me + s, from me - s);
+        ``program``: the released all-to-all program instead (every block then has one size)."""
         nodes, me = self._check_nodes("alltoallv", nodes)
         self._check_tensor("alltoallv", inp, uint8=True)
         self._check_tensor("alltoallv", out, uint8=True)
@@ -272,6 +355,19 @@ class TcpLane:
         if len(nodes) == 1:
             self._usable("alltoallv", nodes)
             dst[:] = src
+            return
+        if program is not None:
+            if len(set(in_sizes + out_sizes)) != 1:
+                raise LaneError(f"tcp alltoallv: algorithm {program.name!r} needs one block size to and from every "
+                                f"node, got in_sizes {in_sizes} and out_sizes {out_sizes}")
+            if len(src) == 0:
+                self._usable("alltoallv", nodes)
+                return
+            deadline = time.monotonic() + timeout
+            src_arr, dst_arr = inp.reshape(-1).numpy(), out.reshape(-1).numpy()
+            self._run(f"alltoallv({len(src)} bytes, algorithm {program.name!r})", "alltoallv", nodes, timeout,
+                      lambda ex: self._run_program(ex, "alltoallv", program, nodes, me, src_arr, dst_arr, "sum",
+                                                   deadline))
             return
         self._run(f"alltoallv({len(src)} bytes out, {len(dst)} in)", "alltoallv", nodes, timeout,
                   lambda ex: algorithms.pairwise_alltoallv(ex, nodes, me, src, in_sizes, dst, out_sizes))
