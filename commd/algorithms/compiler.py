@@ -20,8 +20,9 @@ from commd.algorithms.trace import ThreadblockPolicy
 def _io_chunks(prog: Any, dag: dag_stage.Dag) -> list[tuple[int, int]]:
     """Each rank's (input, output) chunk counts for one instance.
 
-    A built-in collective declares them (an aliased in-place buffer has none of its own);
-    a custom one has what its steps touch, as MSCCL writes it.
+    A built-in collective declares them (an aliased in-place buffer has none of its own), so
+    does a :class:`~commd.algorithms.collectives.Custom` one; a collective subclassed
+    MSCCLang's way has what its steps touch, as MSCCL writes it.
     """
     coll = prog.collective
     used: dict[tuple[int, str], int] = {}
@@ -31,6 +32,10 @@ def _io_chunks(prog: Any, dag: dag_stage.Dag) -> list[tuple[int, int]]:
                 used[(s.rank, s.buffer)] = max(used.get((s.rank, s.buffer), 0), s.end)
     counts = []
     for r in range(prog.num_ranks):
+        if hasattr(coll, "declared_chunks"):
+            i, o = coll.declared_chunks(r)
+            counts.append((max(i, used.get((r, "i"), 0)), max(o, used.get((r, "o"), 0))))
+            continue
         if getattr(coll, "ir_name", "custom") == "custom":
             counts.append((used.get((r, "i"), 0), used.get((r, "o"), 0)))
             continue
