@@ -685,3 +685,24 @@ def test_msccl_tools_alltonext_forward_compiles_with_the_shape_msccl_tools_gave_
     execute(algo, bufs, "sum")
     for r in range(1, 16):
         assert bufs[r]["o"].reshape(-1).tolist() == inputs[r - 1].tolist(), f"rank {r}"
+
+
+def test_a_forward_whose_connections_belong_to_two_threadblocks_is_split_back_into_receive_and_send() -> None:
+    """Rank 1 forwards rank 0's chunk and then rank 2's to rank 3: the first becomes an rcs in the threadblock
+    (send 3, recv 0); the second cannot join it (it receives from 2), so it is a receive in its own threadblock
+    and a send in the first one, waiting for that receive."""
+    fanin = Custom(4, 1, False, inputs=[1, 0, 1, 0], outputs=[0, 0, 0, 2],
+                   expect={(3, "o", 0): Chunk(0, 0), (3, "o", 1): Chunk(2, 0)}, name="fanin")
+    with MSCCLProgram("fanin", fully_connected(4), fanin, 1) as prog:
+        chunk(0, Buffer.input, 0).copy(1, "t", 0).copy(3, Buffer.output, 0)
+        chunk(2, Buffer.input, 0).copy(1, "t", 1).copy(3, Buffer.output, 1)
+        assert Check()
+    algo = prog.compile()
+    assert_well_formed(algo)
+    rank1 = algo.ranks[1]
+    assert [(tb.send, tb.recv, [s.type.value for s in tb.steps]) for tb in rank1.threadblocks] == [
+        (3, 0, ["rcs", "s"]), (-1, 2, ["r"])]
+    assert (rank1.threadblocks[0].steps[1].depid, rank1.threadblocks[0].steps[1].deps) == (1, 0)
+    bufs = buffers(algo, 2, "int64", [np.array([1, 2]), np.zeros(0), np.array([5, 6]), np.zeros(0)])
+    execute(algo, bufs, "sum")
+    assert bufs[3]["o"].tolist() == [[1, 2], [5, 6]]

@@ -163,17 +163,18 @@ class _Assigner:
 
 def assign(dag: Dag, source: str, manual: bool) -> Schedule:
     """Threadblocks for every instruction (may split fused steps whose connections clash)."""
-    blocks = []
-    for rank in range(dag.num_ranks):
-        assigner = _Assigner(dag, rank, source, manual)
-        level = levels(dag)
-        for ins in sorted(dag.ranks[rank], key=lambda x: (level[x], x.order)):
-            assigner.place_hinted(ins)
-        level = levels(dag)  # transfers first: local steps then join the threadblock of what they wait for
-        for ins in sorted(dag.ranks[rank], key=lambda x: (x.send_to < 0 and x.recv_from < 0, level[x], x.order)):
-            assigner.place_auto(ins)
-        blocks.append(assigner.blocks)
-    return Schedule(blocks)
+    assigners = [_Assigner(dag, rank, source, manual) for rank in range(dag.num_ranks)]
+    for local_last in (None, True):  # hinted steps first; then the rest, transfers before local steps
+        level = levels(dag)  # a split's new send is placed at once, on its own rank: no need to redo this
+        for rank, assigner in enumerate(assigners):
+            if local_last is None:
+                for ins in sorted(dag.ranks[rank], key=lambda x: (level[x], x.order)):
+                    assigner.place_hinted(ins)
+            else:  # local steps then join the threadblock of what they wait for
+                for ins in sorted(dag.ranks[rank],
+                                  key=lambda x: (x.send_to < 0 and x.recv_from < 0, level[x], x.order)):
+                    assigner.place_auto(ins)
+    return Schedule([a.blocks for a in assigners])
 
 
 def order(dag: Dag, schedule: Schedule, source: str) -> None:
