@@ -706,3 +706,28 @@ def test_a_forward_whose_connections_belong_to_two_threadblocks_is_split_back_in
     bufs = buffers(algo, 2, "int64", [np.array([1, 2]), np.zeros(0), np.array([5, 6]), np.zeros(0)])
     execute(algo, bufs, "sum")
     assert bufs[3]["o"].tolist() == [[1, 2], [5, 6]]
+
+
+def test_a_forwarded_reduction_is_stored_unless_every_chunk_of_it_is_overwritten() -> None:
+    """Rank 1 reduces two chunks received from 0 and forwards the sums to 2, which sends its own totals back.
+    When they overwrite both chunks, rank 1 need not store its partial sums (rrs); when they overwrite only
+    chunk 0, the partial sum x0 + x1 in chunk 1 is part of the result, so it must be stored (rrcs)."""
+    def program(overwrite: int) -> Algorithm:
+        expect = {(2, "i", c): [Chunk(0, c), Chunk(1, c), Chunk(2, c)] for c in (0, 1)}
+        expect[(1, "i", 0)] = [Chunk(0, 0), Chunk(1, 0), Chunk(2, 0)]
+        expect[(1, "i", 1)] = ([Chunk(0, 1), Chunk(1, 1), Chunk(2, 1)] if overwrite == 2
+                               else [Chunk(0, 1), Chunk(1, 1)])
+        partial = Custom(3, 2, False, inputs=[2, 2, 2], outputs=[0, 0, 0], expect=expect, name="partial")
+        with MSCCLProgram(f"partial{overwrite}", fully_connected(3), partial, 1) as prog:
+            c = chunk(1, Buffer.input, 0, 2).reduce(chunk(0, Buffer.input, 0, 2))
+            chunk(2, Buffer.input, 0, 2).reduce(c)
+            chunk(2, Buffer.input, 0, overwrite).copy(1, Buffer.input, 0)
+            assert Check()
+        return prog.compile()
+    assert step_types(program(2)) == Counter({"s": 1, "rrs": 1, "rrcs": 1, "r": 1})  # rank 2 stores and returns
+    algo = program(1)
+    assert step_types(algo) == Counter({"s": 2, "rrcs": 1, "rrc": 1, "r": 1})
+    inputs = [np.array([1, 2, 10, 20]) * 10**r for r in range(3)]
+    bufs = buffers(algo, 2, "int64", inputs)
+    execute(algo, bufs, "sum")
+    assert bufs[1]["i"].tolist() == [[111, 222], [110, 220]]
