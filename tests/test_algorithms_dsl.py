@@ -430,7 +430,12 @@ def test_library_alltoall_and_alltonext_move_every_block_where_numpy_says(n: int
 
 
 def test_alltonext_postcondition_is_written_in_the_sidecar_format() -> None:
-    post = AllToNext(3).sidecar("alltonext.xml")
+    with MSCCLProgram("a2n", fully_connected(3), AllToNext(3), 1) as prog:
+        pass
+    post = prog.sidecar("alltonext.xml")
+    with MSCCLProgram("ring", fully_connected(3), AllReduce(3, 1, True), 1) as prog:
+        pass
+    assert prog.sidecar()["expect"], "a built-in collective states its postcondition too"
     assert post["file"] == "alltonext.xml"
     assert post["expect"] == [{"rank": 1, "buf": "o", "index": 0, "from": {"rank": 0, "buf": "i", "index": 0}},
                               {"rank": 2, "buf": "o", "index": 0, "from": {"rank": 1, "buf": "i", "index": 0}}]
@@ -461,6 +466,9 @@ def test_library_names_descriptions_and_size_ranges() -> None:
         algo = library.get(name, 3)
         assert (algo.min_bytes, algo.max_bytes) == (entry.min_bytes, entry.max_bytes)
         assert library.get(name, 3) is algo  # cached
+    assert library.sidecar("alltonext", 3) == AllToNext(3).sidecar("alltonext.xml")
+    assert library.sidecar("ring", 3) is None
+    assert library.get("twoshot", 3, instances=2).nchannels == 2
     with pytest.raises(ProgramError, match="no built-in algorithm 'nope'"):
         library.get("nope", 3)
     with pytest.raises(ProgramError, match="needs at least 2 nodes"):

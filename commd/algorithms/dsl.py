@@ -229,6 +229,11 @@ class MSCCLProgram:
 
     lower = compile
 
+    def sidecar(self, file: str = "") -> dict[str, Any] | None:
+        """The postcondition as a ``FILE.post.json`` sidecar, for a collective that states it (None otherwise)."""
+        post = self.collective.sidecar(file)
+        return post if post["expect"] else None
+
     def generate_xml(self) -> str:
         from commd.algorithms import mscclxml
         return mscclxml.dumps(self.compile())

@@ -12,7 +12,9 @@ import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+from commd.algorithms.collectives import AllToNext, Collective
 from commd.algorithms.errors import ProgramError
 from commd.algorithms.ir import Algorithm
 from commd.algorithms.library import allreduce, movement
@@ -30,6 +32,7 @@ class Entry:
     min_bytes: int
     max_bytes: int  # 0: unbounded
     min_nodes: int = 2
+    postcondition: Callable[[int], Collective] | None = None  # a custom program's collective, by node count
 
 
 _LIBRARY: dict[str, Entry] = {
@@ -45,7 +48,8 @@ _LIBRARY: dict[str, Entry] = {
     "ring": Entry(allreduce.ring, "allreduce",
                   "ring all-reduce, bit for bit the native ring's reduction order", 1 * MiB, 0),
     "alltoall": Entry(movement.alltoall, "alltoall", "direct all-to-all: each block straight to its node", 0, 0),
-    "alltonext": Entry(movement.alltonext, "custom", "AllToNext: node n's buffer to node n + 1", 0, 0),
+    "alltonext": Entry(movement.alltonext, "custom", "AllToNext: node n's buffer to node n + 1", 0, 0,
+                       postcondition=AllToNext),
 }
 
 
@@ -59,6 +63,14 @@ def describe(name: str) -> Entry:
     if name not in _LIBRARY:
         raise ProgramError(f"no built-in algorithm {name!r} (there are: {', '.join(_LIBRARY)})", source="<library>")
     return _LIBRARY[name]
+
+
+def sidecar(name: str, nranks: int) -> dict[str, Any] | None:
+    """The postcondition of a ``custom`` built-in program in the sidecar format (None for the others)."""
+    entry = describe(name)
+    if entry.coll != "custom":
+        return None
+    return entry.postcondition(nranks).sidecar(f"{name}.xml") if entry.postcondition else None
 
 
 def get(name: str, nranks: int, **kw: int) -> Algorithm:
