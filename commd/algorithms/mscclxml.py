@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Any
 from xml.parsers import expat
 
 from commd.algorithms.errors import ProgramError
@@ -160,6 +161,11 @@ def _text(value: object, where: str) -> str:
     return value
 
 
+def _shown(value: str, limit: int = 40) -> str:
+    """A value from the file as an error message quotes it: repr'd, and cut short."""
+    return repr(value) if len(value) <= limit else repr(value[:limit]) + "…"
+
+
 def _too_big(size: int, unit: str) -> str:
     return f"{size} {unit} is over the {MAX_BYTES // (1024 * 1024)} MiB limit on program files"
 
@@ -183,7 +189,7 @@ class _Reader:
         self.parser.StartDoctypeDeclHandler = self._doctype  # refused earlier too; never let one through
         self.parser.EntityDeclHandler = self._entity
         self.stack: list[str] = []
-        self.head: dict[str, object] = {}
+        self.head: dict[str, Any] = {}  # <algo>'s fields, as Algorithm takes them
         self.ranks: list[Rank] = []
         self.threadblocks: list[Threadblock] = []
         self.steps: list[Step] = []
@@ -234,9 +240,7 @@ class _Reader:
 
     def _text(self, data: str) -> None:
         if data.strip():
-            shown = data.strip()
-            shown = shown if len(shown) <= 40 else shown[:40] + "…"
-            raise self._fail(f"text {shown!r} inside <{self.stack[-1]}>: MSCCL files carry only elements")
+            raise self._fail(f"text {_shown(data.strip())} inside <{self.stack[-1]}>: MSCCL files carry only elements")
 
     # -- elements
 
@@ -244,14 +248,14 @@ class _Reader:
         self._attributes("algo", attrs, ALGO_ATTRIBUTES, ALGO_OPTIONAL_ATTRIBUTES)
         name = attrs["name"]
         if not name or len(name) > _MAX_NAME or not name.isprintable():
-            raise self._fail(f"<algo> attribute name={name!r} must be 1..{_MAX_NAME} printable characters")
+            raise self._fail(f"<algo> attribute name={_shown(name)} must be 1..{_MAX_NAME} printable characters")
         proto = attrs["proto"]
         if proto not in PROTOCOLS:
-            raise self._fail(f"<algo> attribute proto={proto!r} is not one of MSCCL's protocols {', '.join(PROTOCOLS)}")
+            raise self._fail(f"<algo> attribute proto={_shown(proto)} is not one of MSCCL's protocols {', '.join(PROTOCOLS)}")
         coll = attrs["coll"]
         if coll not in COLLECTIVES:
-            raise self._fail(f"<algo> attribute coll={coll!r} is not a known collective ({', '.join(COLLECTIVES)})")
-        head: dict[str, object] = {
+            raise self._fail(f"<algo> attribute coll={_shown(coll)} is not a known collective ({', '.join(COLLECTIVES)})")
+        self.head = {
             "name": name, "proto": proto, "coll": coll,
             "nchannels": self._integer("algo", attrs, "nchannels", 1),
             "nchunksperloop": self._integer("algo", attrs, "nchunksperloop", 1),
@@ -261,28 +265,26 @@ class _Reader:
             "min_bytes": self._integer("algo", attrs, "minBytes", 0, _INT64_MAX) if "minBytes" in attrs else None,
             "max_bytes": self._integer("algo", attrs, "maxBytes", 0, _INT64_MAX) if "maxBytes" in attrs else None,
         }
-        self.head = head
 
     def _end_algo(self) -> None:
         ngpus = self.head["ngpus"]
-        assert isinstance(ngpus, int)
         if len(self.ranks) < ngpus:
             missing = len(self.ranks) if len(self.ranks) == ngpus - 1 else f"{len(self.ranks)}..{ngpus - 1}"
             raise self._fail(f"ngpus={ngpus} but <gpu id> {missing} missing")
-        self.result = Algorithm(ranks=tuple(self.ranks), **self.head)  # type: ignore[arg-type]
+        self.result = Algorithm(ranks=tuple(self.ranks), **self.head)
 
     def _start_gpu(self, attrs: dict[str, str]) -> None:
+        gpu_id = self.rank_id = self._identify("gpu", attrs, "id")
         self._attributes("gpu", attrs, GPU_ATTRIBUTES)
-        gpu_id = self._integer("gpu", attrs, "id", 0)
-        self.rank_id = gpu_id
+        assert gpu_id is not None  # a missing id was refused just above
         expected = len(self.ranks)
         ngpus = self.head["ngpus"]
         if gpu_id < expected:
             raise self._fail(f"duplicate <gpu id={gpu_id}>")
         if gpu_id > expected:
             raise self._fail(f"<gpu id={gpu_id}> out of order: expected id={expected} (gpu ids are 0..ngpus-1 in order)")
-        if gpu_id >= ngpus:  # type: ignore[operator]
-            raise self._fail(f"<gpu id={gpu_id}> is outside 0..{ngpus - 1} (ngpus={ngpus})")  # type: ignore[operator]
+        if gpu_id >= ngpus:
+            raise self._fail(f"<gpu id={gpu_id}> is outside 0..{ngpus - 1} (ngpus={ngpus})")
         self.gpu = (gpu_id, self._integer("gpu", attrs, "i_chunks", 0), self._integer("gpu", attrs, "o_chunks", 0),
                     self._integer("gpu", attrs, "s_chunks", 0))
         self.threadblocks = []
@@ -296,9 +298,9 @@ class _Reader:
         self.rank_id = None
 
     def _start_tb(self, attrs: dict[str, str]) -> None:
+        tb_id = self.tb_id = self._identify("tb", attrs, "id")
         self._attributes("tb", attrs, TB_ATTRIBUTES)
-        tb_id = self._integer("tb", attrs, "id", 0)
-        self.tb_id = tb_id
+        assert tb_id is not None  # a missing id was refused just above
         expected = len(self.threadblocks)
         if tb_id < expected:
             raise self._fail(f"duplicate <tb id={tb_id}>")
@@ -316,9 +318,9 @@ class _Reader:
         self.tb_id = None
 
     def _start_step(self, attrs: dict[str, str]) -> None:
+        s = self.step_id = self._identify("step", attrs, "s")
         self._attributes("step", attrs, STEP_ATTRIBUTES)
-        s = self._integer("step", attrs, "s", 0)
-        self.step_id = s
+        assert s is not None  # a missing id was refused just above
         expected = len(self.steps)
         if s < expected:
             raise self._fail(f"duplicate <step s={s}>")
@@ -328,7 +330,7 @@ class _Reader:
             step_type = StepType(attrs["type"])
         except ValueError:
             known = ", ".join(t.value for t in StepType)
-            raise self._fail(f"<step> attribute type={attrs['type']!r} is not a known step type ({known})") from None
+            raise self._fail(f"<step> attribute type={_shown(attrs['type'])} is not a known step type ({known})") from None
         lowest_offset = -1 if step_type is StepType.NOP else 0  # msccl-tools writes nop's unused offsets as -1
         srcbuf = self._buffer(attrs, "srcbuf")
         srcoff = self._integer("step", attrs, "srcoff", lowest_offset)
@@ -348,8 +350,14 @@ class _Reader:
 
     # -- attributes
 
+    def _identify(self, tag: str, attrs: dict[str, str], key: str) -> int | None:
+        """The element's id, read first so that every later refusal names it (None while absent)."""
+        return self._integer(tag, attrs, key, 0) if key in attrs else None
+
     def _attributes(self, tag: str, attrs: dict[str, str], required: tuple[str, ...],
                     optional: tuple[str, ...] = ()) -> None:
+        if len(attrs) == len(required) and all(key in attrs for key in required):
+            return  # the common case: exactly the required ones
         unknown = [key for key in attrs if key not in required and key not in optional]
         if unknown:
             raise self._fail(f"<{tag}> has unknown attribute{'s' if len(unknown) > 1 else ''} "
@@ -361,7 +369,7 @@ class _Reader:
     def _integer(self, tag: str, attrs: dict[str, str], key: str, low: int, high: int = _INT32_MAX) -> int:
         text = attrs[key]
         if not _INTEGER.fullmatch(text):
-            raise self._fail(f"<{tag}> attribute {key}={text!r} is not an integer")
+            raise self._fail(f"<{tag}> attribute {key}={_shown(text)} is not an integer")
         value = int(text)
         if value < low:
             bound = "-1 or ≥ 0" if low == -1 else f"≥ {low}"
@@ -373,11 +381,11 @@ class _Reader:
     def _boolean(self, tag: str, attrs: dict[str, str], key: str) -> bool:
         text = attrs[key]
         if text not in ("0", "1"):
-            raise self._fail(f"<{tag}> attribute {key}={text!r} must be 0 or 1")
+            raise self._fail(f"<{tag}> attribute {key}={_shown(text)} must be 0 or 1")
         return text == "1"
 
     def _buffer(self, attrs: dict[str, str], key: str) -> str:
         text = attrs[key]
         if text not in BUFFERS:
-            raise self._fail(f"<step> attribute {key}={text!r} is not a buffer ({', '.join(BUFFERS)})")
+            raise self._fail(f"<step> attribute {key}={_shown(text)} is not a buffer ({', '.join(BUFFERS)})")
         return text
