@@ -14,6 +14,11 @@ Stages, in order; each names the file, rank, threadblock and step of every probl
 6. determinism (commd's lane contract) — every rank holding the reduction of the same
    sources holds the same reduction tree, so every node ends bit-identical.
 
+A step's accesses happen while it runs: a send has read its source once its step is done
+(the runtime copies the data out, so a later step may overwrite the chunk), a receive writes
+its destination when its step runs.  Chunks suffice: the runtime runs the same program on
+every tile, and tiles touch disjoint elements.
+
 A stage runs only when the stages before it found nothing: each relies on what the earlier
 ones proved (a race makes the symbolic run's result depend on the schedule, a cycle leaves
 no order to run it in).  :class:`Analysis` keeps what the stages computed for the
@@ -32,6 +37,11 @@ from commd.algorithms.errors import ProgramError
 from commd.algorithms.ir import BUFFERS, Algorithm, Rank, Step, StepType, Threadblock
 from commd.algorithms.postcondition import ChunkRef, Postcondition, for_algorithm, shape_problems
 from commd.algorithms.symbolic import Expr, StepRef, SymbolicState, run
+
+#: The largest program checked: the race stage keeps a bitset of ancestors per step (steps²/16
+#: bytes on average: 64 MiB here), and every stage walks each chunk a step touches.
+MAX_STEPS = 1 << 15
+MAX_CHUNKS = 1 << 22  # chunks touched by all steps, and chunks in all buffers, each
 
 
 @dataclass(frozen=True)
@@ -58,18 +68,20 @@ class Analysis:
     state: SymbolicState
 
 
-def check(algo: Algorithm, post: Postcondition | None = None, source: str | Path = "<program>") -> None:
+def check(algo: Algorithm, post: Postcondition | str | Path | None = None,
+          source: str | Path = "<program>") -> None:
     """Raise the first :class:`ProgramError` of ``algo``, or return when it is proved right."""
     analyze(algo, post, source)
 
 
-def problems(algo: Algorithm, post: Postcondition | None = None,
+def problems(algo: Algorithm, post: Postcondition | str | Path | None = None,
              source: str | Path = "<program>") -> list[ProgramError]:
     """Every problem of the first stage that finds any (empty: accepted)."""
     return _Checker(algo, post, str(source)).run()[0]
 
 
-def analyze(algo: Algorithm, post: Postcondition | None = None, source: str | Path = "<program>") -> Analysis:
+def analyze(algo: Algorithm, post: Postcondition | str | Path | None = None,
+            source: str | Path = "<program>") -> Analysis:
     """Check ``algo`` and return what the check computed; raise the first problem if refused."""
     found, analysis = _Checker(algo, post, str(source)).run()
     if found:
@@ -79,9 +91,10 @@ def analyze(algo: Algorithm, post: Postcondition | None = None, source: str | Pa
 
 
 class _Checker:
-    def __init__(self, algo: Algorithm, post: Postcondition | None, source: str) -> None:
+    def __init__(self, algo: Algorithm, post: Postcondition | str | Path | None, source: str) -> None:
         self.algo = algo
-        self.post = post
+        self.given = post
+        self.post: Postcondition | None = None
         self.source = source
         self.found: list[ProgramError] = []
         self.tbs: dict[tuple[int, int], Threadblock] = {}
@@ -101,7 +114,7 @@ class _Checker:
         if self.found:
             return self.found, None
         try:
-            self.post = for_algorithm(self.algo, self.post, source=self.source)
+            self.post = for_algorithm(self.algo, self.given, source=self.source)
         except ProgramError as exc:
             return [exc], None
         transfers = self.matching()
@@ -121,6 +134,7 @@ class _Checker:
         self.determinism(state, outputs)
         if self.found:
             return self.found, None
+        assert self.post is not None
         return [], Analysis(self.algo, self.post, tuple(order), tuple(transfers), received_from,
                             {t.send: t.recv for t in transfers}, outputs, state)
 
@@ -132,6 +146,13 @@ class _Checker:
             self.problem(f"ngpus={algo.ngpus} but the program has {len(algo.ranks)} ranks")
         if algo.nchannels < 1:
             self.problem(f"nchannels={algo.nchannels}: needs at least one channel")
+        steps = sum(len(tb.steps) for rank in algo.ranks for tb in rank.threadblocks)
+        touched = sum(max(step.cnt, 0) for rank in algo.ranks for tb in rank.threadblocks for step in tb.steps)
+        held = sum(max(rank.i_chunks, 0) + max(rank.o_chunks, 0) + max(rank.s_chunks, 0) for rank in algo.ranks)
+        if steps > MAX_STEPS or touched > MAX_CHUNKS or held > MAX_CHUNKS:
+            self.problem(f"too large to check: {steps} steps touching {touched} chunks, buffers of {held} chunks "
+                         f"(limits: {MAX_STEPS} steps, {MAX_CHUNKS} chunks)")
+            return
         for pos, rank in enumerate(algo.ranks):
             if rank.id != pos:
                 self.problem(f"rank at position {pos} has id {rank.id}: ranks must be numbered 0..{len(algo.ranks) - 1}"
@@ -296,22 +317,24 @@ class _Checker:
         reads: dict[ChunkRef, list[int]] = {}
         reported: set[tuple[int, int]] = set()
 
-        def ordered(a: int, b: int, slot: ChunkRef, what: str) -> None:
+        def ordered(a: int, b: int, slot: ChunkRef, a_writes: bool, b_writes: bool) -> None:
             if (ancestors[b] >> a) & 1 or (a, b) in reported:
                 return
             reported.add((a, b))
-            self.problem(f"data race on {slot.short()}: {what} {order[a].short()} "
-                         f"({self.step(order[a]).type.value}) with no happens-before order between them "
-                         "(add a dependency or reorder the threadblock)", order[b])
+            other = order[a]
+            self.problem(f"data race on {slot.short()}: this step {'writes' if b_writes else 'reads'} it and "
+                         f"{other.short()} ({self.step(other).type.value}) {'writes' if a_writes else 'reads'} it, "
+                         "with no happens-before order between them (add a dependency or reorder the "
+                         "threadblock)", order[b])
 
         for n, ref in enumerate(order):
             for slot, writes in self.accesses(ref).items():
                 lw = last_write.get(slot)
                 if lw is not None:
-                    ordered(lw, n, slot, f"{'written' if writes else 'read'} here and written by")
+                    ordered(lw, n, slot, True, writes)
                 if writes:
                     for rd in reads.pop(slot, []):
-                        ordered(rd, n, slot, "written here and read by")
+                        ordered(rd, n, slot, False, True)
                     last_write[slot] = n
                 else:
                     reads.setdefault(slot, []).append(n)
@@ -336,6 +359,7 @@ class _Checker:
     def postcondition(self, state: SymbolicState) -> dict[ChunkRef, Expr]:
         assert self.post is not None
         outputs: dict[ChunkRef, Expr] = {}
+        masks: dict[frozenset[ChunkRef], int] = {}
         for slot, sources in self.post:
             value = state.value(slot)
             outputs[slot] = value
@@ -345,7 +369,10 @@ class _Checker:
                     continue
                 expected = want.short()
             else:
-                if value.size == len(sources) and value.mask == state.table.mask_of(sources):
+                mask = masks.get(sources)
+                if mask is None:
+                    mask = masks[sources] = state.table.mask_of(sources)
+                if value.size == len(sources) and value.mask == mask:
                     continue
                 expected = "the reduction of " + ", ".join(s.short() for s in sorted(sources)) + ", each once"
             writer = state.last_writer.get(slot)

@@ -21,6 +21,9 @@ from typing import Any, NamedTuple
 from commd.algorithms.errors import ProgramError
 from commd.algorithms.ir import BUFFERS, COLLECTIVES, Algorithm
 
+#: A sidecar larger than this is refused before it is parsed (the program files' limit too).
+MAX_SIDECAR_BYTES = 64 * 1024 * 1024
+
 
 class ChunkRef(NamedTuple):
     """One chunk of one rank's buffer: a slot of the final state, or a value of the initial one."""
@@ -53,18 +56,24 @@ class Postcondition:
     def validate(self, algo: Algorithm, source: str = "<program>") -> None:
         """Refuse slots or sources that do not exist in ``algo`` (ranks, buffers, chunk indices)."""
         where = self.sidecar or source
+        checked: set[frozenset[ChunkRef]] = set()
         for slot, sources in self.expect.items():
             _check_ref(algo, slot, "output slot", where)
             if not sources:
                 raise ProgramError(f"{slot.short()}: empty list of sources", source=where, rank=slot.rank)
+            if sources in checked:
+                continue
+            checked.add(sources)
             for src in sources:
-                _check_ref(algo, src, f"source of {slot.short()}", where)
                 if src.buf == "s":
                     raise ProgramError(f"{slot.short()}: source {src.short()} is a scratch chunk, which has no "
                                        "initial value", source=where, rank=slot.rank)
+                _check_ref(algo, src, f"source of {slot.short()}", where)
 
 
 def _check_ref(algo: Algorithm, ref: ChunkRef, what: str, where: str) -> None:
+    if ref.buf not in BUFFERS:
+        raise ProgramError(f"{what}: buffer {ref.buf!r} is not one of {', '.join(BUFFERS)}", source=where)
     if not 0 <= ref.rank < len(algo.ranks):
         raise ProgramError(f"{what} {ref.short()}: rank {ref.rank} outside 0..{len(algo.ranks) - 1}", source=where)
     have = algo.ranks[ref.rank].chunks(ref.buf)
@@ -129,9 +138,10 @@ def builtin(algo: Algorithm) -> Postcondition:
     res = "i" if algo.inplace else "o"
     expect: dict[ChunkRef, frozenset[ChunkRef]] = {}
     if algo.coll == "allreduce":
+        sums = [frozenset(ChunkRef(q, "i", j) for q in ranks) for j in range(c)]  # shared: checked once each
         for r in ranks:
             for j in range(c):
-                expect[ChunkRef(r, res, j)] = frozenset(ChunkRef(q, "i", j) for q in ranks)
+                expect[ChunkRef(r, res, j)] = sums[j]
     elif algo.coll == "allgather":
         for r in ranks:
             for q in ranks:
@@ -164,22 +174,23 @@ def sidecar_path(xml_path: str | Path) -> Path:
 
 
 def for_algorithm(algo: Algorithm, sidecar: str | Path | Postcondition | None = None, *,
-                  source: str = "<program>") -> Postcondition:
+                  source: str | Path = "<program>") -> Postcondition:
     """The postcondition ``algo`` must establish, validated against its buffers.
 
     A custom program needs ``sidecar`` (a path or a loaded postcondition); when it is None
-    and ``source`` names an XML file, the sidecar is looked for beside it.
+    and ``source`` names an XML file, the sidecar is looked for beside it.  A built-in
+    collective's own postcondition is used unless ``sidecar`` gives another.
     """
+    source = str(source)
     problems = shape_problems(algo, source)
     if problems:
         raise problems[0]
-    if algo.coll != "custom":
-        post = sidecar if isinstance(sidecar, Postcondition) else builtin(algo)
-        post.validate(algo, source)
-        return post
+    if algo.coll != "custom" and sidecar is None:
+        return builtin(algo)  # right by construction once the shape is
     if sidecar is None:
-        if source.startswith("<"):
-            raise ProgramError("a custom collective needs a postcondition sidecar (FILE.post.json)", source=source)
+        if source.startswith("<") or not Path(source).is_file():
+            raise ProgramError("a custom collective needs its postcondition: a sidecar FILE.post.json beside its "
+                               "file, or one given", source=source)
         path = sidecar_path(source)
         if not path.is_file():
             raise ProgramError(f"a custom collective needs its postcondition sidecar {path}, which does not exist",
@@ -200,7 +211,12 @@ def load_sidecar(path: str | Path) -> Postcondition:
     """Read and validate ``FILE.post.json`` (its structure; ranges are checked by ``for_algorithm``)."""
     where = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        with open(path, "rb") as f:
+            data = f.read(MAX_SIDECAR_BYTES + 1)
+        if len(data) > MAX_SIDECAR_BYTES:
+            raise ProgramError(f"over the {MAX_SIDECAR_BYTES // (1024 * 1024)} MiB limit on sidecar files",
+                               source=where)
+        text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ProgramError(f"cannot read the postcondition sidecar: {exc}", source=where) from None
     try:

@@ -41,7 +41,7 @@ class Expr:
     exactly when ``size`` equals the number of bits in ``mask``.
     """
 
-    __slots__ = ("id", "source", "children", "mask", "size")
+    __slots__ = ("id", "source", "children", "mask", "size", "first")
 
     def __init__(self, id: int, source: ChunkRef | None, children: tuple[Expr, ...], mask: int, size: int) -> None:
         self.id = id
@@ -49,13 +49,19 @@ class Expr:
         self.children = children
         self.mask = mask
         self.size = size
+        #: the smallest leaf: with ``size``, orders a node's children when shown (ids depend on the run)
+        self.first: ChunkRef = source if source is not None else min(c.first for c in children)
 
     @property
     def is_leaf(self) -> bool:
         return self.source is not None
 
     def render(self, limit: int = 160) -> str:
-        """The canonical form as text (``r0.i3`` a leaf, ``(x+y)`` a reduction), cut at ``limit``."""
+        """The canonical form as text (``r0.i3`` a leaf, ``(x+y)`` a reduction), cut at ``limit``.
+
+        Of two children the larger is shown first (then the one with the smaller leaf), so a
+        left-deep sum reads ``((a+b)+c)`` whatever order the run built it in.
+        """
         out: list[str] = []
         budget = [limit]
 
@@ -67,10 +73,11 @@ class Expr:
                 out.append(piece)
                 budget[0] -= len(piece)
                 return
+            a, b = sorted(e.children, key=lambda c: (-c.size, c.first))
             out.append("(")
-            walk(e.children[0])
+            walk(a)
             out.append("+")
-            walk(e.children[1])
+            walk(b)
             out.append(")")
             budget[0] -= 3
 
