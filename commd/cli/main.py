@@ -1,4 +1,4 @@
-"""The `commd` command: daemon, launch, status, trace, demo, bench, tune, slurm-plan.
+"""The `commd` command: daemon, launch, status, trace, demo, bench, tune, algo, slurm-plan.
 
 Only the module of the subcommand being run is imported (the others only
 lend their one-line help), so that ``commd status`` or ``commd --help`` never
@@ -35,6 +35,8 @@ COMMANDS: dict[str, Command] = {
                     "commd.bench.cli", "add_tune_arguments", "run_tune"),
     "trace": Command("turn a running job's per-op trace on or off; merge per-node traces", "commd.cli.trace",
                      "add_arguments", "run"),
+    "algo": Command("check, simulate and list collective programs (MSCCL XML files, the library)",
+                    "commd.cli.algo", "add_arguments", "run"),
     "slurm-plan": Command("for the Slurm prolog: this node's rank and the job's rendezvous", "commd.deploy.slurm",
                           "add_arguments", "run"),
 }

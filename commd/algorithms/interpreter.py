@@ -1,0 +1,291 @@
+"""One rank of a program in one node's daemon, over a lane's ``Transport``.
+
+:meth:`Plan.build` compiles once (cached per program, rank, count, dtype and tile size)
+what this rank does; :func:`run` runs it as a dataflow engine inside one
+``transport.wait()``: a step runs when its threadblock predecessor and its dependency are
+done and, if it receives, when its data has landed — per tile, so tiles pipeline across
+nodes (tile t+1 of a chunk leaves while tile t is reduced further down the line).
+
+The transport has one FIFO stream per peer and no channels, so the program's channels are
+multiplexed onto it by a *static* order that both ends compute from the program alone:
+every transfer (tile, matched send/receive pair) between a sender and a receiver is ranked
+by (depth of its send step in the happens-before graph, tile, channel, k).  The sender
+posts its sends to a peer in that order (a send whose data is ready but whose predecessor
+on that stream is not yet posted waits in a queue); the receiver posts, before anything
+else, all its receives in that order into a landing area sized to the op's known receive
+volume, and applies each receiving step once its data has landed and its dependencies
+are done.  Nothing is ever left in a socket waiting for a receive.
+
+Why this cannot deadlock: the happens-before graph (threadblock order, dependencies,
+matched transfers; per tile, tiles independent) is acyclic — :class:`~commd.algorithms.
+execute.Wiring` refuses it otherwise — and sorting its vertices by depth is a topological
+order every node computes identically.  Take the first transfer in that order not yet
+delivered: its send step's predecessors all have smaller depth, so they ran (their own
+receives were delivered earlier in the order, into receives posted at the start); so the
+send step ran, and every earlier send on its stream, also earlier in the order, was
+posted; so it was posted, and the receive it meets was posted at the start: it is
+delivered.  By induction every transfer is, and every step runs.  Sends and receives wait
+on nothing but each other and the data, so the transport's deadline is the only bound a
+failure needs: a peer that dies or never sends is a ``TransportError`` naming it, which
+:func:`run` lets through, never a hang.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from commd.algorithms.errors import ProgramError
+from commd.algorithms.execute import REDUCE_OPS, StepId, Transfer, Wiring, run_step, tiles
+from commd.algorithms.ir import Algorithm, Step
+from commd.algorithms.layout import RankLayout, allocate, finish, layouts_for, writes_input
+from commd.lanes.base import Done, Transport, TransportError
+
+#: Default tile: small enough that a 4-node pipeline fills, large enough that a step's
+#: Python overhead (tens of µs) is a small part of its transfer time.
+DEFAULT_TILE_BYTES = 256 << 10
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One transfer of this rank on the wire: its place in a peer's stream and in the landing area."""
+
+    tile: int
+    transfer: Transfer
+    elements: int  # cnt × tile width
+    landing: int = -1  # element offset in the landing area (receives only)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one rank does for one op shape, computed once and reused for every op of that shape."""
+
+    algo: Algorithm
+    rank: int
+    count: int
+    dtype: np.dtype
+    layout: RankLayout
+    tiles: tuple[tuple[int, int], ...]
+    threadblocks: dict[int, tuple[Step, ...]]  # threadblock id -> its steps
+    peers_of: dict[int, tuple[int, int]]  # threadblock id -> (send peer, recv peer)
+    sends: dict[int, tuple[Slot, ...]]  # peer -> this rank's sends to it, in wire order
+    recvs: dict[int, tuple[Slot, ...]]  # peer -> this rank's receives from it, in wire order
+    send_position: dict[tuple[int, StepId], tuple[int, int]]  # (tile, send step) -> (peer, index)
+    recv_slot: dict[tuple[int, StepId], Slot]  # (tile, receive step) -> its slot
+    dependents: dict[tuple[int, int], tuple[int, ...]]  # (tb, step) -> threadblocks whose step waits on it
+    landing_elements: int
+    writes_input: bool
+    source: str = field(default="<program>", compare=False)
+    _spare: list[np.ndarray] = field(default_factory=list, compare=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
+
+    def take_landing(self) -> np.ndarray:
+        """A landing area for one run: the plan keeps one between runs, so that an op of a
+        cached shape does not fault in fresh pages each time (two runs at once get two)."""
+        with self._lock:
+            if self._spare:
+                return self._spare.pop()
+        return np.empty(self.landing_elements, self.dtype)
+
+    def give_back(self, landing: np.ndarray) -> None:
+        with self._lock:
+            if not self._spare:
+                self._spare.append(landing)
+
+    @staticmethod
+    def build(algo: Algorithm, rank: int, count: int, dtype: np.dtype | str, tile_bytes: int = DEFAULT_TILE_BYTES,
+              source: str = "<program>") -> Plan:
+        """The plan of ``rank`` for ``count`` elements of ``dtype`` (cached); ProgramError if the
+        program cannot run (a dangling peer, an unmatched transfer, a cycle, bad chunk counts)."""
+        key = (id(algo), int(rank), int(count), np.dtype(dtype).str, int(tile_bytes), source)
+        hit = _BY_IDENTITY.get(key)
+        if hit is not None and hit[0] is algo:  # the hot path: no hash over the whole program
+            return hit[1]
+        plan = _build(algo, *key[1:])
+        if len(_BY_IDENTITY) >= 64:
+            _BY_IDENTITY.clear()
+        _BY_IDENTITY[key] = (algo, plan)
+        return plan
+
+
+#: Plans by the identity of their program object (checked with ``is``), in front of the cache
+#: by content: hashing a frozen program costs about a microsecond per step, on every op.
+_BY_IDENTITY: dict[tuple[int, int, int, str, int, str], tuple[Algorithm, Plan]] = {}
+
+
+@functools.lru_cache(maxsize=32)
+def _build(algo: Algorithm, rank: int, count: int, dtype_str: str, tile_bytes: int, source: str) -> Plan:
+    dtype = np.dtype(dtype_str)
+    if tile_bytes <= 0:
+        raise ValueError(f"tile_bytes must be positive, got {tile_bytes}")
+    layouts = layouts_for(algo, count, source)
+    if not 0 <= rank < len(layouts):
+        raise ProgramError(f"no rank {rank} in a program of {len(layouts)} ranks", source=source)
+    wiring = Wiring(algo, layouts, source)
+    wiring.require_acyclic()
+    layout = layouts[rank]
+    tile_list = tuple(tiles(layout.q, max(1, tile_bytes // dtype.itemsize)))
+
+    def rank_key(tile: int, t: Transfer) -> tuple[int, int, int, int]:
+        return (wiring.depth[t.send], tile, t.channel[2], t.index)
+
+    sends: dict[int, list[Slot]] = collections.defaultdict(list)
+    recvs: dict[int, list[Slot]] = collections.defaultdict(list)
+    for t in wiring.transfers:
+        for ti, (lo, hi) in enumerate(tile_list):
+            if t.channel[0] == rank:
+                sends[t.channel[1]].append(Slot(ti, t, t.cnt * (hi - lo)))
+            if t.channel[1] == rank:
+                recvs[t.channel[0]].append(Slot(ti, t, t.cnt * (hi - lo)))
+    send_position: dict[tuple[int, StepId], tuple[int, int]] = {}
+    for peer, slots in sends.items():
+        slots.sort(key=lambda s: rank_key(s.tile, s.transfer))
+        for index, slot in enumerate(slots):
+            send_position[(slot.tile, slot.transfer.send)] = (peer, index)
+    recv_slot: dict[tuple[int, StepId], Slot] = {}
+    landing = 0
+    for peer in sorted(recvs):
+        ordered = sorted(recvs[peer], key=lambda s: rank_key(s.tile, s.transfer))
+        placed = []
+        for slot in ordered:
+            slot = Slot(slot.tile, slot.transfer, slot.elements, landing)
+            landing += slot.elements
+            placed.append(slot)
+            recv_slot[(slot.tile, slot.transfer.recv)] = slot
+        recvs[peer] = placed
+    mine = algo.ranks[rank]
+    dependents: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
+    for tb in mine.threadblocks:
+        for step in tb.steps:
+            if step.dependency is not None:
+                dependents[step.dependency].append(tb.id)
+    return Plan(algo, rank, count, dtype, layout, tile_list,
+                {tb.id: tb.steps for tb in mine.threadblocks}, {tb.id: (tb.send, tb.recv) for tb in mine.threadblocks},
+                {p: tuple(v) for p, v in sends.items()}, {p: tuple(v) for p, v in recvs.items()}, send_position,
+                recv_slot, {k: tuple(v) for k, v in dependents.items()}, landing, writes_input(algo, rank), source)
+
+
+def _bytes(a: np.ndarray) -> memoryview:
+    """A flat byte view of a contiguous array (what the transport moves)."""
+    return memoryview(a.reshape(-1).view(np.uint8))
+
+
+class _Engine:
+    """The per-run state of one plan: which step each (tile, threadblock) is at, what has landed."""
+
+    def __init__(self, plan: Plan, transport: Transport, peers: list[int], work: dict[str, np.ndarray],
+                 op: str) -> None:
+        self.plan = plan
+        self.transport = transport
+        self.peers = peers
+        self.work = work
+        self.op = op
+        self.next = {(ti, tb): 0 for ti in range(len(plan.tiles)) for tb in plan.threadblocks}
+        self.landing = plan.take_landing()
+        self.landed: set[tuple[int, StepId]] = set()
+        self.outbox: dict[int, dict[int, np.ndarray]] = {p: {} for p in plan.sends}
+        self.posted = {p: 0 for p in plan.sends}
+        self.runnable: collections.deque[tuple[int, int]] = collections.deque()
+        self.draining = False
+
+    def start(self) -> None:
+        landing = _bytes(self.landing) if self.plan.landing_elements else memoryview(b"")
+        size = self.plan.dtype.itemsize
+        for peer, slots in self.plan.recvs.items():
+            for slot in slots:
+                view = landing[slot.landing * size:(slot.landing + slot.elements) * size]
+                self.transport.post_recv(self.peers[peer], view, self._landed(slot))
+        self.runnable.extend(sorted(self.next))
+        self._drain()
+
+    def _landed(self, slot: Slot) -> Done:
+        def done() -> None:
+            self.landed.add((slot.tile, slot.transfer.recv))
+            self.runnable.append((slot.tile, slot.transfer.recv[1]))
+            self._drain()
+        return done
+
+    def _drain(self) -> None:
+        if self.draining:  # a completion inside a post: the running drain picks its work up
+            return
+        self.draining = True
+        try:
+            while self.runnable:
+                self._advance(*self.runnable.popleft())
+        finally:
+            self.draining = False
+
+    def _advance(self, ti: int, tb: int) -> None:
+        plan, me = self.plan, self.plan.rank
+        steps = plan.threadblocks[tb]
+        lo, hi = plan.tiles[ti]
+        while self.next[(ti, tb)] < len(steps):
+            s = self.next[(ti, tb)]
+            step = steps[s]
+            dep = step.dependency
+            if dep is not None and self.next[(ti, dep[0])] <= dep[1]:
+                return
+            sid = (me, tb, s)
+            received = None
+            if step.type.receives:
+                if (ti, sid) not in self.landed:
+                    return
+                slot = plan.recv_slot[(ti, sid)]
+                received = self.landing[slot.landing:slot.landing + slot.elements]
+            data = run_step(step, self.work, plan.layout.q, lo, hi, self.op, received)
+            if step.type.sends:
+                self._send(ti, sid, data)
+            self.next[(ti, tb)] = s + 1
+            self.runnable.extend((ti, waiter) for waiter in plan.dependents.get((tb, s), ()))
+
+    def _send(self, ti: int, sid: StepId, data: np.ndarray) -> None:
+        peer, index = self.plan.send_position[(ti, sid)]
+        box = self.outbox[peer]
+        box[index] = data
+        slots = self.plan.sends[peer]
+        while self.posted[peer] < len(slots) and self.posted[peer] in box:
+            ready = box.pop(self.posted[peer])
+            self.transport.post_send(self.peers[peer], _bytes(np.ascontiguousarray(ready)))
+            self.posted[peer] += 1
+
+    def unfinished(self) -> list[tuple[int, int, int]]:
+        """(tile, threadblock, step) of every threadblock that did not run to its end."""
+        return [(ti, tb, s) for (ti, tb), s in sorted(self.next.items()) if s < len(self.plan.threadblocks[tb])]
+
+
+def run(plan: Plan, transport: Transport, peers: list[int] | tuple[int, ...], inp: np.ndarray, out: np.ndarray,
+        op: str, deadline: float | None = None) -> None:
+    """Run this rank's part of ``plan``: ``out`` gets the rank's result of the collective on ``inp``.
+
+    ``peers[r]`` is the node the transport knows program rank ``r`` by; ``inp`` and ``out`` are
+    flat arrays of the plan's dtype (``out`` may be ``inp`` for an in-place op whose input and
+    output have one size).  ``deadline`` (``time.monotonic()``) is the lane call's; the
+    transport enforces it during the run.  A TransportError propagates as raised."""
+    if op not in REDUCE_OPS:
+        raise ValueError(f"reduce op {op!r} is not one of {sorted(REDUCE_OPS)}")
+    if len(peers) != plan.algo.ngpus:
+        raise ValueError(f"{len(peers)} peers for a program of {plan.algo.ngpus} ranks")
+    for what, a in (("input", inp), ("output", out)):
+        if a.dtype != plan.dtype or a.ndim != 1 or not a.flags.c_contiguous:
+            raise ValueError(f"{what} must be a flat contiguous {plan.dtype} array, got {a.dtype} of shape {a.shape}")
+    if not out.flags.writeable:
+        raise ValueError("output must be writable")
+    if deadline is not None and time.monotonic() >= deadline:
+        raise TransportError(None, "timeout", f"rank {plan.rank} of {plan.algo.name}: the deadline passed before "
+                                              "the program started")
+    work, stores = allocate(plan.layout, plan.dtype, inp, out, plan.writes_input)
+    engine = _Engine(plan, transport, list(peers), work, op)
+    engine.start()
+    transport.wait()
+    stuck = engine.unfinished()
+    if stuck:  # only a transport that returned before its receives landed can get here
+        raise TransportError(None, "internal", f"rank {plan.rank} of {plan.algo.name}: the transport's wait "
+                                               f"returned with steps not run, e.g. (tile, threadblock, step) "
+                                               f"{stuck[:4]}")
+    finish(stores)
+    plan.give_back(engine.landing)

@@ -1,0 +1,237 @@
+"""Where an op's elements sit in a program's chunked buffers (uneven counts included).
+
+A program speaks of chunks; the user hands tensors of ``count`` elements (``count`` as
+torch defines it per collective: all_reduce and broadcast the tensor, all_gather the
+input, reduce_scatter the output, all_to_all the input, cut in R blocks of count/R).
+Each buffer of a rank is ``blocks`` user blocks (R = ngpus for the buffers
+``ir.SCALED_BY_RANKS`` scales, else 1), each ``k`` chunks.  A chunk holds
+``q = ceil(block_elements / k)`` elements of *working* memory, so every chunk has the same
+size and a tile of a chunk means the same element range on every rank.  User block ``j``
+sits at working ``[j·k·q, j·k·q + block_elements)``; the tail of its last chunk is padding
+that no result is read from.  When ``q·k == block_elements`` nothing is padded and the
+user's memory itself can be the working buffer (no copy).
+
+In-place programs alias their two buffers: all-reduce, broadcast and all-to-all use ``i``
+as ``o``; reduce-scatter's ``o`` is block ``r`` of ``i`` (where NCCL puts an in-place
+reduce-scatter's output); all-gather's ``i`` is block ``r`` of ``o``.  Custom collectives
+have one block per buffer and ``q = ceil(count / nchunksperloop)``; a buffer of ``C``
+chunks holds ``min(count, C·q)`` user elements, and their buffers are never aliased (their
+postcondition names ``i`` and ``o`` apart).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from commd.algorithms.errors import ProgramError
+from commd.algorithms.ir import SCALED_BY_RANKS, Algorithm
+
+#: Per collective: (input blocks scale with R, output blocks scale with R).
+_SCALED = {"allreduce": (False, False), "broadcast": (False, False), "allgather": (False, True),
+           "reducescatter": (True, False), "alltoall": (True, True)}
+
+
+@dataclass(frozen=True)
+class BufferLayout:
+    """One buffer of one rank: ``chunks`` chunks of ``q`` working elements, ``blocks`` user blocks."""
+
+    chunks: int
+    blocks: int
+    block_elements: int
+    q: int
+
+    @property
+    def k(self) -> int:
+        """Chunks per user block."""
+        return self.chunks // self.blocks if self.blocks else 0
+
+    @property
+    def working_elements(self) -> int:
+        return self.chunks * self.q
+
+    @property
+    def user_elements(self) -> int:
+        return self.blocks * self.block_elements
+
+    @property
+    def padded(self) -> bool:
+        """Whether the working buffer differs from the user's memory (then it is copied in and out)."""
+        return self.k * self.q != self.block_elements
+
+    def block(self, j: int) -> slice:
+        """Working elements of user block ``j``."""
+        start = j * self.k * self.q
+        return slice(start, start + self.block_elements)
+
+    def load(self, user: np.ndarray, working: np.ndarray) -> None:
+        """Copy the user's blocks into a (padded) working buffer."""
+        for j in range(self.blocks):
+            working[self.block(j)] = user[j * self.block_elements:(j + 1) * self.block_elements]
+
+    def store(self, working: np.ndarray, user: np.ndarray) -> None:
+        """Copy a (padded) working buffer's blocks back into the user's memory."""
+        for j in range(self.blocks):
+            user[j * self.block_elements:(j + 1) * self.block_elements] = working[self.block(j)]
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """How one rank's user input and output map onto its working ``i``, ``o`` and ``s``.
+
+    ``alias`` is None (three separate buffers) or ``(inner, outer, chunk_offset)``: buffer
+    ``inner`` is the chunks ``[chunk_offset, chunk_offset + inner.chunks)`` of ``outer``.
+    """
+
+    coll: str
+    rank: int
+    count: int
+    q: int
+    i: BufferLayout
+    o: BufferLayout
+    s: BufferLayout
+    alias: tuple[str, str, int] | None
+
+    def buffer(self, name: str) -> BufferLayout:
+        return {"i": self.i, "o": self.o, "s": self.s}[name]
+
+    @property
+    def input_elements(self) -> int:
+        return self.i.user_elements
+
+    @property
+    def output_elements(self) -> int:
+        return self.o.user_elements
+
+
+def _block_elements(coll: str, count: int, nranks: int, source: str) -> int:
+    if coll == "alltoall":  # torch's count is the whole input, R blocks of count/R
+        if count % nranks:
+            raise ProgramError(f"an all-to-all over {nranks} ranks needs a count divisible by {nranks}, got {count}",
+                               source=source)
+        return count // nranks
+    return count
+
+
+def rank_layout(algo: Algorithm, rank: int, count: int, source: str = "<program>") -> RankLayout:
+    """The layout of rank ``rank`` for an op of ``count`` elements; ProgramError if the program's
+    chunk counts do not fit its collective."""
+    if count < 0:
+        raise ProgramError(f"count must be non-negative, got {count}", source=source)
+    if not 0 <= rank < len(algo.ranks):
+        raise ProgramError(f"no rank {rank} in a program of {len(algo.ranks)} ranks", source=source)
+    decl = algo.ranks[rank]
+    nranks = algo.ngpus
+    if algo.coll == "custom":
+        if algo.nchunksperloop <= 0:
+            raise ProgramError(f"nchunksperloop must be positive, got {algo.nchunksperloop}", source=source)
+        q = -(-count // algo.nchunksperloop)
+        bufs = [BufferLayout(c, 1, min(count, c * q), q) for c in (decl.i_chunks, decl.o_chunks)]
+        return RankLayout(algo.coll, rank, count, q, bufs[0], bufs[1], BufferLayout(decl.s_chunks, 1, 0, q), None)
+    if algo.coll not in _SCALED:
+        raise ProgramError(f"unknown collective {algo.coll!r}", source=source)
+    scaled_i, scaled_o = _SCALED[algo.coll]
+    assert (scaled_i or scaled_o) == (algo.coll in SCALED_BY_RANKS)
+    blocks_i, blocks_o = (nranks if scaled_i else 1), (nranks if scaled_o else 1)
+    ks = set()
+    for name, declared, blocks in (("i", decl.i_chunks, blocks_i), ("o", decl.o_chunks, blocks_o)):
+        if declared:
+            if declared % blocks:
+                raise ProgramError(f"{algo.coll} over {nranks} ranks needs {name}_chunks divisible by {blocks}, "
+                                   f"got {declared}", source=source, rank=rank)
+            ks.add(declared // blocks)
+    if len(ks) != 1:
+        raise ProgramError(f"{algo.coll}: i_chunks {decl.i_chunks} and o_chunks {decl.o_chunks} do not give one "
+                           f"chunk count per block (input blocks {blocks_i}, output blocks {blocks_o})",
+                           source=source, rank=rank)
+    k = ks.pop()
+    block_elements = _block_elements(algo.coll, count, nranks, source)
+    q = -(-block_elements // k)
+    i = BufferLayout(blocks_i * k, blocks_i, block_elements, q)
+    o = BufferLayout(blocks_o * k, blocks_o, block_elements, q)
+    s = BufferLayout(decl.s_chunks, 1, 0, q)
+    alias: tuple[str, str, int] | None = None
+    if algo.inplace:
+        if algo.coll == "allgather":
+            alias = ("i", "o", rank * k)
+        elif algo.coll == "reducescatter":
+            alias = ("o", "i", rank * k)
+        else:
+            alias = ("o", "i", 0)
+    return RankLayout(algo.coll, rank, count, q, i, o, s, alias)
+
+
+def check_ranks(algo: Algorithm, source: str) -> None:
+    """ProgramError unless the ranks are numbered 0..ngpus-1 in order (positions are rank ids)."""
+    if algo.ngpus != len(algo.ranks) or [r.id for r in algo.ranks] != list(range(len(algo.ranks))):
+        raise ProgramError(f"ngpus={algo.ngpus} but the ranks are {[r.id for r in algo.ranks]} (want 0..ngpus-1)",
+                           source=source)
+
+
+def layouts_for(algo: Algorithm, count: int, source: str = "<program>") -> dict[int, RankLayout]:
+    """Every rank's layout; ProgramError unless all chunks hold the same number of elements."""
+    check_ranks(algo, source)
+    layouts = {r.id: rank_layout(algo, r.id, count, source) for r in algo.ranks}
+    qs = {lay.q for lay in layouts.values()}
+    if len(qs) > 1:
+        raise ProgramError(f"ranks disagree on the chunk size ({sorted(qs)} elements for count {count}): their "
+                           "chunk counts do not describe the same collective", source=source)
+    return layouts
+
+
+def writes_input(algo: Algorithm, rank: int) -> bool:
+    """Whether any step of ``rank`` writes its ``i`` buffer (then the user's input is copied first)."""
+    return any(step.type.writes_dst and step.dstbuf == "i"
+               for tb in algo.ranks[rank].threadblocks for step in tb.steps)
+
+
+def allocate(layout: RankLayout, dtype: np.dtype, inp: np.ndarray, out: np.ndarray,
+             writes_input: bool) -> tuple[dict[str, np.ndarray], list[tuple[BufferLayout, np.ndarray, np.ndarray]]]:
+    """Working buffers for one run, loaded with the user's input: ``({"i", "o", "s": array},
+    stores)``, where each ``(buffer, working, user)`` of ``stores`` is copied back into the
+    user's memory once the run is over.  The user's memory is used directly where no padding
+    is needed; ``inp`` is never written (a copy is made if the program writes ``i``)."""
+    if inp.shape != (layout.input_elements,) or out.shape != (layout.output_elements,):
+        raise ValueError(f"rank {layout.rank}: input/output of {inp.shape}/{out.shape} elements, the layout wants "
+                         f"({layout.input_elements},)/({layout.output_elements},)")
+    stores: list[tuple[BufferLayout, np.ndarray, np.ndarray]] = []
+    scratch = np.zeros(layout.s.working_elements, dtype)
+    if layout.alias is None:
+        if layout.i.padded or (writes_input and layout.i.user_elements):
+            work_i = np.zeros(layout.i.working_elements, dtype)
+            layout.i.load(inp, work_i)
+        else:
+            work_i = inp
+        if layout.o.padded:
+            work_o = np.zeros(layout.o.working_elements, dtype)
+            stores.append((layout.o, work_o, out))
+        else:
+            work_o = out
+        return {"i": work_i, "o": work_o, "s": scratch}, stores
+    inner, outer, offset = layout.alias
+    outer_layout = layout.buffer(outer)
+    view = slice(offset * layout.q, (offset + layout.buffer(inner).chunks) * layout.q)
+    # compute in the user's output itself when it is the whole aliased buffer, unpadded
+    # (all-gather's output; all-reduce's, broadcast's and all-to-all's, the size of the input)
+    if not outer_layout.padded and (outer == "o" or (offset == 0 and outer_layout.user_elements == out.size)):
+        big = out
+    else:
+        big = np.zeros(outer_layout.working_elements, dtype)
+    work = {outer: big, inner: big[view], "s": scratch}
+    if not _same_memory(inp, work["i"]):
+        layout.i.load(inp, work["i"])
+    if big is not out:
+        stores.append((layout.o, work["o"], out))
+    return work, stores
+
+
+def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether ``a`` and ``b`` are the same elements (an in-place call: nothing to copy)."""
+    return a.size == b.size and a.dtype == b.dtype and (a.size == 0 or a.ctypes.data == b.ctypes.data)
+
+
+def finish(stores: list[tuple[BufferLayout, np.ndarray, np.ndarray]]) -> None:
+    """Copy the padded working buffers' results into the user's memory."""
+    for buffer, working, user in stores:
+        buffer.store(working, user)

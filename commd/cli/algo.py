@@ -1,0 +1,200 @@
+"""`commd algo`: check, simulate and list collective programs (MSCCL XML files and the library).
+
+``check FILE.xml`` proves a file right before it runs anywhere (exit 0 accepted, 1 refused,
+every reason as "file, rank r, threadblock t, step s: reason"); ``simulate FILE.xml`` runs
+all its ranks in this process on random data and compares with NumPy (exit 0 on a match, 1
+with the first differing element, or with the blocked steps of a deadlock); ``list`` shows
+the built-in programs and the files of an algorithms directory.  Exit 2: a usage error (a
+file that cannot be read, a reduce op the dtype has not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from commd.algorithms import checker, mscclxml, postcondition
+from commd.algorithms.errors import ProgramError
+from commd.algorithms.execute import REDUCE_OPS
+from commd.algorithms.ir import Algorithm
+from commd.algorithms.layout import layouts_for
+from commd.algorithms.simulator import TraceRecord, format_trace, reference, simulate
+
+#: Dtypes ``simulate`` can draw random data for (NumPy's; bfloat16 has no NumPy type).
+DTYPES = ("float16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64", "bool")
+BITWISE_OPS = frozenset({"band", "bor", "bxor"})
+#: Where ``list`` looks for user programs when --dir is not given.
+DIR_ENV = "COMMD_ALGORITHMS_DIR"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", required=True)
+    # `compile PROGRAM.py -o FILE.xml` (the DSL's compiler) is registered here beside these.
+    check = sub.add_parser("check", help="prove an MSCCL XML file right (exit 0 accepted, 1 refused)")
+    check.add_argument("file", help="MSCCL XML file")
+    check.add_argument("--post", help="postcondition sidecar (default for coll=\"custom\": FILE.post.json)")
+    sim = sub.add_parser("simulate", help="run every rank of a file in-process on random data, compare with NumPy")
+    sim.add_argument("file", help="MSCCL XML file")
+    sim.add_argument("--count", type=int, required=True,
+                     help="elements per rank as torch counts them (all_gather: the input, reduce_scatter: the "
+                          "output, all_to_all: the whole input)")
+    sim.add_argument("--dtype", choices=DTYPES, default="float32")
+    sim.add_argument("--op", choices=sorted(REDUCE_OPS), default="sum")
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--tile-elements", type=int, default=None,
+                     help="cut each chunk into tiles of at most this many elements (as the interpreter does)")
+    sim.add_argument("--trace", action="store_true", help="print a per-step timeline (logical time = dataflow depth)")
+    sim.add_argument("--post", help="postcondition sidecar of a custom collective (default: FILE.post.json)")
+    listing = sub.add_parser("list", help="the built-in programs and the files of an algorithms directory")
+    listing.add_argument("--dir", help=f"directory of MSCCL XML files (default: ${DIR_ENV})")
+
+
+def run(args: argparse.Namespace) -> int:
+    return {"check": _check, "simulate": _simulate, "list": _list}[args.action](args)
+
+
+def _load(path: str) -> Algorithm | int:
+    """The file's program, or an exit status after saying why not."""
+    if not Path(path).is_file():
+        print(f"{path}: no such file", file=sys.stderr)
+        return 2
+    try:
+        return mscclxml.load(path)
+    except ProgramError as exc:
+        print(f"refused: {exc}")
+        return 1
+    except OSError as exc:
+        print(f"{path}: cannot read: {exc}", file=sys.stderr)
+        return 2
+
+
+def _check(args: argparse.Namespace) -> int:
+    algo = _load(args.file)
+    if isinstance(algo, int):
+        return algo
+    try:
+        post = postcondition.load_sidecar(args.post) if args.post else None
+    except (ProgramError, OSError) as exc:
+        print(f"refused: {exc}")
+        return 1
+    found = checker.problems(algo, post, source=args.file)
+    if found:
+        print(f"refused: {args.file} ({len(found)} problem{'s' if len(found) != 1 else ''})")
+        for problem in found:
+            print(f"  {problem}")
+        return 1
+    print(f"accepted: {args.file} ({algo.name}: {algo.coll}, {algo.ngpus} ranks, {algo.nchunksperloop} chunks "
+          f"per loop, {'in place' if algo.inplace else 'out of place'})")
+    return 0
+
+
+def random_inputs(algo: Algorithm, count: int, dtype: np.dtype, op: str, seed: int,
+                  source: str = "<program>") -> list[np.ndarray]:
+    """One random input per rank, sized as the collective wants for ``count``; values kept small
+    enough that an integer product or a float sum stays meaningful."""
+    rng = np.random.default_rng(seed)
+    layouts = layouts_for(algo, count, source)
+    out = []
+    for r in range(algo.ngpus):
+        n = layouts[r].input_elements
+        if dtype == np.bool_:
+            out.append(rng.integers(0, 2, n).astype(bool))
+        elif dtype.kind in "iu":
+            low, high = (1, 4) if op == "product" else (0 if dtype.kind == "u" else -50, 50)
+            out.append(rng.integers(low, high, n).astype(dtype))
+        else:
+            out.append(rng.uniform(0.5, 1.5, n).astype(dtype) if op == "product" else
+                       rng.uniform(-1.0, 1.0, n).astype(dtype))
+    return out
+
+
+def tolerance(dtype: np.dtype, nranks: int) -> float:
+    """Relative and absolute tolerance of a float result: reduction order moves each of the
+    ``nranks`` roundings by one unit in the last place."""
+    return 0.0 if dtype.kind not in "fc" else 4.0 * nranks * float(np.finfo(dtype).eps)
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    algo = _load(args.file)
+    if isinstance(algo, int):
+        return algo
+    dtype = np.dtype(args.dtype)
+    if args.op in BITWISE_OPS and dtype.kind not in "iub":
+        print(f"{args.op} needs an integer or bool dtype, got {args.dtype}", file=sys.stderr)
+        return 2
+    if args.count < 0 or (args.tile_elements is not None and args.tile_elements < 1):
+        print("--count must be >= 0 and --tile-elements >= 1", file=sys.stderr)
+        return 2
+    trace: list[TraceRecord] | None = [] if args.trace else None
+    try:
+        post = postcondition.for_algorithm(algo, args.post, source=args.file) if algo.coll == "custom" else None
+        inputs = random_inputs(algo, args.count, dtype, args.op, args.seed, args.file)
+        outputs = simulate(algo, inputs, args.op, tile_elements=args.tile_elements, trace=trace, count=args.count,
+                           source=args.file)
+        expected = reference(algo, inputs, args.op, count=args.count, post=post, source=args.file)
+    except ProgramError as exc:
+        if trace:
+            print(format_trace(trace))
+        print(f"failed: {exc}")
+        return 1
+    if trace is not None:
+        print(format_trace(trace))
+    tol = tolerance(dtype, algo.ngpus)
+    for r, (got, (want, specified)) in enumerate(zip(outputs, expected, strict=True)):
+        if dtype.kind in "fc":
+            bad = ~np.isclose(got, want, rtol=tol, atol=tol) & specified
+        else:
+            bad = (got != want) & specified
+        if bad.any():
+            e = int(np.flatnonzero(bad)[0])
+            print(f"mismatch: {args.file}, rank {r}, output element {e}: got {got[e]!r}, NumPy says {want[e]!r} "
+                  f"({int(bad.sum())} of {got.size} elements differ)")
+            return 1
+    checked = sum(int(s.sum()) for _, s in expected)
+    print(f"match: {args.file} ({algo.coll}, {algo.ngpus} ranks, count {args.count}, {args.dtype}, {args.op}): "
+          f"{checked} output elements equal NumPy" + (f" within {tol:.1e}" if tol else " exactly"))
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    try:
+        library = importlib.import_module("commd.algorithms.library")
+    except ModuleNotFoundError:
+        library = None
+    if library is not None:
+        print("built-in programs:")
+        for name in library.names():
+            print(f"  {name}")
+    folder = args.dir or os.environ.get(DIR_ENV)
+    if not folder:
+        if library is None:
+            print(f"no built-in programs in this build; name a directory of MSCCL files with --dir or ${DIR_ENV}")
+        return 0
+    if not Path(folder).is_dir():
+        print(f"{folder}: not a directory", file=sys.stderr)
+        return 2
+    print(f"files in {folder}:")
+    for path in sorted(Path(folder).glob("*.xml")):
+        try:
+            algo = mscclxml.load(path)
+            found = checker.problems(algo, source=str(path))
+        except ProgramError as exc:
+            print(f"  {path.name}: refused: {exc.reason}")
+            continue
+        sizes = _size_range(algo)
+        status = "accepted" if not found else f"refused: {found[0]}"
+        print(f"  {path.name}: {algo.name} ({algo.coll}, {algo.ngpus} ranks{sizes}) {status}")
+    return 0
+
+
+def _size_range(algo: Algorithm) -> str:
+    if algo.min_bytes is None and algo.max_bytes is None:
+        return ""
+    low = algo.min_bytes or 0
+    high = "unbounded" if not algo.max_bytes else f"{algo.max_bytes} B"
+    return f", sizes {low} B to {high}"
