@@ -800,3 +800,23 @@ def test_dsl_ring_in_the_simulator_gives_the_native_rings_bits(n: int, count: in
     else:
         pytest.xfail(f"the simulator cuts {count} elements into chunks at {layout_bounds}, the native ring "
                      f"into blocks at {native_bounds}: elements between get another reduction order")
+
+
+def test_in_place_allgather_copies_name_the_destination_as_the_source_sees_it() -> None:
+    """In MSCCLang, copying rank r's input to another rank's "input" lands it where r's input sits in
+    that rank's output (o[r·k]), so an in-place all-gather can be written with Buffer.input throughout."""
+    n = 3
+    with MSCCLProgram("ag_inplace", fully_connected(n), AllGather(n, 1, True), 1) as prog:
+        for r in range(n):
+            for step in range(1, n):
+                chunk(r, Buffer.input, 0).copy((r + step) % n, Buffer.input, 0)
+        assert Check()
+    algo = prog.compile()
+    assert_well_formed(algo)
+    assert [(r.i_chunks, r.o_chunks) for r in algo.ranks] == [(0, 3)] * 3
+    bufs = buffers(algo, 2, "int64")
+    for r in range(n):
+        bufs[r]["o"][r] = [10 * r, 10 * r + 1]
+    execute(algo, bufs, "sum")
+    for r in range(n):
+        assert bufs[r]["o"].tolist() == [[0, 1], [10, 11], [20, 21]]

@@ -165,15 +165,21 @@ class MSCCLProgram:
             return []
         return bufs.setdefault(buffer_name(buffer), [])
 
-    def resolve(self, rank: int, buffer: Any, index: int, size: int, *, growing: bool = False) -> Slots:
-        """Validated Slots for (rank, buffer, index, size), in-place aliasing applied."""
+    def resolve(self, rank: int, buffer: Any, index: int, size: int, *, growing: bool = False,
+                alias_rank: int | None = None) -> Slots:
+        """Validated Slots for (rank, buffer, index, size), in-place aliasing applied.
+
+        ``alias_rank`` is the rank whose view of the buffers the (buffer, index) is in: a copy
+        names its destination as the source sees it, as in MSCCLang (in an in-place
+        all-gather, "input chunk i" of another rank is where this rank's input sits there).
+        """
         if not isinstance(rank, int) or not 0 <= rank < self.num_ranks:
             self.fail(f"rank {rank!r} is outside 0..{self.num_ranks - 1}")
         if not isinstance(size, int) or size < 1:
             self.fail(f"size {size!r}: a ref covers at least one chunk", rank)
         if not isinstance(buffer, (Buffer, str)):
             self.fail(f"buffer {buffer!r}: must be Buffer.input, Buffer.output, Buffer.scratch or a name", rank)
-        buffer, index = self.collective.get_buffer_index(rank, buffer, index)
+        buffer, index = self.collective.get_buffer_index(rank if alias_rank is None else alias_rank, buffer, index)
         if not isinstance(index, int) or index < 0:
             self.fail(f"index {index!r} in buffer {buffer_name(buffer)!r}: must be a whole number ≥ 0", rank)
         slots = self.slots_of(rank, buffer)
@@ -288,7 +294,7 @@ class Ref:
             if buffer_name(buffer) in ("i", "o"):
                 prog.fail(f"copy to buffer {buffer_name(buffer)!r} needs an index", self.rank)
             index = len(prog.slots_of(dst, buffer)) if 0 <= dst < prog.num_ranks else 0
-        target = prog.resolve(dst, buffer, index, self.size, growing=True)
+        target = prog.resolve(dst, buffer, index, self.size, growing=True, alias_rank=self.rank)
         source = self.slots()
         if target == source:
             prog.fail(f"copy of {self!r} onto itself", self.rank)
