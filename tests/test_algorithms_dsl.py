@@ -893,3 +893,15 @@ def test_random_programs_compile_to_ir_that_means_what_the_program_says(seed: in
                 for j in range(inst):
                     np.testing.assert_array_equal(part(bufs[r][name], j), want[j][r][name],
                                                   err_msg=f"rank {r} buffer {name} instance {j}")
+
+
+def test_interleaved_instances_over_refs_cut_differently_are_refused() -> None:
+    with MSCCLProgram("mixed", fully_connected(2), AllGather(2, 2, False), 2) as prog:
+        chunk(0, Buffer.input, 0, 2).copy(1, Buffer.output, 0)
+        chunk(1, Buffer.input, 0, 2).copy(0, Buffer.output, 2)
+        chunk(1, Buffer.input, 1).copy(1, Buffer.output, 3)
+    with pytest.raises(ProgramError, match=r"refs \[0, 2\) and \[1, 2\) of buffer 'i' would mix") as err:
+        prog.compile()
+    assert err.value.rank == 1
+    prog.interleaved_replication = False  # batched instances place every chunk consistently
+    assert_well_formed(prog.compile())
