@@ -215,10 +215,12 @@ class MSCCLProgram:
         if src != dst and not self.topo.link(src, dst):
             self.fail(f"no link from rank {src} to rank {dst} in topology {self.topo.name}", src)
 
-    def record(self, kind: str, src: Slots, dst: Slots, sendtb: int, recvtb: int, ch: int) -> None:
+    def check_hints(self, rank: int, sendtb: Any, recvtb: Any, ch: Any) -> None:
         for name, value in (("sendtb", sendtb), ("recvtb", recvtb), ("ch", ch)):
             if not isinstance(value, int) or value < -1:
-                self.fail(f"{name}={value!r}: must be -1 (automatic) or a whole number ≥ 0", src.rank)
+                self.fail(f"{name}={value!r}: must be -1 (automatic) or a whole number ≥ 0", rank)
+
+    def record(self, kind: str, src: Slots, dst: Slots, sendtb: int, recvtb: int, ch: int) -> None:
         self.trace.append(Operation(kind, src, dst, sendtb, recvtb, ch, _call_site()))
         self._algorithm = None
 
@@ -286,6 +288,7 @@ class Ref:
              ch: int = -1) -> Ref:
         """Copy these chunks to rank ``dst``'s (buffer, index) — same place when neither is given."""
         prog = self.prog
+        prog.check_hints(self.rank, sendtb, recvtb, ch)
         if buffer is None and index == -1:
             buffer, index = self.buffer, self.index
         elif buffer is None:
@@ -309,6 +312,7 @@ class Ref:
     def reduce(self, other_chunkref: Ref, sendtb: int = -1, recvtb: int = -1, ch: int = -1) -> Ref:
         """These chunks ← these ⊕ ``other_chunkref``'s (received from its rank when it is another)."""
         prog, other = self.prog, other_chunkref
+        prog.check_hints(self.rank, sendtb, recvtb, ch)
         if not isinstance(other, Ref):
             prog.fail(f"reduce needs a ref, got {other!r}", self.rank)
         if other.size != self.size:
