@@ -38,7 +38,7 @@ from commd.algorithms.dsl import (
     chunk,
     fully_connected,
 )
-from commd.algorithms.dslfile import compile_file
+from commd.algorithms.dslfile import compile_file, run_file
 from commd.algorithms.errors import ProgramError
 from commd.algorithms.ir import Algorithm, StepType
 from commd.lanes.tcp.algorithms import ring_allreduce
@@ -574,6 +574,9 @@ def test_compile_file_refuses_a_broken_file_naming_it(tmp_path: Path) -> None:
         compile_file(nothing)
     with pytest.raises(ProgramError, match="no such program file"):
         compile_file(tmp_path / "missing.py")
+    with pytest.raises(ProgramError, match="exited with 2: .*the following arguments are required: num_gpus"):
+        (tmp_path / "ring.py").write_text(MSCCL_STYLE_FILE)
+        compile_file(tmp_path / "ring.py")
     with MSCCLProgram("after", fully_connected(2), AllReduce(2, 1, True), 1):
         pass  # a failed file leaves no program open
 
@@ -679,7 +682,9 @@ ALLTONEXT_FORWARD_FILE = textwrap.dedent('''
 def test_msccl_tools_alltonext_forward_compiles_with_the_shape_msccl_tools_gave_it(tmp_path: Path) -> None:
     path = tmp_path / "alltonext_forward.py"
     path.write_text(ALLTONEXT_FORWARD_FILE)
-    algo, = compile_file(path, ["2", "1"])
+    prog, = run_file(path, ["2", "1"])
+    assert prog.sidecar() is None, "an MSCCLang-style collective states no postcondition of its own"
+    algo = prog.compile()
     assert_well_formed(algo)
     if not (SHARED / "alltonext_fwd_2x8_16r.xml").is_file():
         pytest.skip("third-party file not found beside the repository")
