@@ -473,6 +473,10 @@ def test_library_names_descriptions_and_size_ranges() -> None:
         library.get("nope", 3)
     with pytest.raises(ProgramError, match="needs at least 2 nodes"):
         library.get("ring", 1)
+    with pytest.raises(ProgramError, match="takes no option chunks"):
+        library.get("ring", 3, chunks=2)
+    with pytest.raises(ProgramError, match="instances must be a whole number ≥ 1, not 0"):
+        library.get("ring", 3, instances=0)
 
 
 # -- the DSL ring against the native ring ---------------------------------------------------------

@@ -81,6 +81,12 @@ def get(name: str, nranks: int, **kw: int) -> Algorithm:
 @functools.lru_cache(maxsize=256)
 def _compiled(name: str, nranks: int, kw: tuple[tuple[str, int], ...]) -> Algorithm:
     entry = describe(name)
+    unknown = sorted(k for k, _ in kw if k != "instances")
+    if unknown:
+        raise ProgramError(f"{name} takes no option {', '.join(unknown)} (only instances)", source="<library>")
+    if any(not isinstance(v, int) or v < 1 for _, v in kw):
+        raise ProgramError(f"{name}: instances must be a whole number ≥ 1, not {dict(kw)['instances']!r}",
+                           source="<library>")
     if not isinstance(nranks, int) or nranks < entry.min_nodes:
         raise ProgramError(f"{name} needs at least {entry.min_nodes} nodes, not {nranks!r}", source="<library>")
     algo = entry.build(nranks, **dict(kw))
