@@ -305,6 +305,10 @@ class Custom(Collective):
     def expected(self) -> dict[tuple[int, str, int], Value]:
         return dict(self._expect)
 
+    def declared_chunks(self, rank: int) -> tuple[int, int]:
+        """Rank ``rank``'s (input, output) chunk counts, as declared (every rank's buffers exist, used or not)."""
+        return self.inputs[rank], self.outputs[rank]
+
 
 class AllToNext(Custom):
     """Rank r's input ends in rank r + 1's output; rank 0's output is unspecified, the last input unused."""

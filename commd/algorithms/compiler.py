@@ -20,8 +20,9 @@ from commd.algorithms.trace import ThreadblockPolicy
 def _io_chunks(prog: Any, dag: dag_stage.Dag) -> list[tuple[int, int]]:
     """Each rank's (input, output) chunk counts for one instance.
 
-    A built-in collective declares them (an aliased in-place buffer has none of its own);
-    a custom one has what its steps touch, as MSCCL writes it.
+    A built-in collective declares them (an aliased in-place buffer has none of its own), so
+    does a :class:`~commd.algorithms.collectives.Custom` one; a collective subclassed
+    MSCCLang's way has what its steps touch, as MSCCL writes it.
     """
     coll = prog.collective
     used: dict[tuple[int, str], int] = {}
@@ -31,6 +32,10 @@ def _io_chunks(prog: Any, dag: dag_stage.Dag) -> list[tuple[int, int]]:
                 used[(s.rank, s.buffer)] = max(used.get((s.rank, s.buffer), 0), s.end)
     counts = []
     for r in range(prog.num_ranks):
+        if hasattr(coll, "declared_chunks"):
+            i, o = coll.declared_chunks(r)
+            counts.append((max(i, used.get((r, "i"), 0)), max(o, used.get((r, "o"), 0))))
+            continue
         if getattr(coll, "ir_name", "custom") == "custom":
             counts.append((used.get((r, "i"), 0), used.get((r, "o"), 0)))
             continue
@@ -42,6 +47,27 @@ def _io_chunks(prog: Any, dag: dag_stage.Dag) -> list[tuple[int, int]]:
     return counts
 
 
+def _check_interleaving(prog: Any) -> None:
+    """Refuse interleaved instances over refs that cut the same chunks differently.
+
+    Interleaving keeps each ref contiguous (MSCCL's rule: chunk j of a ref of size k moves to
+    ``j·instances + i·k``), which places a chunk consistently only if every ref touching it
+    has the same start and size; otherwise the instances would read each other's data.
+    """
+    cuts: dict[tuple[int, str], set[tuple[int, int]]] = {}
+    for op in prog.trace:
+        for s in (op.src, op.dst):
+            if s.buffer in ("i", "o"):
+                cuts.setdefault((s.rank, s.buffer), set()).add((s.index, s.size))
+    for (rank, buf), refs in sorted(cuts.items()):
+        ordered = sorted(refs)
+        for (a, n), (b, m) in zip(ordered, ordered[1:], strict=False):
+            if b < a + n:
+                raise ProgramError(f"interleaved instances of refs [{a}, {a + n}) and [{b}, {b + m}) of buffer "
+                                   f"{buf!r} would mix the instances' chunks; give them the same cut, or use "
+                                   f"interleaved_replication=False", source=prog.source, rank=rank)
+
+
 def compile_program(prog: Any) -> Algorithm:
     """``prog`` lowered to the IR."""
     coll = getattr(prog.collective, "ir_name", "custom")
@@ -49,6 +75,8 @@ def compile_program(prog: Any) -> Algorithm:
         raise ProgramError(f"collective {coll!r} is not one of {', '.join(COLLECTIVES)}", source=prog.source)
     if not prog.trace:
         raise ProgramError("the program moves no chunks", source=prog.source)
+    if prog.instances > 1 and prog.interleaved_replication:
+        _check_interleaving(prog)
     dag = dag_stage.build(prog.trace, prog.num_ranks)
     io_chunks = _io_chunks(prog, dag)
     if prog.instr_fusion:

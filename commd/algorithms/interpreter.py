@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -80,16 +81,44 @@ class Plan:
     landing_elements: int
     writes_input: bool
     source: str = field(default="<program>", compare=False)
+    _spare: list[np.ndarray] = field(default_factory=list, compare=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
+
+    def take_landing(self) -> np.ndarray:
+        """A landing area for one run: the plan keeps one between runs, so that an op of a
+        cached shape does not fault in fresh pages each time (two runs at once get two)."""
+        with self._lock:
+            if self._spare:
+                return self._spare.pop()
+        return np.empty(self.landing_elements, self.dtype)
+
+    def give_back(self, landing: np.ndarray) -> None:
+        with self._lock:
+            if not self._spare:
+                self._spare.append(landing)
 
     @staticmethod
     def build(algo: Algorithm, rank: int, count: int, dtype: np.dtype | str, tile_bytes: int = DEFAULT_TILE_BYTES,
               source: str = "<program>") -> Plan:
         """The plan of ``rank`` for ``count`` elements of ``dtype`` (cached); ProgramError if the
         program cannot run (a dangling peer, an unmatched transfer, a cycle, bad chunk counts)."""
-        return _build(algo, int(rank), int(count), np.dtype(dtype).str, int(tile_bytes), source)
+        key = (id(algo), int(rank), int(count), np.dtype(dtype).str, int(tile_bytes), source)
+        hit = _BY_IDENTITY.get(key)
+        if hit is not None and hit[0] is algo:  # the hot path: no hash over the whole program
+            return hit[1]
+        plan = _build(algo, *key[1:])
+        if len(_BY_IDENTITY) >= 64:
+            _BY_IDENTITY.clear()
+        _BY_IDENTITY[key] = (algo, plan)
+        return plan
 
 
-@functools.lru_cache(maxsize=128)
+#: Plans by the identity of their program object (checked with ``is``), in front of the cache
+#: by content: hashing a frozen program costs about a microsecond per step, on every op.
+_BY_IDENTITY: dict[tuple[int, int, int, str, int, str], tuple[Algorithm, Plan]] = {}
+
+
+@functools.lru_cache(maxsize=32)
 def _build(algo: Algorithm, rank: int, count: int, dtype_str: str, tile_bytes: int, source: str) -> Plan:
     dtype = np.dtype(dtype_str)
     if tile_bytes <= 0:
@@ -157,7 +186,7 @@ class _Engine:
         self.work = work
         self.op = op
         self.next = {(ti, tb): 0 for ti in range(len(plan.tiles)) for tb in plan.threadblocks}
-        self.landing = np.empty(plan.landing_elements, plan.dtype)
+        self.landing = plan.take_landing()
         self.landed: set[tuple[int, StepId]] = set()
         self.outbox: dict[int, dict[int, np.ndarray]] = {p: {} for p in plan.sends}
         self.posted = {p: 0 for p in plan.sends}
@@ -259,3 +288,4 @@ def run(plan: Plan, transport: Transport, peers: list[int] | tuple[int, ...], in
                                                f"returned with steps not run, e.g. (tile, threadblock, step) "
                                                f"{stuck[:4]}")
     finish(stores)
+    plan.give_back(engine.landing)
