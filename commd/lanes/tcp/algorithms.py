@@ -66,11 +66,8 @@ def ring_allreduce(tp: Transport, nodes: tuple[int, ...], me: int, flat: torch.T
     """Ring reduce-scatter then ring all-gather: each segment is reduced along the ring and the
     finished bytes go round from their owner, so every node ends with the same bits."""
     n, numel, es = len(nodes), flat.numel(), flat.element_size()
-    # block k is elements [k·q, (k+1)·q) cut at numel, q = ceil(numel / n): the chunks of a program's
-    # uneven layout (algorithms/layout.py), so the library's ring gives these very bits
-    q = -(-numel // n)
-    cuts = [min(k * q, numel) for k in range(n + 1)]
-    blocks = [(cuts[k] * es, (cuts[k + 1] - cuts[k]) * es) for k in range(n)]
+    base, rem = divmod(numel, n)
+    blocks = [((k * base + min(k, rem)) * es, (base + (k < rem)) * es) for k in range(n)]
     chunk = max(es, tp.chunk_bytes // es * es)
     scratch = torch.empty(chunk // es, dtype=flat.dtype)
 
