@@ -17,9 +17,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from test_lane_transport import network, on_nodes, run_ok
 
-from commd.algorithms import mscclxml
+from commd.algorithms import library, mscclxml
 from commd.algorithms.errors import ProgramError
 from commd.algorithms.execute import Wiring, run_step, tiles
 from commd.algorithms.interpreter import Plan, run
@@ -28,6 +29,7 @@ from commd.algorithms.layout import rank_layout
 from commd.algorithms.simulator import TraceRecord, format_trace, simulate
 from commd.cli.main import main
 from commd.lanes.base import TransportError
+from commd.lanes.tcp.algorithms import ring_allreduce as native_ring_allreduce
 
 T = StepType
 
@@ -150,19 +152,23 @@ def expected_outputs(algo: Algorithm, inputs: list[np.ndarray], op: str) -> list
 
 
 def custom_expectation(name: str, inputs: list[np.ndarray], count: int) -> dict[int, np.ndarray]:
-    """Rank -> expected output, read straight from the sidecar JSON: every file here maps
-    output chunk c of a rank to one input chunk of another, chunks of ceil(count / nchunksperloop)."""
+    """Rank -> expected output, read straight from the sidecar JSON: every file here maps output
+    chunk c of a rank to one input chunk of another; ``count`` is split over nchunksperloop
+    chunks as the native ring splits a tensor (the first count % C chunks one element longer)."""
     doc = json.loads((MSCCL_DIR / name.replace(".xml", ".post.json")).read_text())
     algo = mscclxml.load(MSCCL_DIR / name)
-    q = -(-count // algo.nchunksperloop)
+    base, rem = divmod(count, algo.nchunksperloop)
+
+    def span(c: int) -> slice:
+        return slice(c * base + min(c, rem), (c + 1) * base + min(c + 1, rem))
+
     outputs: dict[int, np.ndarray] = {}
     for entry in doc["expect"]:
         src = entry["from"]
         assert isinstance(src, dict) and src["buf"] == "i" and entry["buf"] == "o"
-        size = min(count, algo.ranks[entry["rank"]].o_chunks * q)
+        size = span(algo.ranks[entry["rank"]].o_chunks - 1).stop
         out = outputs.setdefault(entry["rank"], np.zeros(size, inputs[0].dtype))
-        lo, hi = entry["index"] * q, min((entry["index"] + 1) * q, size)
-        out[lo:hi] = inputs[src["rank"]][src["index"] * q:src["index"] * q + hi - lo]
+        out[span(entry["index"])] = inputs[src["rank"]][span(src["index"])]
     return outputs
 
 
@@ -192,22 +198,31 @@ def interpret(algo: Algorithm, inputs: list[np.ndarray], op: str = "sum", tile_b
 
 def test_layout_of_uneven_and_scaled_counts_by_hand() -> None:
     four = Algorithm("a", "allreduce", 2, 4, 1, False, (Rank(0, 4, 4, 1, ()), Rank(1, 4, 4, 1, ())))
-    lay = rank_layout(four, 0, 10)  # 10 elements in 4 chunks: q = 3, the last chunk holds 1 element
-    assert (lay.q, lay.i.working_elements, lay.i.padded, lay.i.block(0)) == (3, 12, True, slice(0, 10))
-    assert lay.s.working_elements == 3 and lay.alias is None
-    lay = rank_layout(four, 1, 2)  # fewer elements than chunks: q = 1, two chunks are all padding
-    assert (lay.q, lay.o.working_elements, lay.o.user_elements) == (1, 4, 2)
+    lay = rank_layout(four, 0, 10)  # 10 elements in 4 chunks: 3 3 2 2, each in q = 3 working elements
+    assert (lay.q, lay.i.working_elements, lay.i.padded, lay.s.working_elements, lay.alias) == (3, 12, True, 3, None)
+    assert [lay.i.chunk_range(c) for c in range(4)] == [(0, 3), (3, 3), (6, 2), (8, 2)]
+    working = np.full(12, -1)
+    lay.i.load(np.arange(10), working)
+    assert working.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, -1, 8, 9, -1]
+    back = np.zeros(10, int)
+    lay.i.store(working, back)
+    assert back.tolist() == list(range(10))
+    lay = rank_layout(four, 1, 2)  # fewer elements than chunks: 1 1 0 0
+    assert (lay.q, lay.o.working_elements, lay.o.user_elements, lay.o.chunk_range(3)) == (1, 4, 2, (2, 0))
     assert not rank_layout(four, 0, 12).i.padded  # 12 = 4 × 3: the user's memory is used as is
 
     ag = Algorithm("g", "allgather", 3, 3, 1, False, tuple(Rank(r, 1, 3, 0, ()) for r in range(3)))
     lay = rank_layout(ag, 2, 5)
-    assert (lay.i.user_elements, lay.o.user_elements, lay.o.block(2), lay.o.padded) == (5, 15, slice(10, 15), False)
+    assert (lay.i.user_elements, lay.o.user_elements, lay.o.chunk_range(2), lay.o.padded) == (5, 15, (10, 5), False)
     ag_in_place = Algorithm("g", "allgather", 3, 3, 1, True, tuple(Rank(r, 0, 3, 0, ()) for r in range(3)))
     assert rank_layout(ag_in_place, 2, 5).alias == ("i", "o", 2)  # the input sits at o[2·k …]
 
-    a2a = Algorithm("t", "alltoall", 4, 4, 1, False, tuple(Rank(r, 4, 4, 0, ()) for r in range(4)))
-    lay = rank_layout(a2a, 0, 8)  # 4 blocks of 2 elements, one chunk each
-    assert (lay.q, lay.i.blocks, lay.i.block(3)) == (2, 4, slice(6, 8))
+    a2a = Algorithm("t", "alltoall", 4, 8, 1, False, tuple(Rank(r, 8, 8, 0, ()) for r in range(4)))
+    lay = rank_layout(a2a, 0, 12)  # 4 blocks of 3 elements, 2 chunks each (2 + 1), q = 2
+    assert (lay.q, lay.i.blocks, lay.i.chunk_range(6), lay.i.chunk_range(7)) == (2, 4, (9, 2), (11, 1))
+    working = np.zeros(16, int)
+    lay.i.load(np.arange(1, 13), working)
+    assert working.tolist() == [1, 2, 3, 0, 4, 5, 6, 0, 7, 8, 9, 0, 10, 11, 12, 0]
     with pytest.raises(ProgramError, match="divisible by 4, got 9"):
         rank_layout(a2a, 0, 9)
 
@@ -518,6 +533,43 @@ def test_wire_order_is_a_topological_order_both_ends_agree_on() -> None:
     wiring = Wiring(algo)
     for sid in wiring.steps:
         assert all(wiring.depth[p] < wiring.depth[sid] for p in wiring.predecessors(sid))
+
+
+LIBRARY_NAMES = library.names()
+
+
+@pytest.mark.parametrize("name", LIBRARY_NAMES)
+def test_interpreted_library_programs_on_two_to_five_nodes_equal_numpy(name: str) -> None:
+    for n in (2, 3, 4, 5):
+        algo = library.get(name, n)
+        for count in (6 * n, 7):
+            if algo.coll == "alltoall" and count % n:
+                continue
+            for dtype, op in (("int64", "sum"), ("int64", "min"), ("float32", "sum")):
+                inputs = make_inputs(algo, count, dtype)
+                outputs, _, _ = interpret(algo, inputs, op, tile_bytes=32, count=count)
+                if name == "alltonext":  # node r's buffer goes to node r + 1
+                    for r in range(1, n):
+                        np.testing.assert_array_equal(outputs[r], inputs[r - 1], err_msg=f"{n} nodes, node {r}")
+                    continue
+                for r, want in enumerate(expected_outputs(algo, inputs, op)):
+                    np.testing.assert_allclose(outputs[r], want, rtol=1e-5, atol=1e-5, err_msg=f"{n} nodes")
+                if algo.coll == "allreduce":
+                    assert all(np.array_equal(o, outputs[0]) for o in outputs), f"{n} nodes: ranks differ bit-wise"
+
+
+@pytest.mark.parametrize("nranks", [2, 3, 4, 5])
+def test_interpreted_library_ring_is_the_native_ring_bit_for_bit(nranks: int) -> None:
+    algo = library.get("ring", nranks)
+    for count in (10_001, 3, 64 * nranks):  # uneven (the native split: first blocks one longer), short, even
+        inputs = make_inputs(algo, count, "float32", seed=nranks)
+        outputs, _, _ = interpret(algo, inputs, tile_bytes=4096)
+        native = [torch.from_numpy(a.copy()) for a in inputs]
+        transports = network(nranks, chunk_bytes=4096)
+        run_ok([functools.partial(native_ring_allreduce, transports[r], tuple(range(nranks)), r, native[r], "sum")
+                for r in range(nranks)])
+        for r in range(nranks):
+            assert np.array_equal(outputs[r], native[r].numpy()), f"count {count}, node {r}: DSL and native differ"
 
 
 # --- commd algo ---------------------------------------------------------------------------------
