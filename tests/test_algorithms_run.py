@@ -627,3 +627,6 @@ def test_cli_list_shows_a_directory_with_each_file_status(capsys: pytest.Capture
     assert "ag_syccl_4r_outofplace.xml: syn_allgather_4gpu_4194304 (allgather, 4 ranks, sizes 0 B to unbounded) " \
            "accepted" in out
     assert "NEG_ns3_peer2peer_8r_labelled_allgather.xml" in out and "refused" in out
+    for name in library.names():
+        assert f"\n  {name} (" in out, name
+    assert "twoshot (allreduce, 2+ nodes, sizes 16384 B to 4194304 B): two-shot" in out
