@@ -462,6 +462,20 @@ def test_interpreting_every_accepted_msccl_file(name: str) -> None:
                     assert np.array_equal(outputs[r], simulated[r]), f"rank {r}: interpreter and simulator differ"
 
 
+def test_a_send_still_in_flight_keeps_its_source_from_being_overwritten() -> None:
+    # rank 0 sends i[0] straight from its working memory (no copy), then overwrites i[0] with
+    # i[1]; the fake transport sends only inside wait, after both steps could have run
+    r0 = Rank(0, 2, 0, 0, (Threadblock(0, 1, -1, 0, (Step(0, T.SEND, "i", 0, "i", 0, 1),)),
+                           Threadblock(1, -1, -1, 0, (Step(0, T.COPY, "i", 1, "i", 0, 1, depid=0, deps=0),))))
+    r1 = Rank(1, 0, 2, 0, (Threadblock(0, -1, 0, 0, (Step(0, T.RECV, "i", 0, "o", 0, 1),)),))
+    algo = Algorithm("overwrite", "custom", 2, 2, 1, False, (r0, r1))
+    inputs = [np.arange(1, 9, dtype=np.int64), np.zeros(0, np.int64)]
+    outputs, _, _ = interpret(algo, inputs, count=8, tile_bytes=16)  # q = 4, two tiles per chunk
+    np.testing.assert_array_equal(outputs[1][:4], [1, 2, 3, 4])
+    np.testing.assert_array_equal(outputs[1][:4], simulate(algo, inputs, count=8)[1][:4])
+    np.testing.assert_array_equal(inputs[0], np.arange(1, 9))  # and the caller's input is untouched
+
+
 def test_in_place_run_with_input_as_output() -> None:
     algo = ring_allreduce(3)
     inputs = make_inputs(algo, 10, "int64")

@@ -41,11 +41,15 @@ def tile_view(buf: np.ndarray, q: int, off: int, cnt: int, lo: int, hi: int) -> 
 
 
 def run_step(step: Step, bufs: Mapping[str, np.ndarray], q: int, lo: int, hi: int, op: str,
-             received: np.ndarray | None = None) -> np.ndarray | None:
+             received: np.ndarray | None = None, *, copy: bool = True) -> np.ndarray | None:
     """Apply ``step`` to tile ``[lo, hi)`` of its chunks; return the data it sends (a contiguous
-    ``(cnt, hi - lo)`` array that no later step writes: never a view of a working buffer), or None.
+    ``(cnt, hi - lo)`` array), or None.
 
-    ``received`` is the matched send's data for a receiving step (``(cnt, hi - lo)`` or flat)."""
+    ``received`` is the matched send's data for a receiving step (``(cnt, hi - lo)`` or flat).
+    What is sent is never written afterwards: a copy, the received data itself, or — with
+    ``copy=False``, for ``s`` and ``rrcs`` only — the working buffer's own view, which the
+    caller must then keep unwritten until the send is complete (and must ask for only where
+    that view is contiguous: one chunk, or whole chunks)."""
     kind = step.type
     if kind is StepType.NOP:
         return None
@@ -57,7 +61,7 @@ def run_step(step: Step, bufs: Mapping[str, np.ndarray], q: int, lo: int, hi: in
     dst = tile_view(bufs[step.dstbuf], q, step.dstoff, step.cnt, lo, hi) if kind.writes_dst else None
     src = tile_view(bufs[step.srcbuf], q, step.srcoff, step.cnt, lo, hi) if kind.reads_src else None
     if kind is StepType.SEND:
-        return np.array(src)
+        return np.array(src) if copy else src
     if kind in (StepType.RECV, StepType.RECV_COPY_SEND):
         dst[...] = received
         return received if kind.sends else None  # received data is never written: no copy to forward it
@@ -73,7 +77,9 @@ def run_step(step: Step, bufs: Mapping[str, np.ndarray], q: int, lo: int, hi: in
         reduce_into(result, [src, received], op)
         return result
     reduce_into(dst, [src, received], op)
-    return np.array(dst) if kind.sends else None
+    if not kind.sends:
+        return None
+    return np.array(dst) if copy else dst
 
 
 @dataclass(frozen=True)

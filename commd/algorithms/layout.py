@@ -220,14 +220,15 @@ def allocate(layout: RankLayout, dtype: np.dtype, inp: np.ndarray, out: np.ndarr
     """Working buffers for one run, loaded with the user's input: ``({"i", "o", "s": array},
     stores)``, where each ``(buffer, working, user)`` of ``stores`` is copied back into the
     user's memory once the run is over.  The user's memory is used directly where no padding
-    is needed; ``inp`` is never written (a copy is made if the program writes ``i``)."""
+    is needed; ``inp`` is never written (a copy is made if the program writes ``i``, or if an
+    out-of-place program is handed one array as both input and output)."""
     if inp.shape != (layout.input_elements,) or out.shape != (layout.output_elements,):
         raise ValueError(f"rank {layout.rank}: input/output of {inp.shape}/{out.shape} elements, the layout wants "
                          f"({layout.input_elements},)/({layout.output_elements},)")
     stores: list[tuple[BufferLayout, np.ndarray, np.ndarray]] = []
     scratch = np.zeros(layout.s.working_elements, dtype)
     if layout.alias is None:
-        if layout.i.padded or (writes_input and layout.i.user_elements):
+        if layout.i.padded or (layout.i.user_elements and (writes_input or np.shares_memory(inp, out))):
             work_i = np.zeros(layout.i.working_elements, dtype)
             layout.i.load(inp, work_i)
         else:
