@@ -47,6 +47,27 @@ def _io_chunks(prog: Any, dag: dag_stage.Dag) -> list[tuple[int, int]]:
     return counts
 
 
+def _check_interleaving(prog: Any) -> None:
+    """Refuse interleaved instances over refs that cut the same chunks differently.
+
+    Interleaving keeps each ref contiguous (MSCCL's rule: chunk j of a ref of size k moves to
+    ``j·instances + i·k``), which places a chunk consistently only if every ref touching it
+    has the same start and size; otherwise the instances would read each other's data.
+    """
+    cuts: dict[tuple[int, str], set[tuple[int, int]]] = {}
+    for op in prog.trace:
+        for s in (op.src, op.dst):
+            if s.buffer in ("i", "o"):
+                cuts.setdefault((s.rank, s.buffer), set()).add((s.index, s.size))
+    for (rank, buf), refs in sorted(cuts.items()):
+        ordered = sorted(refs)
+        for (a, n), (b, m) in zip(ordered, ordered[1:], strict=False):
+            if b < a + n:
+                raise ProgramError(f"interleaved instances of refs [{a}, {a + n}) and [{b}, {b + m}) of buffer "
+                                   f"{buf!r} would mix the instances' chunks; give them the same cut, or use "
+                                   f"interleaved_replication=False", source=prog.source, rank=rank)
+
+
 def compile_program(prog: Any) -> Algorithm:
     """``prog`` lowered to the IR."""
     coll = getattr(prog.collective, "ir_name", "custom")
@@ -54,6 +75,8 @@ def compile_program(prog: Any) -> Algorithm:
         raise ProgramError(f"collective {coll!r} is not one of {', '.join(COLLECTIVES)}", source=prog.source)
     if not prog.trace:
         raise ProgramError("the program moves no chunks", source=prog.source)
+    if prog.instances > 1 and prog.interleaved_replication:
+        _check_interleaving(prog)
     dag = dag_stage.build(prog.trace, prog.num_ranks)
     io_chunks = _io_chunks(prog, dag)
     if prog.instr_fusion:

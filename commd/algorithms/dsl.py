@@ -165,15 +165,21 @@ class MSCCLProgram:
             return []
         return bufs.setdefault(buffer_name(buffer), [])
 
-    def resolve(self, rank: int, buffer: Any, index: int, size: int, *, growing: bool = False) -> Slots:
-        """Validated Slots for (rank, buffer, index, size), in-place aliasing applied."""
+    def resolve(self, rank: int, buffer: Any, index: int, size: int, *, growing: bool = False,
+                alias_rank: int | None = None) -> Slots:
+        """Validated Slots for (rank, buffer, index, size), in-place aliasing applied.
+
+        ``alias_rank`` is the rank whose view of the buffers the (buffer, index) is in: a copy
+        names its destination as the source sees it, as in MSCCLang (in an in-place
+        all-gather, "input chunk i" of another rank is where this rank's input sits there).
+        """
         if not isinstance(rank, int) or not 0 <= rank < self.num_ranks:
             self.fail(f"rank {rank!r} is outside 0..{self.num_ranks - 1}")
         if not isinstance(size, int) or size < 1:
             self.fail(f"size {size!r}: a ref covers at least one chunk", rank)
         if not isinstance(buffer, (Buffer, str)):
             self.fail(f"buffer {buffer!r}: must be Buffer.input, Buffer.output, Buffer.scratch or a name", rank)
-        buffer, index = self.collective.get_buffer_index(rank, buffer, index)
+        buffer, index = self.collective.get_buffer_index(rank if alias_rank is None else alias_rank, buffer, index)
         if not isinstance(index, int) or index < 0:
             self.fail(f"index {index!r} in buffer {buffer_name(buffer)!r}: must be a whole number ≥ 0", rank)
         slots = self.slots_of(rank, buffer)
@@ -209,10 +215,12 @@ class MSCCLProgram:
         if src != dst and not self.topo.link(src, dst):
             self.fail(f"no link from rank {src} to rank {dst} in topology {self.topo.name}", src)
 
-    def record(self, kind: str, src: Slots, dst: Slots, sendtb: int, recvtb: int, ch: int) -> None:
+    def check_hints(self, rank: int, sendtb: Any, recvtb: Any, ch: Any) -> None:
         for name, value in (("sendtb", sendtb), ("recvtb", recvtb), ("ch", ch)):
             if not isinstance(value, int) or value < -1:
-                self.fail(f"{name}={value!r}: must be -1 (automatic) or a whole number ≥ 0", src.rank)
+                self.fail(f"{name}={value!r}: must be -1 (automatic) or a whole number ≥ 0", rank)
+
+    def record(self, kind: str, src: Slots, dst: Slots, sendtb: int, recvtb: int, ch: int) -> None:
         self.trace.append(Operation(kind, src, dst, sendtb, recvtb, ch, _call_site()))
         self._algorithm = None
 
@@ -228,6 +236,11 @@ class MSCCLProgram:
         return self._algorithm
 
     lower = compile
+
+    def sidecar(self, file: str = "") -> dict[str, Any] | None:
+        """The postcondition as a ``FILE.post.json`` sidecar, for a collective that states it (None otherwise)."""
+        post = self.collective.sidecar(file)
+        return post if post["expect"] else None
 
     def generate_xml(self) -> str:
         from commd.algorithms import mscclxml
@@ -275,6 +288,7 @@ class Ref:
              ch: int = -1) -> Ref:
         """Copy these chunks to rank ``dst``'s (buffer, index) — same place when neither is given."""
         prog = self.prog
+        prog.check_hints(self.rank, sendtb, recvtb, ch)
         if buffer is None and index == -1:
             buffer, index = self.buffer, self.index
         elif buffer is None:
@@ -283,7 +297,7 @@ class Ref:
             if buffer_name(buffer) in ("i", "o"):
                 prog.fail(f"copy to buffer {buffer_name(buffer)!r} needs an index", self.rank)
             index = len(prog.slots_of(dst, buffer)) if 0 <= dst < prog.num_ranks else 0
-        target = prog.resolve(dst, buffer, index, self.size, growing=True)
+        target = prog.resolve(dst, buffer, index, self.size, growing=True, alias_rank=self.rank)
         source = self.slots()
         if target == source:
             prog.fail(f"copy of {self!r} onto itself", self.rank)
@@ -298,6 +312,7 @@ class Ref:
     def reduce(self, other_chunkref: Ref, sendtb: int = -1, recvtb: int = -1, ch: int = -1) -> Ref:
         """These chunks ← these ⊕ ``other_chunkref``'s (received from its rank when it is another)."""
         prog, other = self.prog, other_chunkref
+        prog.check_hints(self.rank, sendtb, recvtb, ch)
         if not isinstance(other, Ref):
             prog.fail(f"reduce needs a ref, got {other!r}", self.rank)
         if other.size != self.size:

@@ -52,8 +52,8 @@ def _as_msccl() -> Iterator[None]:
                 sys.modules[name] = mod
 
 
-def compile_file(path: str | os.PathLike[str], argv: Sequence[str] = ()) -> list[Algorithm]:
-    """Run a DSL program file with arguments ``argv``; the IR of every program it builds, in order."""
+def run_file(path: str | os.PathLike[str], argv: Sequence[str] = ()) -> list[dsl.MSCCLProgram]:
+    """Run a DSL program file with arguments ``argv``; every program it builds, in order (not yet compiled)."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ProgramError("no such program file", source=path)
@@ -62,22 +62,27 @@ def compile_file(path: str | os.PathLike[str], argv: Sequence[str] = ()) -> list
     out = io.StringIO()
     collected: list[dsl.MSCCLProgram] = []
     try:
-        with dsl.collecting() as collected, _as_msccl(), contextlib.redirect_stdout(out):
+        with dsl.collecting() as collected, _as_msccl(), contextlib.redirect_stdout(out), \
+                contextlib.redirect_stderr(out):
             runpy.run_path(path, run_name="__main__")
     except ProgramError as exc:
         raise ProgramError(exc.reason, source=f"{path}: {exc.source}", rank=exc.rank,
                            threadblock=exc.threadblock, step=exc.step) from exc
     except SystemExit as exc:
         if exc.code not in (0, None):
-            raise ProgramError(f"the program exited with {exc.code!r}: {out.getvalue()[-500:]}", source=path) from None
+            said = out.getvalue().strip().splitlines()[-1:] or [""]
+            raise ProgramError(f"the program exited with {exc.code!r}: {said[0][:300]}", source=path) from None
     except Exception as exc:  # noqa: BLE001 - a user's program may raise anything; it is refused, named
         raise ProgramError(f"the program raised {type(exc).__name__}: {exc}", source=path) from exc
     finally:
         sys.argv = saved_argv
     if not collected:
         raise ProgramError("the file builds no MSCCLProgram", source=path)
-    algos = []
     for prog in collected:
         prog.source = f"{path}: {prog.name}"
-        algos.append(prog.compile())
-    return algos
+    return collected
+
+
+def compile_file(path: str | os.PathLike[str], argv: Sequence[str] = ()) -> list[Algorithm]:
+    """Run a DSL program file with arguments ``argv``; the IR of every program it builds, in order."""
+    return [prog.compile() for prog in run_file(path, argv)]

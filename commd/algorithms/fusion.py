@@ -47,9 +47,22 @@ def fuse(dag: Dag) -> None:
             recv.readers.discard(send)
             rank.remove(send)
         for ins in rank:
-            if ins.type is StepType.RECV_REDUCE_COPY_SEND and not ins.readers and ins.dst is not None and (
-                    ins.overwriters or ins.dst.buffer not in ("i", "o")):
+            if ins.type is StepType.RECV_REDUCE_COPY_SEND and not ins.readers and _dead(ins):
                 ins.type = StepType.RECV_REDUCE_SEND
+
+
+def _dead(ins: Instruction) -> bool:
+    """Whether what ``ins`` stores is never used: it lands in scratch, or every chunk of it is overwritten."""
+    dst = ins.dst
+    assert dst is not None
+    if dst.buffer not in ("i", "o"):
+        return True
+    covered: set[int] = set()
+    for writer in ins.overwriters:
+        for s in writer.writes():
+            if s.buffer == dst.buffer:
+                covered.update(range(max(s.index, dst.index), min(s.end, dst.end)))
+    return len(covered) == dst.size
 
 
 def unfuse(dag: Dag, fused: Instruction) -> Instruction:

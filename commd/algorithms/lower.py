@@ -81,12 +81,12 @@ def lower(schedule: Schedule, *, name: str, coll: str, inplace: bool, proto: str
 
 
 def _fields(ins: Instruction) -> tuple[Slots, Slots]:
-    """The IR's (src, dst) of an instruction: a send names the receiver's dst, a plain receive the sender's src."""
+    """The IR's (src, dst) of an instruction, as MSCCL writes them.
+
+    A send names the receiver's slots as dst; a plain receive (``r``, ``rcs``) the sender's
+    as src; a receive that reduces names its local operand, which is also where it stores.
+    """
     assert ins.src is not None and ins.dst is not None
-    if ins.type is StepType.SEND:
-        return ins.src, ins.dst
-    if ins.type in (StepType.RECV, StepType.RECV_COPY_SEND):
-        return ins.src, ins.dst
-    if ins.type.reduces and ins.type is not StepType.REDUCE:
+    if ins.type.receives and ins.type.reduces:
         return ins.dst, ins.dst
     return ins.src, ins.dst

@@ -13,8 +13,12 @@ distance from the start in the dependency graph) so that independent chains inte
 as they would run.  Each threadblock runs its steps in issue order.  Sends never wait
 for the receiver (commd's transports land early data), so that sequence is itself an
 execution of the program: the schedule is free of deadlock by construction, and the
-k-th send of a connection meets the k-th receive.  A fused step that would stall the
-sequence is split back into its receive and its send, and the ordering starts again.
+k-th send of a connection meets the k-th receive.  When the sequence stalls (a receiver
+needs a connection's transfers in another order than the sender issued them, or a fused
+step waits on itself), the connections involved are made to carry their transfers in
+program order, or the fused step is split back into its receive and its send, and the
+ordering starts again; with every connection in program order and nothing fused, the
+program order itself is a valid sequence, so this ends.
 """
 
 from __future__ import annotations
@@ -179,27 +183,55 @@ def assign(dag: Dag, source: str, manual: bool) -> Schedule:
 
 def order(dag: Dag, schedule: Schedule, source: str) -> None:
     """Fill each threadblock's steps in one global issue order (see the module docstring)."""
+    strict: set[tuple[int, int, int]] = set()
     while True:
-        stuck = _issue(dag, schedule)
+        stuck = _issue(dag, schedule, strict)
         if stuck is None:
             return
+        blocked = {(x.recv_from, x.rank, x.channel) for x in stuck if x.receives_from is not None} - strict
         fused = [x for x in stuck if x.sends_to is not None and x.recv_from >= 0]
-        if not fused:
+        if blocked:  # a receive met its connection's sends in another order than its rank needs them
+            strict |= blocked
+        elif fused:
+            unfuse(dag, fused[0])
+        elif any(_conn(x) not in strict for x in dag.all() if x.sends_to is not None):
+            strict |= {_conn(x) for x in dag.all() if x.sends_to is not None}
+        else:
             x = stuck[0]
             raise ProgramError(f"no order of the steps lets {x!r} run (at {x.where})", source=source, rank=x.rank,
                                threadblock=x.tb)
-        unfuse(dag, fused[0])
 
 
-def _issue(dag: Dag, schedule: Schedule) -> list[Instruction] | None:
-    """One attempt at the global order; the instructions left when it stalls, or None when done."""
+def _conn(ins: Instruction) -> tuple[int, int, int]:
+    return (ins.rank, ins.send_to, ins.channel)
+
+
+def _send_position(ins: Instruction) -> float:
+    """Where the send (or a fused step's send part) stands in the program's order."""
+    return ins.send_order if ins.send_order >= 0 else ins.order
+
+
+def _issue(dag: Dag, schedule: Schedule, strict: set[tuple[int, int, int]]) -> list[Instruction] | None:
+    """One attempt at the global order; the instructions left when it stalls, or None when done.
+
+    A ``strict`` connection carries its transfers in program order (and its receives meet
+    them in turn).  Were every connection strict and no step fused, the earliest unissued
+    step of the program would always be ready: so a stall is mended by making the
+    connections it involves strict, or by splitting a fused step that waits.
+    """
     for blocks in schedule.ranks:
         for block in blocks.values():
             block.steps = []
     level = levels(dag)
     pending = sorted(dag.all(), key=lambda x: (level[x], x.order))
+    in_order: dict[tuple[int, int, int], list[Instruction]] = {}
+    for ins in dag.all():
+        if ins.sends_to is not None and _conn(ins) in strict:
+            in_order.setdefault(_conn(ins), []).append(ins)
+    for queue in in_order.values():
+        queue.sort(key=_send_position)
     issued: set[Instruction] = set()
-    sends: dict[tuple[int, int, int], list[Instruction]] = {}
+    sent: dict[tuple[int, int, int], list[Instruction]] = {}
     received: dict[tuple[int, int, int], int] = {}
     while pending:
         left = []
@@ -207,8 +239,10 @@ def _issue(dag: Dag, schedule: Schedule) -> list[Instruction] | None:
             ready = all(d in issued for d in ins.deps)
             if ready and ins.receives_from is not None:
                 conn = (ins.recv_from, ins.rank, ins.channel)
-                queue, k = sends.get(conn, []), received.get(conn, 0)
+                queue, k = sent.get(conn, []), received.get(conn, 0)
                 ready = k < len(queue) and queue[k] is ins.receives_from
+            if ready and ins.sends_to is not None and _conn(ins) in strict:
+                ready = in_order[_conn(ins)][len(sent.get(_conn(ins), []))] is ins
             if not ready:
                 left.append(ins)
                 continue
@@ -217,7 +251,7 @@ def _issue(dag: Dag, schedule: Schedule) -> list[Instruction] | None:
                 conn = (ins.recv_from, ins.rank, ins.channel)
                 received[conn] = received.get(conn, 0) + 1
             if ins.sends_to is not None:
-                sends.setdefault((ins.rank, ins.send_to, ins.channel), []).append(ins)
+                sent.setdefault(_conn(ins), []).append(ins)
             schedule.ranks[ins.rank][ins.tb].steps.append(ins)
         if len(left) == len(pending):
             return left

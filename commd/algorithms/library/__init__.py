@@ -12,7 +12,9 @@ import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+from commd.algorithms.collectives import AllToNext, Collective
 from commd.algorithms.errors import ProgramError
 from commd.algorithms.ir import Algorithm
 from commd.algorithms.library import allreduce, movement
@@ -30,6 +32,7 @@ class Entry:
     min_bytes: int
     max_bytes: int  # 0: unbounded
     min_nodes: int = 2
+    postcondition: Callable[[int], Collective] | None = None  # a custom program's collective, by node count
 
 
 _LIBRARY: dict[str, Entry] = {
@@ -45,7 +48,8 @@ _LIBRARY: dict[str, Entry] = {
     "ring": Entry(allreduce.ring, "allreduce",
                   "ring all-reduce, bit for bit the native ring's reduction order", 1 * MiB, 0),
     "alltoall": Entry(movement.alltoall, "alltoall", "direct all-to-all: each block straight to its node", 0, 0),
-    "alltonext": Entry(movement.alltonext, "custom", "AllToNext: node n's buffer to node n + 1", 0, 0),
+    "alltonext": Entry(movement.alltonext, "custom", "AllToNext: node n's buffer to node n + 1", 0, 0,
+                       postcondition=AllToNext),
 }
 
 
@@ -61,6 +65,14 @@ def describe(name: str) -> Entry:
     return _LIBRARY[name]
 
 
+def sidecar(name: str, nranks: int) -> dict[str, Any] | None:
+    """The postcondition of a ``custom`` built-in program in the sidecar format (None for the others)."""
+    entry = describe(name)
+    if entry.coll != "custom":
+        return None
+    return entry.postcondition(nranks).sidecar(f"{name}.xml") if entry.postcondition else None
+
+
 def get(name: str, nranks: int, **kw: int) -> Algorithm:
     """Built-in program ``name`` for ``nranks`` nodes, compiled (``kw``: e.g. ``instances=2``)."""
     return _compiled(name, nranks, tuple(sorted(kw.items())))
@@ -69,6 +81,12 @@ def get(name: str, nranks: int, **kw: int) -> Algorithm:
 @functools.lru_cache(maxsize=256)
 def _compiled(name: str, nranks: int, kw: tuple[tuple[str, int], ...]) -> Algorithm:
     entry = describe(name)
+    unknown = sorted(k for k, _ in kw if k != "instances")
+    if unknown:
+        raise ProgramError(f"{name} takes no option {', '.join(unknown)} (only instances)", source="<library>")
+    if any(not isinstance(v, int) or v < 1 for _, v in kw):
+        raise ProgramError(f"{name}: instances must be a whole number ≥ 1, not {dict(kw)['instances']!r}",
+                           source="<library>")
     if not isinstance(nranks, int) or nranks < entry.min_nodes:
         raise ProgramError(f"{name} needs at least {entry.min_nodes} nodes, not {nranks!r}", source="<library>")
     algo = entry.build(nranks, **dict(kw))
