@@ -526,6 +526,17 @@ def test_a_peer_that_never_sends_is_a_transport_error_within_the_deadline() -> N
         run(plans[0], network(3)[0], [0, 1, 2], inputs[0], outputs[0], "sum", deadline=time.monotonic() - 1)
 
 
+def test_nodes_that_disagree_on_the_count_fail_naming_the_peer() -> None:
+    algo = ring_allreduce(2)
+    counts = (10, 12)  # node 1 runs a bigger op: its transfers are longer than node 0 posted
+    plans = [Plan.build(algo, r, counts[r], "int64") for r in range(2)]
+    transports = network(2, wait_s=0.5)
+    results = on_nodes([lambda r=r: run(plans[r], transports[r], [0, 1], np.ones(counts[r], np.int64),
+                                        np.zeros(counts[r], np.int64), "sum") for r in range(2)])
+    assert all(isinstance(result, TransportError) for result in results), results
+    assert results[0].peer == 1 and "sent 48 bytes" in str(results[0])  # 6 int64 where 5 were expected
+
+
 def test_plans_are_cached_and_arguments_checked() -> None:
     algo = ring_allreduce(3)
     assert Plan.build(algo, 1, 100, "float32") is Plan.build(algo, 1, 100, np.float32)
@@ -599,6 +610,14 @@ def test_cli_check_accepts_and_refuses_the_shared_files(capsys: pytest.CaptureFi
     out = capsys.readouterr().out
     assert "refused" in out and "NEG_ns3_peer2peer_8r_labelled_allgather.xml" in out and "o_chunks=2" in out
     assert main(["algo", "check", str(MSCCL_DIR / "no_such_file.xml")]) == 2
+
+
+@needs_files
+def test_cli_check_takes_a_custom_collectives_postcondition(capsys: pytest.CaptureFixture[str]) -> None:
+    fanout = str(MSCCL_DIR / "custom_3r_fanout.xml")
+    assert main(["algo", "check", fanout, "--post", str(MSCCL_DIR / "custom_3r_fanout.post.json")]) == 0
+    assert main(["algo", "check", fanout, "--post", str(MSCCL_DIR / "alltonext_fwd_2x8_16r.post.json")]) == 1
+    assert "refused" in capsys.readouterr().out
 
 
 def test_cli_check_names_rank_threadblock_and_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
