@@ -21,17 +21,16 @@ complete, a step that would overwrite that memory waits.
 Why this cannot deadlock: the happens-before graph (threadblock order, dependencies,
 matched transfers; per tile, tiles independent) is acyclic — :class:`~commd.algorithms.
 execute.Wiring` refuses it otherwise — and sorting its vertices by depth is a topological
-order every node computes identically.  Take the first transfer in that order not yet
-delivered: its send step's predecessors all have smaller depth, so they ran (their own
-receives were delivered earlier in the order, into receives posted at the start); so the
-send step ran, and every earlier send on its stream, also earlier in the order, was
-posted; so it was posted, and the receive it meets was posted at the start: it is
-delivered.  By induction every transfer is, and every step runs.  A step held back by a
-send still reading its destination waits for a step before it in happens-before (the
-checker refuses the data race it would otherwise be), whose transfer the same induction
-delivers.  Sends and receives wait on nothing but each other and the data, so the
-transport's deadline is the only bound a failure needs: a peer that dies or never sends is a ``TransportError`` naming it, which
-:func:`run` lets through, never a hang.
+order every node computes identically.  By induction on depth, over steps and transfers
+together: a step's predecessors all have smaller depth, so they ran and the receives among
+them were delivered; so the step runs.  A transfer's send step ran, and so did every send
+before it on its stream (their depth is not larger), so it was posted; the receive it meets
+was posted at the start: it is delivered.  A step held back by a send still reading its
+destination waits for a step before it in happens-before (the checker refuses the data
+race it would otherwise be), whose transfer the same induction delivers.  Sends and
+receives wait on nothing but each other and the data, so the transport's deadline is the
+only bound a failure needs: a peer that dies or never sends is a ``TransportError`` naming
+it, which :func:`run` lets through, never a hang.
 """
 
 from __future__ import annotations
