@@ -12,7 +12,9 @@ from __future__ import annotations
 import functools
 import json
 import os
+import socket
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +32,8 @@ from commd.algorithms.simulator import TraceRecord, format_trace, simulate
 from commd.cli.main import main
 from commd.lanes.base import TransportError
 from commd.lanes.tcp.algorithms import ring_allreduce as native_ring_allreduce
+from commd.lanes.tcp.handshake import MeshConnector, listen
+from commd.lanes.tcp.transport import Exchange, Mesh
 
 T = StepType
 
@@ -597,6 +601,63 @@ def test_interpreted_library_ring_is_the_native_ring_bit_for_bit(nranks: int) ->
                 for r in range(nranks)])
         for r in range(nranks):
             assert np.array_equal(outputs[r], native[r].numpy()), f"count {count}, node {r}: DSL and native differ"
+
+
+@pytest.fixture(scope="module")
+def tcp_meshes() -> Iterator[Callable[[int], list[Mesh]]]:
+    """Connected loopback TCP meshes of the tcp lane (its real transport), one set per node count."""
+    made: dict[int, list[Mesh]] = {}
+    sockets: list[socket.socket] = []
+
+    def get(n: int) -> list[Mesh]:
+        if n in made:
+            return made[n]
+        listeners = [listen("127.0.0.1", 0, n) for _ in range(n)]
+        wakes = [socket.socketpair() for _ in range(n)]
+        sockets.extend(s for pair in wakes for s in pair)
+        meshes = [Mesh(r, 1 << 16, wakes[r][0]) for r in range(n)]
+        endpoints = [sock.getsockname()[:2] for sock in listeners]
+        run_ok([functools.partial(MeshConnector(r, n, b"secret", listeners[r], wakes[r][0], meshes[r]).run,
+                                  endpoints, time.monotonic() + 10.0, 10.0) for r in range(n)])
+        for sock in listeners:
+            sock.close()
+        made[n] = meshes
+        return meshes
+
+    yield get
+    for meshes in made.values():
+        for mesh in meshes:
+            mesh.close()
+    for sock in sockets:
+        sock.close()
+
+
+@needs_files
+@pytest.mark.parametrize("name", ACCEPTED)
+def test_accepted_files_of_at_most_four_ranks_over_the_tcp_lanes_transport(
+        name: str, tcp_meshes: Callable[[int], list[Mesh]]) -> None:
+    algo = mscclxml.load(MSCCL_DIR / name)
+    n = algo.ngpus
+    if n > 4:
+        pytest.skip(f"{n} ranks")
+    meshes = tcp_meshes(n)
+    count = 40_000 if algo.coll != "alltoall" else 40_000 - 40_000 % n  # several tiles, a few chunks of the mesh
+    for dtype in ("int64", "float32"):
+        inputs = make_inputs(algo, count, dtype)
+        plans = [Plan.build(algo, r, count, dtype, tile_bytes=32 << 10) for r in range(n)]
+        outputs = [np.zeros(p.layout.output_elements, dtype) for p in plans]
+        deadline = time.monotonic() + 20.0
+        run_ok([functools.partial(run, plans[r], Exchange(meshes[r], "allreduce", deadline, 20.0, 1 << 16),
+                                  list(range(n)), inputs[r], outputs[r], "sum", deadline) for r in range(n)])
+        simulated = simulate(algo, inputs, count=count)
+        for r in range(n):
+            assert np.array_equal(outputs[r], simulated[r]), f"rank {r}: over tcp and simulated differ"
+        if algo.coll == "custom":
+            for r, want in custom_expectation(name, inputs, count).items():
+                np.testing.assert_array_equal(outputs[r], want, err_msg=f"rank {r}")
+        else:
+            for r, want in enumerate(expected_outputs(algo, inputs, "sum")):
+                np.testing.assert_allclose(outputs[r], want, rtol=1e-5, atol=1e-5, err_msg=f"rank {r}")
 
 
 # --- commd algo ---------------------------------------------------------------------------------
