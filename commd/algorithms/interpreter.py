@@ -64,7 +64,7 @@ class Slot:
     landing: int = -1  # element offset in the landing area (receives only)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Plan:
     """What one rank does for one op shape, computed once and reused for every op of that shape."""
 
