@@ -12,14 +12,17 @@ from __future__ import annotations
 import functools
 import json
 import os
+import socket
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from test_lane_transport import network, on_nodes, run_ok
 
-from commd.algorithms import mscclxml
+from commd.algorithms import library, mscclxml
 from commd.algorithms.errors import ProgramError
 from commd.algorithms.execute import Wiring, run_step, tiles
 from commd.algorithms.interpreter import Plan, run
@@ -28,6 +31,9 @@ from commd.algorithms.layout import rank_layout
 from commd.algorithms.simulator import TraceRecord, format_trace, simulate
 from commd.cli.main import main
 from commd.lanes.base import TransportError
+from commd.lanes.tcp.algorithms import ring_allreduce as native_ring_allreduce
+from commd.lanes.tcp.handshake import MeshConnector, listen
+from commd.lanes.tcp.transport import Exchange, Mesh
 
 T = StepType
 
@@ -150,19 +156,23 @@ def expected_outputs(algo: Algorithm, inputs: list[np.ndarray], op: str) -> list
 
 
 def custom_expectation(name: str, inputs: list[np.ndarray], count: int) -> dict[int, np.ndarray]:
-    """Rank -> expected output, read straight from the sidecar JSON: every file here maps
-    output chunk c of a rank to one input chunk of another, chunks of ceil(count / nchunksperloop)."""
+    """Rank -> expected output, read straight from the sidecar JSON: every file here maps output
+    chunk c of a rank to one input chunk of another; ``count`` is split over nchunksperloop
+    chunks as the native ring splits a tensor (the first count % C chunks one element longer)."""
     doc = json.loads((MSCCL_DIR / name.replace(".xml", ".post.json")).read_text())
     algo = mscclxml.load(MSCCL_DIR / name)
-    q = -(-count // algo.nchunksperloop)
+    base, rem = divmod(count, algo.nchunksperloop)
+
+    def span(c: int) -> slice:
+        return slice(c * base + min(c, rem), (c + 1) * base + min(c + 1, rem))
+
     outputs: dict[int, np.ndarray] = {}
     for entry in doc["expect"]:
         src = entry["from"]
         assert isinstance(src, dict) and src["buf"] == "i" and entry["buf"] == "o"
-        size = min(count, algo.ranks[entry["rank"]].o_chunks * q)
+        size = span(algo.ranks[entry["rank"]].o_chunks - 1).stop
         out = outputs.setdefault(entry["rank"], np.zeros(size, inputs[0].dtype))
-        lo, hi = entry["index"] * q, min((entry["index"] + 1) * q, size)
-        out[lo:hi] = inputs[src["rank"]][src["index"] * q:src["index"] * q + hi - lo]
+        out[span(entry["index"])] = inputs[src["rank"]][span(src["index"])]
     return outputs
 
 
@@ -192,22 +202,31 @@ def interpret(algo: Algorithm, inputs: list[np.ndarray], op: str = "sum", tile_b
 
 def test_layout_of_uneven_and_scaled_counts_by_hand() -> None:
     four = Algorithm("a", "allreduce", 2, 4, 1, False, (Rank(0, 4, 4, 1, ()), Rank(1, 4, 4, 1, ())))
-    lay = rank_layout(four, 0, 10)  # 10 elements in 4 chunks: q = 3, the last chunk holds 1 element
-    assert (lay.q, lay.i.working_elements, lay.i.padded, lay.i.block(0)) == (3, 12, True, slice(0, 10))
-    assert lay.s.working_elements == 3 and lay.alias is None
-    lay = rank_layout(four, 1, 2)  # fewer elements than chunks: q = 1, two chunks are all padding
-    assert (lay.q, lay.o.working_elements, lay.o.user_elements) == (1, 4, 2)
+    lay = rank_layout(four, 0, 10)  # 10 elements in 4 chunks: 3 3 2 2, each in q = 3 working elements
+    assert (lay.q, lay.i.working_elements, lay.i.padded, lay.s.working_elements, lay.alias) == (3, 12, True, 3, None)
+    assert [lay.i.chunk_range(c) for c in range(4)] == [(0, 3), (3, 3), (6, 2), (8, 2)]
+    working = np.full(12, -1)
+    lay.i.load(np.arange(10), working)
+    assert working.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, -1, 8, 9, -1]
+    back = np.zeros(10, int)
+    lay.i.store(working, back)
+    assert back.tolist() == list(range(10))
+    lay = rank_layout(four, 1, 2)  # fewer elements than chunks: 1 1 0 0
+    assert (lay.q, lay.o.working_elements, lay.o.user_elements, lay.o.chunk_range(3)) == (1, 4, 2, (2, 0))
     assert not rank_layout(four, 0, 12).i.padded  # 12 = 4 × 3: the user's memory is used as is
 
     ag = Algorithm("g", "allgather", 3, 3, 1, False, tuple(Rank(r, 1, 3, 0, ()) for r in range(3)))
     lay = rank_layout(ag, 2, 5)
-    assert (lay.i.user_elements, lay.o.user_elements, lay.o.block(2), lay.o.padded) == (5, 15, slice(10, 15), False)
+    assert (lay.i.user_elements, lay.o.user_elements, lay.o.chunk_range(2), lay.o.padded) == (5, 15, (10, 5), False)
     ag_in_place = Algorithm("g", "allgather", 3, 3, 1, True, tuple(Rank(r, 0, 3, 0, ()) for r in range(3)))
     assert rank_layout(ag_in_place, 2, 5).alias == ("i", "o", 2)  # the input sits at o[2·k …]
 
-    a2a = Algorithm("t", "alltoall", 4, 4, 1, False, tuple(Rank(r, 4, 4, 0, ()) for r in range(4)))
-    lay = rank_layout(a2a, 0, 8)  # 4 blocks of 2 elements, one chunk each
-    assert (lay.q, lay.i.blocks, lay.i.block(3)) == (2, 4, slice(6, 8))
+    a2a = Algorithm("t", "alltoall", 4, 8, 1, False, tuple(Rank(r, 8, 8, 0, ()) for r in range(4)))
+    lay = rank_layout(a2a, 0, 12)  # 4 blocks of 3 elements, 2 chunks each (2 + 1), q = 2
+    assert (lay.q, lay.i.blocks, lay.i.chunk_range(6), lay.i.chunk_range(7)) == (2, 4, (9, 2), (11, 1))
+    working = np.zeros(16, int)
+    lay.i.load(np.arange(1, 13), working)
+    assert working.tolist() == [1, 2, 3, 0, 4, 5, 6, 0, 7, 8, 9, 0, 10, 11, 12, 0]
     with pytest.raises(ProgramError, match="divisible by 4, got 9"):
         rank_layout(a2a, 0, 9)
 
@@ -445,6 +464,22 @@ def test_interpreting_every_accepted_msccl_file(name: str) -> None:
                 else:
                     np.testing.assert_allclose(outputs[r], want, rtol=1e-5, atol=1e-5)
                     assert np.array_equal(outputs[r], simulated[r]), f"rank {r}: interpreter and simulator differ"
+            if algo.coll == "allreduce":  # every accepted file reduces each chunk one way for all ranks
+                assert all(np.array_equal(o, outputs[0]) for o in outputs), "ranks differ bit-wise"
+
+
+def test_a_send_still_in_flight_keeps_its_source_from_being_overwritten() -> None:
+    # rank 0 sends i[0] straight from its working memory (no copy), then overwrites i[0] with
+    # i[1]; the fake transport sends only inside wait, after both steps could have run
+    r0 = Rank(0, 2, 0, 0, (Threadblock(0, 1, -1, 0, (Step(0, T.SEND, "i", 0, "i", 0, 1),)),
+                           Threadblock(1, -1, -1, 0, (Step(0, T.COPY, "i", 1, "i", 0, 1, depid=0, deps=0),))))
+    r1 = Rank(1, 0, 2, 0, (Threadblock(0, -1, 0, 0, (Step(0, T.RECV, "i", 0, "o", 0, 1),)),))
+    algo = Algorithm("overwrite", "custom", 2, 2, 1, False, (r0, r1))
+    inputs = [np.arange(1, 9, dtype=np.int64), np.zeros(0, np.int64)]
+    outputs, _, _ = interpret(algo, inputs, count=8, tile_bytes=16)  # q = 4, two tiles per chunk
+    np.testing.assert_array_equal(outputs[1][:4], [1, 2, 3, 4])
+    np.testing.assert_array_equal(outputs[1][:4], simulate(algo, inputs, count=8)[1][:4])
+    np.testing.assert_array_equal(inputs[0], np.arange(1, 9))  # and the caller's input is untouched
 
 
 def test_in_place_run_with_input_as_output() -> None:
@@ -495,6 +530,17 @@ def test_a_peer_that_never_sends_is_a_transport_error_within_the_deadline() -> N
         run(plans[0], network(3)[0], [0, 1, 2], inputs[0], outputs[0], "sum", deadline=time.monotonic() - 1)
 
 
+def test_nodes_that_disagree_on_the_count_fail_naming_the_peer() -> None:
+    algo = ring_allreduce(2)
+    counts = (10, 12)  # node 1 runs a bigger op: its transfers are longer than node 0 posted
+    plans = [Plan.build(algo, r, counts[r], "int64") for r in range(2)]
+    transports = network(2, wait_s=0.5)
+    results = on_nodes([lambda r=r: run(plans[r], transports[r], [0, 1], np.ones(counts[r], np.int64),
+                                        np.zeros(counts[r], np.int64), "sum") for r in range(2)])
+    assert all(isinstance(result, TransportError) for result in results), results
+    assert results[0].peer == 1 and "sent 48 bytes" in str(results[0])  # 6 int64 where 5 were expected
+
+
 def test_plans_are_cached_and_arguments_checked() -> None:
     algo = ring_allreduce(3)
     assert Plan.build(algo, 1, 100, "float32") is Plan.build(algo, 1, 100, np.float32)
@@ -520,6 +566,100 @@ def test_wire_order_is_a_topological_order_both_ends_agree_on() -> None:
         assert all(wiring.depth[p] < wiring.depth[sid] for p in wiring.predecessors(sid))
 
 
+LIBRARY_NAMES = library.names()
+
+
+@pytest.mark.parametrize("name", LIBRARY_NAMES)
+def test_interpreted_library_programs_on_two_to_five_nodes_equal_numpy(name: str) -> None:
+    for n in (2, 3, 4, 5):
+        algo = library.get(name, n)
+        for count in (6 * n, 7):
+            if algo.coll == "alltoall" and count % n:
+                continue
+            for dtype, op in (("int64", "sum"), ("int64", "min"), ("float32", "sum")):
+                inputs = make_inputs(algo, count, dtype)
+                outputs, _, _ = interpret(algo, inputs, op, tile_bytes=32, count=count)
+                if name == "alltonext":  # node r's buffer goes to node r + 1
+                    for r in range(1, n):
+                        np.testing.assert_array_equal(outputs[r], inputs[r - 1], err_msg=f"{n} nodes, node {r}")
+                    continue
+                for r, want in enumerate(expected_outputs(algo, inputs, op)):
+                    np.testing.assert_allclose(outputs[r], want, rtol=1e-5, atol=1e-5, err_msg=f"{n} nodes")
+                if algo.coll == "allreduce":
+                    assert all(np.array_equal(o, outputs[0]) for o in outputs), f"{n} nodes: ranks differ bit-wise"
+
+
+@pytest.mark.parametrize("nranks", [2, 3, 4, 5])
+def test_interpreted_library_ring_is_the_native_ring_bit_for_bit(nranks: int) -> None:
+    algo = library.get("ring", nranks)
+    for count in (10_001, 3, 64 * nranks):  # uneven (the native split: first blocks one longer), short, even
+        inputs = make_inputs(algo, count, "float32", seed=nranks)
+        outputs, _, _ = interpret(algo, inputs, tile_bytes=4096)
+        native = [torch.from_numpy(a.copy()) for a in inputs]
+        transports = network(nranks, chunk_bytes=4096)
+        run_ok([functools.partial(native_ring_allreduce, transports[r], tuple(range(nranks)), r, native[r], "sum")
+                for r in range(nranks)])
+        for r in range(nranks):
+            assert np.array_equal(outputs[r], native[r].numpy()), f"count {count}, node {r}: DSL and native differ"
+
+
+@pytest.fixture(scope="module")
+def tcp_meshes() -> Iterator[Callable[[int], list[Mesh]]]:
+    """Connected loopback TCP meshes of the tcp lane (its real transport), one set per node count."""
+    made: dict[int, list[Mesh]] = {}
+    sockets: list[socket.socket] = []
+
+    def get(n: int) -> list[Mesh]:
+        if n in made:
+            return made[n]
+        listeners = [listen("127.0.0.1", 0, n) for _ in range(n)]
+        wakes = [socket.socketpair() for _ in range(n)]
+        sockets.extend(s for pair in wakes for s in pair)
+        meshes = [Mesh(r, 1 << 16, wakes[r][0]) for r in range(n)]
+        endpoints = [sock.getsockname()[:2] for sock in listeners]
+        run_ok([functools.partial(MeshConnector(r, n, b"secret", listeners[r], wakes[r][0], meshes[r]).run,
+                                  endpoints, time.monotonic() + 10.0, 10.0) for r in range(n)])
+        for sock in listeners:
+            sock.close()
+        made[n] = meshes
+        return meshes
+
+    yield get
+    for meshes in made.values():
+        for mesh in meshes:
+            mesh.close()
+    for sock in sockets:
+        sock.close()
+
+
+@needs_files
+@pytest.mark.parametrize("name", ACCEPTED)
+def test_accepted_files_of_at_most_four_ranks_over_the_tcp_lanes_transport(
+        name: str, tcp_meshes: Callable[[int], list[Mesh]]) -> None:
+    algo = mscclxml.load(MSCCL_DIR / name)
+    n = algo.ngpus
+    if n > 4:
+        pytest.skip(f"{n} ranks")
+    meshes = tcp_meshes(n)
+    count = 40_000 if algo.coll != "alltoall" else 40_000 - 40_000 % n  # several tiles, a few chunks of the mesh
+    for dtype in ("int64", "float32"):
+        inputs = make_inputs(algo, count, dtype)
+        plans = [Plan.build(algo, r, count, dtype, tile_bytes=32 << 10) for r in range(n)]
+        outputs = [np.zeros(p.layout.output_elements, dtype) for p in plans]
+        deadline = time.monotonic() + 20.0
+        run_ok([functools.partial(run, plans[r], Exchange(meshes[r], "allreduce", deadline, 20.0, 1 << 16),
+                                  list(range(n)), inputs[r], outputs[r], "sum", deadline) for r in range(n)])
+        simulated = simulate(algo, inputs, count=count)
+        for r in range(n):
+            assert np.array_equal(outputs[r], simulated[r]), f"rank {r}: over tcp and simulated differ"
+        if algo.coll == "custom":
+            for r, want in custom_expectation(name, inputs, count).items():
+                np.testing.assert_array_equal(outputs[r], want, err_msg=f"rank {r}")
+        else:
+            for r, want in enumerate(expected_outputs(algo, inputs, "sum")):
+                np.testing.assert_allclose(outputs[r], want, rtol=1e-5, atol=1e-5, err_msg=f"rank {r}")
+
+
 # --- commd algo ---------------------------------------------------------------------------------
 
 
@@ -531,6 +671,14 @@ def test_cli_check_accepts_and_refuses_the_shared_files(capsys: pytest.CaptureFi
     out = capsys.readouterr().out
     assert "refused" in out and "NEG_ns3_peer2peer_8r_labelled_allgather.xml" in out and "o_chunks=2" in out
     assert main(["algo", "check", str(MSCCL_DIR / "no_such_file.xml")]) == 2
+
+
+@needs_files
+def test_cli_check_takes_a_custom_collectives_postcondition(capsys: pytest.CaptureFixture[str]) -> None:
+    fanout = str(MSCCL_DIR / "custom_3r_fanout.xml")
+    assert main(["algo", "check", fanout, "--post", str(MSCCL_DIR / "custom_3r_fanout.post.json")]) == 0
+    assert main(["algo", "check", fanout, "--post", str(MSCCL_DIR / "alltonext_fwd_2x8_16r.post.json")]) == 1
+    assert "refused" in capsys.readouterr().out
 
 
 def test_cli_check_names_rank_threadblock_and_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -575,3 +723,6 @@ def test_cli_list_shows_a_directory_with_each_file_status(capsys: pytest.Capture
     assert "ag_syccl_4r_outofplace.xml: syn_allgather_4gpu_4194304 (allgather, 4 ranks, sizes 0 B to unbounded) " \
            "accepted" in out
     assert "NEG_ns3_peer2peer_8r_labelled_allgather.xml" in out and "refused" in out
+    for name in library.names():
+        assert f"\n  {name} (" in out, name
+    assert "twoshot (allreduce, 2+ nodes, sizes 16384 B to 4194304 B): two-shot" in out

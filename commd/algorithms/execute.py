@@ -41,11 +41,15 @@ def tile_view(buf: np.ndarray, q: int, off: int, cnt: int, lo: int, hi: int) -> 
 
 
 def run_step(step: Step, bufs: Mapping[str, np.ndarray], q: int, lo: int, hi: int, op: str,
-             received: np.ndarray | None = None) -> np.ndarray | None:
+             received: np.ndarray | None = None, *, copy: bool = True) -> np.ndarray | None:
     """Apply ``step`` to tile ``[lo, hi)`` of its chunks; return the data it sends (a contiguous
-    ``(cnt, hi - lo)`` array that no later step writes: never a view of a working buffer), or None.
+    ``(cnt, hi - lo)`` array), or None.
 
-    ``received`` is the matched send's data for a receiving step (``(cnt, hi - lo)`` or flat)."""
+    ``received`` is the matched send's data for a receiving step (``(cnt, hi - lo)`` or flat).
+    What is sent is never written afterwards: a copy, the received data itself, or — with
+    ``copy=False``, for ``s`` and ``rrcs`` only — the working buffer's own view, which the
+    caller must then keep unwritten until the send is complete (and must ask for only where
+    that view is contiguous: one chunk, or whole chunks)."""
     kind = step.type
     if kind is StepType.NOP:
         return None
@@ -57,7 +61,7 @@ def run_step(step: Step, bufs: Mapping[str, np.ndarray], q: int, lo: int, hi: in
     dst = tile_view(bufs[step.dstbuf], q, step.dstoff, step.cnt, lo, hi) if kind.writes_dst else None
     src = tile_view(bufs[step.srcbuf], q, step.srcoff, step.cnt, lo, hi) if kind.reads_src else None
     if kind is StepType.SEND:
-        return np.array(src)
+        return np.array(src) if copy else src
     if kind in (StepType.RECV, StepType.RECV_COPY_SEND):
         dst[...] = received
         return received if kind.sends else None  # received data is never written: no copy to forward it
@@ -73,7 +77,9 @@ def run_step(step: Step, bufs: Mapping[str, np.ndarray], q: int, lo: int, hi: in
         reduce_into(result, [src, received], op)
         return result
     reduce_into(dst, [src, received], op)
-    return np.array(dst) if kind.sends else None
+    if not kind.sends:
+        return None
+    return np.array(dst) if copy else dst
 
 
 @dataclass(frozen=True)
@@ -108,60 +114,70 @@ class Wiring:
         self.steps: dict[StepId, Step] = {}
         self.threadblock_peers: dict[tuple[int, int], tuple[int, int, int]] = {}
         self.lengths: dict[tuple[int, int], int] = {}
-        sends: dict[Channel, list[StepId]] = collections.defaultdict(list)
-        recvs: dict[Channel, list[StepId]] = collections.defaultdict(list)
-        nranks = len(algo.ranks)
         for rank in algo.ranks:
-            r = rank.id
-            tb_ids = {tb.id for tb in rank.threadblocks}
             for tb in rank.threadblocks:
-                self.threadblock_peers[(r, tb.id)] = (tb.send, tb.recv, tb.chan)
-                self.lengths[(r, tb.id)] = len(tb.steps)
+                if (rank.id, tb.id) in self.lengths:
+                    raise ProgramError(f"two threadblocks with id {tb.id}", source=source, rank=rank.id,
+                                       threadblock=tb.id)
+                self.threadblock_peers[(rank.id, tb.id)] = (tb.send, tb.recv, tb.chan)
+                self.lengths[(rank.id, tb.id)] = len(tb.steps)
                 for index, step in enumerate(tb.steps):
-                    sid = (r, tb.id, index)
-                    self.steps[sid] = step
-                    if step.cnt < 0 or (step.type is not StepType.NOP and step.cnt == 0):
-                        raise _where(source, sid, f"count {step.cnt} is not a positive number of chunks")
-                    for peer, used, what in ((tb.send, step.type.sends, "sends"),
-                                             (tb.recv, step.type.receives, "receives")):
-                        if used and not (0 <= peer < nranks and peer != r):
-                            raise _where(source, sid, f"{step.type.value} {what} but the threadblock's peer is "
-                                                      f"{peer} (ranks 0..{nranks - 1}, not itself)")
-                    if step.type.sends:
-                        sends[(r, tb.send, tb.chan)].append(sid)
-                    if step.type.receives:
-                        recvs[(tb.recv, r, tb.chan)].append(sid)
-                    dep = step.dependency
-                    if dep is not None:
-                        if dep[0] not in tb_ids or not 0 <= dep[1] < len(
-                                next(t for t in rank.threadblocks if t.id == dep[0]).steps):
-                            raise _where(source, sid, f"depends on threadblock {dep[0]} step {dep[1]}, "
-                                                      f"which rank {r} does not have")
-                    if layouts is not None and r in layouts:
-                        self._check_offsets(layouts[r], sid, step)
+                    self.steps[(rank.id, tb.id, index)] = step
+        for sid, step in self.steps.items():
+            self._check_step(sid, step, layouts.get(sid[0]) if layouts is not None else None)
         self.transfers: list[Transfer] = []
         self.transfer_of_send: dict[StepId, Transfer] = {}
         self.transfer_of_recv: dict[StepId, Transfer] = {}
+        self._match()
+        self.depth, self.cyclic = self._depths()
+        self.order = sorted(self.depth, key=lambda sid: (self.depth[sid], sid))
+
+    def _check_step(self, sid: StepId, step: Step, layout: RankLayout | None) -> None:
+        """What would make this step fail at run time: its count, peers, dependency, offsets."""
+        r, tb, _ = sid
+        if step.cnt < 0 or (step.type is not StepType.NOP and step.cnt == 0):
+            raise _where(self.source, sid, f"count {step.cnt} is not a positive number of chunks")
+        send, recv, _ = self.threadblock_peers[(r, tb)]
+        nranks = len(self.algo.ranks)
+        for peer, used, what in ((send, step.type.sends, "sends"), (recv, step.type.receives, "receives")):
+            if used and not (0 <= peer < nranks and peer != r):
+                raise _where(self.source, sid, f"{step.type.value} {what} but the threadblock's peer is {peer} "
+                                               f"(ranks 0..{nranks - 1}, not itself)")
+        dep = step.dependency
+        if dep is not None and not 0 <= dep[1] < self.lengths.get((r, dep[0]), 0):
+            raise _where(self.source, sid, f"depends on threadblock {dep[0]} step {dep[1]}, which rank {r} "
+                                           "does not have")
+        if layout is not None:
+            self._check_offsets(layout, sid, step)
+
+    def _match(self) -> None:
+        """Pair the k-th send of every (sender, receiver, channel) with its k-th receive."""
+        sends: dict[Channel, list[StepId]] = collections.defaultdict(list)
+        recvs: dict[Channel, list[StepId]] = collections.defaultdict(list)
+        for sid, step in self.steps.items():  # in (rank, threadblock, step) order
+            send, recv, chan = self.threadblock_peers[sid[:2]]
+            if step.type.sends:
+                sends[(sid[0], send, chan)].append(sid)
+            if step.type.receives:
+                recvs[(recv, sid[0], chan)].append(sid)
         for channel in sorted(set(sends) | set(recvs)):
             out, inn = sends.get(channel, []), recvs.get(channel, [])
             for k in range(max(len(out), len(inn))):
                 if k >= len(inn):
-                    raise _where(source, out[k], f"send #{k} from rank {channel[0]} to rank {channel[1]} on "
-                                                 f"channel {channel[2]} is never received")
+                    raise _where(self.source, out[k], f"send #{k} from rank {channel[0]} to rank {channel[1]} on "
+                                                      f"channel {channel[2]} is never received")
                 if k >= len(out):
-                    raise _where(source, inn[k], f"receive #{k} at rank {channel[1]} from rank {channel[0]} on "
-                                                 f"channel {channel[2]} is never sent")
+                    raise _where(self.source, inn[k], f"receive #{k} at rank {channel[1]} from rank {channel[0]} "
+                                                      f"on channel {channel[2]} is never sent")
                 cnt_s, cnt_r = self.steps[out[k]].cnt, self.steps[inn[k]].cnt
                 if cnt_s != cnt_r:
-                    raise _where(source, inn[k], f"receives {cnt_r} chunks but the matched send (rank "
-                                                 f"{out[k][0]}, threadblock {out[k][1]}, step {out[k][2]}) "
-                                                 f"sends {cnt_s}")
+                    raise _where(self.source, inn[k], f"receives {cnt_r} chunks but the matched send (rank "
+                                                      f"{out[k][0]}, threadblock {out[k][1]}, step {out[k][2]}) "
+                                                      f"sends {cnt_s}")
                 transfer = Transfer(channel, k, out[k], inn[k], cnt_s)
                 self.transfers.append(transfer)
                 self.transfer_of_send[out[k]] = transfer
                 self.transfer_of_recv[inn[k]] = transfer
-        self.depth, self.cyclic = self._depths()
-        self.order = sorted(self.depth, key=lambda sid: (self.depth[sid], sid))
 
     def require_acyclic(self) -> None:
         """ProgramError unless the happens-before graph is acyclic (else some run would hang)."""

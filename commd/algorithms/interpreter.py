@@ -14,20 +14,23 @@ posts its sends to a peer in that order (a send whose data is ready but whose pr
 on that stream is not yet posted waits in a queue); the receiver posts, before anything
 else, all its receives in that order into a landing area sized to the op's known receive
 volume, and applies each receiving step once its data has landed and its dependencies
-are done.  Nothing is ever left in a socket waiting for a receive.
+are done.  Nothing is ever left in a socket waiting for a receive.  A send of one chunk or
+of whole chunks goes straight from working memory (no copy); until the transport reports it
+complete, a step that would overwrite that memory waits.
 
 Why this cannot deadlock: the happens-before graph (threadblock order, dependencies,
 matched transfers; per tile, tiles independent) is acyclic — :class:`~commd.algorithms.
 execute.Wiring` refuses it otherwise — and sorting its vertices by depth is a topological
-order every node computes identically.  Take the first transfer in that order not yet
-delivered: its send step's predecessors all have smaller depth, so they ran (their own
-receives were delivered earlier in the order, into receives posted at the start); so the
-send step ran, and every earlier send on its stream, also earlier in the order, was
-posted; so it was posted, and the receive it meets was posted at the start: it is
-delivered.  By induction every transfer is, and every step runs.  Sends and receives wait
-on nothing but each other and the data, so the transport's deadline is the only bound a
-failure needs: a peer that dies or never sends is a ``TransportError`` naming it, which
-:func:`run` lets through, never a hang.
+order every node computes identically.  By induction on depth, over steps and transfers
+together: a step's predecessors all have smaller depth, so they ran and the receives among
+them were delivered; so the step runs.  A transfer's send step ran, and so did every send
+before it on its stream (their depth is not larger), so it was posted; the receive it meets
+was posted at the start: it is delivered.  A step held back by a send still reading its
+destination waits for a step before it in happens-before (the checker refuses the data
+race it would otherwise be), whose transfer the same induction delivers.  Sends and
+receives wait on nothing but each other and the data, so the transport's deadline is the
+only bound a failure needs: a peer that dies or never sends is a ``TransportError`` naming
+it, which :func:`run` lets through, never a hang.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ import numpy as np
 
 from commd.algorithms.errors import ProgramError
 from commd.algorithms.execute import REDUCE_OPS, StepId, Transfer, Wiring, run_step, tiles
-from commd.algorithms.ir import Algorithm, Step
+from commd.algorithms.ir import Algorithm, Step, StepType
 from commd.algorithms.layout import RankLayout, allocate, finish, layouts_for, writes_input
 from commd.lanes.base import Done, Transport, TransportError
 
@@ -61,7 +64,7 @@ class Slot:
     landing: int = -1  # element offset in the landing area (receives only)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Plan:
     """What one rank does for one op shape, computed once and reused for every op of that shape."""
 
@@ -170,6 +173,11 @@ def _build(algo: Algorithm, rank: int, count: int, dtype_str: str, tile_bytes: i
                 recv_slot, {k: tuple(v) for k, v in dependents.items()}, landing, writes_input(algo, rank), source)
 
 
+#: Steps whose sent data can be the working buffer's own memory (``rcs`` forwards the landing
+#: area's, ``rrs`` a fresh result: neither needs a copy either).
+_ZERO_COPY = frozenset({StepType.SEND, StepType.RECV_REDUCE_COPY_SEND})
+
+
 def _bytes(a: np.ndarray) -> memoryview:
     """A flat byte view of a contiguous array (what the transport moves)."""
     return memoryview(a.reshape(-1).view(np.uint8))
@@ -188,10 +196,16 @@ class _Engine:
         self.next = {(ti, tb): 0 for ti in range(len(plan.tiles)) for tb in plan.threadblocks}
         self.landing = plan.take_landing()
         self.landed: set[tuple[int, StepId]] = set()
-        self.outbox: dict[int, dict[int, np.ndarray]] = {p: {} for p in plan.sends}
+        self.outbox: dict[int, dict[int, tuple[np.ndarray, int, list[tuple[int, int]] | None]]] = {
+            p: {} for p in plan.sends}
         self.posted = {p: 0 for p in plan.sends}
         self.runnable: collections.deque[tuple[int, int]] = collections.deque()
         self.draining = False
+        # zero-copy sends not yet complete, per tile: the working memory (address ranges) they read
+        self.inflight: dict[int, list[list[tuple[int, int]]]] = collections.defaultdict(list)
+        self.held: list[tuple[int, int]] = []  # (tile, threadblock) waiting for such a send to complete
+        self.address = {name: a.ctypes.data for name, a in work.items()}
+        self.itemsize = plan.dtype.itemsize
 
     def start(self) -> None:
         landing = _bytes(self.landing) if self.plan.landing_elements else memoryview(b"")
@@ -237,21 +251,50 @@ class _Engine:
                     return
                 slot = plan.recv_slot[(ti, sid)]
                 received = self.landing[slot.landing:slot.landing + slot.elements]
-            data = run_step(step, self.work, plan.layout.q, lo, hi, self.op, received)
+            if step.type.writes_dst and self.inflight[ti] and self._overwrites(ti, step, lo, hi):
+                self.held.append((ti, tb))
+                return
+            zero_copy = step.type in _ZERO_COPY and (step.cnt == 1 or hi - lo == plan.layout.q)
+            data = run_step(step, self.work, plan.layout.q, lo, hi, self.op, received, copy=not zero_copy)
             if step.type.sends:
-                self._send(ti, sid, data)
+                reads = None
+                if zero_copy:
+                    buf, off = (step.srcbuf, step.srcoff) if step.type is StepType.SEND else (step.dstbuf, step.dstoff)
+                    reads = self._ranges(buf, off, step.cnt, lo, hi)
+                    self.inflight[ti].append(reads)
+                self._send(ti, sid, data, reads)
             self.next[(ti, tb)] = s + 1
             self.runnable.extend((ti, waiter) for waiter in plan.dependents.get((tb, s), ()))
 
-    def _send(self, ti: int, sid: StepId, data: np.ndarray) -> None:
+    def _ranges(self, buf: str, off: int, cnt: int, lo: int, hi: int) -> list[tuple[int, int]]:
+        """Address ranges of tile [lo, hi) of chunks [off, off + cnt) of working buffer ``buf``
+        (addresses, so that aliased buffers — in-place programs — compare right)."""
+        q, size, base = self.plan.layout.q, self.itemsize, self.address[buf]
+        return [(base + ((off + c) * q + lo) * size, base + ((off + c) * q + hi) * size) for c in range(cnt)]
+
+    def _overwrites(self, ti: int, step: Step, lo: int, hi: int) -> bool:
+        """Whether ``step`` would write memory that a zero-copy send of tile ``ti`` still reads."""
+        writes = self._ranges(step.dstbuf, step.dstoff, step.cnt, lo, hi)
+        return any(a < d and c < b for reads in self.inflight[ti] for c, d in reads for a, b in writes)
+
+    def _send(self, ti: int, sid: StepId, data: np.ndarray, reads: list[tuple[int, int]] | None) -> None:
         peer, index = self.plan.send_position[(ti, sid)]
         box = self.outbox[peer]
-        box[index] = data
+        box[index] = (data, ti, reads)
         slots = self.plan.sends[peer]
         while self.posted[peer] < len(slots) and self.posted[peer] in box:
-            ready = box.pop(self.posted[peer])
-            self.transport.post_send(self.peers[peer], _bytes(np.ascontiguousarray(ready)))
+            ready, tile, held = box.pop(self.posted[peer])
+            done = self._sent(tile, held) if held is not None else None
+            self.transport.post_send(self.peers[peer], _bytes(ready), done)
             self.posted[peer] += 1
+
+    def _sent(self, ti: int, reads: list[tuple[int, int]]) -> Done:
+        def done() -> None:
+            self.inflight[ti].remove(reads)
+            self.runnable.extend(self.held)
+            self.held.clear()
+            self._drain()
+        return done
 
     def unfinished(self) -> list[tuple[int, int, int]]:
         """(tile, threadblock, step) of every threadblock that did not run to its end."""

@@ -4,19 +4,25 @@ A program speaks of chunks; the user hands tensors of ``count`` elements (``coun
 torch defines it per collective: all_reduce and broadcast the tensor, all_gather the
 input, reduce_scatter the output, all_to_all the input, cut in R blocks of count/R).
 Each buffer of a rank is ``blocks`` user blocks (R = ngpus for the buffers
-``ir.SCALED_BY_RANKS`` scales, else 1), each ``k`` chunks.  A chunk holds
-``q = ceil(block_elements / k)`` elements of *working* memory, so every chunk has the same
-size and a tile of a chunk means the same element range on every rank.  User block ``j``
-sits at working ``[j·k·q, j·k·q + block_elements)``; the tail of its last chunk is padding
-that no result is read from.  When ``q·k == block_elements`` nothing is padded and the
-user's memory itself can be the working buffer (no copy).
+``ir.SCALED_BY_RANKS`` scales, else 1), each ``k`` chunks.
+
+A block of ``n`` elements is split as the native ring splits a tensor: with ``base, rem =
+divmod(n, k)``, its first ``rem`` chunks hold ``base + 1`` elements and the others
+``base``, in order.  (So the ring program equals the native ring bit for bit at every
+count, and no chunk is more than one element short of another.)  In *working* memory every
+chunk has the same size ``q = ceil(n / k)``, so that a tile ``[lo, hi)`` of a chunk means
+the same element range on every rank and in every buffer, and a transfer between chunks of
+different indices always has matching sizes; a short chunk's tail is padding that no result
+is read from.  When ``q·k == n`` nothing is padded and the user's memory itself can be the
+working buffer (no copy); otherwise the user's blocks are copied in and out.
 
 In-place programs alias their two buffers: all-reduce, broadcast and all-to-all use ``i``
 as ``o``; reduce-scatter's ``o`` is block ``r`` of ``i`` (where NCCL puts an in-place
 reduce-scatter's output); all-gather's ``i`` is block ``r`` of ``o``.  Custom collectives
-have one block per buffer and ``q = ceil(count / nchunksperloop)``; a buffer of ``C``
-chunks holds ``min(count, C·q)`` user elements, and their buffers are never aliased (their
-postcondition names ``i`` and ``o`` apart).
+have one block per buffer and split ``count`` over ``nchunksperloop`` chunks the same way
+(``q = ceil(count / nchunksperloop)``); a buffer of ``C`` chunks holds the first ``C``
+chunks of that split, and their buffers are never aliased (their postcondition names ``i``
+and ``o`` apart).
 """
 
 from __future__ import annotations
@@ -35,17 +41,23 @@ _SCALED = {"allreduce": (False, False), "broadcast": (False, False), "allgather"
 
 @dataclass(frozen=True)
 class BufferLayout:
-    """One buffer of one rank: ``chunks`` chunks of ``q`` working elements, ``blocks`` user blocks."""
+    """One buffer of one rank: ``chunks`` chunks of ``q`` working elements, ``blocks`` user blocks;
+    in each block the first ``rem`` chunks hold ``base + 1`` user elements, the others ``base``."""
 
     chunks: int
     blocks: int
-    block_elements: int
+    base: int
+    rem: int
     q: int
 
     @property
     def k(self) -> int:
         """Chunks per user block."""
         return self.chunks // self.blocks if self.blocks else 0
+
+    @property
+    def block_elements(self) -> int:
+        return self.k * self.base + min(self.k, self.rem)
 
     @property
     def working_elements(self) -> int:
@@ -60,20 +72,35 @@ class BufferLayout:
         """Whether the working buffer differs from the user's memory (then it is copied in and out)."""
         return self.k * self.q != self.block_elements
 
-    def block(self, j: int) -> slice:
-        """Working elements of user block ``j``."""
-        start = j * self.k * self.q
-        return slice(start, start + self.block_elements)
+    def chunk_range(self, c: int) -> tuple[int, int]:
+        """(user offset, elements) of chunk ``c`` of the buffer."""
+        j, i = divmod(c, self.k)
+        return j * self.block_elements + i * self.base + min(i, self.rem), self.base + (i < self.rem)
+
+    def _pieces(self, user: np.ndarray, working: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(user view, working view) pairs: the long chunks, then the short ones, of every block."""
+        k, long = self.k, min(self.k, self.rem)
+        if not self.blocks or not k:
+            return []
+        users = user.reshape(self.blocks, self.block_elements)
+        works = working.reshape(self.blocks, k, self.q)
+        cut = long * (self.base + 1)
+        pieces = []
+        if long:
+            pieces.append((users[:, :cut].reshape(self.blocks, long, self.base + 1), works[:, :long, :self.base + 1]))
+        if k > long:
+            pieces.append((users[:, cut:].reshape(self.blocks, k - long, self.base), works[:, long:, :self.base]))
+        return pieces
 
     def load(self, user: np.ndarray, working: np.ndarray) -> None:
-        """Copy the user's blocks into a (padded) working buffer."""
-        for j in range(self.blocks):
-            working[self.block(j)] = user[j * self.block_elements:(j + 1) * self.block_elements]
+        """Copy the user's elements into a (padded) working buffer."""
+        for u, w in self._pieces(user, working):
+            w[...] = u
 
     def store(self, working: np.ndarray, user: np.ndarray) -> None:
-        """Copy a (padded) working buffer's blocks back into the user's memory."""
-        for j in range(self.blocks):
-            user[j * self.block_elements:(j + 1) * self.block_elements] = working[self.block(j)]
+        """Copy a (padded) working buffer's elements back into the user's memory."""
+        for u, w in self._pieces(user, working):
+            u[...] = w
 
 
 @dataclass(frozen=True)
@@ -126,9 +153,10 @@ def rank_layout(algo: Algorithm, rank: int, count: int, source: str = "<program>
     if algo.coll == "custom":
         if algo.nchunksperloop <= 0:
             raise ProgramError(f"nchunksperloop must be positive, got {algo.nchunksperloop}", source=source)
-        q = -(-count // algo.nchunksperloop)
-        bufs = [BufferLayout(c, 1, min(count, c * q), q) for c in (decl.i_chunks, decl.o_chunks)]
-        return RankLayout(algo.coll, rank, count, q, bufs[0], bufs[1], BufferLayout(decl.s_chunks, 1, 0, q), None)
+        base, rem = divmod(count, algo.nchunksperloop)
+        q = base + (rem > 0)
+        bufs = [BufferLayout(c, 1, base, rem, q) for c in (decl.i_chunks, decl.o_chunks)]
+        return RankLayout(algo.coll, rank, count, q, bufs[0], bufs[1], BufferLayout(decl.s_chunks, 1, 0, 0, q), None)
     if algo.coll not in _SCALED:
         raise ProgramError(f"unknown collective {algo.coll!r}", source=source)
     scaled_i, scaled_o = _SCALED[algo.coll]
@@ -147,10 +175,11 @@ def rank_layout(algo: Algorithm, rank: int, count: int, source: str = "<program>
                            source=source, rank=rank)
     k = ks.pop()
     block_elements = _block_elements(algo.coll, count, nranks, source)
-    q = -(-block_elements // k)
-    i = BufferLayout(blocks_i * k, blocks_i, block_elements, q)
-    o = BufferLayout(blocks_o * k, blocks_o, block_elements, q)
-    s = BufferLayout(decl.s_chunks, 1, 0, q)
+    base, rem = divmod(block_elements, k)
+    q = base + (rem > 0)
+    i = BufferLayout(blocks_i * k, blocks_i, base, rem, q)
+    o = BufferLayout(blocks_o * k, blocks_o, base, rem, q)
+    s = BufferLayout(decl.s_chunks, 1, 0, 0, q)
     alias: tuple[str, str, int] | None = None
     if algo.inplace:
         if algo.coll == "allgather":
@@ -191,14 +220,15 @@ def allocate(layout: RankLayout, dtype: np.dtype, inp: np.ndarray, out: np.ndarr
     """Working buffers for one run, loaded with the user's input: ``({"i", "o", "s": array},
     stores)``, where each ``(buffer, working, user)`` of ``stores`` is copied back into the
     user's memory once the run is over.  The user's memory is used directly where no padding
-    is needed; ``inp`` is never written (a copy is made if the program writes ``i``)."""
+    is needed; ``inp`` is never written (a copy is made if the program writes ``i``, or if an
+    out-of-place program is handed one array as both input and output)."""
     if inp.shape != (layout.input_elements,) or out.shape != (layout.output_elements,):
         raise ValueError(f"rank {layout.rank}: input/output of {inp.shape}/{out.shape} elements, the layout wants "
                          f"({layout.input_elements},)/({layout.output_elements},)")
     stores: list[tuple[BufferLayout, np.ndarray, np.ndarray]] = []
     scratch = np.zeros(layout.s.working_elements, dtype)
     if layout.alias is None:
-        if layout.i.padded or (writes_input and layout.i.user_elements):
+        if layout.i.padded or (layout.i.user_elements and (writes_input or np.shares_memory(inp, out))):
             work_i = np.zeros(layout.i.working_elements, dtype)
             layout.i.load(inp, work_i)
         else:

@@ -205,12 +205,17 @@ def reference(algo: Algorithm, inputs: list[np.ndarray], op: str = "sum", *, cou
             if slot.buf != "o" or any(src.buf != "i" for src in sources):
                 raise ProgramError(f"the reference compares outputs with inputs; {slot.short()} names other buffers",
                                    source=source, rank=slot.rank)
-            q, size = layouts[slot.rank].q, layouts[slot.rank].output_elements
-            lo, hi = min(slot.index * q, size), min((slot.index + 1) * q, size)
-            parts = [arrays[src.rank][src.index * q:src.index * q + (hi - lo)] for src in sorted(sources)]
+            lo, n = layouts[slot.rank].o.chunk_range(slot.index)
+            parts = []
+            for src in sorted(sources):
+                start, length = layouts[src.rank].i.chunk_range(src.index)
+                if length != n:
+                    raise ProgramError(f"{slot.short()} ({n} elements) cannot hold {src.short()} ({length})",
+                                       source=source, rank=slot.rank)
+                parts.append(arrays[src.rank][start:start + length])
             expected, specified = results[slot.rank]
-            expected[lo:hi] = combine(parts)
-            specified[lo:hi] = True
+            expected[lo:lo + n] = combine(parts)
+            specified[lo:lo + n] = True
         return results
     if algo.coll == "allreduce":
         outs = [combine(arrays)] * nranks

@@ -168,8 +168,15 @@ def _list(args: argparse.Namespace) -> int:
         library = None
     if library is not None:
         print("built-in programs:")
+        describe = getattr(library, "describe", None)
         for name in library.names():
-            print(f"  {name}")
+            entry = describe(name) if describe is not None else None
+            if entry is None:
+                print(f"  {name}")
+                continue
+            high = f"{entry.max_bytes} B" if entry.max_bytes else "unbounded"
+            print(f"  {name} ({entry.coll}, {entry.min_nodes}+ nodes, sizes {entry.min_bytes} B to {high}): "
+                  f"{entry.description}")
     folder = args.dir or os.environ.get(DIR_ENV)
     if not folder:
         if library is None:
@@ -184,12 +191,19 @@ def _list(args: argparse.Namespace) -> int:
             algo = mscclxml.load(path)
             found = checker.problems(algo, source=str(path))
         except ProgramError as exc:
-            print(f"  {path.name}: refused: {exc.reason}")
+            print(f"  {path.name}: refused: {_located(exc)}")
             continue
         sizes = _size_range(algo)
-        status = "accepted" if not found else f"refused: {found[0]}"
+        status = "accepted" if not found else f"refused: {_located(found[0])}"
         print(f"  {path.name}: {algo.name} ({algo.coll}, {algo.ngpus} ranks{sizes}) {status}")
     return 0
+
+
+def _located(error: ProgramError) -> str:
+    """A refusal without its file name (the listing names the file already)."""
+    where = [f"{label} {value}" for label, value in (("rank", error.rank), ("threadblock", error.threadblock),
+                                                     ("step", error.step)) if value is not None]
+    return ", ".join([*where, error.reason]) if where else error.reason
 
 
 def _size_range(algo: Algorithm) -> str:
