@@ -1,0 +1,125 @@
+"""Worker programs for the all-gather-by-program and AllToNext fabric tests (spawned processes import it).
+
+Every rank computes the NumPy reference of every rank's data itself (the data is a function
+of rank, count and salt), so each check is independent of commd.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from commd.client import ops
+
+DTYPES = {"float32": np.float32, "int64": np.int64, "int32": np.int32, "uint8": np.uint8, "float64": np.float64}
+
+
+def data(rank: int, n: int, dtype: str, salt: int) -> np.ndarray:
+    rng = np.random.default_rng(rank * 7919 + n * 31 + salt)
+    return rng.integers(0, 100, n).astype(DTYPES[dtype])
+
+
+def allgathers(ctx: Any, algos: list[str | None], counts: list[int], dtypes: list[str]) -> str:
+    """all_gather with each algorithm, count per rank and dtype equals NumPy's concatenation."""
+    client = ctx.connect()
+    world, salt = ctx.world_size, 0
+    for algo in algos:
+        for n in counts:
+            for dtype in dtypes:
+                salt += 1
+                inp = torch.from_numpy(data(ctx.rank, n, dtype, salt))
+                out = torch.full((world * n,), 7, dtype=inp.dtype)
+                ops.all_gather(client, out, inp, algo=algo).wait(60)
+                want = np.concatenate([data(r, n, dtype, salt) for r in range(world)])
+                if not np.array_equal(out.numpy(), want):
+                    raise AssertionError(f"algo {algo} n={n} {dtype}: got {out.numpy()[:8]} want {want[:8]}")
+    client.close()
+    return "ok"
+
+
+def failing_allgather(ctx: Any, algo: str, counts: list[int]) -> str:
+    """An all_gather of unequal counts (``counts[r]`` per rank) hinted with ``algo``: its error message."""
+    client = ctx.connect()
+    inp = torch.ones(counts[ctx.rank], dtype=torch.int32)
+    out = torch.zeros(sum(counts), dtype=torch.int32)
+    try:
+        ops.all_gather(client, out, inp, counts, algo=algo).wait(60)
+        message = "no error"
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        message = f"{type(exc).__name__}: {exc}"
+    t = torch.ones(4)
+    ops.all_reduce(client, t).wait(60)  # the fabric goes on
+    assert t.tolist() == [float(ctx.world_size)] * 4, t
+    client.close()
+    return message
+
+
+def alltonexts(ctx: Any, algos: list[str | None], counts: list[int], dtypes: list[str]) -> str:
+    """commd's alltonext with each algorithm, count and dtype: rank r's output is rank r - 1's input
+    (NumPy's shift), rank 0's output keeps what it held."""
+    client = ctx.connect()
+    salt = 0
+    for algo in algos:
+        for n in counts:
+            for dtype in dtypes:
+                salt += 1
+                inp = torch.from_numpy(data(ctx.rank, n, dtype, salt))
+                before = data(ctx.rank + 1000, n, dtype, salt)
+                out = torch.from_numpy(before.copy())
+                ops.alltonext(client, out, inp, algo=algo).wait(60)
+                want = before if ctx.rank == 0 else data(ctx.rank - 1, n, dtype, salt)
+                if not np.array_equal(out.numpy(), want):
+                    raise AssertionError(f"rank {ctx.rank} algo {algo} n={n} {dtype}: got {out.numpy()[:8]} "
+                                         f"want {want[:8]}")
+    client.close()
+    return "ok"
+
+
+def alltonext_mismatch(ctx: Any, counts: list[int]) -> str:
+    """alltonext with ``counts[r]`` elements on rank r: the error each rank gets (then a good one works)."""
+    client = ctx.connect()
+    n = counts[ctx.rank]
+    try:
+        ops.alltonext(client, torch.zeros(n), torch.ones(n)).wait(60)
+        message = "no error"
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        message = f"{type(exc).__name__}: {exc}"
+    out = torch.zeros(3)
+    ops.alltonext(client, out, torch.full((3,), float(ctx.rank))).wait(60)
+    assert out.tolist() == [float(max(ctx.rank - 1, 0))] * 3, out
+    client.close()
+    return message
+
+
+def torch_alltonext(ctx: Any, port: int, algo: str | None, n: int) -> str:
+    """``commd.alltonext`` from a torch program: on the default group and on a new group whose
+    Options name the program (``algo``), with a torch group and with async_op."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import commd
+
+    os.environ["COMMD_JOB"] = ctx.job
+    dist.init_process_group("commd", init_method=f"tcp://127.0.0.1:{port}", rank=ctx.rank,
+                            world_size=ctx.world_size, timeout=timedelta(seconds=60))
+    try:
+        rank = dist.get_rank()
+        send = torch.arange(n, dtype=torch.float32) + 1000 * rank
+        recv = torch.full((n,), -1.0)
+        assert commd.alltonext(send, recv) is None
+        want = torch.full((n,), -1.0) if rank == 0 else torch.arange(n, dtype=torch.float32) + 1000 * (rank - 1)
+        assert torch.equal(recv, want), (rank, recv[:4], want[:4])
+        options = commd.Options(algo={"alltonext": algo}) if algo else None
+        group = dist.new_group(list(range(ctx.world_size)), pg_options=options)
+        recv2 = torch.zeros(n, dtype=torch.int64)
+        work = commd.alltonext(send.to(torch.int64), recv2, group=group, async_op=True)
+        work.wait()
+        want2 = torch.zeros(n, dtype=torch.int64) if rank == 0 else want.to(torch.int64)
+        assert torch.equal(recv2, want2), (rank, recv2[:4], want2[:4])
+    finally:
+        dist.destroy_process_group()
+    return "ok"
