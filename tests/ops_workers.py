@@ -123,3 +123,42 @@ def torch_alltonext(ctx: Any, port: int, algo: str | None, n: int) -> str:
     finally:
         dist.destroy_process_group()
     return "ok"
+
+
+def programs(ctx: Any, plan: list[tuple[str, str]], sizes: list[int]) -> str:
+    """Each (program, collective) of ``plan`` by hint, on every size: all-reduce (int64 sum, float32
+    sum of integer-valued data, so exact, and float32 max), all-gather and all-to-all (int64 and
+    float32; ``sizes`` elements per rank, or per block), each equal to NumPy."""
+    client = ctx.connect()
+    world, salt = ctx.world_size, 0
+    for name, coll in plan:
+        for n in sizes:
+            for dtype, op in (("int64", "sum"), ("float32", "sum"), ("float32", "max")):
+                salt += 1
+                if coll == "allreduce":
+                    t = torch.from_numpy(data(ctx.rank, n, dtype, salt))
+                    ops.all_reduce(client, t, op, algo=name).wait(60)
+                    stack = np.stack([data(r, n, dtype, salt) for r in range(world)])
+                    want = (stack.sum(0) if op == "sum" else stack.max(0)).astype(DTYPES[dtype])
+                    got = t.numpy()
+                elif op == "max":
+                    continue
+                elif coll == "allgather":
+                    inp = torch.from_numpy(data(ctx.rank, n, dtype, salt))
+                    out = torch.zeros(world * n, dtype=inp.dtype)
+                    ops.all_gather(client, out, inp, algo=name).wait(60)
+                    want, got = np.concatenate([data(r, n, dtype, salt) for r in range(world)]), out.numpy()
+                elif coll == "alltoall":
+                    inp = torch.from_numpy(data(ctx.rank, world * n, dtype, salt))
+                    out = torch.zeros(world * n, dtype=inp.dtype)
+                    ops.all_to_all(client, out, inp, [n] * world, [n] * world, algo=name).wait(60)
+                    want = np.concatenate([data(r, world * n, dtype, salt)[ctx.rank * n:(ctx.rank + 1) * n]
+                                           for r in range(world)])
+                    got = out.numpy()
+                else:
+                    raise AssertionError(f"{name}: no op runs a {coll} program")
+                if not np.array_equal(got, want):
+                    raise AssertionError(f"{name} ({coll}) n={n} {dtype} {op} on rank {ctx.rank}: got {got[:8]} "
+                                         f"want {want[:8]}")
+    client.close()
+    return "ok"

@@ -8,6 +8,7 @@ shift by one rank for AllToNext.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -289,3 +290,76 @@ def test_torch_options_take_an_algorithm_per_op() -> None:
         Options(algo={"broadcast": "x"})
     with pytest.raises(ValueError, match="algo must be an algorithm's name"):
         Options(algo={"all_gather": ""})
+
+
+# ---- the third-party MSCCL files on simulated hosts -------------------------------------------
+
+
+def _msccl_dir() -> Path | None:
+    """The third-party MSCCL files: $COMMD_MSCCL_FILES, else ``shared/msccl`` near the checkout."""
+    if os.environ.get("COMMD_MSCCL_FILES"):
+        return Path(os.environ["COMMD_MSCCL_FILES"])
+    root = Path(__file__).resolve().parent.parent
+    for base in (root, *root.parents[:2]):
+        if (base / "shared" / "msccl").is_dir():
+            return base / "shared" / "msccl"
+    return None
+
+
+MSCCL_DIR = _msccl_dir()
+#: The op kinds that run a program of each collective (a custom program runs as an op only when
+#: it is AllToNext: commd has no op whose ranks hold buffers of different shapes).
+OP_FOR_COLL = {"allreduce": "allreduce", "allgather": "allgather", "alltoall": "alltoall"}
+
+
+def small_accepted_files() -> dict[int, list[tuple[Path, str]]]:
+    """Per rank count (at most 4): the files the checker accepts, with their collective."""
+    from commd.algorithms import checker, postcondition
+    from commd.algorithms.errors import ProgramError
+
+    found: dict[int, list[tuple[Path, str]]] = {}
+    for path in sorted(MSCCL_DIR.glob("*.xml")) if MSCCL_DIR else []:
+        try:
+            algo = mscclxml.load(path)
+            if algo.ngpus > 4:
+                continue
+            checker.check(algo, postcondition.for_algorithm(algo, source=path), source=str(path))
+        except ProgramError:
+            continue
+        found.setdefault(algo.ngpus, []).append((path, algo.coll))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(MSCCL_DIR is None, reason="the third-party MSCCL files (shared/msccl) are not here")
+def test_msccl_files_run_on_one_rank_per_simulated_host(sim_hosts: Any, tmp_path: Path,
+                                                        fabric: Callable[..., OpsCluster]) -> None:
+    """Every accepted file of at most 4 ranks, from an algorithms_dir, run by hint as the op its
+    collective names on a fabric of one rank per simulated host: NumPy-exact results, and each
+    file counted as the algorithm of its ops.  (custom_3r_fanout is the one file left out: its
+    ranks' buffers differ in shape — rank 0 has no output, ranks 1 and 2 no input — which no
+    commd op describes.)"""
+    files = small_accepted_files()
+    assert files, f"no accepted file of at most 4 ranks in {MSCCL_DIR}"
+    runnable = {n: [(p, c) for p, c in group if c in OP_FOR_COLL] for n, group in files.items()}
+    left_out = sorted(p.name for group in files.values() for p, c in group if c not in OP_FOR_COLL)
+    assert left_out == ["custom_3r_fanout.xml"], left_out
+    sizes = [1, 5, 4099, 65_537]
+    for nranks, group in sorted(runnable.items()):
+        if not group:
+            continue
+        d = tmp_path / f"algorithms{nranks}"
+        d.mkdir()
+        for path, _ in group:
+            (d / path.name).write_text(path.read_text())
+        hosts = sim_hosts(nranks)
+        c = fabric(nranks, 1, d, hosts=hosts)
+        algos = c.status(0)["fabric"]["algorithms"]
+        assert sorted(algos["files"]) == sorted(p.stem for p, _ in group) and not algos["refused"], algos
+        plan = [(p.stem, OP_FOR_COLL[coll]) for p, coll in group]
+        out = c.join(c.start_workers(ow.programs, plan, sizes), timeout=300)
+        assert set(out.values()) == {"ok"}, out
+        counts = c.status(0)["fabric"]["algorithm_ops"]
+        for path, coll in group:
+            want = len(sizes) * (3 if coll == "allreduce" else 2)
+            assert counts[path.stem]["ops"] == want, (path.name, counts)
