@@ -684,19 +684,12 @@ def alltonext(send: torch.Tensor, recv: torch.Tensor, group: Any = None, async_o
 
 
 def _commd_group(group: Any) -> ProcessGroupCommd:
-    """The commd process group behind ``group`` (None: the default group); ValueError if it has none."""
+    """The commd process group ``group`` is (None: the default group); ValueError if it is none.
+    (torch hands out the backend's own ProcessGroup object for a backend that makes one.)"""
     if group is None:
         if not dist.is_initialized():
             raise CommdError("no default process group: call dist.init_process_group('commd') first")
-        group = dist.distributed_c10d._get_default_group()
+        group = dist.group.WORLD
     if isinstance(group, ProcessGroupCommd):
         return group
-    backend: Any = None
-    if isinstance(group, dist.ProcessGroup):
-        try:
-            backend = group._get_backend(torch.device("cpu"))
-        except RuntimeError:
-            backend = None
-    if isinstance(backend, ProcessGroupCommd):
-        return backend
     raise ValueError(f"alltonext runs on commd process groups only, not on {group!r}")
