@@ -1,6 +1,8 @@
-"""`commd algo`: check, simulate and list collective programs (MSCCL XML files and the library).
+"""`commd algo`: compile, check, simulate and list collective programs (MSCCL XML files and the library).
 
-``check FILE.xml`` proves a file right before it runs anywhere (exit 0 accepted, 1 refused,
+``compile PROGRAM.py [ARGS…] -o FILE.xml`` runs a DSL program file (msccl-tools programs run
+unmodified) and writes its IR as MSCCL XML, checked first (a custom collective's postcondition
+beside it as ``FILE.post.json``); ``check FILE.xml`` proves a file right before it runs anywhere (exit 0 accepted, 1 refused,
 every reason as "file, rank r, threadblock t, step s: reason"); ``simulate FILE.xml`` runs
 all its ranks in this process on random data and compares with NumPy (exit 0 on a match, 1
 with the first differing element, or with the blocked steps of a deadlock); ``list`` shows
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import sys
 from pathlib import Path
@@ -34,7 +37,11 @@ DIR_ENV = "COMMD_ALGORITHMS_DIR"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True)
-    # `compile PROGRAM.py -o FILE.xml` (the DSL's compiler) is registered here beside these.
+    comp = sub.add_parser("compile", help="compile a DSL program file to MSCCL XML (checked before it is written)")
+    comp.add_argument("-o", "--output", required=True,
+                      help="the XML file to write (a file that builds several programs: FILE-<name>.xml each)")
+    comp.add_argument("program", help="DSL program file (Python; msccl-tools' imports work unchanged)")
+    comp.add_argument("argv", nargs=argparse.REMAINDER, help="arguments the program reads from sys.argv")
     check = sub.add_parser("check", help="prove an MSCCL XML file right (exit 0 accepted, 1 refused)")
     check.add_argument("file", help="MSCCL XML file")
     check.add_argument("--post", help="postcondition sidecar (default for coll=\"custom\": FILE.post.json)")
@@ -55,7 +62,55 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return {"check": _check, "simulate": _simulate, "list": _list}[args.action](args)
+    return {"compile": _compile, "check": _check, "simulate": _simulate, "list": _list}[args.action](args)
+
+
+def _compile(args: argparse.Namespace) -> int:
+    """Compile every program the file builds, check each, and write the accepted ones (exit 1 if any is refused)."""
+    from commd.algorithms import dslfile
+
+    try:
+        programs = dslfile.run_file(args.program, args.argv)
+    except ProgramError as exc:
+        print(f"refused: {exc}")
+        return 1
+    out = Path(args.output)
+    status = 0
+    for prog in programs:
+        target = out if len(programs) == 1 else out.with_name(f"{out.stem}-{_file_safe(prog.name)}{out.suffix}")
+        try:
+            algo = prog.compile()
+            # a built-in collective's postcondition follows from its header; a custom one travels beside it
+            side = prog.sidecar(target.name) if algo.coll == "custom" else None
+            post = postcondition.parse_sidecar(side, str(target)) if side is not None else None
+            problems = checker.problems(algo, post, source=target if side is not None else prog.source)
+        except ProgramError as exc:
+            problems = [exc]
+        if problems:
+            status = 1
+            print(f"refused: {prog.source} (nothing written to {target})")
+            for problem in problems:
+                print(f"  {_located(problem)}")
+            continue
+        try:
+            mscclxml.dump(algo, target)
+            if side is not None:
+                sidecar_path(target).write_text(json.dumps(side, indent=1) + "\n")
+        except OSError as exc:
+            print(f"{target}: cannot write: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote {target}: {algo.name}, {algo.coll}, {algo.ngpus} ranks, "
+              f"{sum(len(tb.steps) for r in algo.ranks for tb in r.threadblocks)} steps (checked)")
+    return status
+
+
+def sidecar_path(xml: Path) -> Path:
+    """Where a custom collective's postcondition goes: ``X.post.json`` beside ``X.xml``."""
+    return xml.with_suffix(".post.json") if xml.suffix == ".xml" else xml.with_name(xml.name + ".post.json")
+
+
+def _file_safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "program"
 
 
 def _load(path: str) -> Algorithm | int:
