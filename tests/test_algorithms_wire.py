@@ -504,7 +504,7 @@ def racy(n: int) -> str:
 
 
 def test_two_nodes_rule_picks_a_user_file_and_bad_hints_fail_every_rank(
-        fabric: Callable[..., ProgramCluster], tmp_path: Path) -> None:
+        fabric: Callable[..., ProgramCluster], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A config rule picks the checked user file for all-reduces (NumPy-exact on even and uneven
     sizes, counted per algorithm in the status); a refused file is listed and never runs; hints
     naming an unknown or refused program fail every rank naming it.  User programs travel with node
@@ -543,6 +543,17 @@ def test_two_nodes_rule_picks_a_user_file_and_bad_hints_fail_every_rank(
             assert f"this node's copy (sha256 {theirs_hash}) differs from node 0's (sha256 {ours_hash})" \
                 in refused[1]["reason"]
             assert sorted(files) == ["pairs"] and files["pairs"]["path"] == "node 0"
+    # `commd algo list --job` asks node 1's daemon which programs its fabric can run, and why not
+    from commd.cli.main import main
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("COMMD_RUNTIME_DIR", str(c.runtime[1]))
+        assert main(["algo", "list", "--job", c.job]) == 0
+    said = capsys.readouterr().out
+    assert f"on the fabric of job '{c.job}' (2 nodes" in said
+    assert "  twoshot: can run (allreduce, checked for 2 nodes)" in said
+    assert "pairs (allreduce, from node 0," in said and ": can run" in said
+    assert "  split: refused: this node's copy" in said and "  racy: refused:" in said
 
 
 def test_three_nodes_hinted_programs_equal_numpy(fabric: Callable[..., ProgramCluster], tmp_path: Path) -> None:

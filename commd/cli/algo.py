@@ -59,6 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sim.add_argument("--post", help="postcondition sidecar of a custom collective (default: FILE.post.json)")
     listing = sub.add_parser("list", help="the built-in programs and the files of an algorithms directory")
     listing.add_argument("--dir", help=f"directory of MSCCL XML files (default: ${DIR_ENV})")
+    listing.add_argument("--job", help="also say, for this running job's fabric, which programs can run and why "
+                                       "not ($COMMD_JOB names it too; the daemon of this node is asked)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -217,6 +219,55 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
+    status = _listed(args)
+    job = args.job or os.environ.get("COMMD_JOB")
+    if job:
+        return _list_fabric(job) or status
+    return status
+
+
+def _list_fabric(job: str) -> int:
+    """Which programs the job's fabric can run, as its daemons' catalogue sees them."""
+    from commd.client.status import StatusError, query_status, resolve_job
+
+    try:
+        fabric = query_status(resolve_job(job, None)).get("fabric")
+    except StatusError as exc:
+        print(f"job {job!r}: {exc}", file=sys.stderr)
+        return 2
+    if not isinstance(fabric, dict) or not isinstance(fabric.get("algorithms"), dict):
+        print(f"job {job!r}: a single node (no fabric) runs no programs: they are the inter-node phase of an op")
+        return 0
+    catalog, nnodes = fabric["algorithms"], len(fabric.get("nodes") or [])
+    print(f"on the fabric of job {job!r} ({nnodes} nodes; programs run ops of groups spanning nodes, on the tcp lane):")
+    for name in catalog.get("library") or []:
+        print(f"  {name}: {_library_verdict(name, nnodes)}")
+    for name, row in sorted((catalog.get("files") or {}).items()):
+        fits = row.get("nodes") == nnodes
+        verdict = "can run" if fits else f"cannot run: written for {row.get('nodes')} nodes"
+        print(f"  {name} ({row.get('coll')}, from {row.get('path')}, sha256 {str(row.get('sha256'))[:16]}): "
+              f"{verdict}" + ("" if fits else f", the fabric has {nnodes} (a group spanning that many nodes)"))
+    for row in catalog.get("refused") or []:
+        print(f"  {row.get('name')}: refused: {row.get('reason')}")
+    return 0
+
+
+def _library_verdict(name: str, nnodes: int) -> str:
+    """Whether the library's program compiles and passes the checker for a group spanning every node."""
+    from commd.algorithms import library
+
+    if nnodes < 2:
+        return "cannot run: the fabric has one node"
+    try:
+        algo = library.get(name, nnodes)
+        post = postcondition.parse_sidecar(library.sidecar(name, nnodes)) if algo.coll == "custom" else None
+        checker.check(algo, post, source=f"library program {name!r}")
+    except (ProgramError, ValueError) as exc:
+        return f"cannot run on {nnodes} nodes: {exc}"
+    return f"can run ({algo.coll}, checked for {nnodes} nodes)"
+
+
+def _listed(args: argparse.Namespace) -> int:
     try:
         library = importlib.import_module("commd.algorithms.library")
     except ModuleNotFoundError:
