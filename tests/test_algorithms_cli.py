@@ -102,3 +102,16 @@ def test_a_file_that_builds_two_programs_writes_one_file_each(tmp_path: Path) ->
     assert main(["algo", "compile", "-o", str(out), str(_write(tmp_path, "two.py", text)), "2"]) == 0
     assert sorted(p.name for p in tmp_path.glob("many-*.xml")) == ["many-shift.xml", "many-shift2.xml"]
     assert not out.exists()
+
+
+def test_the_readmes_example_program_compiles_checks_and_simulates(tmp_path: Path) -> None:
+    """The README's two-shot example, as a user would copy it, through the README's commands."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    after = readme.split("Writing one.", 1)[1]
+    program = after.split("```python\n", 1)[1].split("```", 1)[0]
+    prog = _write(tmp_path, "twoshot.py", program)
+    out = tmp_path / "my_twoshot.xml"
+    assert main(["algo", "compile", "-o", str(out), str(prog), "4"]) == 0
+    assert main(["algo", "check", str(out)]) == 0
+    assert main(["algo", "simulate", str(out), "--count", "1000", "--dtype", "float32", "--trace"]) == 0
+    assert mscclxml.load(out).name == "my_twoshot"
