@@ -2,7 +2,7 @@
 
 Every rank builds the same program from the seed: a list of ops of every
 kind on random groups (world and random subsets spanning random nodes), with
-random sizes, dtypes, roots and lanes.  Each rank submits its ops
+random sizes, dtypes, roots, lanes and (for tcp-lane all-reduces) library programs.  Each rank submits its ops
 asynchronously in program order, sleeping at random points (its own seeded
 stream, so ranks drift apart), then waits on its handles in a random order
 and checks every result against a NumPy reference it computes itself.
@@ -23,6 +23,8 @@ from commd.client import ops
 KINDS = ["allreduce", "reduce", "broadcast", "allgather", "gather", "scatter", "reduce_scatter", "alltoall",
          "barrier", "sendrecv"]
 DTYPES = [np.float32, np.float64, np.int32, np.int64]
+#: The library's all-reduce programs a tcp-lane all-reduce may name (beside the lane's own algorithm).
+ALGORITHMS = ["oneshot", "twoshot", "halving_doubling", "ring"]
 
 
 @dataclass
@@ -40,6 +42,7 @@ class Op:
     splits: list[list[int]] = field(default_factory=list)
     src: int = 0
     dst: int = 0
+    algo: str | None = None  # an all-reduce's program (its hint; groups within one node ignore it)
     arena: bool = False  # the buffer lives in the client's arena (zero copy) rather than being copied
     twice: bool = False  # all-reduce the same buffer twice in a row (program order across a fused set)
 
@@ -56,6 +59,7 @@ def make_groups(seed: int, world: int) -> dict[str, list[int]]:
 
 def make_program(seed: int, world: int, lanes: list[str], length: int) -> tuple[dict[str, list[int]], list[Op]]:
     rng = random.Random(seed)
+    algo_rng = random.Random(seed * 7919 + 3)  # its own stream: the programs of a seed stay what they were
     groups = make_groups(seed, world)
     program = []
     for i in range(length):
@@ -75,12 +79,15 @@ def make_program(seed: int, world: int, lanes: list[str], length: int) -> tuple[
             op.splits = [[rng.randint(0, max(1, n // (k * k))) for _ in range(k)] for _ in range(k)]
         if kind == "sendrecv":
             op.src, op.dst = rng.sample(range(k), 2)
+        if kind == "allreduce" and lane in (None, "tcp"):  # (a program runs on the tcp lane only)
+            op.algo = algo_rng.choice([None, *ALGORITHMS])
         program.append(op)
         if kind == "allreduce" and rng.random() < 0.5:
             # a burst of small all-reduces like one op (group, dtype, reduce op, lane): what fusion fuses
             for _ in range(rng.randint(2, 8)):
                 small = Op(len(program), kind, name, members, rng.randint(1, 300), dtype, lane,
-                           reduce_op=op.reduce_op, arena=rng.random() < 0.5, twice=rng.random() < 0.25)
+                           reduce_op=op.reduce_op, arena=rng.random() < 0.5, twice=rng.random() < 0.25,
+                           algo=op.algo)
                 program.append(small)
     for index, op in enumerate(program):
         op.index = index
@@ -104,6 +111,7 @@ def _submit(client: Any, op: Op, me: int) -> tuple[Any, Any, np.ndarray | None]:
     kw = {"group": op.group, "lane": op.lane, "timeout": 120}
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a).copy())  # noqa: E731
     if op.kind == "allreduce":
+        kw["algo"] = op.algo
         buf = t(_data(op, g, op.n))
         if op.arena:
             buf = client.empty(op.n, buf.dtype).copy_(buf)
@@ -193,7 +201,7 @@ def run_programs(ctx: Any, seeds: list[int], lanes: list[str], length: int, max_
                 got = out.numpy()
                 if got.shape != want.shape or not np.array_equal(got, want):
                     raise AssertionError(
-                        f"seed {seed} op {op.index} {op.kind} on {op.group} lane {op.lane} n={op.n}: "
+                        f"seed {seed} op {op.index} {op.kind} on {op.group} lane {op.lane} algo {op.algo} n={op.n}: "
                         f"got {got[:6]} want {want[:6]}"
                     )
         lines.append(f"seed {seed}: {len(pending)} ops ok in {time.monotonic() - started:.1f}s")

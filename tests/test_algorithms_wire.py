@@ -414,6 +414,42 @@ def test_real_catalog_accepts_a_checked_file_and_refuses_the_bad_ones(tmp_path: 
         assert "peer2peer" in refused
 
 
+def test_programs_travel_from_node0_and_each_is_checked_again_where_it_arrives(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """What node 0 sends with its config (``shared``) is what a member adopts: a program it lacks is
+    added, an equal copy kept, a differing copy refused here with both hashes, and a malformed or unsound
+    program from node 0 is refused by this node's own checker; past the size bound a program stays home."""
+    from commd.algorithms import mscclxml
+
+    home, away = tmp_path / "home", tmp_path / "away"
+    home.mkdir()
+    away.mkdir()
+    for stem, algo in (("same", twoshot_allreduce(3, "same")), ("new", twoshot_allreduce(2, "new")),
+                       ("split", twoshot_allreduce(3, "ours"))):
+        mscclxml.dump(algo, home / f"{stem}.xml")
+    mscclxml.dump(twoshot_allreduce(3, "same"), away / "same.xml")
+    mscclxml.dump(twoshot_allreduce(3, "theirs"), away / "split.xml")
+    node0, member = cat.Catalog(home), cat.Catalog(away)
+    sent = node0.shared()
+    assert sorted(sent) == ["new", "same", "split"] and all(e["post"] is None for e in sent.values())
+    sent["racy"] = {"xml": racy(2), "post": None}  # node 0 never sends one, but a member checks anyway
+    sent["odd"] = {"xml": 7, "post": None}
+    member.adopt(sent)
+    assert sorted(member.files) == ["new", "same"]
+    assert member.files["new"].source == cat.FROM_NODE0
+    assert member.files["new"].digest == node0.files["new"].digest
+    assert member.files["same"].source == str(away / "same.xml")
+    reasons = {r.name: r.reason for r in member.refused}
+    assert sorted(reasons) == ["odd", "racy", "split"]
+    ours, theirs = (cat.short(c.files["split"].digest) if "split" in c.files else None for c in (node0, member))
+    assert theirs is None and ours is not None
+    assert f"differs from node 0's (sha256 {ours})" in reasons["split"]
+    assert "wrong result" in reasons["racy"] and "XML text" in reasons["odd"]
+    assert "was refused at load" in str(member.get("split", 3))
+    monkeypatch.setattr(cat, "MAX_SHARED_BYTES", len(sent["new"]["xml"]) + 1)
+    assert sorted(node0.shared()) == ["new"]  # the others would pass the bound
+
+
 # ---- fabrics on loopback: selection, release and run ------------------------------------------
 
 
@@ -469,17 +505,18 @@ def racy(n: int) -> str:
 
 
 def test_two_nodes_rule_picks_a_user_file_and_bad_hints_fail_every_rank(
-        fabric: Callable[..., ProgramCluster], tmp_path: Path) -> None:
+        fabric: Callable[..., ProgramCluster], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A config rule picks the checked user file for all-reduces (NumPy-exact on even and uneven
     sizes, counted per algorithm in the status); a refused file is listed and never runs; hints
-    naming an unknown or refused program fail every rank naming it; a program whose copy on
-    node 1 is another program fails every rank naming the released hash and node 1's, and the
-    fabric goes on (a plain all-reduce after each failure works)."""
+    naming an unknown or refused program fail every rank naming it.  User programs travel with node
+    0's config: node 1 has no 'pairs' of its own and runs node 0's; its own 'split' differs from node
+    0's, so node 1 refuses it (both hashes in its status) and an op naming it fails every rank naming
+    the released hash; the fabric goes on (a plain all-reduce after each failure works)."""
     from commd.algorithms import mscclxml
 
     ours, theirs = twoshot_allreduce(2), twoshot_allreduce(2, "renamed")
     d0 = program_dir(tmp_path, "n0", {"pairs": twoshot_allreduce(2), "racy": racy(2), "split": ours})
-    d1 = program_dir(tmp_path, "n1", {"pairs": twoshot_allreduce(2), "racy": racy(2), "split": theirs})
+    d1 = program_dir(tmp_path, "n1", {"racy": racy(2), "split": theirs})
     ours_hash, theirs_hash = (cat.digest_of(a, mscclxml.dumps)[:16] for a in (ours, theirs))
     c = fabric(2, [d0, d1], config='[[algorithms]]\nname = "pairs"\nkind = "allreduce"\nmin_bytes = 16\n')
     sizes = [3, 1000, 70_001]
@@ -490,7 +527,7 @@ def test_two_nodes_rule_picks_a_user_file_and_bad_hints_fail_every_rank(
         assert "unknown algorithm 'nosuch'" in unknown and "pairs" in unknown, (rank, unknown)
         assert "algorithm 'racy' was refused at load" in refused and "wrong result" in refused, (rank, refused)
         assert "algorithm 'split' differs between nodes" in differs, (rank, differs)
-        assert f"release names sha256 {ours_hash}" in differs and f"node 1 has sha256 {theirs_hash}" in differs
+        assert f"release names sha256 {ours_hash}" in differs and "node 1 has no such program" in differs
     for node in range(2):
         fab = c.status(node)["fabric"]
         # the rule's range: every op of at least 16 bytes (the last: failing_hints' plain all-reduces of
@@ -498,8 +535,26 @@ def test_two_nodes_rule_picks_a_user_file_and_bad_hints_fail_every_rank(
         assert fab["algorithm_ops"] == {
             "pairs": {"ops": 5 + 3, "bytes": 4 * (1000 + 70_001 + 3 * 6) + 8 * (3 + 1000 + 70_001)},
             "native": {"ops": 1, "bytes": 12}}, fab["algorithm_ops"]
-        assert [r["name"] for r in fab["algorithms"]["refused"]] == ["racy"]
-        assert sorted(fab["algorithms"]["files"]) == ["pairs", "split"]
+        files, refused = fab["algorithms"]["files"], fab["algorithms"]["refused"]
+        if node == 0:
+            assert [r["name"] for r in refused] == ["racy"]
+            assert sorted(files) == ["pairs", "split"]
+        else:
+            assert [r["name"] for r in refused] == ["racy", "split"]
+            assert f"this node's copy (sha256 {theirs_hash}) differs from node 0's (sha256 {ours_hash})" \
+                in refused[1]["reason"]
+            assert sorted(files) == ["pairs"] and files["pairs"]["path"] == "node 0"
+    # `commd algo list --job` asks node 1's daemon which programs its fabric can run, and why not
+    from commd.cli.main import main
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("COMMD_RUNTIME_DIR", str(c.runtime[1]))
+        assert main(["algo", "list", "--job", c.job]) == 0
+    said = capsys.readouterr().out
+    assert f"on the fabric of job '{c.job}' (2 nodes" in said
+    assert "  twoshot: can run (allreduce, checked for 2 nodes)" in said
+    assert "pairs (allreduce, from node 0," in said and ": can run" in said
+    assert "  split: refused: this node's copy" in said and "  racy: refused:" in said
 
 
 def test_three_nodes_hinted_programs_equal_numpy(fabric: Callable[..., ProgramCluster], tmp_path: Path) -> None:

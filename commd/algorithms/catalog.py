@@ -16,6 +16,7 @@ program and the file it would be written to have the same hash.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import threading
@@ -41,6 +42,11 @@ NO_NUMPY_DTYPES = frozenset({"bfloat16"})
 LIBRARY = "library"
 #: User files larger than this are refused unread (a program is a few hundred KiB at most).
 MAX_FILE_BYTES = 16 << 20
+#: Node 0 sends its user programs to every member with its config (the control channel's frames
+#: stay well below their 16 MiB bound): at most this many bytes of XML and sidecars in all.
+MAX_SHARED_BYTES = 8 << 20
+#: Where a program received with node 0's config says it came from.
+FROM_NODE0 = "node 0"
 
 
 @dataclass(frozen=True)
@@ -50,7 +56,8 @@ class Program:
     name: str
     algo: Algorithm
     digest: str
-    source: str  # LIBRARY, or the file's path
+    source: str  # LIBRARY, the file's path, or FROM_NODE0
+    post_text: str | None = None  # a custom program's sidecar (JSON), travels with it
     #: Whether it is an AllToNext program (a ``custom`` one whose postcondition says so).
     alltonext: bool = False
 
@@ -187,7 +194,9 @@ class Catalog:
             raise ProgramError(f"coll=\"custom\" needs its postcondition in {path.name}.post.json", source=str(path))
         post = self.tools.postcondition(algo, sidecar, str(path))
         self.tools.check(algo, post, str(path))
-        return Program(name, algo, digest_of(algo, self.tools.dumps), str(path), is_alltonext(algo, post))
+        post_text = sidecar.read_text() if sidecar is not None and algo.coll == "custom" else None
+        return Program(name, algo, digest_of(algo, self.tools.dumps), str(path), post_text,
+                       is_alltonext(algo, post))
 
     def _refuse(self, name: str, source: str, reason: str) -> None:
         self.refused.append(Refusal(name, source, reason))
@@ -200,6 +209,60 @@ class Catalog:
         except Exception as exc:  # a broken library must not take the user's files down with it
             log.warning("algorithms: the library cannot list its programs: %s", exc)
             return []
+
+    # ---- travelling with node 0's config ---------------------------------------------------
+    def shared(self) -> dict[str, dict[str, str | None]]:
+        """This node's accepted user programs as node 0 sends them to the members (name → XML and
+        sidecar); a program that would take the total past MAX_SHARED_BYTES stays home, said in the log."""
+        assert self.tools is not None
+        out: dict[str, dict[str, str | None]] = {}
+        total = 0
+        for name, program in sorted(self.files.items()):
+            xml = self.tools.dumps(program.algo)
+            size = len(xml) + len(program.post_text or "")
+            if total + size > MAX_SHARED_BYTES:
+                log.warning("algorithms: %s (%d bytes) is not sent to the other nodes: the programs sent with "
+                            "the config are bounded to %d bytes; nodes without their own copy cannot run it",
+                            program.source, size, MAX_SHARED_BYTES)
+                continue
+            total += size
+            out[name] = {"xml": xml, "post": program.post_text}
+        return out
+
+    def adopt(self, programs: Any) -> None:
+        """Node 0's user programs, received with its config: each is read and checked here too; one this
+        node lacks is added; one whose copy here differs is refused here (both hashes in the reason, in
+        ``commd status``), so neither copy runs and an op that names it fails on every node."""
+        if programs is None:
+            return
+        if not isinstance(programs, dict):
+            log.warning("algorithms: node 0's programs are not a mapping; none adopted")
+            return
+        from commd.algorithms import checker, mscclxml, postcondition
+
+        for name, entry in programs.items():
+            where = f"{FROM_NODE0}'s {name}.xml"
+            try:
+                if not isinstance(name, str) or not 0 < len(name) <= 255 or not isinstance(entry, dict) \
+                        or not isinstance(entry.get("xml"), str) or not isinstance(entry.get("post"), str | None):
+                    raise ProgramError("a program sent with the config must be a name with its XML text "
+                                       "and its sidecar (or none)", source=f"{FROM_NODE0}'s programs")
+                algo = mscclxml.loads(entry["xml"], source=where)
+                post = (postcondition.parse_sidecar(json.loads(entry["post"]), where) if entry["post"] is not None
+                        else None)
+                checker.check(algo, post, source=where)
+            except (ProgramError, ValueError) as exc:
+                self.files.pop(str(name), None)
+                self._refuse(str(name), where, str(exc))
+                continue
+            digest = digest_of(algo, mscclxml.dumps)
+            mine = self.files.get(name)
+            if mine is None:
+                self.files[name] = Program(name, algo, digest, FROM_NODE0, entry["post"], is_alltonext(algo, post))
+            elif mine.digest != digest:
+                del self.files[name]
+                self._refuse(name, mine.source, f"this node's copy (sha256 {short(mine.digest)}) differs from "
+                                                f"node 0's (sha256 {short(digest)}); neither runs on this node")
 
     # ---- lookup -------------------------------------------------------------------------
     def names(self) -> list[str]:
@@ -233,7 +296,7 @@ class Catalog:
         except (ProgramError, ValueError) as exc:
             log.warning("algorithms: %s cannot be used: %s", source, exc)
             return f"{source} cannot be used: {exc}"
-        return Program(name, algo, digest_of(algo, self.tools.dumps), LIBRARY, is_alltonext(algo, post))
+        return Program(name, algo, digest_of(algo, self.tools.dumps), LIBRARY, alltonext=is_alltonext(algo, post))
 
     def runnable(self, name: str, kind: str, nnodes: int, dtype: str, op: str | None) -> Program | str:
         """The program ``name`` if it can run a ``kind`` op of ``dtype`` (reduced with the lane op

@@ -33,7 +33,7 @@ def _msccl_modules() -> dict[str, types.ModuleType]:
         mods[name] = mod
     for name, mod in mods.items():
         parent, _, child = name.rpartition(".")
-        if parent:
+        if parent and not hasattr(mods[parent], child):  # never hide a DSL name (``chunk``) behind a module
             setattr(mods[parent], child, mod)
     return mods
 

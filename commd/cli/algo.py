@@ -1,6 +1,8 @@
-"""`commd algo`: check, simulate and list collective programs (MSCCL XML files and the library).
+"""`commd algo`: compile, check, simulate and list collective programs (MSCCL XML files and the library).
 
-``check FILE.xml`` proves a file right before it runs anywhere (exit 0 accepted, 1 refused,
+``compile PROGRAM.py [ARGS…] -o FILE.xml`` runs a DSL program file (msccl-tools programs run
+unmodified) and writes its IR as MSCCL XML, checked first (a custom collective's postcondition
+beside it as ``FILE.post.json``); ``check FILE.xml`` proves a file right before it runs anywhere (exit 0 accepted, 1 refused,
 every reason as "file, rank r, threadblock t, step s: reason"); ``simulate FILE.xml`` runs
 all its ranks in this process on random data and compares with NumPy (exit 0 on a match, 1
 with the first differing element, or with the blocked steps of a deadlock); ``list`` shows
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import sys
 from pathlib import Path
@@ -34,7 +37,11 @@ DIR_ENV = "COMMD_ALGORITHMS_DIR"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True)
-    # `compile PROGRAM.py -o FILE.xml` (the DSL's compiler) is registered here beside these.
+    comp = sub.add_parser("compile", help="compile a DSL program file to MSCCL XML (checked before it is written)")
+    comp.add_argument("-o", "--output", required=True,
+                      help="the XML file to write (a file that builds several programs: FILE-<name>.xml each)")
+    comp.add_argument("program", help="DSL program file (Python; msccl-tools' imports work unchanged)")
+    comp.add_argument("argv", nargs=argparse.REMAINDER, help="arguments the program reads from sys.argv")
     check = sub.add_parser("check", help="prove an MSCCL XML file right (exit 0 accepted, 1 refused)")
     check.add_argument("file", help="MSCCL XML file")
     check.add_argument("--post", help="postcondition sidecar (default for coll=\"custom\": FILE.post.json)")
@@ -52,10 +59,60 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sim.add_argument("--post", help="postcondition sidecar of a custom collective (default: FILE.post.json)")
     listing = sub.add_parser("list", help="the built-in programs and the files of an algorithms directory")
     listing.add_argument("--dir", help=f"directory of MSCCL XML files (default: ${DIR_ENV})")
+    listing.add_argument("--job", help="also say, for this running job's fabric, which programs can run and why "
+                                       "not ($COMMD_JOB names it too; the daemon of this node is asked)")
 
 
 def run(args: argparse.Namespace) -> int:
-    return {"check": _check, "simulate": _simulate, "list": _list}[args.action](args)
+    return {"compile": _compile, "check": _check, "simulate": _simulate, "list": _list}[args.action](args)
+
+
+def _compile(args: argparse.Namespace) -> int:
+    """Compile every program the file builds, check each, and write the accepted ones (exit 1 if any is refused)."""
+    from commd.algorithms import dslfile
+
+    try:
+        programs = dslfile.run_file(args.program, args.argv)
+    except ProgramError as exc:
+        print(f"refused: {exc}")
+        return 1
+    out = Path(args.output)
+    status = 0
+    for prog in programs:
+        target = out if len(programs) == 1 else out.with_name(f"{out.stem}-{_file_safe(prog.name)}{out.suffix}")
+        try:
+            algo = prog.compile()
+            # a built-in collective's postcondition follows from its header; a custom one travels beside it
+            side = prog.sidecar(target.name) if algo.coll == "custom" else None
+            post = postcondition.parse_sidecar(side, str(target)) if side is not None else None
+            problems = checker.problems(algo, post, source=target if side is not None else prog.source)
+        except ProgramError as exc:
+            problems = [exc]
+        if problems:
+            status = 1
+            print(f"refused: {prog.source} (nothing written to {target})")
+            for problem in problems:
+                print(f"  {_located(problem)}")
+            continue
+        try:
+            mscclxml.dump(algo, target)
+            if side is not None:
+                sidecar_path(target).write_text(json.dumps(side, indent=1) + "\n")
+        except OSError as exc:
+            print(f"{target}: cannot write: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote {target}: {algo.name}, {algo.coll}, {algo.ngpus} ranks, "
+              f"{sum(len(tb.steps) for r in algo.ranks for tb in r.threadblocks)} steps (checked)")
+    return status
+
+
+def sidecar_path(xml: Path) -> Path:
+    """Where a custom collective's postcondition goes: ``X.post.json`` beside ``X.xml``."""
+    return xml.with_suffix(".post.json") if xml.suffix == ".xml" else xml.with_name(xml.name + ".post.json")
+
+
+def _file_safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "program"
 
 
 def _load(path: str) -> Algorithm | int:
@@ -162,6 +219,55 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
+    status = _listed(args)
+    job = args.job or os.environ.get("COMMD_JOB")
+    if job:
+        return _list_fabric(job) or status
+    return status
+
+
+def _list_fabric(job: str) -> int:
+    """Which programs the job's fabric can run, as its daemons' catalogue sees them."""
+    from commd.client.status import StatusError, query_status, resolve_job
+
+    try:
+        fabric = query_status(resolve_job(job, None)).get("fabric")
+    except StatusError as exc:
+        print(f"job {job!r}: {exc}", file=sys.stderr)
+        return 2
+    if not isinstance(fabric, dict) or not isinstance(fabric.get("algorithms"), dict):
+        print(f"job {job!r}: a single node (no fabric) runs no programs: they are the inter-node phase of an op")
+        return 0
+    catalog, nnodes = fabric["algorithms"], len(fabric.get("nodes") or [])
+    print(f"on the fabric of job {job!r} ({nnodes} nodes; programs run ops of groups spanning nodes, on the tcp lane):")
+    for name in catalog.get("library") or []:
+        print(f"  {name}: {_library_verdict(name, nnodes)}")
+    for name, row in sorted((catalog.get("files") or {}).items()):
+        fits = row.get("nodes") == nnodes
+        verdict = "can run" if fits else f"cannot run: written for {row.get('nodes')} nodes"
+        print(f"  {name} ({row.get('coll')}, from {row.get('path')}, sha256 {str(row.get('sha256'))[:16]}): "
+              f"{verdict}" + ("" if fits else f", the fabric has {nnodes} (a group spanning that many nodes)"))
+    for row in catalog.get("refused") or []:
+        print(f"  {row.get('name')}: refused: {row.get('reason')}")
+    return 0
+
+
+def _library_verdict(name: str, nnodes: int) -> str:
+    """Whether the library's program compiles and passes the checker for a group spanning every node."""
+    from commd.algorithms import library
+
+    if nnodes < 2:
+        return "cannot run: the fabric has one node"
+    try:
+        algo = library.get(name, nnodes)
+        post = postcondition.parse_sidecar(library.sidecar(name, nnodes)) if algo.coll == "custom" else None
+        checker.check(algo, post, source=f"library program {name!r}")
+    except (ProgramError, ValueError) as exc:
+        return f"cannot run on {nnodes} nodes: {exc}"
+    return f"can run ({algo.coll}, checked for {nnodes} nodes)"
+
+
+def _listed(args: argparse.Namespace) -> int:
     try:
         library = importlib.import_module("commd.algorithms.library")
     except ModuleNotFoundError:

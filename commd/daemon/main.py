@@ -113,14 +113,18 @@ def run(args: argparse.Namespace) -> int:
         torch_loader.torch_module()  # the fabric's lanes and kernels use torch directly
         from commd.fabric.rendezvous import FabricError, establish
 
+        catalog = _catalog(algorithms_dir)
         try:
-            fabric = establish(spec, paths.job, given_secret, scheduler)
+            fabric = establish(spec, paths.job, given_secret, scheduler,
+                               catalog.shared() if catalog is not None else None)
         except FabricError as exc:
             logging.getLogger("commd.daemon").error("cannot form the fabric: %s", exc)
             print(f"commd daemon: cannot form the fabric: {exc}", file=sys.stderr)
             return 1
         secret = fabric.secret
-        fabric.catalog = _catalog(algorithms_dir)
+        fabric.catalog = catalog
+        if catalog is not None and not fabric.is_coordinator:
+            catalog.adopt(fabric.programs)  # node 0's user programs, each checked here too
         scheduler = fabric.config or scheduler
         # Every node checks the coordinator's table against its own fabric (same verdict everywhere).
         scheduler.adopt_table(scheduler.table, fabric.nnodes, sorted(fabric.lanes))

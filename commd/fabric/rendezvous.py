@@ -85,6 +85,8 @@ class Fabric:
     keep: list[Any] = field(default_factory=list)  # stores / communicators the lanes use
     #: This node's programs (``commd.algorithms.catalog.Catalog``; None: programs unavailable).
     catalog: Any = None
+    #: The user programs node 0 sent with its config (``Catalog.shared()``'s form; a member adopts them).
+    programs: Any = None
 
     @property
     def nnodes(self) -> int:
@@ -120,8 +122,10 @@ def _mac(secret: str, *parts: object) -> str:
     return hmac.new(secret.encode(), text.encode(), hashlib.sha256).hexdigest()
 
 
-def establish(spec: FabricSpec, job: str, secret: str | None, config: SchedulerConfig) -> Fabric:
-    """Run the whole rendezvous; raises FabricError with a precise reason."""
+def establish(spec: FabricSpec, job: str, secret: str | None, config: SchedulerConfig,
+              programs: dict[str, Any] | None = None) -> Fabric:
+    """Run the whole rendezvous; raises FabricError with a precise reason.  ``programs``: node 0's
+    user programs, sent to every member with the config (as its tuning table is)."""
     deadline = time.monotonic() + spec.timeout
     keep: list[Any] = []
     comm = None
@@ -195,7 +199,7 @@ def establish(spec: FabricSpec, job: str, secret: str | None, config: SchedulerC
     fabric = Fabric(rank, nodes, secret, {}, config if rank == 0 else None, keep=keep)
     if rank == 0:
         try:
-            _accept_members(fabric, listener, job, deadline, config)
+            _accept_members(fabric, listener, job, deadline, config, programs)
         finally:
             listener.close()
     else:
@@ -284,7 +288,8 @@ def _check_nodes(raw: list[dict[str, Any]], nnodes: int) -> list[NodeInfo]:
 
 
 def _accept_members(
-    fabric: Fabric, listener: socket.socket, job: str, deadline: float, config: SchedulerConfig
+    fabric: Fabric, listener: socket.socket, job: str, deadline: float, config: SchedulerConfig,
+    programs: dict[str, Any] | None = None,
 ) -> None:
     """Coordinator: challenge every connecting member; admit only those proving the secret."""
     listener.setblocking(False)
@@ -326,7 +331,7 @@ def _accept_members(
                         raise s.ProtocolError(f"node {node} joined twice")
                     del pending[sock.fileno()]
                     fabric.links[node] = conn
-                    conn.send_blocking({"t": "welcome", "config": config.to_wire()})
+                    conn.send_blocking({"t": "welcome", "config": config.to_wire(), "programs": programs})
                 else:
                     raise s.ProtocolError(f"unexpected {msg['t']!r} during the join")
             except (s.ProtocolError, KeyError, ChannelClosed, OSError) as exc:
@@ -367,4 +372,5 @@ def _join_coordinator(fabric: Fabric, job: str, deadline: float) -> None:
     welcome = ask({"t": "proof", "node": fabric.node_rank,
                    "mac": _mac(fabric.secret, "commd-join", job, fabric.node_rank, nonce)}, "welcome")
     fabric.config = config_from_wire(welcome["config"])
+    fabric.programs = welcome.get("programs")  # validated and checked by the catalogue that adopts them
     fabric.links[0] = conn
