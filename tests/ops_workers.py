@@ -93,9 +93,10 @@ def alltonext_mismatch(ctx: Any, counts: list[int]) -> str:
     return message
 
 
-def torch_alltonext(ctx: Any, port: int, algo: str | None, n: int) -> str:
+def torch_alltonext(ctx: Any, port: int, algo: str | None, n: int, gather_algo: str | None = None) -> str:
     """``commd.alltonext`` from a torch program: on the default group and on a new group whose
-    Options name the program (``algo``), with a torch group and with async_op."""
+    Options name the program (``algo``), with a torch group and with async_op; then, on that
+    group, torch's all_gather and all_gather_into_tensor (run by ``gather_algo``) against NumPy."""
     import os
     from datetime import timedelta
 
@@ -113,13 +114,24 @@ def torch_alltonext(ctx: Any, port: int, algo: str | None, n: int) -> str:
         assert commd.alltonext(send, recv) is None
         want = torch.full((n,), -1.0) if rank == 0 else torch.arange(n, dtype=torch.float32) + 1000 * (rank - 1)
         assert torch.equal(recv, want), (rank, recv[:4], want[:4])
-        options = commd.Options(algo={"alltonext": algo}) if algo else None
+        algos = {"alltonext": algo} if algo else {}
+        if gather_algo:
+            algos["all_gather"] = gather_algo
+        options = commd.Options(algo=algos) if algos else None
         group = dist.new_group(list(range(ctx.world_size)), pg_options=options)
         recv2 = torch.zeros(n, dtype=torch.int64)
         work = commd.alltonext(send.to(torch.int64), recv2, group=group, async_op=True)
         work.wait()
         want2 = torch.zeros(n, dtype=torch.int64) if rank == 0 else want.to(torch.int64)
         assert torch.equal(recv2, want2), (rank, recv2[:4], want2[:4])
+        world = ctx.world_size
+        mine = torch.arange(n, dtype=torch.int32) * (rank + 1)
+        flat = torch.zeros(world * n, dtype=torch.int32)
+        dist.all_gather_into_tensor(flat, mine, group=group)
+        parts = [torch.zeros(n, dtype=torch.int32) for _ in range(world)]
+        dist.all_gather(parts, mine, group=group)
+        want3 = np.concatenate([np.arange(n, dtype=np.int32) * (r + 1) for r in range(world)])
+        assert np.array_equal(flat.numpy(), want3) and np.array_equal(torch.cat(parts).numpy(), want3)
     finally:
         dist.destroy_process_group()
     return "ok"

@@ -269,15 +269,17 @@ def test_alltonext_count_mismatch_fails_every_rank(fabric: Callable[..., OpsClus
 
 
 @pytest.mark.slow
-def test_alltonext_from_torch(fabric: Callable[..., OpsCluster]) -> None:
+def test_alltonext_and_allgather_programs_from_torch(fabric: Callable[..., OpsCluster], tmp_path: Path) -> None:
     """``commd.alltonext`` with torch tensors on the default group and on a group whose Options name
-    the library program (2 nodes x 2 ranks)."""
+    the library program; torch's all-gathers on that group run the all-gather program its
+    Options name (2 nodes x 2 ranks)."""
     from cluster import free_port
 
-    c = fabric(2, 2)
-    out = c.join(c.start_workers(ow.torch_alltonext, free_port(), "alltonext", 1001), timeout=120)
+    c = fabric(2, 2, algorithms_dir(tmp_path, {"ag": direct_allgather(2)}))
+    out = c.join(c.start_workers(ow.torch_alltonext, free_port(), "alltonext", 1001, "ag"), timeout=120)
     assert set(out.values()) == {"ok"}, out
-    assert c.status(0)["fabric"]["algorithm_ops"]["alltonext"]["ops"] == 1
+    counts = c.status(0)["fabric"]["algorithm_ops"]
+    assert counts["alltonext"]["ops"] == 1 and counts["ag"]["ops"] == 2, counts
 
 
 def test_torch_options_take_an_algorithm_per_op() -> None:
