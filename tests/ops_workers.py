@@ -174,3 +174,23 @@ def programs(ctx: Any, plan: list[tuple[str, str]], sizes: list[int]) -> str:
                                          f"want {want[:8]}")
     client.close()
     return "ok"
+
+
+def alltonext_crossed(ctx: Any, members: list[int], n: int) -> list[str]:
+    """alltonext on group ``members`` (group rank i = world rank members[i]), whose ranks alternate
+    between nodes: the native path equals NumPy's shift by group rank; the library program is
+    refused on every rank, naming why.  Returns [result, refusal message]."""
+    client = ctx.connect(groups={"g": members})
+    me = members.index(ctx.rank)
+    inp = torch.from_numpy(data(me, n, "int64", 5))
+    out = torch.full((n,), -1, dtype=torch.int64)
+    ops.alltonext(client, out, inp, group="g").wait(60)
+    want = np.full(n, -1, np.int64) if me == 0 else data(me - 1, n, "int64", 5)
+    result = "ok" if np.array_equal(out.numpy(), want) else f"got {out.numpy()[:4]} want {want[:4]}"
+    try:
+        ops.alltonext(client, out, inp, group="g", algo="alltonext").wait(60)
+        message = "no error"
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        message = f"{type(exc).__name__}: {exc}"
+    client.close()
+    return [result, message]

@@ -365,3 +365,15 @@ def test_msccl_files_run_on_one_rank_per_simulated_host(sim_hosts: Any, tmp_path
         for path, coll in group:
             want = len(sizes) * (3 if coll == "allreduce" else 2)
             assert counts[path.stem]["ops"] == want, (path.name, counts)
+
+
+@pytest.mark.slow
+def test_alltonext_on_a_group_whose_ranks_alternate_between_nodes(fabric: Callable[..., OpsCluster]) -> None:
+    """Group ranks 0..3 on nodes 0, 1, 0, 1: every shift crosses nodes, in both directions; the
+    native path is NumPy's shift; a program (node i to node i + 1) cannot express it and is
+    refused on every rank with the reason."""
+    c = fabric(2, 2)
+    out = c.join(c.start_workers(ow.alltonext_crossed, [0, 2, 1, 3], 10_001), timeout=90)
+    for rank, (result, message) in out.items():
+        assert result == "ok", (rank, result)
+        assert "contiguous range of group ranks" in message, (rank, message)
