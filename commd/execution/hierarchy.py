@@ -324,8 +324,9 @@ def _alltonext(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Reso
     # the boundary blocks this node sends (ranks whose successor is elsewhere) and receives
     sends = [g for g in sorted(by_rank) if g + 1 < len(node_of) and node_of[g + 1] != me]
     recvs = [g for g in sorted(by_rank) if g > 0 and node_of[g - 1] != me]
-    # inputs a local copy or a send still reads are taken first (an output may alias an input)
-    boundary = {g: inputs[g].clone() for g in sends}
+    # the lane call reads the boundary inputs before any output is written; the local shift's
+    # sources are taken first, as the received blocks land before it (an output may alias an input)
+    boundary = {g: inputs[g] for g in sends}
     local = [(g, inputs[g - 1].clone()) for g in sorted(by_rank) if g > 0 and node_of[g - 1] == me]
     if program is not None:
         index = placement.nodes.index(me)
