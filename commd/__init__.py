@@ -47,4 +47,15 @@ def empty(shape, dtype=None):  # type: ignore[no-untyped-def]
     return current_client().empty(shape, dtype or torch.float32)
 
 
-__all__ = ["Client", "CommTimeoutError", "CommdError", "MismatchError", "Options", "PeerDiedError", "empty"]
+def alltonext(send, recv, group=None, async_op=False):  # type: ignore[no-untyped-def]
+    """AllToNext: rank r's ``recv`` = rank r - 1's ``send`` (rank 0's ``recv`` is left as it was).
+
+    ``group``: None (the default process group), a commd torch process group, or a commd
+    group's name.  See ``commd.torch_backend.process_group.alltonext``."""
+    from commd.torch_backend.process_group import alltonext as run
+
+    return run(send, recv, group, async_op)
+
+
+__all__ = ["Client", "CommTimeoutError", "CommdError", "MismatchError", "Options", "PeerDiedError", "alltonext",
+           "empty"]

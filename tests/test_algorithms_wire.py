@@ -261,7 +261,8 @@ def test_catalog_says_why_a_program_cannot_run() -> None:
                                             "a2a": lambda n: empty_algo("a2a", n, "alltoall")}))
     assert catalog.runnable("nosuch", "allreduce", 2, "float32", "sum") == \
         "unknown algorithm 'nosuch' (known: a2a, twoshot)"
-    assert "programs run allreduce, alltoall only" in catalog.runnable("twoshot", "broadcast", 2, "float32", None)
+    assert "programs run allgather, allreduce, alltoall, alltonext only" in \
+        catalog.runnable("twoshot", "broadcast", 2, "float32", None)
     assert catalog.runnable("a2a", "allreduce", 2, "float32", "sum") == \
         "algorithm 'a2a' is a alltoall program, not allreduce"
     assert "no bfloat16" in catalog.runnable("twoshot", "allreduce", 2, "bfloat16", "sum")

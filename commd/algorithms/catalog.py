@@ -20,7 +20,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,8 +32,10 @@ log = logging.getLogger("commd.algorithms")
 
 #: The environment variable naming the directory of user programs (the flag and the config key win).
 ENV_DIR = "COMMD_ALGORITHMS_DIR"
-#: Op kinds a program can run, and the collective (the IR's ``coll``) it must be for.
-COLL_FOR_KIND = {"allreduce": "allreduce", "alltoall": "alltoall"}
+#: Op kinds a program can run, and the collective (the IR's ``coll``) it must be for.  AllToNext
+#: has no collective of MSCCL's own: its programs are ``custom`` ones whose postcondition is
+#: AllToNext's (see :func:`is_alltonext`).
+COLL_FOR_KIND = {"allreduce": "allreduce", "allgather": "allgather", "alltoall": "alltoall", "alltonext": "custom"}
 #: Lane dtypes NumPy cannot hold (the interpreter works on NumPy views of the lane's buffer).
 NO_NUMPY_DTYPES = frozenset({"bfloat16"})
 #: Where a program came from when it is the library's.
@@ -56,6 +58,8 @@ class Program:
     digest: str
     source: str  # LIBRARY, the file's path, or FROM_NODE0
     post_text: str | None = None  # a custom program's sidecar (JSON), travels with it
+    #: Whether it is an AllToNext program (a ``custom`` one whose postcondition says so).
+    alltonext: bool = False
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,8 @@ class Tools:
     postcondition: Callable[[Algorithm, Path | None, str], Any]
     library_get: Callable[[str, int], Algorithm]
     library_names: Callable[[], list[str]]
+    #: A ``custom`` library program's postcondition (what its sidecar would say), by name and node count.
+    library_post: Callable[[str, int], Any] | None = None
 
 
 def default_tools() -> Tools:
@@ -87,10 +93,20 @@ def default_tools() -> Tools:
     def post(algo: Algorithm, sidecar: Path | None, source: str) -> Any:
         return postcondition.for_algorithm(algo, sidecar, source=source)
 
+    def library_post(name: str, nranks: int) -> Any:
+        from commd.algorithms import library
+
+        doc = library.sidecar(name, nranks)
+        if doc is None:
+            return None
+        doc = {key: value for key, value in doc.items() if key != "file"}  # (it names no file of ours)
+        return postcondition.parse_sidecar(doc, f"library program {name!r}")
+
     library_get, library_names = _library()
     return Tools(dumps=mscclxml.dumps, load=mscclxml.load,
                  check=lambda algo, p, source: checker.check(algo, p, source=source),
-                 postcondition=post, library_get=library_get, library_names=library_names)
+                 postcondition=post, library_get=library_get, library_names=library_names,
+                 library_post=library_post)
 
 
 def _library() -> tuple[Callable[[str, int], Algorithm], Callable[[], list[str]]]:
@@ -176,9 +192,11 @@ class Catalog:
                         if p.is_file()), None)
         if algo.coll == "custom" and sidecar is None:
             raise ProgramError(f"coll=\"custom\" needs its postcondition in {path.name}.post.json", source=str(path))
-        self.tools.check(algo, self.tools.postcondition(algo, sidecar, str(path)), str(path))
+        post = self.tools.postcondition(algo, sidecar, str(path))
+        self.tools.check(algo, post, str(path))
         post_text = sidecar.read_text() if sidecar is not None and algo.coll == "custom" else None
-        return Program(name, algo, digest_of(algo, self.tools.dumps), str(path), post_text)
+        return Program(name, algo, digest_of(algo, self.tools.dumps), str(path), post_text,
+                       is_alltonext(algo, post))
 
     def _refuse(self, name: str, source: str, reason: str) -> None:
         self.refused.append(Refusal(name, source, reason))
@@ -240,7 +258,7 @@ class Catalog:
             digest = digest_of(algo, mscclxml.dumps)
             mine = self.files.get(name)
             if mine is None:
-                self.files[name] = Program(name, algo, digest, FROM_NODE0, entry["post"])
+                self.files[name] = Program(name, algo, digest, FROM_NODE0, entry["post"], is_alltonext(algo, post))
             elif mine.digest != digest:
                 del self.files[name]
                 self._refuse(name, mine.source, f"this node's copy (sha256 {short(mine.digest)}) differs from "
@@ -272,11 +290,13 @@ class Catalog:
         source = f"library program {name!r} for {nnodes} nodes"
         try:
             algo = self.tools.library_get(name, nnodes)
-            self.tools.check(algo, self.tools.postcondition(algo, None, source), source)
+            given = self.tools.library_post(name, nnodes) if algo.coll == "custom" and self.tools.library_post else None
+            post = self.tools.postcondition(algo, given, source)
+            self.tools.check(algo, post, source)
         except (ProgramError, ValueError) as exc:
             log.warning("algorithms: %s cannot be used: %s", source, exc)
             return f"{source} cannot be used: {exc}"
-        return Program(name, algo, digest_of(algo, self.tools.dumps), LIBRARY)
+        return Program(name, algo, digest_of(algo, self.tools.dumps), LIBRARY, alltonext=is_alltonext(algo, post))
 
     def runnable(self, name: str, kind: str, nnodes: int, dtype: str, op: str | None) -> Program | str:
         """The program ``name`` if it can run a ``kind`` op of ``dtype`` (reduced with the lane op
@@ -292,6 +312,9 @@ class Catalog:
             return f"algorithm {name!r} is a {algo.coll} program, not {coll}"
         if algo.ngpus != nnodes:
             return f"algorithm {name!r} is written for {algo.ngpus} nodes, the op spans {nnodes}"
+        if kind == "alltonext" and not found.alltonext:
+            return (f"algorithm {name!r} is a custom program whose postcondition is not AllToNext's "
+                    "(rank r's output = rank r - 1's input, chunk for chunk)")
         if kind == "allreduce" and op is None:
             return f"algorithm {name!r} needs a reduce op"
         if kind == "allreduce" and dtype in NO_NUMPY_DTYPES:  # (an all-to-all moves bytes)
@@ -307,6 +330,24 @@ class Catalog:
                       for name, p in sorted(self.files.items())},
             "refused": [{"name": r.name, "path": r.source, "reason": r.reason} for r in self.refused],
         }
+
+
+def is_alltonext(algo: Algorithm, post: Any) -> bool:
+    """Whether ``algo`` computes AllToNext: a ``custom`` program in which every rank has one input
+    and one output of ``nchunksperloop`` chunks, and whose postcondition ``post`` says exactly that
+    rank r's output chunk c is rank r - 1's input chunk c, for every r ≥ 1 and c (rank 0's output
+    unspecified).  Only such a program may run an ``alltonext`` op: the op's layout is the node's
+    whole buffer in and out."""
+    if algo.coll != "custom" or algo.ngpus < 2 or post is None:
+        return False
+    k = algo.nchunksperloop
+    if any(r.i_chunks != k or r.o_chunks != k for r in algo.ranks):
+        return False
+    expect = getattr(post, "expect", None)
+    if not isinstance(expect, Mapping):
+        return False
+    want = {(r, "o", c): frozenset({(r - 1, "i", c)}) for r in range(1, algo.ngpus) for c in range(k)}
+    return {tuple(slot): frozenset(tuple(s) for s in sources) for slot, sources in expect.items()} == want
 
 
 @dataclass(frozen=True)

@@ -41,11 +41,13 @@ def broadcast(client: Client, tensor: torch.Tensor, root: int, group: str = WORL
 
 
 def all_gather(client: Client, output: torch.Tensor, input: torch.Tensor, counts: list[int] | None = None,
-               group: str = WORLD, timeout: float | None = None, lane: str | None = None) -> Handle:
-    """output = concatenation of every rank's input (``counts``: elements per rank)."""
+               group: str = WORLD, timeout: float | None = None, lane: str | None = None,
+               algo: str | None = None) -> Handle:
+    """output = concatenation of every rank's input (``counts``: elements per rank).  ``algo``: an
+    all-gather program for the inter-node phase (every node then gives the same number of bytes)."""
     counts = counts or [input.numel()] * client.group_size(group)
     return client.submit("allgather", group, {"in": (input, "in"), "out": (output, "out")}, input.dtype,
-                         result=output, counts=counts, timeout=timeout, lane=lane)
+                         result=output, counts=counts, timeout=timeout, lane=lane, algo=algo)
 
 
 def gather(client: Client, output: torch.Tensor | None, input: torch.Tensor, root: int,
@@ -84,6 +86,22 @@ def all_to_all(client: Client, output: torch.Tensor, input: torch.Tensor, splits
     return client.submit("alltoall", group, {"in": (input, "in"), "out": (output, "out")}, input.dtype,
                          result=output, splits_in=list(splits_in), splits_out=list(splits_out),
                          timeout=timeout, lane=lane, algo=algo)
+
+
+def alltonext(client: Client, output: torch.Tensor, input: torch.Tensor, group: str = WORLD,
+              timeout: float | None = None, lane: str | None = None, algo: str | None = None) -> Handle:
+    """AllToNext: rank r's ``output`` = rank r - 1's ``input`` (rank 0's ``output`` is left as it
+    was; the last rank's ``input`` goes nowhere).  Every rank gives the same count and dtype.
+    ``algo``: an AllToNext program (e.g. the library's ``alltonext``) for the transfers between
+    nodes; without one they are plain sends to the next node."""
+    if input.numel() != output.numel():
+        raise ValueError(f"alltonext: input has {input.numel()} elements, output {output.numel()}; they must match")
+    if input.dtype != output.dtype:
+        raise ValueError(f"alltonext: input is {input.dtype}, output {output.dtype}; they must match")
+    # rank 0's output is kept: a staged copy of it must go in as well as come back
+    role = "inout" if client.group_rank(group) == 0 else "out"
+    return client.submit("alltonext", group, {"in": (input, "in"), "out": (output, role)}, input.dtype,
+                         result=output, count=input.numel(), timeout=timeout, lane=lane, algo=algo)
 
 
 def send(client: Client, tensor: torch.Tensor, dst: int, tag: int = 0, group: str = WORLD,

@@ -60,13 +60,14 @@ def run(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Resolve, ti
     """Execute one released multi-node collective; ``op.subs`` are the local ranks', in group-rank order.
 
     ``program`` (``commd.algorithms.catalog.Chosen``): the released program that runs the lane
-    phase of an all-reduce or an all-to-all (the kinds the coordinator gives one)."""
+    phase of an all-reduce, an all-gather, an all-to-all or an AllToNext (the kinds the
+    coordinator gives one)."""
     staging = _Staging(resolve)
     if program is not None:
-        if op.kind not in ("allreduce", "alltoall"):
+        if op.kind not in _PROGRAM_RUNNERS:
             raise LaneError(f"{op.describe()}: algorithm {program.name!r} was released for a {op.kind}; "
-                            "programs run all-reduces and all-to-alls only")
-        (_allreduce if op.kind == "allreduce" else _alltoall)(op, placement, lane, staging, timeout, program)
+                            f"programs run {', '.join(sorted(_PROGRAM_RUNNERS))} only")
+        _PROGRAM_RUNNERS[op.kind](op, placement, lane, staging, timeout, program)
     else:
         _RUNNERS[op.kind](op, placement, lane, staging, timeout)
     staging.finish()
@@ -180,7 +181,8 @@ def _node_bytes(placement: GroupPlacement, counts: list[int], itemsize: int) -> 
     return [sum(counts[g] for g in placement.members(n)) * itemsize for n in placement.nodes]
 
 
-def _allgather(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float) -> None:
+def _allgather(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float,
+               program: Any = None) -> None:
     first = op.subs[0]
     itemsize = s.ITEMSIZE[first.dtype]
     counts = first.counts
@@ -189,11 +191,12 @@ def _allgather(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Reso
     outs = [byte_view(resolve(x, "out")) for x in op.subs]
     sizes = _node_bytes(placement, counts, itemsize)
     order = [g for n in placement.nodes for g in placement.members(n)]
+    extra = {} if program is None else {"program": program}
     if order == list(range(len(counts))):  # node-major placement: the gathered layout is the output
-        lane.allgatherv(placement.nodes, mine, outs[0], sizes, timeout)
+        lane.allgatherv(placement.nodes, mine, outs[0], sizes, timeout, **extra)
     else:
         gathered = torch.empty(sum(sizes), dtype=torch.uint8)
-        lane.allgatherv(placement.nodes, mine, gathered, sizes, timeout)
+        lane.allgatherv(placement.nodes, mine, gathered, sizes, timeout, **extra)
         at = 0
         for g in order:
             n = counts[g] * itemsize
@@ -301,6 +304,57 @@ def _alltoall(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Resol
                 at += length
 
 
+def _alltonext(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float,
+               program: Any = None) -> None:
+    """Rank r's output = rank r - 1's input: the shift among this node's ranks is a local copy;
+    each rank whose predecessor lives on another node gets its block over the lane.
+
+    With a program (the coordinator gives one only when every node holds a contiguous range of
+    group ranks, in node order) the lane phase is the program's AllToNext between the nodes:
+    each node's last rank's input to the next node's first rank.  Without one it is an
+    ``alltoallv`` whose only blocks are those boundary transfers (any placement): on the tcp
+    lane, one send to and one receive from each neighbour."""
+    first = op.subs[0]
+    nbytes = first.count * s.ITEMSIZE[first.dtype]
+    by_rank = {sub.group_rank: sub for sub in op.subs}
+    inputs = {g: byte_view(resolve(sub, "in")) for g, sub in by_rank.items()}
+    outs = {g: byte_view(resolve(sub, "out")) for g, sub in by_rank.items()}
+    me = placement.me
+    node_of = placement.node_of
+    # the boundary blocks this node sends (ranks whose successor is elsewhere) and receives
+    sends = [g for g in sorted(by_rank) if g + 1 < len(node_of) and node_of[g + 1] != me]
+    recvs = [g for g in sorted(by_rank) if g > 0 and node_of[g - 1] != me]
+    # the lane call reads the boundary inputs before any output is written; the local shift's
+    # sources are taken first, as the received blocks land before it (an output may alias an input)
+    boundary = {g: inputs[g] for g in sends}
+    local = [(g, inputs[g - 1].clone()) for g in sorted(by_rank) if g > 0 and node_of[g - 1] == me]
+    if program is not None:
+        index = placement.nodes.index(me)
+        src = boundary[sends[0]] if sends else torch.zeros(nbytes, dtype=torch.uint8)
+        dst = torch.empty(nbytes, dtype=torch.uint8)
+        lane.alltonext(placement.nodes, src, dst, timeout, program=program)
+        if index > 0 and recvs:
+            outs[recvs[0]].copy_(dst)
+    else:
+        in_sizes = [0] * len(placement.nodes)
+        out_sizes = [0] * len(placement.nodes)
+        for g in sends:
+            in_sizes[placement.nodes.index(node_of[g + 1])] += nbytes
+        for g in recvs:
+            out_sizes[placement.nodes.index(node_of[g - 1])] += nbytes
+        # blocks to (and from) one node travel in group-rank order: the receiver unpacks them so
+        packed = torch.cat([boundary[g] for g in sorted(sends, key=lambda g: (node_of[g + 1], g))]) \
+            if sends else torch.empty(0, dtype=torch.uint8)
+        received = torch.empty(sum(out_sizes), dtype=torch.uint8)
+        lane.alltoallv(placement.nodes, packed, in_sizes, received, out_sizes, timeout)
+        at = 0
+        for g in sorted(recvs, key=lambda g: (node_of[g - 1], g - 1)):
+            outs[g].copy_(received[at:at + nbytes])
+            at += nbytes
+    for g, data in local:
+        outs[g].copy_(data)
+
+
 def _barrier(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float) -> None:
     lane.barrier(placement.nodes, timeout)
 
@@ -314,8 +368,13 @@ _RUNNERS = {
     "scatter": _scatter,
     "reduce_scatter": _reduce_scatter,
     "alltoall": _alltoall,
+    "alltonext": _alltonext,
     "barrier": _barrier,
 }
+
+#: The kinds whose lane phase a released program can run.
+_PROGRAM_RUNNERS = {"allreduce": _allreduce, "allgather": _allgather, "alltoall": _alltoall,
+                    "alltonext": _alltonext}
 
 
 def apply_result(op: ReadyOp, placement: GroupPlacement, result: bytes, resolve: Resolve) -> None:

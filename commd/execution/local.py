@@ -93,6 +93,8 @@ def execute(op: ReadyOp, resolve: Resolve) -> None:
                 reduce_into(out, parts, first.reduce_op, first.scale)
     elif kind == "alltoall":
         _alltoall(subs, resolve)
+    elif kind == "alltonext":
+        _alltonext(subs, resolve)
     else:  # pragma: no cover - kinds are validated on submission
         raise ValueError(f"no executor for op kind {kind!r}")
 
@@ -191,6 +193,14 @@ def _alltoall(subs: list[Submission], resolve: Resolve) -> None:
             n = subs[j].splits_in[r]
             recv_at = block_offsets(subs[r].splits_out)[j]
             out[recv_at : recv_at + n].copy_(src[send_offsets[r] : send_offsets[r] + n])
+
+
+def _alltonext(subs: list[Submission], resolve: Resolve) -> None:
+    """Rank r's output = rank r - 1's input; rank 0's output is left as it was."""
+    outs = [resolve(s, "out") for s in subs]
+    inputs = _inputs_safe_from(subs, resolve, outs[1:])
+    for r in range(1, len(subs)):
+        outs[r].copy_(inputs[r - 1])
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -76,6 +76,8 @@ COLLECTIVES = frozenset(
         "reduce_scatter",
         "alltoall",
         "barrier",
+        # rank r's "out" = rank r - 1's "in" (rank 0's "out" untouched; the last rank's "in" unused)
+        "alltonext",
     }
 )
 POINT_TO_POINT = frozenset({"send", "recv"})

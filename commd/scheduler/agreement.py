@@ -183,6 +183,9 @@ def _check_shape(sub: Submission) -> None:
             raise s.ProtocolError("alltoall needs fields 'splits_in' and 'splits_out'")
         _need(sub, "in", sum(sub.splits_in))
         _need(sub, "out", sum(sub.splits_out))
+    elif kind == "alltonext":
+        _need(sub, "in", sub.count)
+        _need(sub, "out", sub.count)
     elif kind in ("send", "recv"):
         if kind == "send" and not 0 <= sub.peer < n:
             raise s.ProtocolError(f"send destination {sub.peer} is not a rank of a group of size {n}")
@@ -206,7 +209,7 @@ def _agreed_fields(kind: str) -> tuple[str, ...]:
     if kind == "barrier":
         return fields
     fields += ("dtype",)
-    if kind in ("allreduce", "reduce", "broadcast"):
+    if kind in ("allreduce", "reduce", "broadcast", "alltonext"):
         fields += ("count",)
     if kind in COUNTED:
         fields += ("counts",)

@@ -122,6 +122,37 @@ def _unequal_blocks(pending: Pending) -> str | None:
             f"here node to node blocks range from {min(sizes)} to {max(sizes)} bytes")
 
 
+def _unequal_gather(pending: Pending) -> str | None:
+    """Why an all-gather cannot run as a program (whose blocks all have one size): the nodes'
+    blocks (their ranks' counts together) differ; None if they are all equal."""
+    first = pending.entries[pending.nodes[0]]
+    counts = first.signature.get("counts") or []
+    itemsize = s.ITEMSIZE.get(first.signature.get("dtype", "uint8"), 1)
+    per_node = dict.fromkeys(pending.nodes, 0)
+    for grank, count in enumerate(counts):
+        node = first.placement[grank]
+        per_node[node] = per_node.get(node, 0) + count * itemsize
+    sizes = set(per_node.values())
+    if len(sizes) <= 1:
+        return None
+    return (f"programs run all-gathers in which every node gives the same number of bytes; here the "
+            f"nodes give {[per_node[n] for n in pending.nodes]} bytes")
+
+
+def _not_node_major(pending: Pending) -> str | None:
+    """Why an AllToNext cannot run as a program (node i's boundary to node i + 1): the group's
+    ranks are not contiguous per node in node order; None if they are."""
+    placement = list(pending.entries[pending.nodes[0]].placement)
+    if placement == sorted(placement):
+        return None
+    return (f"AllToNext programs need each node to hold a contiguous range of group ranks, in node order; "
+            f"here the ranks' nodes are {placement}")
+
+
+#: Per op kind: why no program can run a given op of it (None: any program of its kind may).
+_UNFIT = {"alltoall": _unequal_blocks, "allgather": _unequal_gather, "alltonext": _not_node_major}
+
+
 def _op(pending: Pending) -> str:
     """'allreduce #3 on group 'g'' (the kind as the first report gave it; '#3' alone before any)."""
     first = next(iter(pending.entries.values()), None)
@@ -250,7 +281,7 @@ class Coordinator:
                 program = choose_algorithm(
                     first.kind, sig.get("dtype", "uint8"), sig.get("reduce_op"), nbytes, pending.nodes,
                     len(first.placement), algo_hint, lane, self.config, self.catalog,
-                    _unequal_blocks(pending) if first.kind == "alltoall" else None,
+                    _UNFIT[first.kind](pending) if first.kind in _UNFIT else None,
                 )
             except SelectionError as exc:
                 for node in pending.nodes:

@@ -33,6 +33,7 @@ PRIMITIVE_FOR_KIND = {
     "gather": "alltoallv",
     "scatter": "alltoallv",
     "alltoall": "alltoallv",
+    "alltonext": "alltoallv",  # (a lane without an AllToNext of its own: blocks to the next node only)
     "barrier": "barrier",
     "send": "send",
     "recv": "send",

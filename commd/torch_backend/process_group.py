@@ -21,6 +21,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -155,23 +156,35 @@ def _unflatten_into(flat: torch.Tensor, outputs: list[torch.Tensor]) -> None:
         offset += n
 
 
+#: The ops whose inter-node phase a program can run, as ``Options(algo={op: name})`` names them.
+ALGO_OPS = ("all_reduce", "all_gather", "all_to_all", "alltonext")
+
+
 class Options:
     """``pg_options`` for ``init_process_group("commd", pg_options=...)`` / ``new_group``.
 
     ``lane``: the inter-node lane for this group's ops ("tcp", "gloo", "mpi",
     "nccl"); None lets the daemons' rules decide per op.  ``algo``: the program that
-    runs this group's all-reduces between nodes (on the tcp lane); None: the rules decide.
+    runs this group's all-reduces between nodes (on the tcp lane), or a mapping from op
+    (``ALGO_OPS``: all_reduce, all_gather, all_to_all, alltonext) to the program for that op;
+    None: the rules decide.
     """
 
-    def __init__(self, lane: str | None = None, algo: str | None = None) -> None:
+    def __init__(self, lane: str | None = None, algo: str | Mapping[str, str] | None = None) -> None:
         from commd.protocol.schema import LANE_NAMES
 
         if lane is not None and lane not in LANE_NAMES:
             raise ValueError(f"unknown lane {lane!r}; known: {list(LANE_NAMES)}")
-        if algo is not None and (not isinstance(algo, str) or not algo):
-            raise ValueError(f"algo must be an algorithm's name, got {algo!r}")
+        algos = dict(algo) if isinstance(algo, Mapping) else {"all_reduce": algo} if algo is not None else {}
+        for op, name in algos.items():
+            if op not in ALGO_OPS:
+                raise ValueError(f"algo for {op!r}: programs run the ops {list(ALGO_OPS)} only")
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"algo must be an algorithm's name, got {name!r} for {op}")
         self.lane = lane
-        self.algo = algo
+        #: The program per op (``ALGO_OPS``); ``algo``: the all-reduces' (None: the rules decide).
+        self.algos = algos
+        self.algo = algos.get("all_reduce")
 
 
 class ProcessGroupCommd(dist.ProcessGroup):
@@ -179,7 +192,7 @@ class ProcessGroupCommd(dist.ProcessGroup):
 
     def __init__(
         self, client: Client, name: str, rank: int, size: int, timeout: float | None, torch_name: str,
-        lane: str | None = None, algo: str | None = None,
+        lane: str | None = None, algo: str | Mapping[str, str] | None = None,
     ) -> None:
         """``timeout``: this group's op timeout in seconds, None for the client's (see ``op_timeout_s``)."""
         super().__init__(rank, size)
@@ -188,7 +201,9 @@ class ProcessGroupCommd(dist.ProcessGroup):
         self._torch_name = torch_name
         self._timeout = timeout
         self._lane = lane
-        self._algo = algo
+        #: The program per op (``ALGO_OPS`` names), as ``Options(algo=)`` gave it.
+        self._algos: dict[str, str] = Options(algo=algo).algos if algo is not None else {}
+        self._algo = self._algos.get("all_reduce")
         self.ring: Any = None  # the group's exchange ring (ring_ops.py), set by _create
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
@@ -310,7 +325,7 @@ class ProcessGroupCommd(dist.ProcessGroup):
         handle = self._client.submit(
             "allgather", self._name, {"in": (inp, "in"), "out": (flat, "out")}, inp.dtype,
             result=outputs, after=lambda: _unflatten_into(flat, outs), counts=counts,
-            timeout=self._timeout,
+            timeout=self._timeout, lane=self._lane, algo=self._algos.get("all_gather"),
         )
         return self._work(handle, outputs)
 
@@ -333,10 +348,15 @@ class ProcessGroupCommd(dist.ProcessGroup):
                 f"all_gather_into_tensor: output holds {output.numel()} elements, expected "
                 f"{self.size()} x {input.numel()}"
             )
-        handle = ops.all_gather(self._client, output, input, None, **self._kw())
+        handle = ops.all_gather(self._client, output, input, None, **self._kw(), algo=self._algos.get("all_gather"))
         return self._work(handle, output)
 
     _allgather_base = all_gather_single
+
+    def alltonext(self, output: torch.Tensor, input: torch.Tensor) -> CommdWork:
+        """AllToNext on this group (``commd.alltonext``): rank r's ``output`` = rank r - 1's ``input``."""
+        handle = ops.alltonext(self._client, output, input, **self._kw(), algo=self._algos.get("alltonext"))
+        return self._work(handle, output)
 
     @profiled("all_gather_into_tensor_coalesced")
     def all_gather_single_coalesced(self, outputs: list, inputs: list, opts: Any = None) -> CommdWork:
@@ -382,7 +402,7 @@ class ProcessGroupCommd(dist.ProcessGroup):
             "alltoall", self._name, {"in": (_flatten(inputs), "in"), "out": (flat_out, "out")},
             inputs[0].dtype, result=outputs, after=lambda: _unflatten_into(flat_out, outputs),
             splits_in=[t.numel() for t in inputs], splits_out=[o.numel() for o in outputs],
-            timeout=self._timeout,
+            timeout=self._timeout, lane=self._lane, algo=self._algos.get("all_to_all"),
         )
         return self._work(handle, outputs)
 
@@ -404,7 +424,7 @@ class ProcessGroupCommd(dist.ProcessGroup):
             in_rows, out_rows, in_row, out_row = [input.numel() // n] * n, [output.numel() // n] * n, 1, 1
         handle = ops.all_to_all(
             self._client, output, input, [r * in_row for r in in_rows], [r * out_row for r in out_rows],
-            **self._kw(),
+            **self._kw(), algo=self._algos.get("all_to_all"),
         )
         return self._work(handle, output)
 
@@ -606,12 +626,12 @@ def _create(dist_opts: Any, backend_opts: Any) -> ProcessGroupCommd:
     name = f"g{base}.{generation}".replace(" ", "_")[:200]
     client.register_group(name, global_ranks)
     lane = getattr(backend_opts, "lane", None) if isinstance(backend_opts, Options) else None
-    algo = getattr(backend_opts, "algo", None) if isinstance(backend_opts, Options) else None
+    algo = backend_opts.algos if isinstance(backend_opts, Options) else None
     group = ProcessGroupCommd(client, name, rank, size, op_timeout_s(timeout), base, lane, algo)
     # a group with a program runs its all-reduces through the coordinator (which releases the
     # program), never through a bridged ring, as a group with a lane does
     group.ring = open_ring(client, store, name, rank, size, global_ranks, op_timeout_s(timeout),
-                           lane or ("tcp" if algo else None))
+                           lane or ("tcp" if algo and "all_reduce" in algo else None))
     return group
 
 
@@ -641,3 +661,35 @@ def register_backend() -> None:
 def autoload() -> None:
     """Entry point for torch's backend autoloading (the `torch.backends` group)."""
     register_backend()
+
+
+def alltonext(send: torch.Tensor, recv: torch.Tensor, group: Any = None, async_op: bool = False) -> CommdWork | None:
+    """AllToNext (``commd.alltonext``): rank r's ``recv`` = rank r - 1's ``send``; rank 0's ``recv``
+    is left as it was, the last rank's ``send`` goes nowhere.  Every rank of ``group`` calls it
+    with the same count and dtype (else each fails with a MismatchError).
+
+    ``group``: None (the default process group), a torch process group of the commd backend,
+    or a commd group's name (on this process's client).  The group's ``Options(algo=
+    {"alltonext": name})`` picks the program between nodes.  Returns the work when ``async_op``,
+    else waits and returns None."""
+    if isinstance(group, str):
+        handle = ops.alltonext(current_client(), recv, send, group=group)
+        work = CommdWork([handle], recv)
+    else:
+        work = _commd_group(group).alltonext(recv, send)
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def _commd_group(group: Any) -> ProcessGroupCommd:
+    """The commd process group ``group`` is (None: the default group); ValueError if it is none.
+    (torch hands out the backend's own ProcessGroup object for a backend that makes one.)"""
+    if group is None:
+        if not dist.is_initialized():
+            raise CommdError("no default process group: call dist.init_process_group('commd') first")
+        group = dist.group.WORLD
+    if isinstance(group, ProcessGroupCommd):
+        return group
+    raise ValueError(f"alltonext runs on commd process groups only, not on {group!r}")

@@ -74,8 +74,8 @@ def interpret(tp: Transport, program: Program, nodes: tuple[int, ...], me: int, 
             plans.popitem(last=False)
     else:
         plans.move_to_end(key)
-    if program.algo.inplace and inp is not out:  # an in-place program reads its input where it writes
-        out[:] = inp
+    if program.algo.inplace and inp is not out and inp.size == out.size:
+        out[:] = inp  # an in-place program reads its input where it writes (an all-gather's: its block of out)
         inp = out
     elif not program.algo.inplace and inp is out:  # an out-of-place one must not see its output change
         inp = inp.copy()
@@ -318,18 +318,30 @@ class TcpLane:
                   lambda ex: algo(ex, nodes, me, root, view))
 
     def allgatherv(
-        self, nodes: tuple[int, ...], inp: torch.Tensor, out: torch.Tensor, sizes: list[int], timeout: float
+        self, nodes: tuple[int, ...], inp: torch.Tensor, out: torch.Tensor, sizes: list[int], timeout: float,
+        program: Chosen | None = None,
     ) -> None:
-        """Every node's ``inp`` bytes, in node order, into everyone's ``out`` (pipelined ring)."""
+        """Every node's ``inp`` bytes, in node order, into everyone's ``out`` (pipelined ring);
+        ``program``: the released all-gather program instead (every node then gives one size)."""
         nodes, me = self._check_nodes("allgatherv", nodes)
         self._check_tensor("allgatherv", inp, uint8=True)
         self._check_tensor("allgatherv", out, uint8=True)
         sizes = [int(s) for s in sizes]
         src, dst = memory_view(inp), memory_view(out)
         check_allgatherv_sizes("tcp", nodes, me, sizes, len(src), len(dst))
+        if program is not None and len(set(sizes)) != 1:
+            raise LaneError(f"tcp allgatherv: algorithm {program.name!r} needs one size from every node, "
+                            f"got sizes {sizes}")
         if len(nodes) == 1 or sum(sizes) == 0:
             self._usable("allgatherv", nodes)
             dst[:] = src
+            return
+        if program is not None:
+            deadline = time.monotonic() + timeout
+            src_arr, dst_arr = inp.reshape(-1).numpy(), out.reshape(-1).numpy()
+            self._run(f"allgatherv({sum(sizes)} bytes, algorithm {program.name!r})", "allgatherv", nodes, timeout,
+                      lambda ex: self._run_program(ex, "allgatherv", program, nodes, me, src_arr, dst_arr, "sum",
+                                                   deadline))
             return
         self._run(f"allgatherv({sum(sizes)} bytes)", "allgatherv", nodes, timeout,
                   lambda ex: algorithms.ring_allgatherv(ex, nodes, me, src, dst, sizes))
@@ -371,6 +383,25 @@ class TcpLane:
             return
         self._run(f"alltoallv({len(src)} bytes out, {len(dst)} in)", "alltoallv", nodes, timeout,
                   lambda ex: algorithms.pairwise_alltoallv(ex, nodes, me, src, in_sizes, dst, out_sizes))
+
+    def alltonext(self, nodes: tuple[int, ...], inp: torch.Tensor, out: torch.Tensor, timeout: float,
+                  program: Chosen) -> None:
+        """AllToNext by ``program``: node ``nodes[i]``'s ``inp`` bytes into node ``nodes[i + 1]``'s
+        ``out`` (the first node's ``out`` untouched, the last node's ``inp`` unused).  (Without a
+        program the op runs as an ``alltoallv`` whose only blocks go to the next node.)"""
+        nodes, me = self._check_nodes("alltonext", nodes)
+        self._check_tensor("alltonext", inp, uint8=True)
+        self._check_tensor("alltonext", out, uint8=True)
+        if inp.numel() != out.numel():
+            raise LaneError(f"tcp alltonext: input of {inp.numel()} bytes, output of {out.numel()}: they must be equal")
+        if len(nodes) == 1 or inp.numel() == 0:
+            self._usable("alltonext", nodes)
+            return
+        deadline = time.monotonic() + timeout
+        src_arr, dst_arr = inp.reshape(-1).numpy(), out.reshape(-1).numpy()
+        self._run(f"alltonext({inp.numel()} bytes, algorithm {program.name!r})", "alltoallv", nodes, timeout,
+                  lambda ex: self._run_program(ex, "alltonext", program, nodes, me, src_arr, dst_arr, "sum",
+                                               deadline))
 
     def send(self, dst: int, buf: torch.Tensor, timeout: float) -> None:
         """``buf``'s bytes to ``dst`` (returns once they are handed to the kernel)."""
