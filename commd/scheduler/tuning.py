@@ -222,9 +222,7 @@ class TuningTable:
                 lane = _preferred(sorted(lanes, key=LANE_PREFERENCE.index), lanes, margin)
                 measured = dict(by_size[size])
                 measured.update({f"{PROGRAM_LANE}/{name}": figs for name, figs in candidates.items()
-                                 if name != NATIVE})
-                if NATIVE in candidates and PROGRAM_LANE not in measured:
-                    measured[PROGRAM_LANE] = candidates[NATIVE]
+                                 if name != NATIVE or figs is not measured.get(PROGRAM_LANE)})
                 entries.append(TuningEntry(kind, nodes, low, high, size, lane, measured, algorithm))
         return cls(dict(fabric), entries, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
