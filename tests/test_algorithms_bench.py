@@ -294,3 +294,39 @@ def test_bench_algorithms_on_simulated_hosts(tmp_path: Path) -> None:
                    ("alltoall", "commd-tcp/twoshot", "twoshot", "skipped")}
     skipped = next(r for r in rows if r["check"] == "skipped" and r["op"] == "alltoall")
     assert "algorithm 'twoshot' is a allreduce program, not alltoall" in skipped["reason"]
+
+
+# ---- the benchmark's verdicts ----------------------------------------------------------------------------
+def _benchmark_module():  # noqa: ANN202 - the module benchmarks/algorithms.py
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "algorithms.py"
+    spec = importlib.util.spec_from_file_location("algorithms_benchmark", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_targets_are_judged_from_the_rows() -> None:
+    bench = _benchmark_module()
+    k, m = 1 << 10, 1 << 20
+    medians = {  # path -> size -> median us (stated by hand: the verdicts below follow from these)
+        "commd-tcp/native": {64 * k: 100.0, 256 * k: 200.0, m: 400.0, 4 * m: 1000.0},
+        "commd-tcp/twoshot": {64 * k: 90.0, 256 * k: 100.0, m: 380.0, 4 * m: 1100.0},  # 2.0x at 256K
+        "commd-tcp/ring": {64 * k: 120.0, 256 * k: 230.0, m: 430.0, 4 * m: 1190.0},  # 0.93x at 1M, 0.84x at 4M
+        "commd/auto": {64 * k: 92.0, 256 * k: 104.0, m: 390.0, 4 * m: 1000.0},  # >= 0.95x the best everywhere
+    }
+    rows = [{"op": "allreduce", "bytes": size, "path": path, "check": "ok", "median_us": t}
+            for path, by_size in medians.items() for size, t in by_size.items()]
+    verdicts = {name: (met, evidence) for name, met, evidence in bench.targets({"rows": rows})}
+    t1, t2, t3, t3a2a = (verdicts[n] for n in sorted(verdicts))
+    assert t1 == (True, "best twoshot at 256K: 2.00x")
+    assert t2 == (False, "worst 0.84x at 4M")
+    assert t3[0] is True and "worst 0.96x at 256K (best there: twoshot)" == t3[1]
+    assert t3a2a == (None, "no tuned (commd/auto) row measured")
+    medians["commd/auto"][m] = 420.0  # the tuned choice 0.90x the best at 1 MiB
+    rows = [{"op": "allreduce", "bytes": size, "path": path, "check": "ok", "median_us": t}
+            for path, by_size in medians.items() for size, t in by_size.items()]
+    verdicts = {name: (met, evidence) for name, met, evidence in bench.targets({"rows": rows})}
+    assert verdicts["T3 tuned >= 0.95x best single, allreduce"] == (False, "worst 0.90x at 1M (best there: twoshot)")
