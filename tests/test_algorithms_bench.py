@@ -244,6 +244,8 @@ def test_algorithm_paths_measure_only_the_ops_programs_run() -> None:
     assert cells == [("allreduce", "commd/tcp"), ("allreduce", "commd-tcp/twoshot"), ("allreduce", "commd-tcp/mine"),
                      ("alltoall", "commd/tcp"), ("alltoall", "commd-tcp/alltoall"), ("alltoall", "commd-tcp/mine"),
                      ("broadcast", "commd/tcp")]
+    # the plain tcp lane path already measures the native algorithm: "all" then adds the programs only
+    assert resolve_algorithms(spec, True, ["gloo", "tcp"], ["auto", "tcp"])["alltoall"] == ["alltoall", "mine"]
     with pytest.raises(SetupError, match="programs run between nodes"):
         resolve_algorithms(spec, False, [])
     with pytest.raises(SetupError, match="programs run on the tcp lane, which this fabric lacks"):

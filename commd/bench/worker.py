@@ -106,10 +106,12 @@ def _fabric_lanes(job: str) -> list[str]:
     return sorted(fabric.get("lanes") or [])
 
 
-def resolve_algorithms(spec: BenchSpec, multi_node: bool, fabric_lanes: list[str]) -> dict[str, list[str]]:
-    """Per op that programs can run, the algorithm paths to measure (``all``: native and every library
-    program of the op's collective).  A named program is kept even if it cannot run the op: its
-    row then says why (the daemons' own reason), never silently dropped."""
+def resolve_algorithms(spec: BenchSpec, multi_node: bool, fabric_lanes: list[str],
+                       lanes: list[str] | None = None) -> dict[str, list[str]]:
+    """Per op that programs can run, the algorithm paths to measure (``all``: every library program
+    of the op's collective, and native unless the plain tcp lane path in ``lanes`` already measures
+    it).  A named program is kept even if it cannot run the op: its row then says why (the
+    daemons' own reason), never silently dropped."""
     if not spec.algorithms:
         return {}
     if not multi_node:
@@ -128,7 +130,8 @@ def resolve_algorithms(spec: BenchSpec, multi_node: bool, fabric_lanes: list[str
         names: list[str] = []
         for name in spec.algorithms:
             if name == "all":
-                names += [NATIVE] + [n for n in library.names() if library.describe(n).coll == COLL_FOR_KIND[op]]
+                names += [] if "tcp" in (lanes or []) else [NATIVE]
+                names += [n for n in library.names() if library.describe(n).coll == COLL_FOR_KIND[op]]
             else:
                 names.append(name)
         out[op] = list(dict.fromkeys(names))
@@ -203,8 +206,9 @@ def run(args: argparse.Namespace, spec: BenchSpec) -> int:
         if rank == 0:
             try:
                 fabric_lanes = _fabric_lanes(job) if multi else []
-                decided[0] = {"lanes": resolve_lanes(spec, multi, fabric_lanes), "fabric_lanes": fabric_lanes,
-                              "algorithms": resolve_algorithms(spec, multi, fabric_lanes)}
+                lanes = resolve_lanes(spec, multi, fabric_lanes)
+                decided[0] = {"lanes": lanes, "fabric_lanes": fabric_lanes,
+                              "algorithms": resolve_algorithms(spec, multi, fabric_lanes, lanes)}
             except SetupError as exc:
                 decided[0] = {"error": str(exc)}
         dist.broadcast_object_list(decided, src=0)
