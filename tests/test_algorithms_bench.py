@@ -332,3 +332,22 @@ def test_benchmark_targets_are_judged_from_the_rows() -> None:
             for path, by_size in medians.items() for size, t in by_size.items()]
     verdicts = {name: (met, evidence) for name, met, evidence in bench.targets({"rows": rows})}
     assert verdicts["T3 tuned >= 0.95x best single, allreduce"] == (False, "worst 0.90x at 1M (best there: twoshot)")
+
+
+def test_the_coordinator_releases_the_tables_algorithm_and_the_table_travels_with_the_config() -> None:
+    from test_algorithms_wire import coordinator, release
+
+    from commd.scheduler.config import config_from_wire
+
+    coord, catalog = coordinator()
+    coord.config.table = TuningTable.from_measurements({"nodes": 2, "lanes": ["gloo", "tcp"]}, _rows(
+        {4096: {"tcp": 100.0, "gloo": 150.0, "tcp/twoshot": 50.0},  # twoshot wins
+         1 << 20: {"tcp": 100.0, "gloo": 150.0, "tcp/twoshot": 120.0}}, nodes=2))  # native wins
+    twoshot = catalog.get("twoshot", 2)
+    go = release(coord, 0, nbytes=4096)[0][0]
+    assert (go["l"], go["a"], go["ah"]) == ("tcp", "twoshot", twoshot.digest)
+    plain = release(coord, 1, nbytes=1 << 20)[0][0]
+    assert plain["l"] == "tcp" and "a" not in plain
+    # members get the table (with its algorithms) in the fabric's config
+    again = config_from_wire(json.loads(json.dumps(coord.config.to_wire())))
+    assert again.table is not None and again.table.lookup_algorithm("allreduce", 4096, 2) == "twoshot"
