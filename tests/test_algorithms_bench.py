@@ -260,6 +260,7 @@ def _row(path: str, algorithm: str | None, median: float, nbytes: int = 65536) -
 
 def test_report_and_tune_rows_name_algorithms_and_keep_skipped_ones_apart() -> None:
     rows = [_row("commd-tcp/native", "native", 400.0), _row("commd-tcp/twoshot", "twoshot", 200.0),
+            _row("commd/auto", None, 500.0) | {"lane": "auto"},
             _row("commd/gloo", None, 300.0) | {"lane": "gloo"},
             {"op": "allreduce", "bytes": 0, "via": "commd", "lane": "tcp", "path": "commd-tcp/alltoall",
              "algorithm": "alltoall", "world": 3, "nodes": 3, "check": "skipped",
@@ -269,7 +270,13 @@ def test_report_and_tune_rows_name_algorithms_and_keep_skipped_ones_apart() -> N
     text = report.format_table(meta, rows)
     twoshot_line = next(line for line in text.splitlines() if "commd-tcp/twoshot" in line)
     assert "x native" in text and twoshot_line.rstrip().endswith("2.00")  # 400 us / 200 us
+    auto_line = next(line for line in text.splitlines() if "commd/auto" in line)
+    assert auto_line.rstrip().endswith("0.80")  # the daemons' own choice against native: 400 / 500
+    gloo_line = next(line for line in text.splitlines() if "commd/gloo" in line)
+    assert gloo_line.rstrip().endswith("ok")  # a lane row has no native ratio
     assert "skipped commd-tcp/alltoall (not measured at any size): algorithm 'alltoall' is a alltoall program" in text
+    assert tune.skipped_lines(rows) == ["skipped allreduce commd-tcp/alltoall: algorithm 'alltoall' is a alltoall "
+                                        "program, not allreduce"]
     table = tune.table_from_rows(meta, rows)
     (entry,) = table.entries
     assert (entry.lane, entry.algorithm) == ("tcp", "twoshot") and "tcp/alltoall" not in entry.measured

@@ -68,8 +68,9 @@ def measured(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def native_ratio(row: dict[str, Any], rows: list[dict[str, Any]]) -> float | None:
-    """An algorithm row's busbw over the native algorithm's (commd-tcp/native) at the same op and size."""
-    if row.get("algorithm") in (None, "native"):
+    """How much faster an algorithm row (or the daemons' own choice, commd/auto) is than the native
+    algorithm (commd-tcp/native) at the same op and size: native median / its median."""
+    if row.get("algorithm") == "native" or (row.get("algorithm") is None and row.get("lane") != "auto"):
         return None
     native = next((r for r in rows if r["op"] == row["op"] and r["bytes"] == row["bytes"]
                    and r.get("algorithm") == "native" and r.get("check") != "skipped"), None)

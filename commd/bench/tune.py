@@ -102,5 +102,12 @@ def run(args: argparse.Namespace) -> int:
 
         report.write_json(args.json, meta, rows, {"table": table.to_json(), "arguments": report.arguments_json(args)})
     print(table.grid())
+    for line in skipped_lines(rows):
+        print(line)
     print(f"\nsaved {out}")
     return 0
+
+
+def skipped_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The programs the sweep could not run, each with the daemons' reason (not in the table)."""
+    return [f"skipped {r['op']} {r['path']}: {r.get('reason', '?')}" for r in rows if r.get("check") == "skipped"]

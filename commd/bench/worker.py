@@ -247,11 +247,13 @@ def run(args: argparse.Namespace, spec: BenchSpec) -> int:
                       "phase); skipped", file=sys.stderr)
             report.finish(meta, sink.rows, json_path=args.json, plot_path=args.plot)
         if rank == 0 and args.tune_out:
-            from commd.bench.tune import table_from_rows
+            from commd.bench.tune import skipped_lines, table_from_rows
 
             table = table_from_rows(meta, sink.rows)
             table.save(Path(args.tune_out))
             print(table.grid())
+            for line in skipped_lines(sink.rows):
+                print(line)
             print(f"saved {args.tune_out}", file=sys.stderr)
     except CheckError as exc:
         if rank == 0:
