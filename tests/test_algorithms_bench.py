@@ -59,7 +59,9 @@ def test_table_records_the_winning_lane_and_the_tcp_lanes_best_algorithm() -> No
     assert cells == {65536: ("tcp", "twoshot"), 1 << 20: ("gloo", NATIVE), 1 << 24: ("tcp", None)}
     assert table.lookup("allreduce", 65536, 3) == "tcp"  # tcp competes at its best candidate's time
     assert table.lookup_algorithm("allreduce", 65536, 3) == "twoshot"
-    assert table.lookup_algorithm("reduce", 70000, 3) == "twoshot"  # kinds sharing the primitive
+    # kinds sharing the all-reduce entries that no program runs: the lane that wins without programs
+    assert table.lookup_algorithm("reduce", 70000, 3) is None and table.lookup("reduce", 70000, 3) == "gloo"
+    assert table.lookup("reduce_scatter", 1 << 24, 3) == "tcp"  # (no program measured there)
     assert table.lookup_algorithm("allreduce", 1 << 20, 3) == NATIVE
     assert table.lookup_algorithm("allreduce", 1 << 24, 3) is None
     assert table.lookup_algorithm("allreduce", 65536, 2) is None  # another group-size class
@@ -82,11 +84,17 @@ def test_a_native_algorithm_row_is_the_plain_tcp_row() -> None:
     rows = _rows({4096: {"tcp/native": 100.0, "tcp/twoshot": 99.0, "gloo": 150.0}})
     (entry,) = TuningTable.from_measurements({"nodes": 3, "lanes": ["gloo", "tcp"]}, rows).entries
     assert (entry.lane, entry.algorithm) == ("tcp", NATIVE)  # 1% faster is within the margin
-    assert entry.measured["tcp/native"]["median_us"] == 100.0 and "tcp" not in entry.measured
+    assert entry.measured["tcp/native"]["median_us"] == 100.0
+    rows = _rows({4096: {"tcp/native": 200.0, "tcp/twoshot": 100.0, "gloo": 150.0}})
+    table = TuningTable.from_measurements({"nodes": 3, "lanes": ["gloo", "tcp"]}, rows)
+    assert table.lookup("allreduce", 4096, 3) == "tcp" and table.lookup("reduce", 4096, 3) == "gloo" and "tcp" not in entry.measured
     both = _rows({4096: {"tcp": 120.0, "tcp/native": 100.0, "tcp/twoshot": 110.0}})
     (entry,) = TuningTable.from_measurements({"nodes": 3, "lanes": ["tcp"]}, both).entries
     assert entry.algorithm == NATIVE and entry.measured["tcp"]["median_us"] == 120.0  # every row's figures kept
     assert entry.measured["tcp/native"]["median_us"] == 100.0
+    rows = _rows({4096: {"tcp/native": 200.0, "tcp/twoshot": 100.0, "gloo": 150.0}})
+    table = TuningTable.from_measurements({"nodes": 3, "lanes": ["gloo", "tcp"]}, rows)
+    assert table.lookup("allreduce", 4096, 3) == "tcp" and table.lookup("reduce", 4096, 3) == "gloo"
 
 
 def test_a_program_row_off_the_tcp_lane_is_refused() -> None:

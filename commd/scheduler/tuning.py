@@ -39,8 +39,9 @@ TABLE_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 #: The tcp lane's own algorithm, as entries and measurements name it.
 NATIVE = "native"
-#: The lane programs run on.
+#: The lane programs run on, and the op kinds they run.
 PROGRAM_LANE = "tcp"
+PROGRAM_KINDS = ("allreduce", "alltoall")
 
 #: The op kinds a sweep measures; every other kind is looked up as the one that shares its lane primitive.
 TUNED_KINDS = ("allreduce", "broadcast", "allgather", "alltoall", "sendrecv")
@@ -105,6 +106,15 @@ class TuningEntry:
         return {"kind": self.kind, "nodes": self.nodes, "min_bytes": self.min_bytes, "max_bytes": self.max_bytes,
                 "size": self.size, "lane": self.lane, "algorithm": self.algorithm, "measured": self.measured}
 
+    def lane_without_programs(self, margin: float = SWITCH_MARGIN) -> str:
+        """The winning lane had no program run: the lanes' own figures (the tcp lane's native row)."""
+        lanes = {name: figs for name, figs in self.measured.items() if "/" not in name}
+        native = self.measured.get(f"{PROGRAM_LANE}/{NATIVE}")
+        if native is not None:
+            lanes[PROGRAM_LANE] = native
+        known = [name for name in LANE_PREFERENCE if name in lanes and "median_us" in lanes[name]]
+        return _preferred(known, lanes, margin) if known else self.lane
+
     @property
     def winner(self) -> str:
         """The cell's winner as bench paths name it: the lane, with ``/ALGO`` when a program wins on tcp."""
@@ -132,13 +142,22 @@ class TuningTable:
 
     # ---- decisions -----------------------------------------------------------
     def lookup(self, kind: str, nbytes: int, group_nodes: int) -> str | None:
-        """The measured winning lane for this op, or None where the table has no entry."""
+        """The measured winning lane for this op, or None where the table has no entry.
+
+        A kind no program can run (reduce, reduce-scatter, gather, scatter) gets the winner among
+        the lanes' own algorithms: the tcp lane may have won its cell only by a program."""
         entry = self.entry_for(kind, nbytes, group_nodes)
-        return entry.lane if entry is not None else None
+        if entry is None:
+            return None
+        if kind in PROGRAM_KINDS or entry.algorithm in (None, NATIVE):
+            return entry.lane
+        return entry.lane_without_programs()
 
     def lookup_algorithm(self, kind: str, nbytes: int, group_nodes: int) -> str | None:
         """The tcp lane's measured best algorithm for this op (``NATIVE`` or a program's name), or None
-        where the table has no entry or measured no program for it."""
+        where the table has no entry or measured no program for it, or no program runs this kind."""
+        if kind not in PROGRAM_KINDS:
+            return None
         entry = self.entry_for(kind, nbytes, group_nodes)
         return entry.algorithm if entry is not None else None
 
