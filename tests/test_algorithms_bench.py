@@ -211,6 +211,7 @@ def test_each_step_skips_a_program_that_cannot_run_the_op_and_says_why(
 
 def test_size_range_semantics() -> None:
     assert not in_size_range(None, None, 5)  # a file without a range is not chosen by its range
+    assert not in_size_range(0, 0, 5) and not in_size_range(0, None, 5)  # nor one stating the whole line
     assert in_size_range(None, 10, 10) and not in_size_range(None, 10, 11)
     assert in_size_range(10, None, 10) and not in_size_range(10, None, 9)
     assert in_size_range(10, 0, 1 << 40)  # 0: unbounded

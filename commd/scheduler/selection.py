@@ -174,9 +174,11 @@ def ranged_candidates(catalog: Catalog, library_ranges: bool) -> list[str]:
 
 
 def in_size_range(min_bytes: int | None, max_bytes: int | None, nbytes: int) -> bool:
-    """Whether a program's own range holds ``nbytes``; a program that states no range has none
-    (``max_bytes`` 0 is unbounded, as on MSCCL's newer runtimes)."""
-    if min_bytes is None and max_bytes is None:
+    """Whether a program's own range holds ``nbytes`` (``max_bytes`` 0 is unbounded, as on MSCCL's
+    newer runtimes).  A program that states no range, or the whole line (0..0, as many MSCCL files
+    do), says nothing about where it pays off: the range step never chooses it (a hint or a rule
+    still can), else one such file would take every op off the native path."""
+    if not min_bytes and not max_bytes:
         return False
     if min_bytes is not None and nbytes < min_bytes:
         return False
