@@ -367,3 +367,35 @@ def test_the_coordinator_releases_the_tables_algorithm_and_the_table_travels_wit
     # members get the table (with its algorithms) in the fabric's config
     again = config_from_wire(json.loads(json.dumps(coord.config.to_wire())))
     assert again.table is not None and again.table.lookup_algorithm("allreduce", 4096, 2) == "twoshot"
+
+
+@pytest.mark.slow  # ~20 s: three daemons on loopback
+def test_a_fabric_runs_the_algorithm_its_tuning_table_names(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Node 0 loads a table in which twoshot wins all-reduces up to ~64 KiB and native above: plain
+    all-reduces (no hint, no rule) equal NumPy and run twoshot resp. the native algorithm, as the
+    daemons' per-algorithm counters say."""
+    import algorithm_workers as aw
+    from cluster import Cluster
+
+    monkeypatch.delenv("COMMD_SECRET", raising=False)
+    rows = _rows({4096: {"tcp": 100.0, "gloo": 150.0, "tcp/twoshot": 50.0},
+                  1 << 20: {"tcp": 100.0, "gloo": 150.0, "tcp/twoshot": 120.0}})
+    path = tmp_path / "table.json"
+    TuningTable.from_measurements({"nodes": 3, "lanes": ["gloo", "tcp"]}, rows).save(path)
+    cluster = Cluster(tmp_path / "fab", 3, 1, extra=["--tuning", str(path)])
+    try:
+        cluster.start()
+        lanes = sorted(cluster.status(0)["fabric"]["lanes"])
+        if lanes != ["gloo", "tcp"]:
+            pytest.skip(f"this fabric has lanes {lanes}, the table was written for gloo,tcp")
+        small, large = 1000, 300_000  # float32: 4000 bytes (twoshot's cell), 1.2 MB (native's)
+        out = cluster.join(cluster.start_workers(aw.allreduces, [None], [small, large], [("float32", "sum")]),
+                           timeout=120)
+        assert set(out.values()) == {"ok"}, out
+        counts = cluster.status(0)["fabric"]["algorithm_ops"]
+        assert counts == {"twoshot": {"ops": 1, "bytes": 4 * small}, "native": {"ops": 1, "bytes": 4 * large}}, \
+            counts
+    finally:
+        cluster.stop()
+        print(cluster.logs())
