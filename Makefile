@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-all stress conformance conformance-full bench bench-multinode bench-ddp lint clean
+.PHONY: venv demo test test-all stress conformance conformance-full bench bench-multinode bench-algorithms bench-ddp lint clean
 
 venv: $(STAMP)
 
@@ -44,6 +44,10 @@ bench: venv
 
 bench-multinode: venv
 	$(PY) benchmarks/multinode.py
+
+# Library programs vs the tcp lane's native algorithms vs MPI on 4 simulated hosts (root; benchmarks/algorithms.py).
+bench-algorithms: venv
+	$(PY) benchmarks/algorithms.py
 
 # DDP training step time and all-reduce bandwidth: commd vs Gloo vs MPI (benchmarks/ddp.py).
 bench-ddp: venv

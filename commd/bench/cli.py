@@ -53,7 +53,7 @@ def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--show", nargs="?", const="", default=None, metavar="FILE",
                         help="print the tuning table at FILE (default: every table in the default directory) "
                              "as a size x op grid of winning lanes, and exit")
-    add_measure_arguments(parser, ops_default=TUNE_OPS, lanes_default="all")
+    add_measure_arguments(parser, ops_default=TUNE_OPS, lanes_default="all", algorithms_default="all")
     parser.set_defaults(time_per_size=TUNE_TIME_PER_SIZE, warmup=TUNE_WARMUP, iters=TUNE_ITERS)
     add_layout_arguments(parser)
     parser.add_argument("--out", metavar="FILE",

@@ -81,7 +81,8 @@ def measure_cell(path: BenchPath, sync: Sync, case: Case, spec: BenchSpec,
         times.append(clock() - t0)
     slowest = sync.max_each(times)
     row = {"op": case.op, "bytes": case.nbytes, "via": path.via, "lane": path.lane, "path": path.label,
-           "world": case.world, "iters": iters, "warmup": 1 + warm, "check": "ok"}
+           "algorithm": getattr(path, "algorithm", None), "world": case.world, "iters": iters, "warmup": 1 + warm,
+           "check": "ok"}
     row.update(summarize(case.op, case.nbytes, case.world, slowest))
     return row
 
@@ -133,7 +134,7 @@ def measure_interleaved(cells: list[tuple[BenchPath, Case]], sync: Sync, spec: B
     rows = []
     for (path, case), mine in zip(cells, times, strict=True):
         row = {"op": case.op, "bytes": case.nbytes, "via": path.via, "lane": path.lane, "path": path.label,
-               "world": case.world, "iters": iters, "warmup": 1 + warm, "check": "ok", "interleaved": True}
+               "algorithm": getattr(path, "algorithm", None), "world": case.world, "iters": iters, "warmup": 1 + warm, "check": "ok", "interleaved": True}
         row.update(summarize(case.op, case.nbytes, case.world, sync.max_each(mine)))
         rows.append(row)
     return rows

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from commd.bench.cases import Case
-from commd.bench.spec import ROOT
+from commd.bench.spec import NATIVE, ROOT
 
 
 class Sync(Protocol):
@@ -87,17 +87,22 @@ def _label(via: str, lane: str) -> str:
 
 
 class CommdPath:
-    """commd's client library on arena tensors, with a lane hint (none for auto/local)."""
+    """commd's client library on arena tensors, with a lane hint (none for auto/local) and, on the
+    tcp lane, an algorithm hint (``algorithm``: a program's name; "native": the lane's own, no hint)."""
 
     via = "commd"
 
-    def __init__(self, client: Any, lane: str, dtype: Any, timeout: float) -> None:
+    def __init__(self, client: Any, lane: str, dtype: Any, timeout: float, algorithm: str | None = None) -> None:
         self.client, self.lane, self.dtype, self.timeout = client, lane, dtype, timeout
         self.hint = lane if lane not in ("auto", "local") else None
+        self.algorithm = algorithm
+        self.algo = algorithm if algorithm not in (None, NATIVE) else None
         self.rank, self.world = client.rank, client.world_size
 
     @property
     def label(self) -> str:
+        if self.algorithm is not None:
+            return f"commd-{self.lane}/{self.algorithm}"
         return _label(self.via, self.lane)
 
     def alloc(self, count: int) -> tuple[Any, np.ndarray]:
@@ -116,7 +121,7 @@ class CommdPath:
         w = self.timeout
         op = case.op
         if op == "allreduce":
-            ops.all_reduce(c, b["buf"], lane=h).wait(w)
+            ops.all_reduce(c, b["buf"], lane=h, algo=self.algo).wait(w)
         elif op == "reduce":
             ops.reduce(c, b["buf"], ROOT, lane=h).wait(w)
         elif op == "broadcast":
@@ -127,7 +132,7 @@ class CommdPath:
             ops.reduce_scatter(c, b["out"], b["in"], lane=h).wait(w)
         elif op == "alltoall":
             splits = [case.count] * n
-            ops.all_to_all(c, b["out"], b["in"], splits, splits, lane=h).wait(w)
+            ops.all_to_all(c, b["out"], b["in"], splits, splits, lane=h, algo=self.algo).wait(w)
         elif op == "sendrecv":
             last = n - 1
             if self.rank == ROOT:

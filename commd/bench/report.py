@@ -62,6 +62,23 @@ def _direct(rows: list[dict[str, Any]]) -> dict[tuple[str, int, str], dict[str, 
     return {(r["op"], r["bytes"], r["via"]): r for r in rows if r["via"] != "commd"}
 
 
+def measured(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows with figures (a skipped path's row has only its reason)."""
+    return [r for r in rows if r.get("check") != "skipped"]
+
+
+def native_ratio(row: dict[str, Any], rows: list[dict[str, Any]]) -> float | None:
+    """How much faster an algorithm row (or the daemons' own choice, commd/auto) is than the native
+    algorithm (commd-tcp/native) at the same op and size: native median / its median."""
+    if row.get("algorithm") == "native" or (row.get("algorithm") is None and row.get("lane") != "auto"):
+        return None
+    native = next((r for r in rows if r["op"] == row["op"] and r["bytes"] == row["bytes"]
+                   and r.get("algorithm") == "native" and r.get("check") != "skipped"), None)
+    if native is None or not native["median_us"]:
+        return None
+    return native["median_us"] / row["median_us"]
+
+
 def ratios(row: dict[str, Any], direct: dict[tuple[str, int, str], dict[str, Any]]) -> dict[str, float | None]:
     """commd's speed relative to each direct peer at the same op and size (time ratio for barrier)."""
     out: dict[str, float | None] = {}
@@ -80,13 +97,19 @@ def ratios(row: dict[str, Any], direct: dict[tuple[str, int, str], dict[str, Any
 
 def format_table(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     """One block per op; sizes grow down, paths side by side at each size."""
+    skipped = [r for r in rows if r.get("check") == "skipped"]
+    rows = measured(rows)
     peers = [p for p in ("gloo", "mpi") if any(r["via"] == p for r in rows)]
     direct = _direct(rows)
-    header = list(COLUMNS) + [f"x {p}" for p in peers]
+    natives = any(r.get("algorithm") == "native" for r in rows)
+    header = list(COLUMNS) + [f"x {p}" for p in peers] + (["x native"] if natives else [])
     lines = [_layout(meta)]
     for op in OPS:
         mine = [r for r in rows if r["op"] == op]
         if not mine:
+            for r in skipped:
+                if r["op"] == op:
+                    lines += ["", f"{op}: skipped {r['path']}: {r['reason']}"]
             continue
         order = {label: i for i, label in enumerate(dict.fromkeys(r["path"] for r in mine))}
         mine.sort(key=lambda r: (r["bytes"], order[r["path"]]))
@@ -104,11 +127,17 @@ def format_table(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
                      f"{r['algbw_gbs']:.3f}", f"{r['busbw_gbs']:.3f}", r["check"]]
             ratio = ratios(r, direct)
             cells += [f"{ratio[p]:.2f}" if ratio.get(p) else "" for p in peers]
+            if natives:
+                x = native_ratio(r, mine)
+                cells.append(f"{x:.2f}" if x else "")
             table.append(cells)
         widths = [max(len(row[i]) for row in table) for i in range(len(header))]
         for row in table:
             lines.append("  ".join(c.rjust(w) if i != 1 else c.ljust(w) for i, (c, w) in enumerate(
                 zip(row, widths, strict=True))).rstrip())
+        for r in skipped:
+            if r["op"] == op:
+                lines.append(f"skipped {r['path']} (not measured at any size): {r['reason']}")
     return "\n".join(lines)
 
 
@@ -188,6 +217,7 @@ def figure(meta: dict[str, Any], rows: list[dict[str, Any]]) -> Any:
     """
     import matplotlib.pyplot as plt
 
+    rows = measured(rows)
     ops = [op for op in OPS if op != "barrier" and any(r["op"] == op for r in rows)]  # barrier: in the table
     if not ops:
         raise ValueError("--plot: no sized op was measured (barrier has no bandwidth)")

@@ -29,6 +29,12 @@ LANE_WORDS = ("auto", "all")
 LOCAL = "local"
 COMPARE = ("gloo", "mpi")
 DTYPES = ("float32", "float64", "float16", "int32", "int64")
+#: Ops that a program can run (on the tcp lane); ``--algorithms`` adds paths for these only.
+ALGORITHM_OPS = ("allreduce", "alltoall")
+#: The tcp lane's own algorithm (no ``algo=`` hint); ``all``: native and every library program of the op.
+NATIVE = "native"
+ALGORITHM_WORDS = (NATIVE, "all")
+_ALGO_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]{0,127}$")
 #: The root of rooted ops (broadcast, reduce) and the first side of sendrecv.
 ROOT = 0
 
@@ -106,6 +112,7 @@ class BenchSpec:
     op_timeout: float
     extra: dict[str, Any] = field(default_factory=dict)
     blocks: bool = False  # time each path's iterations in one block instead of in alternation
+    algorithms: list[str] | None = None  # tcp-lane programs to measure (NATIVE: no hint); None: none
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -113,7 +120,7 @@ class BenchSpec:
 
 def add_measure_arguments(parser: argparse.ArgumentParser, *, ops_default: str = ",".join(DEFAULT_OPS),
                           lanes_default: str = "auto,all", step_default: int = DEFAULT_STEP,
-                          max_default: int = DEFAULT_MAX_BYTES) -> None:
+                          max_default: int = DEFAULT_MAX_BYTES, algorithms_default: str = "") -> None:
     """The options both the orchestrator and the worker accept."""
     parser.add_argument("--ops", default=ops_default,
                         help=f"comma-separated ops: {','.join(OPS)} (default {ops_default})")
@@ -127,6 +134,12 @@ def add_measure_arguments(parser: argparse.ArgumentParser, *, ops_default: str =
                         help="comma-separated commd lanes: auto (no hint: the daemons' choice incl. the tuning "
                              "table), tcp, gloo, mpi, nccl, or all (every lane the fabric has); "
                              f"default {lanes_default}. A single node has no lanes: its rows say 'local'")
+    parser.add_argument("--algorithms", default=algorithms_default,
+                        help="comma-separated programs to run all-reduce and all-to-all with on the tcp lane, one "
+                             "path each (commd-tcp/NAME): native (the lane's own algorithm, no hint), a library "
+                             "program (oneshot, twoshot, halving_doubling, ring, alltoall, ...) or a file of the "
+                             "daemons' algorithms directory; all: native and every library program of the op"
+                             + (f" (default {algorithms_default})" if algorithms_default else " (default: none)"))
     parser.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,
                         help=f"untimed iterations per size and path after the checked one (default {DEFAULT_WARMUP})")
     parser.add_argument("--iters", type=int, default=DEFAULT_ITERS,
@@ -188,9 +201,24 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
             raise SpecError(f"--compare: unknown peer {name!r}; choose from {','.join(COMPARE)}")
     if not 0.1 <= args.op_timeout <= 86400:
         raise SpecError("--op-timeout must lie in [0.1, 86400] seconds")
+    algorithms = parse_algorithms(getattr(args, "algorithms", "") or "")
+    if algorithms and not any(op in ALGORITHM_OPS for op in ops):
+        raise SpecError(f"--algorithms: programs run {','.join(ALGORITHM_OPS)} only; --ops has neither")
     return BenchSpec(ops=ops, sizes=message_sizes(low, high, args.step_factor), lanes=lanes,
                      warmup=args.warmup, iters=args.iters, time_per_size=args.time_per_size, dtype=dtype,
-                     compare=list(dict.fromkeys(compare)), op_timeout=args.op_timeout, blocks=args.blocks)
+                     compare=list(dict.fromkeys(compare)), op_timeout=args.op_timeout, blocks=args.blocks,
+                     algorithms=algorithms)
+
+
+def parse_algorithms(text: str) -> list[str] | None:
+    """``--algorithms``: names kept as written (file names are case-sensitive), duplicates dropped."""
+    names = [part.strip() for part in str(text).split(",") if part.strip()]
+    for name in names:
+        if name.lower() in ALGORITHM_WORDS:
+            continue
+        if not _ALGO_NAME.match(name):
+            raise SpecError(f"--algorithms: {name!r} is not an algorithm's name (letters, digits, _ . + -)")
+    return list(dict.fromkeys(n.lower() if n.lower() in ALGORITHM_WORDS else n for n in names)) or None
 
 
 def measure_argv(spec: BenchSpec) -> list[str]:
@@ -206,4 +234,5 @@ def measure_argv(spec: BenchSpec) -> list[str]:
         argv += ["--compare", ",".join(spec.compare)]
     if spec.blocks:
         argv.append("--blocks")
+    argv += ["--algorithms", ",".join(spec.algorithms or [])]
     return argv

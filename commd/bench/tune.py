@@ -1,4 +1,4 @@
-"""`commd tune`: measure every lane of the fabric per op kind and size, and save the winners as a tuning table.
+"""`commd tune`: measure every lane (and tcp program) per op kind and size; save the winners as a tuning table.
 
 The sweep is a `commd bench` run over the representative op kinds
 (``TUNED_KINDS``) with one commd path per lane of the fabric (never "auto":
@@ -7,7 +7,12 @@ started with ``COMMD_TUNING=off`` so an existing table does not colour what
 is measured.  ``TuningTable.from_measurements`` picks the lane with the
 lowest median per (kind, group size class, size), near ties (< 3%) going to
 the preferred lane; node 0's daemon loads the table from the default path at
-its next start.
+its next start.  Beside the lanes the sweep runs the ops programs can run
+(all-reduce, all-to-all) with every library program of the op on the tcp
+lane (``--algorithms``, default ``all``); the table keeps the tcp lane's best
+algorithm per cell, which the coordinator then chooses when no hint or rule
+decides.  A program that cannot run an op on this fabric is listed as skipped
+with its reason.
 """
 
 from __future__ import annotations
@@ -27,9 +32,10 @@ def table_from_rows(meta: dict[str, Any], rows: list[dict[str, Any]]) -> Any:
 
     measured = [
         {"kind": r["op"], "nodes": r["nodes"], "bytes": r["bytes"], "lane": r["lane"], "median_us": r["median_us"],
-         "p95_us": r["p95_us"], "busbw_gbs": r["busbw_gbs"]}
+         "p95_us": r["p95_us"], "busbw_gbs": r["busbw_gbs"], "algorithm": r.get("algorithm")}
         for r in rows
         if r["via"] == "commd" and r["lane"] not in ("auto", LOCAL) and r["op"] in TUNED_KINDS and r["bytes"] > 0
+        and r.get("check") != "skipped"
     ]
     if not measured:
         raise orchestrate.BenchError("the sweep measured no lane (a single node has none: use --hosts H or "
@@ -96,5 +102,12 @@ def run(args: argparse.Namespace) -> int:
 
         report.write_json(args.json, meta, rows, {"table": table.to_json(), "arguments": report.arguments_json(args)})
     print(table.grid())
+    for line in skipped_lines(rows):
+        print(line)
     print(f"\nsaved {out}")
     return 0
+
+
+def skipped_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The programs the sweep could not run, each with the daemons' reason (not in the table)."""
+    return [f"skipped {r['op']} {r['path']}: {r.get('reason', '?')}" for r in rows if r.get("check") == "skipped"]

@@ -28,7 +28,16 @@ from commd.bench import report
 from commd.bench.cases import CheckError, make_case
 from commd.bench.measure import measure_cell, measure_interleaved
 from commd.bench.paths import BenchPath, CommdPath, GlooPath, GlooSync
-from commd.bench.spec import LOCAL, ROOT, BenchSpec, SpecError, add_measure_arguments, spec_from_args
+from commd.bench.spec import (
+    ALGORITHM_OPS,
+    LOCAL,
+    NATIVE,
+    ROOT,
+    BenchSpec,
+    SpecError,
+    add_measure_arguments,
+    spec_from_args,
+)
 from commd.client.errors import CommdError
 
 #: Exit codes: a wrong result, a setup problem (bad options, no daemon, unknown lane).
@@ -97,14 +106,49 @@ def _fabric_lanes(job: str) -> list[str]:
     return sorted(fabric.get("lanes") or [])
 
 
-def plan_cells(spec: BenchSpec, paths: list[BenchPath]) -> list[tuple[str, BenchPath, int]]:
+def resolve_algorithms(spec: BenchSpec, multi_node: bool, fabric_lanes: list[str],
+                       lanes: list[str] | None = None) -> dict[str, list[str]]:
+    """Per op that programs can run, the algorithm paths to measure (``all``: every library program
+    of the op's collective, and native unless the plain tcp lane path in ``lanes`` already measures
+    it).  A named program is kept even if it cannot run the op: its row then says why (the
+    daemons' own reason), never silently dropped."""
+    if not spec.algorithms:
+        return {}
+    if not multi_node:
+        raise SetupError("--algorithms: programs run between nodes, and this job has one; run across nodes, "
+                         "e.g. `commd bench --hosts 4`")
+    if "tcp" not in fabric_lanes:
+        raise SetupError(f"--algorithms: programs run on the tcp lane, which this fabric lacks (it has "
+                         f"{','.join(fabric_lanes)})")
+    from commd.algorithms import library
+    from commd.algorithms.catalog import COLL_FOR_KIND
+
+    out: dict[str, list[str]] = {}
+    for op in spec.ops:
+        if op not in ALGORITHM_OPS:
+            continue
+        names: list[str] = []
+        for name in spec.algorithms:
+            if name == "all":
+                names += [] if "tcp" in (lanes or []) else [NATIVE]
+                names += [n for n in library.names() if library.describe(n).coll == COLL_FOR_KIND[op]]
+            else:
+                names.append(name)
+        out[op] = list(dict.fromkeys(names))
+    return out
+
+
+def plan_cells(spec: BenchSpec, paths: list[BenchPath],
+               algorithms: dict[str, list[str]] | None = None) -> list[tuple[str, BenchPath, int]]:
     """(op, path, requested size) in measuring order: op by op, sizes growing, at each size every path
     (timed in alternation, or back to back with --blocks: a machine whose load drifts then affects
-    the compared paths alike)."""
+    the compared paths alike).  An algorithm path measures only the ops ``algorithms`` gives it."""
     cells = []
     for op in spec.ops:
+        mine = [p for p in paths if getattr(p, "algorithm", None) is None
+                or p.algorithm in (algorithms or {}).get(op, ())]  # type: ignore[attr-defined]
         for size in [0] if op == "barrier" else spec.sizes:
-            for path in paths:
+            for path in mine:
                 cells.append((op, path, size))
     return cells
 
@@ -162,7 +206,9 @@ def run(args: argparse.Namespace, spec: BenchSpec) -> int:
         if rank == 0:
             try:
                 fabric_lanes = _fabric_lanes(job) if multi else []
-                decided[0] = {"lanes": resolve_lanes(spec, multi, fabric_lanes), "fabric_lanes": fabric_lanes}
+                lanes = resolve_lanes(spec, multi, fabric_lanes)
+                decided[0] = {"lanes": lanes, "fabric_lanes": fabric_lanes,
+                              "algorithms": resolve_algorithms(spec, multi, fabric_lanes, lanes)}
             except SetupError as exc:
                 decided[0] = {"error": str(exc)}
         dist.broadcast_object_list(decided, src=0)
@@ -171,6 +217,7 @@ def run(args: argparse.Namespace, spec: BenchSpec) -> int:
                 sink.emit({"error": decided[0]["error"]})
             raise SetupError(decided[0]["error"])
         lanes, fabric_lanes = decided[0]["lanes"], decided[0]["fabric_lanes"]
+        algorithms: dict[str, list[str]] = decided[0]["algorithms"]
         if args.tune_out and not multi:
             raise SetupError("--tune-out: a single node has no inter-node lanes to tune; run it across nodes")
         biggest = max(spec.sizes)
@@ -179,13 +226,16 @@ def run(args: argparse.Namespace, spec: BenchSpec) -> int:
         try:
             client.register_group("world", list(range(world)))
             paths: list[BenchPath] = [CommdPath(client, lane, dtype, spec.op_timeout) for lane in lanes]
+            for name in dict.fromkeys(n for names in algorithms.values() for n in names):
+                paths.append(CommdPath(client, "tcp", dtype, spec.op_timeout, algorithm=name))
             if "gloo" in spec.compare:
                 paths.append(GlooPath(dtype))
-            cells = plan_cells(spec, paths)
+            cells = plan_cells(spec, paths, algorithms)
             distinct = list(dict.fromkeys(nodes))
             meta = {"world": world, "nnodes": len(distinct), "node_names": distinct,
                     "ranks_per_node": [nodes.count(n) for n in distinct], "nodes": nodes,
-                    "fabric_lanes": fabric_lanes, "lanes": lanes, "paths": [p.label for p in paths],
+                    "fabric_lanes": fabric_lanes, "lanes": lanes, "algorithms": algorithms,
+                    "paths": [p.label for p in paths],
                     "total": len(cells), "spec": spec.to_json()}
             sink.emit({"meta": meta})
             _measure_all(args, spec, cells, nodes, itemsize, sink, rank)
@@ -197,11 +247,13 @@ def run(args: argparse.Namespace, spec: BenchSpec) -> int:
                       "phase); skipped", file=sys.stderr)
             report.finish(meta, sink.rows, json_path=args.json, plot_path=args.plot)
         if rank == 0 and args.tune_out:
-            from commd.bench.tune import table_from_rows
+            from commd.bench.tune import skipped_lines, table_from_rows
 
             table = table_from_rows(meta, sink.rows)
             table.save(Path(args.tune_out))
             print(table.grid())
+            for line in skipped_lines(sink.rows):
+                print(line)
             print(f"saved {args.tune_out}", file=sys.stderr)
     except CheckError as exc:
         if rank == 0:
@@ -226,8 +278,23 @@ def _measure_all(args: argparse.Namespace, spec: BenchSpec, cells: list[tuple[st
     groups: dict[tuple[str, int], list[BenchPath]] = {}
     for op, path, size in cells:
         groups.setdefault((op, size), []).append(path)
+    skipped: dict[tuple[str, str], str] = {}  # (op, path label) -> why its program cannot run the op
+    probed: set[tuple[str, str]] = set()
     try:
         for (op, size), paths in groups.items():
+            for path in paths:
+                if getattr(path, "algo", None) and (op, path.label) not in probed:
+                    probed.add((op, path.label))
+                    reason = probe(path, op, size, itemsize, sync)
+                    if reason is not None:
+                        skipped[(op, path.label)] = reason
+                        if rank == 0:
+                            sink.row(skipped_row(op, path, reason, nodes_in(op, nodes)))
+            skipped_here = [p for p in paths if (op, p.label) in skipped]
+            bar.update(len(skipped_here))
+            paths = [p for p in paths if (op, p.label) not in skipped]
+            if not paths:
+                continue
             cases = [(path, make_case(op, size, path.rank, path.world, itemsize, path.alloc)) for path in paths]
             if any(case is None for _, case in cases):  # fewer bytes than one element per rank: skipped alike
                 bar.update(len(paths))
@@ -246,6 +313,29 @@ def _measure_all(args: argparse.Namespace, spec: BenchSpec, cells: list[tuple[st
             del cases
     finally:
         bar.close()
+
+
+def probe(path: BenchPath, op: str, size: int, itemsize: int, sync: GlooSync) -> str | None:
+    """Run one op of ``path`` (an algorithm path) before measuring it: None if it ran on every rank,
+    else the reason it failed (the coordinator's: the program cannot run this op, and why)."""
+    error: str | None = None
+    try:
+        case = make_case(op, size, path.rank, path.world, itemsize, path.alloc)
+        if case is not None:
+            case.fill()
+            path.run(case)
+            del case
+    except CommdError as exc:
+        error = str(exc)
+    errors = sync.gather_errors(error)
+    return errors[0] if errors else None
+
+
+def skipped_row(op: str, path: BenchPath, reason: str, nnodes: int) -> dict[str, Any]:
+    """The row of a path that was not measured for ``op``, with the reason (bytes 0: every size)."""
+    return {"op": op, "bytes": 0, "via": path.via, "lane": path.lane, "path": path.label,
+            "algorithm": getattr(path, "algorithm", None), "world": path.world, "nodes": nnodes,
+            "check": "skipped", "reason": reason}
 
 
 def main(argv: list[str] | None = None) -> int:

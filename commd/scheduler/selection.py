@@ -1,4 +1,4 @@
-"""Which lane runs an op: hint, then config rules, then the default.
+"""Which lane runs an op (hint, config rules, tuning table, default) and which program runs it on the tcp lane.
 
 ``choose_lane`` is a pure function of the op's description, the rules and
 the lanes' own ``can_run`` answers, so any daemon computing it for the same
@@ -14,9 +14,11 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Protocol
 
+from commd.algorithms.catalog import COLL_FOR_KIND
 from commd.kernels.split import split_reduce
 from commd.protocol.schema import LANE_NAMES
 from commd.scheduler.config import SchedulerConfig
+from commd.scheduler.tuning import NATIVE
 
 if TYPE_CHECKING:
     from commd.algorithms.catalog import Catalog, Program
@@ -103,11 +105,21 @@ def choose_algorithm(
     config: SchedulerConfig,
     catalog: Catalog | None,
     unfit: str | None = None,
+    *,
+    library_ranges: bool = False,
 ) -> Program | None:
-    """The program that runs an op on the tcp lane: the hint, then ``[[algorithms]]`` rules, then
-    None (the lane's own algorithm).  SelectionError if a hint cannot be honoured; a rule whose
-    program cannot run the op is skipped with its reason in the log, never silently.  ``unfit``:
-    why no program can run this op whatever its name (e.g. an all-to-all of unequal blocks)."""
+    """The program that runs an op on the tcp lane: the hint, then ``[[algorithms]]`` rules, then the
+    tuning table's algorithm, then a program whose own size range holds the op, then None (the
+    lane's own algorithm).
+
+    SelectionError if a hint cannot be honoured; a rule, table entry or ranged program that
+    cannot run the op is skipped with its reason in the log, never silently.  ``unfit``: why no
+    program can run this op whatever its name (e.g. an all-to-all of unequal blocks).  The size
+    range step considers user files that state ``minBytes``/``maxBytes``; the library's programs
+    (ranges from ``library.describe``) join it only with ``library_ranges``, because a library
+    program in the small range would take tiny all-reduces off the native path, which fuses them
+    and lets the coordinator reduce them itself.
+    """
     primitive = PRIMITIVE_FOR_KIND[kind]
     op = split_reduce(reduce_op).lane_op if primitive == "allreduce" and reduce_op else None
     if hint:
@@ -122,11 +134,53 @@ def choose_algorithm(
         return found
     if lane != "tcp" or catalog is None:
         return None
+
+    def usable(name: str, step: str) -> Program | None:
+        found = unfit or catalog.runnable(name, kind, len(nodes), dtype, op)
+        if isinstance(found, str):
+            log.warning("algorithm %s for %r skipped for %s of %d bytes on %d nodes: %s", step, name, kind,
+                        nbytes, len(nodes), found)
+            return None
+        return found
+
     for rule in config.algorithm_rules:
         if rule.matches(kind, nbytes, group_size):
-            found = unfit or catalog.runnable(rule.name, kind, len(nodes), dtype, op)
-            if not isinstance(found, str):
+            found = usable(rule.name, "rule")
+            if found is not None:
                 return found
-            log.warning("algorithm rule for %r skipped for %s of %d bytes on %d nodes: %s", rule.name, kind,
-                        nbytes, len(nodes), found)
+    if config.table is not None:
+        tuned = config.table.lookup_algorithm(kind, nbytes, len(nodes))
+        if tuned == NATIVE:
+            return None  # measured: the lane's own algorithm is the fastest here
+        if tuned is not None:
+            found = usable(tuned, "from the tuning table")
+            if found is not None:
+                return found
+    coll = COLL_FOR_KIND.get(kind)
+    for name in ranged_candidates(catalog, library_ranges):
+        program = catalog.get(name, len(nodes))
+        if isinstance(program, str) or program.algo.coll != coll:
+            continue  # (refused at load, logged then; or another collective's program: not a candidate)
+        if in_size_range(program.algo.min_bytes, program.algo.max_bytes, nbytes):
+            found = usable(name, "by its size range")
+            if found is not None:
+                return found
     return None
+
+
+def ranged_candidates(catalog: Catalog, library_ranges: bool) -> list[str]:
+    """Names the size-range step tries, in order: the user's files (sorted), then the library's."""
+    files = sorted(catalog.files)
+    return files + [name for name in catalog.names() if name not in catalog.files] if library_ranges else files
+
+
+def in_size_range(min_bytes: int | None, max_bytes: int | None, nbytes: int) -> bool:
+    """Whether a program's own range holds ``nbytes`` (``max_bytes`` 0 is unbounded, as on MSCCL's
+    newer runtimes).  A program that states no range, or the whole line (0..0, as many MSCCL files
+    do), says nothing about where it pays off: the range step never chooses it (a hint or a rule
+    still can), else one such file would take every op off the native path."""
+    if not min_bytes and not max_bytes:
+        return False
+    if min_bytes is not None and nbytes < min_bytes:
+        return False
+    return not max_bytes or nbytes <= max_bytes

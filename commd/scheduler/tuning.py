@@ -1,4 +1,4 @@
-"""The tuning table: which lane wins, per op, message size and group-size class.
+"""The tuning table: which lane and which algorithm win, per op, message size and group-size class.
 
 ``commd tune`` measures every lane of a fabric and writes one table; node 0's
 daemon loads it at start, checks that it was measured on a fabric like its
@@ -13,6 +13,13 @@ measured, and one entry per (op kind, group-size class, measured size) with
 the winner and every lane's figures kept beside it.  Each entry covers the
 sizes from halfway (geometrically) to its lower neighbour up to halfway to
 its upper neighbour; the first and last entries extend to 0 and infinity.
+
+Since version 2 an entry also names the algorithm that won among the tcp
+lane's candidates (its native algorithm, ``"native"``, and each program the
+sweep ran with an ``algo=`` hint); the tcp lane competes with the others at
+its best candidate's time.  The algorithm is kept even where another lane
+wins, since a rule may still send the op to the tcp lane.  A version 1 table
+(lanes only) still loads: its entries name no algorithm.
 """
 
 from __future__ import annotations
@@ -27,7 +34,14 @@ from pathlib import Path
 from typing import Any
 
 TABLE_FORMAT = "commd-tuning"
-TABLE_VERSION = 1
+TABLE_VERSION = 2
+#: Versions this commd reads (1: lanes only, no algorithm per entry).
+READABLE_VERSIONS = (1, 2)
+#: The tcp lane's own algorithm, as entries and measurements name it.
+NATIVE = "native"
+#: The lane programs run on, and the op kinds they run.
+PROGRAM_LANE = "tcp"
+PROGRAM_KINDS = ("allreduce", "alltoall")
 
 #: The op kinds a sweep measures; every other kind is looked up as the one that shares its lane primitive.
 TUNED_KINDS = ("allreduce", "broadcast", "allgather", "alltoall", "sendrecv")
@@ -76,7 +90,8 @@ def default_table_path(node0_name: str, nnodes: int) -> Path:
 
 @dataclass(frozen=True)
 class TuningEntry:
-    """Sizes [min_bytes, max_bytes] of ``kind`` on groups of class ``nodes`` → ``lane``."""
+    """Sizes [min_bytes, max_bytes] of ``kind`` on groups of class ``nodes`` → ``lane``, and the tcp
+    lane's best ``algorithm`` (None: no program was measured here; ``NATIVE``: the lane's own won)."""
 
     kind: str
     nodes: str
@@ -84,11 +99,28 @@ class TuningEntry:
     max_bytes: int
     size: int  # the measured size
     lane: str
-    measured: dict[str, dict[str, float]] = field(default_factory=dict)  # lane -> figures
+    measured: dict[str, dict[str, float]] = field(default_factory=dict)  # lane or "tcp/ALGO" -> figures
+    algorithm: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "nodes": self.nodes, "min_bytes": self.min_bytes, "max_bytes": self.max_bytes,
-                "size": self.size, "lane": self.lane, "measured": self.measured}
+                "size": self.size, "lane": self.lane, "algorithm": self.algorithm, "measured": self.measured}
+
+    def lane_without_programs(self, margin: float = SWITCH_MARGIN) -> str:
+        """The winning lane had no program run: the lanes' own figures (the tcp lane's native row)."""
+        lanes = {name: figs for name, figs in self.measured.items() if "/" not in name}
+        native = self.measured.get(f"{PROGRAM_LANE}/{NATIVE}")
+        if native is not None:
+            lanes[PROGRAM_LANE] = native
+        known = [name for name in LANE_PREFERENCE if name in lanes and "median_us" in lanes[name]]
+        return _preferred(known, lanes, margin) if known else self.lane
+
+    @property
+    def winner(self) -> str:
+        """The cell's winner as bench paths name it: the lane, with ``/ALGO`` when a program wins on tcp."""
+        if self.lane == PROGRAM_LANE and self.algorithm not in (None, NATIVE):
+            return f"{self.lane}/{self.algorithm}"
+        return self.lane
 
 
 @dataclass
@@ -110,13 +142,33 @@ class TuningTable:
 
     # ---- decisions -----------------------------------------------------------
     def lookup(self, kind: str, nbytes: int, group_nodes: int) -> str | None:
-        """The measured winner for this op, or None where the table has no entry."""
+        """The measured winning lane for this op, or None where the table has no entry.
+
+        A kind no program can run (reduce, reduce-scatter, gather, scatter) gets the winner among
+        the lanes' own algorithms: the tcp lane may have won its cell only by a program."""
+        entry = self.entry_for(kind, nbytes, group_nodes)
+        if entry is None:
+            return None
+        if kind in PROGRAM_KINDS or entry.algorithm in (None, NATIVE):
+            return entry.lane
+        return entry.lane_without_programs()
+
+    def lookup_algorithm(self, kind: str, nbytes: int, group_nodes: int) -> str | None:
+        """The tcp lane's measured best algorithm for this op (``NATIVE`` or a program's name), or None
+        where the table has no entry or measured no program for it, or no program runs this kind."""
+        if kind not in PROGRAM_KINDS:
+            return None
+        entry = self.entry_for(kind, nbytes, group_nodes)
+        return entry.algorithm if entry is not None else None
+
+    def entry_for(self, kind: str, nbytes: int, group_nodes: int) -> TuningEntry | None:
+        """The entry whose size range holds ``nbytes`` for this op's measured kind and group class."""
         measured = _AS_TUNED.get(kind)
         if measured is None:
             return None
         for entry in self._index.get((measured, group_class(group_nodes)), ()):
             if entry.min_bytes <= nbytes <= entry.max_bytes:
-                return entry.lane
+                return entry
         return None
 
     def check_fabric(self, nnodes: int, lanes: list[str] | tuple[str, ...]) -> str | None:
@@ -142,8 +194,14 @@ class TuningTable:
         A lane earlier in ``LANE_PREFERENCE`` keeps the cell unless another is faster by more than
         ``margin`` (relative): on a noisy machine a near tie would otherwise flip the winner from
         one size to the next, and a lane within the margin costs at most that much.
+
+        A row with an ``algorithm`` (a tcp lane row run with that program; ``NATIVE`` is the plain
+        tcp row) is a tcp candidate: the best candidate (the native one keeps near ties, then the
+        order the programs were measured in) becomes the entry's algorithm, and the tcp lane
+        competes with the other lanes at that candidate's time.
         """
         cells: dict[tuple[str, str], dict[int, dict[str, dict[str, float]]]] = {}
+        programs: dict[tuple[str, str], dict[int, dict[str, dict[str, float]]]] = {}
         for i, row in enumerate(rows):
             where = f"measurement {i}"
             kind = row.get("kind")
@@ -156,18 +214,35 @@ class TuningTable:
             figures = {k: float(row[k]) for k in ("median_us", "p95_us", "busbw_gbs") if k in row}
             if "median_us" not in figures or not figures["median_us"] > 0:
                 raise ValueError(f"{where}: 'median_us' must be a positive number")
-            cells.setdefault((kind, group_class(nodes)), {}).setdefault(size, {})[lane] = figures
+            algorithm = row.get("algorithm")
+            if algorithm is not None and (lane != PROGRAM_LANE or not _is_name(algorithm)):
+                raise ValueError(f"{where}: 'algorithm' {algorithm!r} must be a program's name on the tcp lane")
+            cell = (kind, group_class(nodes))
+            if algorithm is None:
+                cells.setdefault(cell, {}).setdefault(size, {})[lane] = figures
+            else:
+                programs.setdefault(cell, {}).setdefault(size, {})[algorithm] = figures
+            cells.setdefault(cell, {}).setdefault(size, {})
         entries = []
         for (kind, nodes), by_size in sorted(cells.items()):
             sizes = sorted(by_size)
             for i, size in enumerate(sizes):
                 low = 0 if i == 0 else math.isqrt(sizes[i - 1] * size) + 1
                 high = _MAX_BYTES if i == len(sizes) - 1 else math.isqrt(size * sizes[i + 1])
-                measured = by_size[size]
-                fastest = min(measured[name]["median_us"] for name in measured)
-                lane = next(name for name in sorted(measured, key=LANE_PREFERENCE.index)
-                            if measured[name]["median_us"] <= fastest * (1 + margin))
-                entries.append(TuningEntry(kind, nodes, low, high, size, lane, measured))
+                lanes = dict(by_size[size])
+                candidates = dict(programs.get((kind, nodes), {}).get(size, {}))
+                algorithm = None
+                if candidates:
+                    if PROGRAM_LANE in lanes:  # the plain tcp row is the native algorithm
+                        candidates = {NATIVE: lanes[PROGRAM_LANE], **candidates}
+                    order = sorted(candidates, key=lambda name: name != NATIVE)  # (stable: measuring order)
+                    algorithm = _preferred(order, candidates, margin)
+                    lanes[PROGRAM_LANE] = candidates[algorithm]
+                lane = _preferred(sorted(lanes, key=LANE_PREFERENCE.index), lanes, margin)
+                measured = dict(by_size[size])
+                measured.update({f"{PROGRAM_LANE}/{name}": figs for name, figs in candidates.items()
+                                 if name != NATIVE or figs is not measured.get(PROGRAM_LANE)})
+                entries.append(TuningEntry(kind, nodes, low, high, size, lane, measured, algorithm))
         return cls(dict(fabric), entries, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
     # ---- files -----------------------------------------------------------------
@@ -188,9 +263,10 @@ class TuningTable:
         """Validate a table's JSON; errors name the field."""
         if not isinstance(raw, dict) or raw.get("format") != TABLE_FORMAT:
             raise ValueError(f"{where}: not a commd tuning table (missing \"format\": \"{TABLE_FORMAT}\")")
-        if raw.get("version") != TABLE_VERSION:
+        if raw.get("version") not in READABLE_VERSIONS:
             raise ValueError(f"{where}: table format version {raw.get('version')!r} is not supported "
-                             f"(this commd reads version {TABLE_VERSION}; run `commd tune` again)")
+                             f"(this commd reads versions {', '.join(map(str, READABLE_VERSIONS))}; "
+                             "run `commd tune` again)")
         fabric = raw.get("fabric")
         if not isinstance(fabric, dict) or not isinstance(fabric.get("nodes"), int) or fabric["nodes"] < 1:
             raise ValueError(f"{where}: 'fabric' must be an object with a positive integer 'nodes'")
@@ -217,7 +293,11 @@ class TuningTable:
             measured = item.get("measured", {})
             if not isinstance(measured, dict):
                 raise ValueError(f"{at}: 'measured' must be an object")
-            entries.append(TuningEntry(item["kind"], item["nodes"], low, high, size, item["lane"], measured))
+            algorithm = item.get("algorithm")
+            if algorithm is not None and not _is_name(algorithm):
+                raise ValueError(f"{at}: 'algorithm' must be a program's name (or null), got {algorithm!r}")
+            entries.append(TuningEntry(item["kind"], item["nodes"], low, high, size, item["lane"], measured,
+                                       algorithm))
         return cls(fabric, entries, created=str(raw.get("created", "")), table_id=str(raw.get("id", "")))
 
     @classmethod
@@ -240,13 +320,15 @@ class TuningTable:
             kinds = [k for k in TUNED_KINDS if (k, nodes) in self._index]
             sizes = sorted({e.size for e in self.entries if e.nodes == nodes})
             lines.append("")
-            lines.append(f"groups of {nodes} node(s): winner per size (median time of each lane in the table file)")
-            lines.append(f"{'size':>10}  " + "  ".join(f"{k:>10}" for k in kinds))
+            lines.append(f"groups of {nodes} node(s): winner per size, lane/algorithm where a program wins on "
+                         "tcp (median time of each candidate in the table file)")
+            width = max([10] + [len(e.winner) for e in self.entries if e.nodes == nodes])
+            lines.append(f"{'size':>10}  " + "  ".join(f"{k:>{width}}" for k in kinds))
             for size in sizes:
                 cells = []
                 for kind in kinds:
                     entry = next((e for e in self._index[(kind, nodes)] if e.size == size), None)
-                    cells.append(f"{entry.lane if entry else '-':>10}")
+                    cells.append(f"{entry.winner if entry else '-':>{width}}")
                 lines.append(f"{format_bytes(size):>10}  " + "  ".join(cells))
             changes = self.winner_changes(nodes)
             if changes:
@@ -259,8 +341,8 @@ class TuningTable:
         for kind in TUNED_KINDS:
             previous = None
             for entry in self._index.get((kind, nodes), ()):
-                if previous is not None and entry.lane != previous.lane:
-                    out.append(f"{kind} {previous.lane}->{entry.lane} at {format_bytes(entry.size)}")
+                if previous is not None and entry.winner != previous.winner:
+                    out.append(f"{kind} {previous.winner}->{entry.winner} at {format_bytes(entry.size)}")
                 previous = entry
         return out
 
@@ -271,6 +353,17 @@ def format_bytes(n: int, compact: bool = False) -> str:
         if n >= 1 << shift and n % (1 << shift) == 0:
             return f"{n >> shift}{unit}" if compact else f"{n >> shift} {unit}iB"
     return f"{n}" if compact else f"{n} B"
+
+
+def _preferred(order: list[str], figures: dict[str, dict[str, float]], margin: float) -> str:
+    """The first of ``order`` within ``margin`` (relative) of the fastest median."""
+    fastest = min(figures[name]["median_us"] for name in order)
+    return next(name for name in order if figures[name]["median_us"] <= fastest * (1 + margin))
+
+
+def _is_name(value: Any) -> bool:
+    """An algorithm's name as tables store it: a non-empty string of at most 255 characters."""
+    return isinstance(value, str) and 0 < len(value) <= 255
 
 
 def _digest(payload: bytes) -> str:
