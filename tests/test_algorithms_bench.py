@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from commd.algorithms import library, mscclxml
@@ -232,7 +233,7 @@ def test_algorithms_option_parses_validates_and_travels_to_the_worker() -> None:
     assert argv[argv.index("--algorithms") + 1] == "native,twoshot,my.file"
     with pytest.raises(SpecError, match="'a b' is not an algorithm's name"):
         _spec("--algorithms", "a b")
-    with pytest.raises(SpecError, match="programs run allreduce,alltoall only"):
+    with pytest.raises(SpecError, match="programs run allreduce,allgather,alltoall,alltonext only"):
         _spec("--ops", "broadcast", "--algorithms", "twoshot")
 
 
@@ -399,3 +400,27 @@ def test_a_fabric_runs_the_algorithm_its_tuning_table_names(tmp_path: Path,
     finally:
         cluster.stop()
         print(cluster.logs())
+
+
+def test_the_alltonext_case_checks_a_shift_and_rank_0s_untouched_output() -> None:
+    """`commd bench --ops alltonext`: rank r must hold rank r-1's input, rank 0 its output as it was."""
+    from commd.bench.cases import SENTINEL, make_case
+    from commd.bench.spec import busbw_factor
+
+    def alloc(n: int) -> tuple[np.ndarray, np.ndarray]:
+        a = np.empty(n, dtype=np.float32)
+        return a, a
+
+    world = 3
+    cases = [make_case("alltonext", 4000, r, world, 4, alloc) for r in range(world)]
+    assert all(c is not None and c.count == 1000 and c.nbytes == 4000 for c in cases)
+    for c in cases:
+        c.fill()
+    for r in range(1, world):  # the shift, done by hand
+        cases[r].view["out"][:] = cases[r - 1].view["in"]
+    assert [c.check("test") for c in cases] == [None] * world
+    assert (cases[0].view["out"] == SENTINEL).all()
+    cases[0].view["out"][5] = 1.0  # rank 0's output must be left alone
+    cases[2].view["out"][:] = cases[2].view["in"]  # its own input, not rank 1's
+    assert "rank 0" in (cases[0].check("test") or "") and "rank 2" in (cases[2].check("test") or "")
+    assert busbw_factor("alltonext", world) == 1.0

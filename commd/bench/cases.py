@@ -68,6 +68,9 @@ class Case:
         elif self.op == "sendrecv":
             v["send"][:] = pattern(ROOT, 0, c)
             v["recv"][:] = SENTINEL
+        elif self.op == "alltonext":
+            v["in"][:] = pattern(r, 0, c)
+            v["out"][:] = SENTINEL
 
     def expected(self) -> dict[str, np.ndarray]:
         """The buffers this rank must hold after one op, computed with NumPy."""
@@ -82,6 +85,8 @@ class Case:
             return {"out": sum(pattern(j, r * c, c) for j in range(n))}
         if self.op == "alltoall":
             return {"out": np.concatenate([pattern(j, r * c, c) for j in range(n)])}
+        if self.op == "alltonext":  # rank 0's output is left as it was
+            return {"out": pattern(r - 1, 0, c) if r else np.full(c, float(SENTINEL))}
         if self.op == "sendrecv" and r in (ROOT, self.last):
             return {"recv": pattern(ROOT, 0, c)}  # the last rank receives it, rank 0 gets it echoed back
         return {}
@@ -122,6 +127,8 @@ def make_case(op: str, nbytes: int, rank: int, world: int, itemsize: int, alloc:
         names = {"in": total, "out": count if op == "reduce_scatter" else total}
     elif op == "sendrecv":
         names = {"send": count, "recv": count}
+    elif op == "alltonext":
+        names = {"in": count, "out": count}
     else:  # pragma: no cover - spec validated the op
         raise ValueError(f"unknown op {op!r}")
     for name, n in names.items():

@@ -127,12 +127,14 @@ class CommdPath:
         elif op == "broadcast":
             ops.broadcast(c, b["buf"], ROOT, lane=h).wait(w)
         elif op == "allgather":
-            ops.all_gather(c, b["out"], b["in"], lane=h).wait(w)
+            ops.all_gather(c, b["out"], b["in"], lane=h, algo=self.algo).wait(w)
         elif op == "reduce_scatter":
             ops.reduce_scatter(c, b["out"], b["in"], lane=h).wait(w)
         elif op == "alltoall":
             splits = [case.count] * n
             ops.all_to_all(c, b["out"], b["in"], splits, splits, lane=h, algo=self.algo).wait(w)
+        elif op == "alltonext":
+            ops.alltonext(c, b["out"], b["in"], lane=h, algo=self.algo).wait(w)
         elif op == "sendrecv":
             last = n - 1
             if self.rank == ROOT:
@@ -187,6 +189,11 @@ class GlooPath:
             getattr(d, "reduce_scatter_single", d.reduce_scatter_tensor)(b["out"], b["in"])
         elif op == "alltoall":
             d.all_to_all_single(b["out"], b["in"])
+        elif op == "alltonext":  # the same transfer as send/recv pairs
+            reqs = [d.isend(b["in"], self.rank + 1)] if self.rank + 1 < self.world else []
+            reqs += [d.irecv(b["out"], self.rank - 1)] if self.rank else []
+            for req in reqs:
+                req.wait()
         elif op == "sendrecv":
             last = self.world - 1
             if self.rank == ROOT:
@@ -242,6 +249,10 @@ class MpiPath:
             comm.Reduce_scatter_block(b["in"], b["out"], op=MPI.SUM)
         elif op == "alltoall":
             comm.Alltoall(b["in"], b["out"])
+        elif op == "alltonext":  # the same transfer as send/recv pairs
+            nxt = self.rank + 1 if self.rank + 1 < self.world else MPI.PROC_NULL
+            prv = self.rank - 1 if self.rank else MPI.PROC_NULL
+            comm.Sendrecv(b["in"], nxt, 0, b["out"], prv, 0)
         elif op == "sendrecv":
             last = self.world - 1
             if self.rank == ROOT:

@@ -17,11 +17,13 @@ from commd.protocol.schema import LANE_NAMES
 from commd.scheduler.tuning import format_bytes
 
 #: Every op the benchmark knows, in the order tables list them.
-OPS = ("allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "reduce", "sendrecv", "barrier")
+OPS = ("allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "alltonext", "reduce", "sendrecv",
+       "barrier")
 #: Accepted spellings of op names (torch / nccl-tests style).
 OP_ALIASES = {
     "all_reduce": "allreduce", "all_gather": "allgather", "reducescatter": "reduce_scatter",
     "all_to_all": "alltoall", "alltoallv": "alltoall", "send_recv": "sendrecv", "p2p": "sendrecv",
+    "all_to_next": "alltonext",
 }
 #: ``auto``: no lane hint (the daemons' own choice, tuning table included); ``all``: every lane of the fabric.
 LANE_WORDS = ("auto", "all")
@@ -30,7 +32,7 @@ LOCAL = "local"
 COMPARE = ("gloo", "mpi")
 DTYPES = ("float32", "float64", "float16", "int32", "int64")
 #: Ops that a program can run (on the tcp lane); ``--algorithms`` adds paths for these only.
-ALGORITHM_OPS = ("allreduce", "alltoall")
+ALGORITHM_OPS = ("allreduce", "allgather", "alltoall", "alltonext")
 #: The tcp lane's own algorithm (no ``algo=`` hint); ``all``: native and every library program of the op.
 NATIVE = "native"
 ALGORITHM_WORDS = (NATIVE, "all")
@@ -61,7 +63,7 @@ def busbw_factor(op: str, n: int) -> float:
         return (n - 1) / n
     if op == "barrier":
         return 0.0
-    return 1.0  # broadcast, reduce, sendrecv
+    return 1.0  # broadcast, reduce, sendrecv, alltonext (each rank's link carries its buffer once)
 
 
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
@@ -203,7 +205,7 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         raise SpecError("--op-timeout must lie in [0.1, 86400] seconds")
     algorithms = parse_algorithms(getattr(args, "algorithms", "") or "")
     if algorithms and not any(op in ALGORITHM_OPS for op in ops):
-        raise SpecError(f"--algorithms: programs run {','.join(ALGORITHM_OPS)} only; --ops has neither")
+        raise SpecError(f"--algorithms: programs run {','.join(ALGORITHM_OPS)} only; --ops has none of them")
     return BenchSpec(ops=ops, sizes=message_sizes(low, high, args.step_factor), lanes=lanes,
                      warmup=args.warmup, iters=args.iters, time_per_size=args.time_per_size, dtype=dtype,
                      compare=list(dict.fromkeys(compare)), op_timeout=args.op_timeout, blocks=args.blocks,
