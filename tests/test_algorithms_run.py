@@ -436,7 +436,10 @@ def test_tiles_pipeline_one_transfer_per_step_and_tile() -> None:
     outputs, transports, plans = interpret(algo, inputs, tile_bytes=64)  # 8 int64 per tile
     assert len(plans[0].tiles) == 42  # q = ceil(1000 / 3) = 334 elements, 42 tiles of at most 8
     assert all(t.posted == 8 * 42 for t in transports)  # 4 sends + 4 receives per rank and tile
-    assert plans[0].landing_elements == 4 * 334  # every receive of the op has a place to land
+    # the two reducing receives land in the landing area; the all-gather's (rcs, r) straight in place
+    assert plans[0].landing_elements == 2 * 334
+    direct = {slot.transfer.recv[2]: slot.direct for slots in plans[0].recvs.values() for slot in slots}
+    assert direct == {1: False, 2: False, 3: True, 4: True}  # ring3 rank 0's steps: s, rrcs, rrcs, rcs, r
     for got in outputs:
         np.testing.assert_array_equal(got, np.sum(inputs, axis=0))
 
@@ -726,3 +729,23 @@ def test_cli_list_shows_a_directory_with_each_file_status(capsys: pytest.Capture
     for name in library.names():
         assert f"\n  {name} (" in out, name
     assert "twoshot (allreduce, 2+ nodes, sizes 16384 B to 4194304 B): two-shot" in out
+
+
+def test_a_receive_lands_in_place_only_where_nothing_else_can_touch_its_destination_meanwhile() -> None:
+    """Data lands when it arrives, maybe before its receive step runs.  In the ring's all-gather every
+    earlier access to the chunk precedes the peer's send, so it lands in place; in ``swap_2r`` a rank's
+    own send of chunk 0 may still be reading it when the peer's chunk arrives (nothing orders the
+    two sends), so it lands in the landing area and is copied when the receive runs."""
+    def direct_receives(algo: Algorithm, count: int) -> list[bool]:
+        plan = Plan.build(algo, 0, count, "int64")
+        return [slot.direct for slots in plan.recvs.values() for slot in slots]
+
+    assert direct_receives(swap_2r(), 10) == [False]
+    assert direct_receives(ring_allreduce(4), 40).count(True) == 3  # rcs, rcs, r
+    assert direct_receives(scratch_allreduce_2r(), 10) == [True]  # into scratch nothing else touches first
+    for algo in (swap_2r(), ring_allreduce(4), scratch_allreduce_2r()):
+        inputs = make_inputs(algo, 4 * algo.nchunksperloop + 3, "int64")
+        outputs, _, _ = interpret(algo, inputs, tile_bytes=16)
+        for r, got in enumerate(outputs):
+            np.testing.assert_array_equal(got, simulate(algo, inputs)[r], err_msg=f"{algo.name} rank {r}")
+

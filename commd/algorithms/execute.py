@@ -41,7 +41,8 @@ def tile_view(buf: np.ndarray, q: int, off: int, cnt: int, lo: int, hi: int) -> 
 
 
 def run_step(step: Step, bufs: Mapping[str, np.ndarray], q: int, lo: int, hi: int, op: str,
-             received: np.ndarray | None = None, *, copy: bool = True) -> np.ndarray | None:
+             received: np.ndarray | None = None, *, copy: bool = True,
+             result: np.ndarray | None = None) -> np.ndarray | None:
     """Apply ``step`` to tile ``[lo, hi)`` of its chunks; return the data it sends (a contiguous
     ``(cnt, hi - lo)`` array), or None.
 
@@ -49,7 +50,9 @@ def run_step(step: Step, bufs: Mapping[str, np.ndarray], q: int, lo: int, hi: in
     What is sent is never written afterwards: a copy, the received data itself, or — with
     ``copy=False``, for ``s`` and ``rrcs`` only — the working buffer's own view, which the
     caller must then keep unwritten until the send is complete (and must ask for only where
-    that view is contiguous: one chunk, or whole chunks)."""
+    that view is contiguous: one chunk, or whole chunks).  ``result``: where an ``rrs`` puts what
+    it sends (``cnt × (hi - lo)`` elements the caller keeps unwritten until the send is complete;
+    by default a fresh array)."""
     kind = step.type
     if kind is StepType.NOP:
         return None
@@ -73,7 +76,7 @@ def run_step(step: Step, bufs: Mapping[str, np.ndarray], q: int, lo: int, hi: in
         return None
     # rrc, rrs, rrcs: local(src) ⊕ received
     if kind is StepType.RECV_REDUCE_SEND:
-        result = np.empty(shape, received.dtype)
+        result = np.empty(shape, received.dtype) if result is None else result.reshape(shape)
         reduce_into(result, [src, received], op)
         return result
     reduce_into(dst, [src, received], op)

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from commd.algorithms.errors import ProgramError
-from commd.algorithms.execute import REDUCE_OPS, StepId, Transfer, Wiring, run_step, tiles
+from commd.algorithms.execute import REDUCE_OPS, StepId, Transfer, Wiring, run_step, tile_view, tiles
 from commd.algorithms.ir import Algorithm, Step, StepType
 from commd.algorithms.layout import RankLayout, allocate, finish, layouts_for, writes_input
 from commd.lanes.base import Done, Transport, TransportError
@@ -61,7 +61,8 @@ class Slot:
     tile: int
     transfer: Transfer
     elements: int  # cnt × tile width
-    landing: int = -1  # element offset in the landing area (receives only)
+    landing: int = -1  # element offset in the landing area (receives landing there only)
+    direct: bool = False  # a plain receive (r, rcs) posted straight into its destination (see _lands_in_place)
 
 
 @dataclass(frozen=True, eq=False)
@@ -83,17 +84,22 @@ class Plan:
     dependents: dict[tuple[int, int], tuple[int, ...]]  # (tb, step) -> threadblocks whose step waits on it
     landing_elements: int
     writes_input: bool
+    #: (tile, rrs step) -> element offset of its result in the outgoing area (what an rrs sends is a
+    #: fresh value: it gets a place of its own for the run, kept between runs like the landing area)
+    outgoing: dict[tuple[int, StepId], int] = field(default_factory=dict)
+    outgoing_elements: int = 0
     source: str = field(default="<program>", compare=False)
     _spare: list[np.ndarray] = field(default_factory=list, compare=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
 
     def take_landing(self) -> np.ndarray:
-        """A landing area for one run: the plan keeps one between runs, so that an op of a
-        cached shape does not fault in fresh pages each time (two runs at once get two)."""
+        """The landing and outgoing areas of one run, in one array: the plan keeps one between
+        runs, so that an op of a cached shape does not fault in fresh pages each time (two runs at
+        once get two)."""
         with self._lock:
             if self._spare:
                 return self._spare.pop()
-        return np.empty(self.landing_elements, self.dtype)
+        return np.empty(self.landing_elements + self.outgoing_elements, self.dtype)
 
     def give_back(self, landing: np.ndarray) -> None:
         with self._lock:
@@ -152,16 +158,29 @@ def _build(algo: Algorithm, rank: int, count: int, dtype_str: str, tile_bytes: i
             send_position[(slot.tile, slot.transfer.send)] = (peer, index)
     recv_slot: dict[tuple[int, StepId], Slot] = {}
     landing = 0
+    in_place = _lands_in_place(algo, rank, wiring, layout)
     for peer in sorted(recvs):
         ordered = sorted(recvs[peer], key=lambda s: rank_key(s.tile, s.transfer))
         placed = []
         for slot in ordered:
-            slot = Slot(slot.tile, slot.transfer, slot.elements, landing)
-            landing += slot.elements
+            lo, hi = tile_list[slot.tile]
+            if slot.transfer.recv in in_place and (slot.transfer.cnt == 1 or hi - lo == layout.q):
+                slot = Slot(slot.tile, slot.transfer, slot.elements, -1, True)  # contiguous in its destination
+            else:
+                slot = Slot(slot.tile, slot.transfer, slot.elements, landing)
+                landing += slot.elements
             placed.append(slot)
             recv_slot[(slot.tile, slot.transfer.recv)] = slot
         recvs[peer] = placed
     mine = algo.ranks[rank]
+    outgoing: dict[tuple[int, StepId], int] = {}
+    outgoing_elements = 0
+    for tb in mine.threadblocks:
+        for index, step in enumerate(tb.steps):
+            if step.type is StepType.RECV_REDUCE_SEND:
+                for ti, (lo, hi) in enumerate(tile_list):
+                    outgoing[(ti, (rank, tb.id, index))] = landing + outgoing_elements
+                    outgoing_elements += step.cnt * (hi - lo)
     dependents: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
     for tb in mine.threadblocks:
         for step in tb.steps:
@@ -170,7 +189,61 @@ def _build(algo: Algorithm, rank: int, count: int, dtype_str: str, tile_bytes: i
     return Plan(algo, rank, count, dtype, layout, tile_list,
                 {tb.id: tb.steps for tb in mine.threadblocks}, {tb.id: (tb.send, tb.recv) for tb in mine.threadblocks},
                 {p: tuple(v) for p, v in sends.items()}, {p: tuple(v) for p, v in recvs.items()}, send_position,
-                recv_slot, {k: tuple(v) for k, v in dependents.items()}, landing, writes_input(algo, rank), source)
+                recv_slot, {k: tuple(v) for k, v in dependents.items()}, landing, writes_input(algo, rank), outgoing,
+                outgoing_elements, source)
+
+
+def _lands_in_place(algo: Algorithm, rank: int, wiring: Wiring, layout: RankLayout) -> frozenset[StepId]:
+    """The plain receives (``r``, ``rcs``: dst ← received) of ``rank`` whose data may be received
+    straight into their destination instead of the landing area (one copy fewer per chunk).
+
+    Data lands when it arrives: after its send step S ran on the peer, possibly long before the
+    receive step R runs here.  That is safe when every other step A of this rank that touches
+    the destination's chunks either runs after R (R precedes A in happens-before: R waits for
+    the data) or is over before S starts: A precedes S and, if A sends, the receive matched with
+    A's send precedes S too (the peer has all of A's bytes, so nothing still reads A's memory).
+    Happens-before is the checked program's (threadblock order, dependencies, matched transfers),
+    per tile; buffers that alias (in-place programs) are compared in the buffer they live in."""
+    order = wiring.order
+    bit = {sid: 1 << n for n, sid in enumerate(order)}
+    before: dict[StepId, int] = {}  # every step that precedes, as a bitmask over ``order``
+    for sid in order:
+        mask = 0
+        for p in wiring.predecessors(sid):
+            mask |= before[p] | bit[p]
+        before[sid] = mask
+
+    def chunks(buf: str, off: int, cnt: int) -> set[tuple[str, int]]:
+        if layout.alias is not None and buf == layout.alias[0]:
+            buf, off = layout.alias[1], off + layout.alias[2]
+        return {(buf, c) for c in range(off, off + cnt)}
+
+    touches: dict[StepId, set[tuple[str, int]]] = {}
+    for sid, step in wiring.steps.items():
+        if sid[0] != rank or step.type is StepType.NOP:
+            continue
+        reached: set[tuple[str, int]] = set()
+        if step.type.reads_src:
+            reached |= chunks(step.srcbuf, step.srcoff, step.cnt)
+        if step.type.writes_dst or step.type.reads_dst:
+            reached |= chunks(step.dstbuf, step.dstoff, step.cnt)
+        touches[sid] = reached
+    safe = set()
+    for sid, step in wiring.steps.items():
+        if sid[0] != rank or step.type not in (StepType.RECV, StepType.RECV_COPY_SEND):
+            continue
+        send = wiring.transfer_of_recv[sid].send
+        dst = chunks(step.dstbuf, step.dstoff, step.cnt)
+        for other, reached in touches.items():
+            if other == sid or not reached & dst or before[other] & bit[sid]:
+                continue  # untouched, or after this receive
+            sent = wiring.transfer_of_send.get(other)
+            if not before[send] & bit[other] or (sent is not None and sent.recv != send
+                                                  and not before[send] & bit[sent.recv]):
+                break
+        else:
+            safe.add(sid)
+    return frozenset(safe)
 
 
 #: Steps whose sent data can be the working buffer's own memory (``rcs`` forwards the landing
@@ -208,11 +281,20 @@ class _Engine:
         self.itemsize = plan.dtype.itemsize
 
     def start(self) -> None:
-        landing = _bytes(self.landing) if self.plan.landing_elements else memoryview(b"")
+        landing = _bytes(self.landing) if self.landing.size else memoryview(b"")
         size = self.plan.dtype.itemsize
+        q = self.plan.layout.q
         for peer, slots in self.plan.recvs.items():
             for slot in slots:
-                view = landing[slot.landing * size:(slot.landing + slot.elements) * size]
+                if slot.direct:
+                    _, tb, s = slot.transfer.recv
+                    step = self.plan.threadblocks[tb][s]
+                    lo, hi = self.plan.tiles[slot.tile]
+                    target = tile_view(self.work[step.dstbuf], q, step.dstoff, step.cnt, lo, hi)
+                    assert target.flags.c_contiguous  # (one chunk, or whole chunks: _build's condition)
+                    view = _bytes(target)
+                else:
+                    view = landing[slot.landing * size:(slot.landing + slot.elements) * size]
                 self.transport.post_recv(self.peers[peer], view, self._landed(slot))
         self.runnable.extend(sorted(self.next))
         self._drain()
@@ -250,12 +332,24 @@ class _Engine:
                 if (ti, sid) not in self.landed:
                     return
                 slot = plan.recv_slot[(ti, sid)]
+                if slot.direct:  # the data is in its destination already
+                    if step.type.sends:  # rcs forwards it from there, as a zero-copy send
+                        reads = self._ranges(step.dstbuf, step.dstoff, step.cnt, lo, hi)
+                        self.inflight[ti].append(reads)
+                        self._send(ti, sid, tile_view(self.work[step.dstbuf], plan.layout.q, step.dstoff,
+                                                      step.cnt, lo, hi), reads)
+                    self.next[(ti, tb)] = s + 1
+                    self.runnable.extend((ti, waiter) for waiter in plan.dependents.get((tb, s), ()))
+                    continue
                 received = self.landing[slot.landing:slot.landing + slot.elements]
             if step.type.writes_dst and self.inflight[ti] and self._overwrites(ti, step, lo, hi):
                 self.held.append((ti, tb))
                 return
             zero_copy = step.type in _ZERO_COPY and (step.cnt == 1 or hi - lo == plan.layout.q)
-            data = run_step(step, self.work, plan.layout.q, lo, hi, self.op, received, copy=not zero_copy)
+            at = plan.outgoing.get((ti, sid))
+            result = None if at is None else self.landing[at:at + step.cnt * (hi - lo)]
+            data = run_step(step, self.work, plan.layout.q, lo, hi, self.op, received, copy=not zero_copy,
+                            result=result)
             if step.type.sends:
                 reads = None
                 if zero_copy:

@@ -69,7 +69,9 @@ def interpret(tp: Transport, program: Program, nodes: tuple[int, ...], me: int, 
     key = (program.digest, me, inp.size, inp.dtype.str)
     plan = plans.get(key)
     if plan is None:
-        plan = plans[key] = interpreter.Plan.build(program.algo, me, inp.size, inp.dtype, source=program.source)
+        # tiles of the lane's own pieces: the native algorithms' pipelining grain, and no more steps than theirs
+        plan = plans[key] = interpreter.Plan.build(program.algo, me, inp.size, inp.dtype, tile_bytes=tp.chunk_bytes,
+                                                   source=program.source)
         while len(plans) > MAX_PLANS:
             plans.popitem(last=False)
     else:
