@@ -12,9 +12,11 @@ every transfer (tile, matched send/receive pair) between a sender and a receiver
 by (depth of its send step in the happens-before graph, tile, channel, k).  The sender
 posts its sends to a peer in that order (a send whose data is ready but whose predecessor
 on that stream is not yet posted waits in a queue); the receiver posts, before anything
-else, all its receives in that order into a landing area sized to the op's known receive
-volume, and applies each receiving step once its data has landed and its dependencies
-are done.  Nothing is ever left in a socket waiting for a receive.  A send of one chunk or
+else, all its receives in that order — into a landing area sized to the op's known receive
+volume, or, for a plain receive whose destination nothing else can touch until it runs
+(:func:`_lands_in_place`), straight into that destination — and applies each receiving step
+once its data has landed and its dependencies are done.  Nothing is ever left in a socket
+waiting for a receive.  A send of one chunk or
 of whole chunks goes straight from working memory (no copy); until the transport reports it
 complete, a step that would overwrite that memory waits.
 
