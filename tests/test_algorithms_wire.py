@@ -764,3 +764,13 @@ def test_torch_group_options_carry_an_algorithm() -> None:
     for bad in ("", 3):
         with pytest.raises(ValueError, match="algo must be an algorithm's name"):
             Options(algo=bad)  # type: ignore[arg-type]
+
+
+def test_a_file_named_native_is_refused(tmp_path: Path) -> None:
+    """'native' names the lane's own algorithm in hints, rules, tables and counts: no file may take it."""
+    from commd.algorithms import mscclxml
+
+    mscclxml.dump(twoshot_allreduce(2, "x"), tmp_path / "native.xml")
+    catalog = cat.Catalog(tmp_path)
+    assert not catalog.files
+    assert "names the lane's own algorithm" in catalog.refused[0].reason

@@ -45,6 +45,8 @@ MAX_FILE_BYTES = 16 << 20
 #: Node 0 sends its user programs to every member with its config (the control channel's frames
 #: stay well below their 16 MiB bound): at most this many bytes of XML and sidecars in all.
 MAX_SHARED_BYTES = 8 << 20
+#: The lane's own algorithm, as tuning tables, benchmarks and status counts name it: no file may.
+NATIVE = "native"
 #: Where a program received with node 0's config says it came from.
 FROM_NODE0 = "node 0"
 
@@ -176,6 +178,9 @@ class Catalog:
                 if name in library:
                     raise ProgramError(f"its name shadows the library's program {name!r}; rename the file",
                                        source=str(path))
+                if name == NATIVE:
+                    raise ProgramError(f"{NATIVE!r} names the lane's own algorithm (in hints, rules, tuning tables "
+                                       "and benchmarks); rename the file", source=str(path))
                 self.files[name] = self._load_file(name, path)
             except (ProgramError, OSError, ValueError) as exc:  # (a stage that did not know the file's name)
                 self._refuse(name, str(path), str(exc) if str(path) in str(exc) else f"{path}: {exc}")
