@@ -403,3 +403,17 @@ def kill_pid(pid: int, timeout: float = 10.0) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def msccl_files_dir() -> Path | None:
+    """The third-party MSCCL files the algorithm tests read: ``$COMMD_MSCCL_FILES``, else
+    ``shared/msccl`` beside the checkout or up to two folders above it; None where there are none
+    (the tests that need them skip)."""
+    if os.environ.get("COMMD_MSCCL_FILES"):
+        return Path(os.environ["COMMD_MSCCL_FILES"])
+    root = Path(__file__).resolve().parent.parent
+    for base in (root, *root.parents[:2]):
+        if (base / "shared" / "msccl").is_dir():
+            return base / "shared" / "msccl"
+    return None
+

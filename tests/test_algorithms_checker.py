@@ -2,7 +2,7 @@
 
 Programs are built here as IR (independent of any compiler): :func:`tb` numbers its steps,
 :func:`ring_allreduce` and :func:`direct_allreduce` write the textbook algorithms by hand.
-The third-party MSCCL files in ``/work/shared/msccl`` (their README says which to accept)
+The third-party MSCCL files in ``shared/msccl`` beside the checkout (their README says which to accept)
 are checked through the XML reader.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import time
 from itertools import combinations, permutations
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import msccl_files_dir
 
 from commd.algorithms import checker, mscclxml, postcondition
 from commd.algorithms.errors import ProgramError
@@ -25,19 +25,7 @@ from commd.algorithms.ir import Algorithm, Rank, Step, StepType, Threadblock
 from commd.algorithms.postcondition import ChunkRef, Postcondition
 from commd.algorithms.symbolic import StepRef
 
-
-def _msccl_dir() -> Path | None:
-    """The third-party MSCCL files: $COMMD_MSCCL_FILES, else ``shared/msccl`` beside the checkout."""
-    if os.environ.get("COMMD_MSCCL_FILES"):
-        return Path(os.environ["COMMD_MSCCL_FILES"])
-    root = Path(__file__).resolve().parent.parent
-    for base in (root, *root.parents[:2]):
-        if (base / "shared" / "msccl").is_dir():
-            return base / "shared" / "msccl"
-    return None
-
-
-MSCCL = _msccl_dir()
+MSCCL = msccl_files_dir()
 needs_files = pytest.mark.skipif(MSCCL is None, reason="the third-party MSCCL files (shared/msccl) are not here")
 #: The files their README marks accept (the NEG one is the only reject).
 ACCEPT = ["a2a_allpairs_4r.xml", "a2a_twostep_2x2.xml", "ag_2r_handwritten.xml", "ag_syccl_4r_outofplace.xml",

@@ -8,7 +8,6 @@ shift by one rank for AllToNext.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import ops_workers as ow
 import pytest
 import torch
 from cluster import Cluster
+from helpers import msccl_files_dir
 from test_algorithms_wire import SECRET, run_nodes
 
 from commd.algorithms import catalog as cat
@@ -297,18 +297,9 @@ def test_torch_options_take_an_algorithm_per_op() -> None:
 # ---- the third-party MSCCL files on simulated hosts -------------------------------------------
 
 
-def _msccl_dir() -> Path | None:
-    """The third-party MSCCL files: $COMMD_MSCCL_FILES, else ``shared/msccl`` near the checkout."""
-    if os.environ.get("COMMD_MSCCL_FILES"):
-        return Path(os.environ["COMMD_MSCCL_FILES"])
-    root = Path(__file__).resolve().parent.parent
-    for base in (root, *root.parents[:2]):
-        if (base / "shared" / "msccl").is_dir():
-            return base / "shared" / "msccl"
-    return None
 
 
-MSCCL_DIR = _msccl_dir()
+MSCCL_DIR = msccl_files_dir()
 #: The op kinds that run a program of each collective (a custom program runs as an op only when
 #: it is AllToNext: commd has no op whose ranks hold buffers of different shapes).
 OP_FOR_COLL = {"allreduce": "allreduce", "allgather": "allgather", "alltoall": "alltoall"}

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -20,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import msccl_files_dir
 from test_lane_transport import network, on_nodes, run_ok
 
 from commd.algorithms import library, mscclxml
@@ -38,18 +38,9 @@ from commd.lanes.tcp.transport import Exchange, Mesh
 T = StepType
 
 
-def _msccl_dir() -> Path | None:
-    """The third-party MSCCL files: $COMMD_MSCCL_FILES, else ``shared/msccl`` beside the checkout."""
-    if os.environ.get("COMMD_MSCCL_FILES"):
-        return Path(os.environ["COMMD_MSCCL_FILES"])
-    root = Path(__file__).resolve().parent.parent
-    for base in (root, *root.parents[:2]):
-        if (base / "shared" / "msccl").is_dir():
-            return base / "shared" / "msccl"
-    return None
 
 
-MSCCL_DIR = _msccl_dir()
+MSCCL_DIR = msccl_files_dir()
 needs_files = pytest.mark.skipif(MSCCL_DIR is None, reason="the third-party MSCCL files (shared/msccl) are not here")
 #: The files their README marks accept (the one marked reject starts with NEG_).
 ACCEPTED = sorted(p.name for p in MSCCL_DIR.glob("*.xml") if not p.name.startswith("NEG_")) if MSCCL_DIR else []

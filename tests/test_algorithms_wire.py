@@ -23,6 +23,7 @@ import pytest
 import torch
 from algorithm_programs import twoshot_allreduce
 from cluster import Cluster
+from helpers import msccl_files_dir
 
 from commd.algorithms import catalog as cat
 from commd.algorithms.errors import ProgramError
@@ -394,8 +395,9 @@ def test_real_catalog_accepts_a_checked_file_and_refuses_the_bad_ones(tmp_path: 
     from commd.algorithms import mscclxml
 
     mscclxml.dump(twoshot_allreduce(3, "mine"), tmp_path / "mine.xml")
-    shared = Path("/work/shared/msccl/NEG_ns3_peer2peer_8r_labelled_allgather.xml")
-    if shared.exists():
+    files = msccl_files_dir()
+    shared = files / "NEG_ns3_peer2peer_8r_labelled_allgather.xml" if files is not None else None
+    if shared is not None and shared.exists():
         (tmp_path / "peer2peer.xml").write_text(shared.read_text())
     broken = twoshot_allreduce(2, "racy")  # rank 0's second reduction no longer waits for the first
     (tmp_path / "garbled.xml").write_text("<algo name='x'")
@@ -410,7 +412,7 @@ def test_real_catalog_accepts_a_checked_file_and_refuses_the_bad_ones(tmp_path: 
     refused = {r.name: r.reason for r in catalog.refused}
     assert {"racy", "garbled"} <= set(refused)
     assert str(tmp_path / "racy.xml") in refused["racy"] and "rank 0" in refused["racy"]
-    if shared.exists():
+    if shared is not None and shared.exists():
         assert "peer2peer" in refused
 
 

@@ -4,31 +4,18 @@ round-trip unchanged, and every kind of broken or hostile file is refused naming
 from __future__ import annotations
 
 import collections
-import os
 import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from helpers import msccl_files_dir
 
 from commd.algorithms import mscclxml
 from commd.algorithms.errors import ProgramError
 from commd.algorithms.ir import Algorithm, Rank, Step, StepType, Threadblock
 
-
-def _msccl_dir() -> Path | None:
-    """The third-party MSCCL files: $COMMD_MSCCL_FILES, else ``shared/msccl`` beside the checkout."""
-    if os.environ.get("COMMD_MSCCL_FILES"):
-        return Path(os.environ["COMMD_MSCCL_FILES"])
-    root = Path(__file__).resolve().parent.parent
-    for base in (root, *root.parents[:2]):
-        candidate = base / "shared" / "msccl"
-        if candidate.is_dir():
-            return candidate
-    return None
-
-
-MSCCL_DIR = _msccl_dir()
+MSCCL_DIR = msccl_files_dir()
 FILES = sorted(MSCCL_DIR.glob("*.xml")) if MSCCL_DIR else []
 needs_files = pytest.mark.skipif(MSCCL_DIR is None, reason="the third-party MSCCL files (shared/msccl) are not here")
 
