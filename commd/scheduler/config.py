@@ -40,7 +40,7 @@ class LaneRule:
     def matches(self, kind: str, nbytes: int, group_size: int) -> bool:
         if self.kind != "*" and self.kind != kind and not (self.kind == "send" and kind == "sendrecv"):
             return False
-        return self.min_bytes <= nbytes <= self.max_bytes and self.min_group <= group_size <= self.max_group
+        return _within(self, nbytes, group_size)
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,12 @@ class AlgorithmRule:
     max_group: int = s.MAX_GROUP_SIZE
 
     def matches(self, kind: str, nbytes: int, group_size: int) -> bool:
-        return ((self.kind == "*" or self.kind == kind) and self.min_bytes <= nbytes <= self.max_bytes
-                and self.min_group <= group_size <= self.max_group)
+        return (self.kind == "*" or self.kind == kind) and _within(self, nbytes, group_size)
+
+
+def _within(rule: LaneRule | AlgorithmRule, nbytes: int, group_size: int) -> bool:
+    """Whether an op of ``nbytes`` on a group of ``group_size`` falls in a rule's ranges (both kinds of rule)."""
+    return rule.min_bytes <= nbytes <= rule.max_bytes and rule.min_group <= group_size <= rule.max_group
 
 
 @dataclass

@@ -377,11 +377,7 @@ class TcpLane:
             if len(src) == 0:
                 self._usable("alltoallv", nodes)
                 return
-            deadline = time.monotonic() + timeout
-            src_arr, dst_arr = inp.reshape(-1).numpy(), out.reshape(-1).numpy()
-            self._run(f"alltoallv({len(src)} bytes, algorithm {program.name!r})", "alltoallv", nodes, timeout,
-                      lambda ex: self._run_program(ex, "alltoallv", program, nodes, me, src_arr, dst_arr, "sum",
-                                                   deadline))
+            self._move_by_program("alltoallv", nodes, me, inp, out, timeout, program)
             return
         self._run(f"alltoallv({len(src)} bytes out, {len(dst)} in)", "alltoallv", nodes, timeout,
                   lambda ex: algorithms.pairwise_alltoallv(ex, nodes, me, src, in_sizes, dst, out_sizes))
@@ -399,11 +395,15 @@ class TcpLane:
         if len(nodes) == 1 or inp.numel() == 0:
             self._usable("alltonext", nodes)
             return
+        self._move_by_program("alltonext", nodes, me, inp, out, timeout, program)
+
+    def _move_by_program(self, what: str, nodes: tuple[int, ...], me: int, inp: torch.Tensor, out: torch.Tensor,
+                         timeout: float, program: Chosen) -> None:
+        """A program that moves bytes (no reduction) from ``inp`` into ``out``, as one lane call."""
         deadline = time.monotonic() + timeout
         src_arr, dst_arr = inp.reshape(-1).numpy(), out.reshape(-1).numpy()
-        self._run(f"alltonext({inp.numel()} bytes, algorithm {program.name!r})", "alltoallv", nodes, timeout,
-                  lambda ex: self._run_program(ex, "alltonext", program, nodes, me, src_arr, dst_arr, "sum",
-                                               deadline))
+        self._run(f"{what}({inp.numel()} bytes, algorithm {program.name!r})", "alltoallv", nodes, timeout,
+                  lambda ex: self._run_program(ex, what, program, nodes, me, src_arr, dst_arr, "sum", deadline))
 
     def send(self, dst: int, buf: torch.Tensor, timeout: float) -> None:
         """``buf``'s bytes to ``dst`` (returns once they are handed to the kernel)."""
