@@ -24,7 +24,7 @@ import numpy as np
 from commd.algorithms.errors import ProgramError
 from commd.algorithms.ir import Algorithm, Step, StepType
 from commd.algorithms.layout import RankLayout
-from commd.kernels.small import reduce_into
+from commd.kernels.small import reduce_into_unchecked
 
 #: Reduce operators a program may run with (the lanes' element-wise ops).
 REDUCE_OPS = frozenset({"sum", "product", "min", "max", "band", "bor", "bxor"})
@@ -72,14 +72,14 @@ def run_step(step: Step, bufs: Mapping[str, np.ndarray], q: int, lo: int, hi: in
         dst[...] = src
         return None
     if kind is StepType.REDUCE:
-        reduce_into(dst, [dst, src], op)
+        reduce_into_unchecked(dst, [dst, src], op)
         return None
     # rrc, rrs, rrcs: local(src) ⊕ received
     if kind is StepType.RECV_REDUCE_SEND:
         result = np.empty(shape, received.dtype) if result is None else result.reshape(shape)
-        reduce_into(result, [src, received], op)
+        reduce_into_unchecked(result, [src, received], op)
         return result
-    reduce_into(dst, [src, received], op)
+    reduce_into_unchecked(dst, [src, received], op)
     if not kind.sends:
         return None
     return np.array(dst) if copy else dst

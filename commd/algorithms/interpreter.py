@@ -48,7 +48,16 @@ import numpy as np
 from commd.algorithms.errors import ProgramError
 from commd.algorithms.execute import REDUCE_OPS, StepId, Transfer, Wiring, run_step, tile_view, tiles
 from commd.algorithms.ir import Algorithm, Step, StepType
-from commd.algorithms.layout import RankLayout, allocate, finish, layouts_for, writes_input
+from commd.algorithms.layout import (
+    BufferLayout,
+    RankLayout,
+    address,
+    allocate,
+    finish,
+    layouts_for,
+    working_bound,
+    writes_input,
+)
 from commd.lanes.base import Done, Transport, TransportError
 
 #: Default tile: small enough that a 4-node pipeline fills, large enough that a step's
@@ -65,6 +74,20 @@ class Slot:
     elements: int  # cnt × tile width
     landing: int = -1  # element offset in the landing area (receives landing there only)
     direct: bool = False  # a plain receive (r, rcs) posted straight into its destination (see _lands_in_place)
+
+
+@dataclass(frozen=True, slots=True)
+class StepRun:
+    """What the engine asks of one step on every tile, read off its type once per plan (the
+    enum's properties and frozenset lookups cost more than the step's bookkeeping otherwise)."""
+
+    step: Step
+    dependency: tuple[int, int] | None
+    receives: bool
+    sends: bool
+    writes_dst: bool
+    zero_copy: bool  # ``s``/``rrcs``: what it sends can be the working buffer's own memory
+    dependents: tuple[int, ...]  # threadblocks whose step waits on this one
 
 
 @dataclass(frozen=True, eq=False)
@@ -90,18 +113,21 @@ class Plan:
     #: fresh value: it gets a place of its own for the run, kept between runs like the landing area)
     outgoing: dict[tuple[int, StepId], int] = field(default_factory=dict)
     outgoing_elements: int = 0
+    #: elements kept after the landing and outgoing areas for the run's scratch and working copies
+    working_elements: int = 0
+    runs: dict[int, tuple[StepRun, ...]] = field(default_factory=dict)  # threadblock id -> its steps' records
     source: str = field(default="<program>", compare=False)
     _spare: list[np.ndarray] = field(default_factory=list, compare=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
 
     def take_landing(self) -> np.ndarray:
-        """The landing and outgoing areas of one run, in one array: the plan keeps one between
-        runs, so that an op of a cached shape does not fault in fresh pages each time (two runs at
-        once get two)."""
+        """The landing and outgoing areas of one run, then room for its scratch and working
+        copies, in one array: the plan keeps one between runs, so that an op of a cached shape
+        does not fault in fresh pages each time (two runs at once get two)."""
         with self._lock:
             if self._spare:
                 return self._spare.pop()
-        return np.empty(self.landing_elements + self.outgoing_elements, self.dtype)
+        return np.empty(self.landing_elements + self.outgoing_elements + self.working_elements, self.dtype)
 
     def give_back(self, landing: np.ndarray) -> None:
         with self._lock:
@@ -188,11 +214,15 @@ def _build(algo: Algorithm, rank: int, count: int, dtype_str: str, tile_bytes: i
         for step in tb.steps:
             if step.dependency is not None:
                 dependents[step.dependency].append(tb.id)
+    runs = {tb.id: tuple(StepRun(step, step.dependency, step.type.receives, step.type.sends, step.type.writes_dst,
+                                 step.type in _ZERO_COPY, tuple(dependents.get((tb.id, s), ())))
+                         for s, step in enumerate(tb.steps))
+            for tb in mine.threadblocks}
     return Plan(algo, rank, count, dtype, layout, tile_list,
                 {tb.id: tb.steps for tb in mine.threadblocks}, {tb.id: (tb.send, tb.recv) for tb in mine.threadblocks},
                 {p: tuple(v) for p, v in sends.items()}, {p: tuple(v) for p, v in recvs.items()}, send_position,
                 recv_slot, {k: tuple(v) for k, v in dependents.items()}, landing, writes_input(algo, rank), outgoing,
-                outgoing_elements, source)
+                outgoing_elements, working_bound(layout), runs, source)
 
 
 def _lands_in_place(algo: Algorithm, rank: int, wiring: Wiring, layout: RankLayout) -> frozenset[StepId]:
@@ -255,21 +285,21 @@ _ZERO_COPY = frozenset({StepType.SEND, StepType.RECV_REDUCE_COPY_SEND})
 
 def _bytes(a: np.ndarray) -> memoryview:
     """A flat byte view of a contiguous array (what the transport moves)."""
-    return memoryview(a.reshape(-1).view(np.uint8))
+    return memoryview(a).cast("B")
 
 
 class _Engine:
     """The per-run state of one plan: which step each (tile, threadblock) is at, what has landed."""
 
     def __init__(self, plan: Plan, transport: Transport, peers: list[int], work: dict[str, np.ndarray],
-                 op: str) -> None:
+                 op: str, area: np.ndarray) -> None:
         self.plan = plan
         self.transport = transport
         self.peers = peers
         self.work = work
         self.op = op
         self.next = {(ti, tb): 0 for ti in range(len(plan.tiles)) for tb in plan.threadblocks}
-        self.landing = plan.take_landing()
+        self.landing = area[:plan.landing_elements + plan.outgoing_elements]
         self.landed: set[tuple[int, StepId]] = set()
         self.outbox: dict[int, dict[int, tuple[np.ndarray, int, list[tuple[int, int]] | None]]] = {
             p: {} for p in plan.sends}
@@ -279,7 +309,7 @@ class _Engine:
         # zero-copy sends not yet complete, per tile: the working memory (address ranges) they read
         self.inflight: dict[int, list[list[tuple[int, int]]]] = collections.defaultdict(list)
         self.held: list[tuple[int, int]] = []  # (tile, threadblock) waiting for such a send to complete
-        self.address = {name: a.ctypes.data for name, a in work.items()}
+        self.address = {name: address(a) for name, a in work.items()}
         self.itemsize = plan.dtype.itemsize
 
     def start(self) -> None:
@@ -319,48 +349,53 @@ class _Engine:
             self.draining = False
 
     def _advance(self, ti: int, tb: int) -> None:
-        plan, me = self.plan, self.plan.rank
-        steps = plan.threadblocks[tb]
+        plan, me, nxt = self.plan, self.plan.rank, self.next
+        runs = plan.runs[tb]
         lo, hi = plan.tiles[ti]
-        while self.next[(ti, tb)] < len(steps):
-            s = self.next[(ti, tb)]
-            step = steps[s]
-            dep = step.dependency
-            if dep is not None and self.next[(ti, dep[0])] <= dep[1]:
+        whole = hi - lo == plan.layout.q
+        key = (ti, tb)
+        while nxt[key] < len(runs):
+            s = nxt[key]
+            run = runs[s]
+            step = run.step
+            dep = run.dependency
+            if dep is not None and nxt[(ti, dep[0])] <= dep[1]:
                 return
             sid = (me, tb, s)
             received = None
-            if step.type.receives:
+            if run.receives:
                 if (ti, sid) not in self.landed:
                     return
                 slot = plan.recv_slot[(ti, sid)]
                 if slot.direct:  # the data is in its destination already
-                    if step.type.sends:  # rcs forwards it from there, as a zero-copy send
+                    if run.sends:  # rcs forwards it from there, as a zero-copy send
                         reads = self._ranges(step.dstbuf, step.dstoff, step.cnt, lo, hi)
                         self.inflight[ti].append(reads)
                         self._send(ti, sid, tile_view(self.work[step.dstbuf], plan.layout.q, step.dstoff,
                                                       step.cnt, lo, hi), reads)
-                    self.next[(ti, tb)] = s + 1
-                    self.runnable.extend((ti, waiter) for waiter in plan.dependents.get((tb, s), ()))
+                    nxt[key] = s + 1
+                    if run.dependents:
+                        self.runnable.extend((ti, waiter) for waiter in run.dependents)
                     continue
                 received = self.landing[slot.landing:slot.landing + slot.elements]
-            if step.type.writes_dst and self.inflight[ti] and self._overwrites(ti, step, lo, hi):
-                self.held.append((ti, tb))
+            if run.writes_dst and self.inflight[ti] and self._overwrites(ti, step, lo, hi):
+                self.held.append(key)
                 return
-            zero_copy = step.type in _ZERO_COPY and (step.cnt == 1 or hi - lo == plan.layout.q)
-            at = plan.outgoing.get((ti, sid))
+            zero_copy = run.zero_copy and (step.cnt == 1 or whole)
+            at = plan.outgoing.get((ti, sid)) if run.sends else None
             result = None if at is None else self.landing[at:at + step.cnt * (hi - lo)]
             data = run_step(step, self.work, plan.layout.q, lo, hi, self.op, received, copy=not zero_copy,
                             result=result)
-            if step.type.sends:
+            if run.sends:
                 reads = None
                 if zero_copy:
                     buf, off = (step.srcbuf, step.srcoff) if step.type is StepType.SEND else (step.dstbuf, step.dstoff)
                     reads = self._ranges(buf, off, step.cnt, lo, hi)
                     self.inflight[ti].append(reads)
                 self._send(ti, sid, data, reads)
-            self.next[(ti, tb)] = s + 1
-            self.runnable.extend((ti, waiter) for waiter in plan.dependents.get((tb, s), ()))
+            nxt[key] = s + 1
+            if run.dependents:
+                self.runnable.extend((ti, waiter) for waiter in run.dependents)
 
     def _ranges(self, buf: str, off: int, cnt: int, lo: int, hi: int) -> list[tuple[int, int]]:
         """Address ranges of tile [lo, hi) of chunks [off, off + cnt) of working buffer ``buf``
@@ -405,6 +440,36 @@ def run(plan: Plan, transport: Transport, peers: list[int] | tuple[int, ...], in
     flat arrays of the plan's dtype (``out`` may be ``inp`` for an in-place op whose input and
     output have one size).  ``deadline`` (``time.monotonic()``) is the lane call's; the
     transport enforces it during the run.  A TransportError propagates as raised."""
+    running = start(plan, transport, peers, inp, out, op, deadline)
+    transport.wait()
+    running.finish()
+
+
+class Running:
+    """A started run of one rank (:func:`start`): its engine, working buffers and kept area."""
+
+    def __init__(self, plan: Plan, engine: _Engine, area: np.ndarray,
+                 stores: list[tuple[BufferLayout, np.ndarray, np.ndarray]]) -> None:
+        self.plan, self._engine, self._area, self._stores = plan, engine, area, stores
+
+    def finish(self) -> None:
+        """Once the transport has completed everything posted: the results into the user's memory."""
+        stuck = self._engine.unfinished()
+        if stuck:  # only a transport that returned before its receives landed can get here
+            raise TransportError(None, "internal", f"rank {self.plan.rank} of {self.plan.algo.name}: the "
+                                                   f"transport's wait returned with steps not run, e.g. (tile, "
+                                                   f"threadblock, step) {stuck[:4]}")
+        finish(self._stores)
+        self.plan.give_back(self._area)
+
+
+def start(plan: Plan, transport: Transport, peers: list[int] | tuple[int, ...], inp: np.ndarray, out: np.ndarray,
+          op: str, deadline: float | None = None) -> Running:
+    """:func:`run` without the wait: post this rank's receives and run every step that needs no
+    data yet.  The caller drives the transport until all that is posted (and whatever the
+    completions post) is done, then calls ``finish()``.  :func:`run` is this, one
+    ``transport.wait()`` and ``finish()``; a driver that runs every rank in one thread (the
+    interpreter's CPU benchmark) starts them all first."""
     if op not in REDUCE_OPS:
         raise ValueError(f"reduce op {op!r} is not one of {sorted(REDUCE_OPS)}")
     if len(peers) != plan.algo.ngpus:
@@ -417,14 +482,16 @@ def run(plan: Plan, transport: Transport, peers: list[int] | tuple[int, ...], in
     if deadline is not None and time.monotonic() >= deadline:
         raise TransportError(None, "timeout", f"rank {plan.rank} of {plan.algo.name}: the deadline passed before "
                                               "the program started")
-    work, stores = allocate(plan.layout, plan.dtype, inp, out, plan.writes_input)
-    engine = _Engine(plan, transport, list(peers), work, op)
+    area = plan.take_landing()
+    free = [plan.landing_elements + plan.outgoing_elements]
+
+    def zeros(n: int) -> np.ndarray:  # the run's scratch and working copies, from the kept area
+        piece = area[free[0]:free[0] + n]
+        free[0] += n
+        piece.fill(0)
+        return piece
+
+    work, stores = allocate(plan.layout, plan.dtype, inp, out, plan.writes_input, zeros)
+    engine = _Engine(plan, transport, list(peers), work, op, area)
     engine.start()
-    transport.wait()
-    stuck = engine.unfinished()
-    if stuck:  # only a transport that returned before its receives landed can get here
-        raise TransportError(None, "internal", f"rank {plan.rank} of {plan.algo.name}: the transport's wait "
-                                               f"returned with steps not run, e.g. (tile, threadblock, step) "
-                                               f"{stuck[:4]}")
-    finish(stores)
-    plan.give_back(engine.landing)
+    return Running(plan, engine, area, stores)

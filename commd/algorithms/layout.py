@@ -27,6 +27,7 @@ and ``o`` apart).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -215,26 +216,42 @@ def writes_input(algo: Algorithm, rank: int) -> bool:
                for tb in algo.ranks[rank].threadblocks for step in tb.steps)
 
 
+def working_bound(layout: RankLayout) -> int:
+    """The most elements :func:`allocate` asks its ``zeros`` for in one run (scratch and the
+    working copies it may need), so that a caller can keep that much between runs."""
+    if layout.alias is None:
+        return layout.s.working_elements + layout.i.working_elements + layout.o.working_elements
+    return layout.s.working_elements + layout.buffer(layout.alias[1]).working_elements
+
+
 def allocate(layout: RankLayout, dtype: np.dtype, inp: np.ndarray, out: np.ndarray,
-             writes_input: bool) -> tuple[dict[str, np.ndarray], list[tuple[BufferLayout, np.ndarray, np.ndarray]]]:
+             writes_input: bool, zeros: Callable[[int], np.ndarray] | None = None,
+             ) -> tuple[dict[str, np.ndarray], list[tuple[BufferLayout, np.ndarray, np.ndarray]]]:
     """Working buffers for one run, loaded with the user's input: ``({"i", "o", "s": array},
     stores)``, where each ``(buffer, working, user)`` of ``stores`` is copied back into the
     user's memory once the run is over.  The user's memory is used directly where no padding
     is needed; ``inp`` is never written (a copy is made if the program writes ``i``, or if an
-    out-of-place program is handed one array as both input and output)."""
+    out-of-place program is handed one array as both input and output).
+
+    ``zeros(n)``: a zero-filled array of ``n`` elements of ``dtype`` (default: a fresh one; the
+    interpreter hands out memory it keeps between runs, already faulted in, at most
+    :func:`working_bound` elements in all)."""
     if inp.shape != (layout.input_elements,) or out.shape != (layout.output_elements,):
         raise ValueError(f"rank {layout.rank}: input/output of {inp.shape}/{out.shape} elements, the layout wants "
                          f"({layout.input_elements},)/({layout.output_elements},)")
+    if zeros is None:
+        def zeros(n: int) -> np.ndarray:
+            return np.zeros(n, dtype)
     stores: list[tuple[BufferLayout, np.ndarray, np.ndarray]] = []
-    scratch = np.zeros(layout.s.working_elements, dtype)
+    scratch = zeros(layout.s.working_elements)
     if layout.alias is None:
         if layout.i.padded or (layout.i.user_elements and (writes_input or np.shares_memory(inp, out))):
-            work_i = np.zeros(layout.i.working_elements, dtype)
+            work_i = zeros(layout.i.working_elements)
             layout.i.load(inp, work_i)
         else:
             work_i = inp
         if layout.o.padded:
-            work_o = np.zeros(layout.o.working_elements, dtype)
+            work_o = zeros(layout.o.working_elements)
             stores.append((layout.o, work_o, out))
         else:
             work_o = out
@@ -247,7 +264,7 @@ def allocate(layout: RankLayout, dtype: np.dtype, inp: np.ndarray, out: np.ndarr
     if not outer_layout.padded and (outer == "o" or (offset == 0 and outer_layout.user_elements == out.size)):
         big = out
     else:
-        big = np.zeros(outer_layout.working_elements, dtype)
+        big = zeros(outer_layout.working_elements)
     work = {outer: big, inner: big[view], "s": scratch}
     if not _same_memory(inp, work["i"]):
         layout.i.load(inp, work["i"])
@@ -258,7 +275,12 @@ def allocate(layout: RankLayout, dtype: np.dtype, inp: np.ndarray, out: np.ndarr
 
 def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
     """Whether ``a`` and ``b`` are the same elements (an in-place call: nothing to copy)."""
-    return a.size == b.size and a.dtype == b.dtype and (a.size == 0 or a.ctypes.data == b.ctypes.data)
+    return a.size == b.size and a.dtype == b.dtype and (a.size == 0 or address(a) == address(b))
+
+
+def address(a: np.ndarray) -> int:
+    """The address of ``a``'s first element (``a.ctypes.data`` costs a ctypes object per call)."""
+    return a.__array_interface__["data"][0]
 
 
 def finish(stores: list[tuple[BufferLayout, np.ndarray, np.ndarray]]) -> None:

@@ -11,6 +11,7 @@ Lane contract asks for (a failed call makes the streams to its peers unusable).
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 import threading
@@ -59,12 +60,20 @@ ProgramRunner = Callable[[Transport, Program, tuple[int, ...], int, np.ndarray, 
                           "OrderedDict[tuple, Any]"], None]
 
 
+@functools.cache
+def _interpreter() -> Any:
+    """``commd.algorithms.interpreter``, imported on the first program run (not at the lane's import)."""
+    from commd.algorithms import interpreter
+
+    return interpreter
+
+
 def interpret(tp: Transport, program: Program, nodes: tuple[int, ...], me: int, inp: np.ndarray, out: np.ndarray,
               op: str, deadline: float, plans: OrderedDict[tuple, Any]) -> None:
     """Run ``program`` as DSL rank ``me`` through the interpreter: ``out`` gets this node's result.
 
     Plans are built once per (program, rank, count, dtype) and kept (least recently used out)."""
-    from commd.algorithms import interpreter
+    interpreter = _interpreter()
 
     key = (program.digest, me, inp.size, inp.dtype.str)
     plan = plans.get(key)
