@@ -34,7 +34,7 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 #: Keys `commd status --json` documents (Daemon.status()).
 STATUS_KEYS = {
     "job", "pid", "uptime_s", "closing", "clients", "groups", "ops_done", "bytes_moved",
-    "latency_us", "oldest_waiting", "last_errors",
+    "latency_us", "oldest_waiting", "last_errors", "gc",
 }
 GROUP_KEYS = {"size", "next_seq", "waiting", "queued", "executing", "done", "failed", "bytes"}
 
@@ -163,7 +163,7 @@ def test_status_json_reports_documented_keys(
 
     assert commd_main(["status", "--job", paths.job]) == 0
     table = capsys.readouterr().out
-    for word in ("uptime", "clients (1)", "allreduce", "p99", "KiB", "last errors"):
+    for word in ("uptime", "clients (1)", "allreduce", "p99", "KiB", "last errors", "garbage collector"):
         assert word in table, table
 
 

@@ -123,6 +123,7 @@ def test_metrics_scraped_during_a_job_equal_the_ops_run(start_daemon, start_work
     (["--metrics-port", "70000"], {}, "--metrics-port 70000 must be a port number"),
     (["--metrics-port", "0", "--metrics-addr", "localhost"], {}, "--metrics-addr 'localhost' is not an IP address"),
     ([], {"COMMD_METRICS_PORT": "http"}, "COMMD_METRICS_PORT 'http' is not a port number"),
+    ([], {"COMMD_GC_FREEZE": "yes"}, "COMMD_GC_FREEZE"),
     (["--metrics-textfile", "/nonexistent-dir/x.prom"], {}, "does not exist"),
     (["--trace", "/nonexistent-dir/t.json"], {}, "does not exist"),
 ])
@@ -380,3 +381,30 @@ def test_metrics_settings_precedence_flag_then_env_then_config(tmp_path: Path,
     assert (from_env.textfile, from_env.interval_s) == (str(tmp_path / "e.prom"), 7.0)
     from_flags = resolve(0, "127.0.0.1", str(tmp_path / "f.prom"), 1.0, str(config))
     assert (from_flags.textfile, from_flags.interval_s) == (str(tmp_path / "f.prom"), 1.0)
+
+
+@pytest.mark.parametrize("freeze", ["1", "0"])
+def test_a_daemon_freezes_torchs_heap_and_reports_its_collector_pauses(start_daemon, monkeypatch: pytest.MonkeyPatch,
+                                                                       freeze: str) -> None:
+    """Once torch is loaded its objects are frozen out of full collections (each one a stall of the
+    whole daemon otherwise; COMMD_GC_FREEZE=0 leaves them in); status and metrics show the frozen
+    count and the pauses per generation."""
+    from commd.cli.status import query_status
+
+    monkeypatch.setenv("COMMD_GC_FREEZE", freeze)
+    port = free_port()
+    daemon = start_daemon(extra=["--metrics-port", str(port)]).wait_ready()
+    wait_until(lambda: query_status(daemon.paths)["torch_loaded"], 60, "the daemon to load torch")
+    status = query_status(daemon.paths)["gc"]
+    if freeze == "0":
+        assert status["frozen_objects"] == 0, status
+        return
+    assert status["frozen_objects"] >= 50_000, status  # torch alone holds well over 100,000
+    assert [set(g) for g in status["generations"]] == [{"collections", "seconds", "longest_ms"}] * 3
+    assert status["generations"][0]["collections"] > 0, status  # counted from the daemon's start
+    values = samples(scrape(port))
+    assert values[("commd_gc_frozen_objects", ())] >= 50_000  # (frozen objects freed since lower the count)
+    for generation, counts in enumerate(status["generations"]):
+        labels = (("generation", str(generation)),)
+        assert values[("commd_gc_collections_total", labels)] >= counts["collections"]
+        assert values[("commd_gc_pause_seconds_total", labels)] >= counts["seconds"]

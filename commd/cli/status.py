@@ -91,6 +91,11 @@ def format_status(status: dict[str, Any]) -> str:
              if observe.get(key)]
     if shown:
         out.append("   ".join(shown))
+    collector = status.get("gc") or {}
+    full = (collector.get("generations") or [{}] * 3)[-1]
+    if collector:
+        out.append(f"garbage collector: {collector.get('frozen_objects', 0):,} objects frozen; "
+                   f"{full.get('collections', 0):,} full collections, longest {full.get('longest_ms', 0):g} ms")
 
     fabric = status.get("fabric")
     if fabric:

@@ -20,6 +20,7 @@ from commd.daemon.limits import config_section, limits_from_args
 from commd.daemon.node import Daemon, DaemonConfig
 from commd.execution import torch_loader
 from commd.observe import cli as observe
+from commd.observe import gcpauses
 from commd.runtime import (
     ConfigError,
     JobPaths,
@@ -53,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         max_arena_bytes = env_bytes("COMMD_MAX_ARENA_BYTES", _physical_memory(), 1 << 16, 1 << 50)
         max_registered_bytes = env_bytes("COMMD_MAX_REGISTERED_BYTES", _physical_memory() // 2, 0, 1 << 50)
         warm_up_torch = bool(env_int("COMMD_TORCH_WARMUP", 1, 0, 1))
+        freeze_gc = bool(env_int("COMMD_GC_FREEZE", 1, 0, 1))
         if args.idle_grace < 0:
             raise ConfigError("--idle-grace must be non-negative")
         if not 0 < args.first_client_grace <= 7 * 24 * 3600:
@@ -108,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
     # and torch's thread pool stalls on every parallel section when they are
     # oversubscribed (measured: 64 MiB add+copy 33 ms with 1 thread, >1 s with 2).
     torch_loader.configure(threads, warm_up_torch)
+    gcpauses.PAUSES.install()
+    gcpauses.configure(freeze=freeze_gc)
     fabric = None
     if spec is not None:
         torch_loader.torch_module()  # the fabric's lanes and kernels use torch directly
@@ -129,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
         # Every node checks the coordinator's table against its own fabric (same verdict everywhere).
         scheduler.adopt_table(scheduler.table, fabric.nnodes, sorted(fabric.lanes))
         logging.getLogger("commd.daemon").info("lane choice: %s", scheduler.tuning_note)
+        gcpauses.freeze_heap()  # the lanes, the catalogue's programs: set up once, alive until the end
     config = DaemonConfig(
         paths=paths, secret=secret, op_timeout=op_timeout,
         exit_when_idle=args.exit_when_idle, idle_grace=args.idle_grace,

@@ -11,6 +11,7 @@ from commd.daemon.config import DaemonConfig
 from commd.daemon.registered import RegisteredSegments
 from commd.daemon.state import NodeState
 from commd.execution import torch_loader
+from commd.observe import gcpauses
 from commd.observe.hooks import DaemonObservers
 from commd.observe.stats import Stats
 from commd.scheduler.local import LocalScheduler
@@ -30,6 +31,7 @@ def status_document(config: DaemonConfig, state: NodeState, stats: Stats, schedu
         "uptime_s": round(time.time() - stats.started_at, 3),
         "closing": state.closing,
         "torch_loaded": torch_loader.loaded(),
+        "gc": gcpauses.PAUSES.status(),
         "clients": [
             {"rank": c.rank, "local_rank": c.local_rank, "pid": c.pid, "arena_bytes": c.arena_bytes,
              "pending_ops": len(c.pending.ops), "pending_bytes": c.pending.bytes,

@@ -16,6 +16,8 @@ import logging
 import threading
 from types import ModuleType
 
+from commd.observe.gcpauses import freeze_heap
+
 log = logging.getLogger("commd.daemon")
 
 _lock = threading.Lock()
@@ -47,6 +49,8 @@ def torch_module() -> ModuleType:
             import torch
 
             torch.set_num_threads(_threads)
+            # torch's ~170,000 objects live as long as the daemon: out of the collector's full walks
+            freeze_heap()
             _torch = torch
         return _torch
 

@@ -95,9 +95,24 @@ class DaemonCollector:
         for name, ring in sorted((status.get("rings") or {}).items()):
             rings.add_metric([name], ring.get("ops", 0))
         yield rings
+        yield from self._gc(status.get("gc") or {})
         fabric = status.get("fabric")
         if fabric is not None:
             yield from self._fabric(fabric)
+
+    @staticmethod
+    def _gc(gc_status: dict[str, Any]) -> Iterator[Metric]:
+        collections = CounterMetricFamily("commd_gc_collections", "Collections of Python's cyclic garbage "
+                                          "collector in the daemon, per generation", labels=["generation"])
+        paused = CounterMetricFamily("commd_gc_pause_seconds", "Seconds the daemon spent in its garbage "
+                                     "collector (holding the GIL), per generation", labels=["generation"])
+        for generation, counts in enumerate(gc_status.get("generations") or []):
+            collections.add_metric([str(generation)], counts.get("collections", 0))
+            paused.add_metric([str(generation)], counts.get("seconds", 0.0))
+        yield collections
+        yield paused
+        yield GaugeMetricFamily("commd_gc_frozen_objects", "Objects moved out of the collector's reach once "
+                                "the daemon was set up (torch's among them)", value=gc_status.get("frozen_objects", 0))
 
     @staticmethod
     def _ops(by_op: dict[tuple[str, str, str], tuple[int, int, float, list[int]]]) -> Iterator[Metric]:
