@@ -648,6 +648,68 @@ def test_started_runs_reuse_their_plans_memory_and_stay_numpy_exact(name: str, c
                 np.testing.assert_array_equal(outputs[r], reduce_all(inputs, "sum"), err_msg=f"run {seed}, rank {r}")
 
 
+#: Every dtype a program runs (the lanes' dtypes that NumPy has: all but bfloat16).
+PROGRAM_DTYPES = ("float16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64", "bool",
+                  "complex64", "complex128")
+#: Bool reductions as the lanes define them (commd/kernels/small.py's table, written out again).
+BOOL_UFUNCS = {"sum": np.logical_or, "max": np.logical_or, "bor": np.logical_or, "product": np.logical_and,
+               "min": np.logical_and, "band": np.logical_and, "bxor": np.logical_xor}
+
+
+def small_values(dtype: str, count: int, seed: int) -> np.ndarray:
+    """Small whole numbers (complex: both parts): every reduction order gives the same bits, even in
+    float16, and integer overflow wraps the same whatever the order."""
+    rng = np.random.default_rng(seed)
+    if dtype == "bool":
+        return rng.integers(0, 2, count).astype(bool)
+    low = 0 if dtype == "uint8" else -3
+    values = rng.integers(low, 4, count)
+    if dtype.startswith("complex"):
+        return (values + 1j * rng.integers(-3, 4, count)).astype(dtype)
+    return values.astype(dtype)
+
+
+@pytest.mark.parametrize("name", [n for n in LIBRARY_NAMES if library.get(n, 2).coll == "allreduce"])
+def test_library_all_reduces_equal_numpy_for_every_reduce_op_and_dtype_they_admit(name: str) -> None:
+    """Every all-reduce program of the library, on 2-5 nodes, for every lane reduce op and every
+    dtype the lanes admit for it (commd.kernels.dtypes): NumPy's result (integers and bools bit for
+    bit, floats value for value), the same bits on every rank, on an uneven and an even count — run
+    by the interpreter, every rank in one thread."""
+    from commd.algorithms.interpreter import start
+    from commd.kernels.dtypes import UnsupportedReduction, check_supported
+    from commd.lanes.base import LANE_REDUCE_OPS
+
+    ran = 0
+    for n in (2, 3, 4, 5):
+        algo = library.get(name, n)
+        for dtype in PROGRAM_DTYPES:
+            for op in sorted(LANE_REDUCE_OPS):
+                try:
+                    check_supported(op, dtype)
+                except UnsupportedReduction:
+                    continue
+                ufunc = BOOL_UFUNCS[op] if dtype == "bool" else UFUNCS[op]
+                for count in (2 * n + 1, 4 * n):
+                    inputs = [small_values(dtype, count, seed=31 * n + r) for r in range(n)]
+                    want = functools.reduce(ufunc, inputs)
+                    outputs = [np.empty_like(a) for a in inputs]
+                    plans = [Plan.build(algo, r, count, np.dtype(dtype), tile_bytes=8) for r in range(n)]
+                    network = OneThreadNetwork()
+                    running = [start(plans[r], network.end(r), list(range(n)), inputs[r], outputs[r], op)
+                               for r in range(n)]
+                    network.drain()
+                    for r in running:
+                        r.finish()
+                    where = (name, n, dtype, op, count)
+                    if np.dtype(dtype).kind in "fc":  # exact values; a zero's sign may follow the tree's order
+                        np.testing.assert_array_equal(outputs[0], want.astype(dtype), err_msg=str(where))
+                    else:
+                        assert outputs[0].tobytes() == want.astype(dtype).tobytes(), where
+                    assert all(out.tobytes() == outputs[0].tobytes() for out in outputs), f"{where}: ranks differ"
+                    ran += 1
+    assert ran >= 4 * 2 * 40  # every node count, both counts, the ~40 admitted (dtype, op) pairs
+
+
 @pytest.mark.parametrize("nranks", [2, 3, 4, 5])
 def test_interpreted_library_ring_is_the_native_ring_bit_for_bit(nranks: int) -> None:
     algo = library.get("ring", nranks)
