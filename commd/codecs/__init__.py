@@ -1,0 +1,10 @@
+"""Codecs for compressing inside collectives: chunk by chunk, into buffers the caller reuses.
+
+A leaf package (NumPy, and blosc2 loaded on first use): ``get(name)`` / ``by_wire_id(n)`` give
+a :class:`Codec`; ``names()`` lists them.  See ``registry.py`` for what each does and loses.
+"""
+
+from commd.codecs.base import Codec, CodecError
+from commd.codecs.registry import CODECS, by_wire_id, get, names
+
+__all__ = ["CODECS", "Codec", "CodecError", "by_wire_id", "get", "names"]

@@ -1,0 +1,177 @@
+"""The fixed, named codecs, by name and by wire id.
+
+| name | what | lossy |
+|---|---|---|
+| ``bf16`` | float32 rounded to bfloat16 (nearest even), bit-shuffled, LZ4 | ≤ 2⁻⁸ relative |
+| ``bf16-cast`` | float32 rounded to bfloat16, nothing else | ≤ 2⁻⁸ relative |
+| ``lossless`` | bit-shuffle + LZ4, any dtype | exact |
+| ``lossless-zstd`` | byte-shuffle + zstd level 1, any dtype | exact |
+| ``fp16`` | float32 rounded to float16 — an explicit choice only: small gradients underflow | ≤ 2⁻¹¹ relative in float16's range |
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from commd.codecs import blosc
+from commd.codecs.base import Codec, CodecError
+from commd.codecs.rounding import from_bf16_bits, round_to_bf16, round_to_fp16, to_bf16_bits
+
+#: Every dtype a lossless codec takes (the lanes' dtypes that NumPy has; bfloat16 travels as bytes).
+ANY_DTYPE = frozenset({"float16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64", "bool",
+                       "complex64", "complex128"})
+#: bfloat16's bound: half a step of an 8-bit significand; below float32's normal range, half its
+#: smallest subnormal step (2⁻¹³³).
+BF16_BOUND = (2.0 ** -8, 2.0 ** -134)
+#: float16's, inside its range (beyond ±65504 a value becomes infinite).
+FP16_BOUND = (2.0 ** -11, 2.0 ** -25)
+
+
+def _empty_ok(codec: Codec, src: np.ndarray | memoryview | bytes, dst: np.ndarray) -> bool:
+    """An empty array codes to no bytes: True (nothing to do) when ``dst`` is empty and ``src`` too."""
+    if dst.size:
+        return False
+    if len(memoryview(src).cast("B") if not isinstance(src, np.ndarray) else src.reshape(-1).view(np.uint8)):
+        raise CodecError(f"codec {codec.name!r}: bytes given for an empty array")
+    return True
+
+
+def _byte_length(src: np.ndarray | memoryview | bytes) -> int:
+    return src.nbytes if isinstance(src, np.ndarray) else memoryview(src).nbytes
+
+
+class Bf16Cast(Codec):
+    name, wire_id, lossy, dtypes = "bf16-cast", 2, True, frozenset({"float32"})
+    summary = "float32 rounded to bfloat16 (nearest even): half the bytes, error <= 2^-8 relative"
+
+    def max_encoded(self, nbytes: int) -> int:
+        return nbytes // 2
+
+    def error_bound(self, dtype: str) -> tuple[float, float]:
+        self.check_dtype(dtype)
+        return BF16_BOUND
+
+    def round_in_place(self, arr: np.ndarray) -> None:
+        round_to_bf16(arr)
+
+    def encode(self, src: np.ndarray, out: np.ndarray) -> int:
+        self.check_encode(src, out)
+        n = src.size * 2
+        to_bf16_bits(src, out[:n].view(np.uint16))
+        return n
+
+    def decode(self, src: np.ndarray | memoryview | bytes, dst: np.ndarray) -> None:
+        self.check_decode(dst)
+        if _byte_length(src) != dst.size * 2:
+            raise CodecError(f"codec {self.name!r}: {_byte_length(src)} bytes for {dst.size} elements "
+                             f"(expected {dst.size * 2})")
+        bits = np.frombuffer(src, np.uint16) if not isinstance(src, np.ndarray) else src.reshape(-1).view(np.uint16)
+        from_bf16_bits(bits, dst)
+
+
+class Bf16Lz4(Bf16Cast):
+    name, wire_id = "bf16", 1
+    summary = "float32 rounded to bfloat16, bit-shuffled, LZ4: ~0.4 of the bytes, error <= 2^-8 relative"
+
+    def max_encoded(self, nbytes: int) -> int:
+        return nbytes // 2 + blosc.OVERHEAD
+
+    def encode(self, src: np.ndarray, out: np.ndarray) -> int:
+        self.check_encode(src, out)
+        if not src.size:
+            return 0
+        bits = np.empty(src.size, np.uint16)
+        to_bf16_bits(src, bits)
+        return blosc.compress(bits, out, "LZ4", 1, 2, "BITSHUFFLE")
+
+    def decode(self, src: np.ndarray | memoryview | bytes, dst: np.ndarray) -> None:
+        self.check_decode(dst)
+        if _empty_ok(self, src, dst):
+            return
+        bits = np.empty(dst.size, np.uint16)
+        blosc.decompress(self.name, src, bits)
+        from_bf16_bits(bits, dst)
+
+
+class Lossless(Codec):
+    name, wire_id, lossy, dtypes = "lossless", 3, False, ANY_DTYPE
+    summary = "bit-shuffle + LZ4: exact; ~0.9 of the bytes on float32 weights and gradients"
+    _codec, _level, _shuffle = "LZ4", 1, "BITSHUFFLE"
+
+    def max_encoded(self, nbytes: int) -> int:
+        return nbytes + blosc.OVERHEAD
+
+    def encode(self, src: np.ndarray, out: np.ndarray) -> int:
+        self.check_encode(src, out)
+        if not src.size:
+            return 0
+        return blosc.compress(src, out, self._codec, self._level, src.dtype.itemsize, self._shuffle)
+
+    def decode(self, src: np.ndarray | memoryview | bytes, dst: np.ndarray) -> None:
+        self.check_decode(dst)
+        if _empty_ok(self, src, dst):
+            return
+        blosc.decompress(self.name, src, dst)
+
+
+class LosslessZstd(Lossless):
+    name, wire_id = "lossless-zstd", 4
+    summary = "byte-shuffle + zstd level 1: exact; a little smaller than lossless, slower to encode"
+    _codec, _level, _shuffle = "ZSTD", 1, "SHUFFLE"
+
+
+class Fp16(Codec):
+    name, wire_id, lossy, dtypes = "fp16", 5, True, frozenset({"float32"})
+    summary = ("float32 rounded to float16: half the bytes; values below 6e-5 lose precision or vanish, "
+               "beyond 65504 become inf — choose it only where the data's range fits")
+
+    def max_encoded(self, nbytes: int) -> int:
+        return nbytes // 2
+
+    def error_bound(self, dtype: str) -> tuple[float, float]:
+        self.check_dtype(dtype)
+        return FP16_BOUND
+
+    def round_in_place(self, arr: np.ndarray) -> None:
+        round_to_fp16(arr)
+
+    def encode(self, src: np.ndarray, out: np.ndarray) -> int:
+        self.check_encode(src, out)
+        n = src.size * 2
+        with np.errstate(over="ignore"):
+            np.copyto(out[:n].view(np.float16), src.reshape(-1), casting="same_kind")
+        return n
+
+    def decode(self, src: np.ndarray | memoryview | bytes, dst: np.ndarray) -> None:
+        self.check_decode(dst)
+        if _byte_length(src) != dst.size * 2:
+            raise CodecError(f"codec {self.name!r}: {_byte_length(src)} bytes for {dst.size} elements "
+                             f"(expected {dst.size * 2})")
+        half = np.frombuffer(src, np.float16) if not isinstance(src, np.ndarray) else src.reshape(-1).view(np.float16)
+        np.copyto(dst.reshape(-1), half)
+
+
+#: Every codec, in the order ``commd`` lists them.
+CODECS: tuple[Codec, ...] = (Bf16Lz4(), Bf16Cast(), Lossless(), LosslessZstd(), Fp16())
+_BY_NAME = {c.name: c for c in CODECS}
+_BY_WIRE = {c.wire_id: c for c in CODECS}
+
+
+def names() -> list[str]:
+    return [c.name for c in CODECS]
+
+
+def get(name: str) -> Codec:
+    """The codec called ``name``; CodecError naming the known ones otherwise."""
+    codec = _BY_NAME.get(name) if isinstance(name, str) else None
+    if codec is None:
+        raise CodecError(f"unknown codec {name!r} (known: {', '.join(names())})")
+    return codec
+
+
+def by_wire_id(wire_id: int) -> Codec:
+    """The codec a frame header names; CodecError for a number no codec has."""
+    codec = _BY_WIRE.get(wire_id) if isinstance(wire_id, int) and not isinstance(wire_id, bool) else None
+    if codec is None:
+        raise CodecError(f"no codec has wire id {wire_id!r} (known: {sorted(_BY_WIRE)})")
+    return codec
