@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from commd.algorithms.catalog import NO_NUMPY_DTYPES, Chosen, Program, short
-from commd.kernels.reduce import UnsupportedReduction, check_supported
+from commd.codecs import Codec
+from commd.kernels.reduce import DTYPE_NAMES, UnsupportedReduction, check_supported
 from commd.lanes.base import (
     LaneError,
     Transport,
@@ -38,6 +39,7 @@ from commd.lanes.base import (
     refusal,
 )
 from commd.lanes.tcp import algorithms
+from commd.lanes.tcp.compressed import compressed_chain_broadcast
 from commd.lanes.tcp.handshake import MeshConnector, listen
 from commd.lanes.tcp.transport import Exchange, Mesh
 
@@ -313,8 +315,11 @@ class TcpLane:
                             f"sha256 {short(chosen.digest)}; {held}{local}", "mismatch")
         self._agreed.add(key)
 
-    def broadcast(self, nodes: tuple[int, ...], buf: torch.Tensor, root: int, timeout: float) -> None:
-        """``root``'s bytes into everyone's ``buf``: direct when small, pipelined chain when large."""
+    def broadcast(self, nodes: tuple[int, ...], buf: torch.Tensor, root: int, timeout: float,
+                  codec: Codec | None = None, exact_root: bool = False) -> None:
+        """``root``'s bytes into everyone's ``buf``: direct when small, pipelined chain when large;
+        ``codec``: the compressed chain instead (every node must name the same codec; a lossy one
+        leaves the root with the values the others decode, unless ``exact_root``)."""
         nodes, me = self._check_nodes("broadcast", nodes)
         self._check_tensor("broadcast", buf)
         if root not in nodes:
@@ -322,6 +327,15 @@ class TcpLane:
         view = memory_view(buf)
         if len(nodes) == 1 or len(view) == 0:
             self._usable("broadcast", nodes)
+            return
+        if codec is not None:
+            dtype = DTYPE_NAMES.get(buf.dtype, str(buf.dtype))
+            if dtype in NO_NUMPY_DTYPES or dtype not in codec.dtypes:
+                raise LaneError(f"tcp broadcast: codec {codec.name!r} does not take {dtype} "
+                                f"(it takes {', '.join(sorted(codec.dtypes))})")
+            arr = buf.detach().reshape(-1).numpy()
+            self._run(f"broadcast(root {root}, {len(view)} bytes, codec {codec.name!r})", "broadcast", nodes,
+                      timeout, lambda ex: compressed_chain_broadcast(ex, nodes, me, root, arr, codec, exact_root))
             return
         algo = (algorithms.direct_broadcast if len(view) <= SMALL_BROADCAST_BYTES
                 else algorithms.chain_broadcast)
