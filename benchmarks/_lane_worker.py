@@ -1,4 +1,5 @@
-"""One node of ``lane_programs.py``: a tcp lane, timing its all-reduce natively and by program.
+"""One node of ``lane_programs.py``: a tcp lane, timing its all-reduce (natively and by program)
+or its broadcast (plain, and compressed by each codec).
 
 Started once per node (on loopback or in a simulated host) with the run's directory: it
 publishes its endpoint there, waits for everyone's, connects, then times every (size,
@@ -10,9 +11,11 @@ against NumPy (small integers in float32: every summation order gives the same b
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from commd.algorithms.catalog import Catalog, Chosen  # noqa: E402
+from commd.codecs import get as get_codec  # noqa: E402
 from commd.lanes.tcp.lane import TcpLane  # noqa: E402
 
 SECRET = "lane-programs-benchmark"
@@ -31,6 +35,51 @@ def inputs(node: int, count: int) -> np.ndarray:
     return np.random.default_rng(1000 + node).integers(-8, 8, count).astype(np.float32)
 
 
+Cell = tuple[Callable[[], None], Callable[[], None], Callable[[], bool]]
+
+
+@functools.cache
+def catalog() -> Catalog:
+    return Catalog()
+
+
+def allreduce_cell(lane: TcpLane, nodes: tuple[int, ...], node: int, nbytes: int, name: str, timeout: float) -> Cell:
+    """(call, prepare, check) of one all-reduce cell: ``name`` is native or a library program."""
+    count = nbytes // 4
+    mine = torch.from_numpy(inputs(node, count))
+    want = sum(inputs(n, count) for n in nodes)
+    buf = torch.empty(count, dtype=torch.float32)
+    chosen = None
+    if name != "native":
+        program = catalog().get(name, len(nodes))
+        if isinstance(program, str):
+            raise SystemExit(f"node {node}: {program}")
+        chosen = Chosen(name, program.digest, program)
+    return (lambda: lane.allreduce(nodes, buf, "sum", timeout, program=chosen), lambda: buf.copy_(mine),
+            lambda: np.array_equal(buf.numpy(), want))
+
+
+def weights(count: int) -> np.ndarray:
+    """Model-like float32 data: N(0, 0.02) with one value in 97 a hundred times larger."""
+    values = (np.random.default_rng(7).standard_normal(count) * 0.02).astype(np.float32)
+    values[::97] *= 100
+    return values
+
+
+def broadcast_cell(lane: TcpLane, nodes: tuple[int, ...], node: int, nbytes: int, name: str, timeout: float) -> Cell:
+    """(call, prepare, check) of one broadcast cell from node 0: ``name`` is ``plain`` (the lane's
+    chain), a codec, or ``CODEC/per-hop`` (the baseline that decodes and codes again at each hop)."""
+    codec_name, _, variant = name.partition("/")
+    codec = None if codec_name == "plain" else get_codec(codec_name)
+    source = torch.from_numpy(weights(nbytes // 4))
+    rounding = {"bf16": torch.bfloat16, "bf16-cast": torch.bfloat16, "fp16": torch.float16}.get(codec_name)
+    want = source.to(rounding).to(torch.float32) if rounding is not None and codec is not None else source
+    buf = torch.empty_like(source)
+    return (lambda: lane.broadcast(nodes, buf, 0, timeout, codec=codec, per_hop=variant == "per-hop"),
+            lambda: buf.copy_(source) if node == 0 else buf.fill_(0.0),
+            lambda: buf.numpy().tobytes() == want.numpy().tobytes())
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", required=True)
@@ -38,7 +87,9 @@ def main() -> int:
     parser.add_argument("--nodes", type=int, required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--sizes", required=True, help="bytes, comma-separated")
-    parser.add_argument("--algorithms", required=True, help="native and program names, comma-separated")
+    parser.add_argument("--op", choices=("allreduce", "broadcast"), default="allreduce")
+    parser.add_argument("--algorithms", required=True,
+                        help="all-reduce: native and program names; broadcast: plain, codecs, CODEC/per-hop")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=120.0)
@@ -56,29 +107,20 @@ def main() -> int:
     endpoints = [tuple(json.loads((work / f"ep-{i}.json").read_text())) for i in range(args.nodes)]
     lane.connect(endpoints, args.timeout)
     nodes = tuple(range(args.nodes))
-    catalog = Catalog()
     results: dict[str, dict[str, list[float]]] = {}
     for nbytes in (int(s) for s in args.sizes.split(",")):
-        count = nbytes // 4
-        mine = torch.from_numpy(inputs(args.node, count))
-        want = sum(inputs(n, count) for n in nodes)
-        buf = torch.empty(count, dtype=torch.float32)
         for name in args.algorithms.split(","):
-            chosen = None
-            if name != "native":
-                program = catalog.get(name, args.nodes)
-                if isinstance(program, str):
-                    raise SystemExit(f"node {args.node}: {program}")
-                chosen = Chosen(name, program.digest, program)
+            call, prepare, check = (allreduce_cell if args.op == "allreduce" else broadcast_cell)(
+                lane, nodes, args.node, nbytes, name, args.timeout)
             times, cpu = [], 0.0
             for it in range(args.warmup + args.iters):
-                buf.copy_(mine)
+                prepare()
                 lane.barrier(nodes, args.timeout)
                 c0, t0 = time.process_time(), time.perf_counter()
-                lane.allreduce(nodes, buf, "sum", args.timeout, program=chosen)
+                call()
                 t, c = time.perf_counter() - t0, time.process_time() - c0
-                if it == 0 and not np.array_equal(buf.numpy(), want):
-                    raise SystemExit(f"node {args.node}: {name} at {nbytes} bytes differs from NumPy's sum")
+                if it == 0 and not check():
+                    raise SystemExit(f"node {args.node}: {args.op} {name} at {nbytes} bytes differs from the reference")
                 if it >= args.warmup:
                     times.append(t)
                     cpu += c

@@ -1,4 +1,5 @@
-"""The inter-node phase alone: the tcp lane's all-reduce, natively and by each library program.
+"""The inter-node phase alone: the tcp lane's all-reduce, natively and by each library program;
+with ``--op broadcast``, its broadcast plain and compressed by each codec.
 
 ``algorithms.py`` times whole ops (client → daemon → coordinator → lane → client); on a small
 machine the fixed cost of an op across nodes (milliseconds of negotiation and process
@@ -49,7 +50,10 @@ sys.path.insert(0, str(HERE.parent))
 from commd.bench.spec import parse_size  # noqa: E402
 
 WORKER = HERE / "_lane_worker.py"
-DEFAULT_ALGORITHMS = "native,oneshot,twoshot,halving_doubling,ring"
+#: Per op: the paths compared by default, the first being the base of the ratios.
+DEFAULT_PATHS = {"allreduce": "native,oneshot,twoshot,halving_doubling,ring",
+                 "broadcast": "plain,bf16,bf16/per-hop,lossless,lossless/per-hop,bf16-cast"}
+BASE_PATH = {"allreduce": "native", "broadcast": "plain"}
 T1_RANGE, T1_RATIO = (64 << 10, 4 << 20), 1.3
 T2_FROM, T2_RATIO = 1 << 20, 0.9
 
@@ -64,7 +68,7 @@ def human(nbytes: int) -> str:
 def run_once(args: argparse.Namespace, sizes: list[int], algorithms: list[str]) -> dict[str, dict[str, float]]:
     """One run of every cell on fresh lane processes: 'size|algorithm' -> median µs and CPU µs."""
     work = Path(tempfile.mkdtemp(prefix="commd-lanebench-"))
-    common = ["--dir", str(work), "--nodes", str(args.nodes), "--sizes", ",".join(map(str, sizes)),
+    common = ["--dir", str(work), "--nodes", str(args.nodes), "--op", args.op, "--sizes", ",".join(map(str, sizes)),
               "--algorithms", ",".join(algorithms), "--iters", str(args.iters), "--warmup", str(args.warmup),
               "--timeout", str(args.timeout)]
     procs: list[subprocess.Popen[Any]] = []
@@ -196,7 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--sizes", default="64K,256K,1M,4M,16M")
-    parser.add_argument("--algorithms", default=DEFAULT_ALGORITHMS, help="native and library program names")
+    parser.add_argument("--op", choices=("allreduce", "broadcast"), default="allreduce")
+    parser.add_argument("--algorithms", help="all-reduce: native and library program names (default "
+                        f"{DEFAULT_PATHS['allreduce']}); broadcast: plain, codecs, CODEC/per-hop (default "
+                        f"{DEFAULT_PATHS['broadcast']})")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3, help="whole runs on fresh processes; medians of them")
@@ -221,9 +228,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--sizes: {exc}")
     if any(s <= 0 or s % 4 for s in sizes):
         parser.error("--sizes: positive multiples of 4 bytes (float32 elements)")
-    algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
-    if "native" not in algorithms:
-        algorithms.insert(0, "native")
+    base = BASE_PATH[args.op]
+    algorithms = [a.strip() for a in (args.algorithms or DEFAULT_PATHS[args.op]).split(",") if a.strip()]
+    if base not in algorithms:
+        algorithms.insert(0, base)
+    if args.in_process and args.op != "allreduce":
+        parser.error("--in-process measures the interpreter: all-reduce programs only")
     if args.in_process:
         return in_process(args, sizes, algorithms)
     load_before = os.getloadavg()
@@ -234,28 +244,29 @@ def main(argv: list[str] | None = None) -> int:
     where = (f"{args.nodes} simulated hosts, links {args.rate or 'unshaped'}"
              f"{f' + {args.delay_ms:g} ms' if args.delay_ms else ''}" if args.sim
              else f"{args.nodes} processes on loopback")
-    print(f"tcp lane all-reduce (float32 sum), {where}; median of {args.repeats} runs x {args.iters} iterations; "
+    what = "all-reduce (float32 sum)" if args.op == "allreduce" else "broadcast from node 0 (model-like float32)"
+    print(f"tcp lane {what}, {where}; median of {args.repeats} runs x {args.iters} iterations; "
           f"load {load_before[0]:.2f} -> {load_after[0]:.2f}")
-    print("cells: median us of the slowest node [x native] (busbw GB/s) cpu us per node")
+    print(f"cells: median us of the slowest node [x {base}] (busbw GB/s) cpu us per node")
     width = 38
     print(f"{'size':>6}  " + "".join(f"{a:>{width}}" for a in algorithms))
     n = args.nodes
     for size in sizes:
-        base = cells[f"{size}|native"]["us"]
+        base_us = cells[f"{size}|{base}"]["us"]
         row = []
         for a in algorithms:
             c = cells[f"{size}|{a}"]
-            busbw = size / (c["us"] / 1e6) * 2 * (n - 1) / n / 1e9
-            row.append(f"{c['us']:9.0f} [{base / c['us']:4.2f}] ({busbw:5.2f}) cpu {c['cpu_us']:6.0f}")
+            busbw = size / (c["us"] / 1e6) * (2 * (n - 1) / n if args.op == "allreduce" else 1) / 1e9
+            row.append(f"{c['us']:9.0f} [{base_us / c['us']:4.2f}] ({busbw:5.2f}) cpu {c['cpu_us']:6.0f}")
         print(f"{human(size):>6}  " + "".join(f"{r:>{width}}" for r in row))
     verdicts = []
     t1 = [(cells[f"{s}|native"]["us"] / cells[f"{s}|{a}"]["us"], a, s) for s in sizes for a in algorithms
-          if a not in ("native", "ring") and T1_RANGE[0] <= s <= T1_RANGE[1]]
+          if a not in ("native", "ring") and T1_RANGE[0] <= s <= T1_RANGE[1] and args.op == "allreduce"]
     if t1:
         best = max(t1)
         verdicts.append(("T1 program >= 1.3x native, 64K-4M (lane phase)", best[0] >= T1_RATIO,
                          f"best {best[1]} at {human(best[2])}: {best[0]:.2f}x"))
-    if "ring" in algorithms:
+    if "ring" in algorithms and args.op == "allreduce":
         t2 = [(cells[f"{s}|native"]["us"] / cells[f"{s}|ring"]["us"], s) for s in sizes if s >= T2_FROM]
         if t2:
             worst = min(t2)

@@ -87,6 +87,18 @@ def test_an_exact_root_keeps_its_values_and_incompressible_chunks_travel_raw(
     assert all(bufs[i].numpy().tobytes() == noise.numpy().tobytes() for i in nodes)
 
 
+@pytest.mark.parametrize("name", ["bf16", "lossless"])
+def test_the_per_hop_baseline_gives_the_same_bits(lanes: Callable[[int], list[TcpLane]], name: str) -> None:
+    """The benchmark's baseline (decode and code again at every hop) ends where the chain does: the
+    codecs are idempotent, so each hop's coding of the decoded chunk is the root's."""
+    nodes = (0, 1, 2, 3)
+    original = model_like(COUNT, seed=7)
+    bufs = [original.clone() if i == 0 else torch.zeros(COUNT) for i in nodes]
+    each(lanes(4), lambda i, lane: lane.broadcast(nodes, bufs[i], 0, OP_S, codec=get(name), per_hop=True))
+    want = decoded(name, original)
+    assert all(b.numpy().tobytes() == want.numpy().tobytes() for b in bufs)
+
+
 def test_a_codec_the_dtype_does_not_take_is_refused_before_anything_moves(
         lanes: Callable[[int], list[TcpLane]]) -> None:
     with pytest.raises(LaneError, match="codec 'bf16' does not take int32"):

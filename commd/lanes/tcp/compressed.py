@@ -46,10 +46,11 @@ def chunk_elements(nbytes: int, itemsize: int) -> int:
 
 
 def compressed_chain_broadcast(tp: Transport, nodes: tuple[int, ...], me: int, root: int, arr: np.ndarray,
-                               codec: Codec, exact_root: bool = False) -> None:
+                               codec: Codec, exact_root: bool = False, per_hop: bool = False) -> None:
     """``root``'s ``arr`` into every node's ``arr`` (flat, contiguous) along the chain from ``root``,
     coded by ``codec``.  With a lossy codec every node ends with the decoded values, the root too
-    unless ``exact_root``."""
+    unless ``exact_root``.  ``per_hop``: the baseline this algorithm exists to beat — every middle
+    node decodes a chunk and codes it again before forwarding it (benchmarks only)."""
     order = nodes[nodes.index(root):] + nodes[:nodes.index(root)]
     q = order.index(nodes[me])
     nxt = order[q + 1] if q + 1 < len(order) else None
@@ -63,7 +64,7 @@ def compressed_chain_broadcast(tp: Transport, nodes: tuple[int, ...], me: int, r
         _send_from_root(tp, nxt, arr, codec, pieces, area, starts, exact_root)
         tp.wait()
         return
-    receiver = _Receiver(tp, order[q - 1], nxt, arr, codec, pieces, area, starts)
+    receiver = _Receiver(tp, order[q - 1], nxt, arr, codec, pieces, area, starts, per_hop)
     receiver.start()
     tp.wait()
     receiver.decode_pending()  # a middle node's last chunk: decoded once it was forwarded
@@ -88,8 +89,8 @@ class _Receiver:
     """One non-root node: the chunks' frames and payloads in order, forwarded on, decoded one late."""
 
     def __init__(self, tp: Transport, prv: int, nxt: int | None, arr: np.ndarray, codec: Codec,
-                 pieces: list[tuple[int, int]], area: np.ndarray, starts: np.ndarray) -> None:
-        self.tp, self.prv, self.nxt, self.arr, self.codec = tp, prv, nxt, arr, codec
+                 pieces: list[tuple[int, int]], area: np.ndarray, starts: np.ndarray, per_hop: bool = False) -> None:
+        self.tp, self.prv, self.nxt, self.arr, self.codec, self.per_hop = tp, prv, nxt, arr, codec, per_hop
         self.pieces, self.area, self.starts = pieces, area, starts
         self.frames = [bytearray(FRAME.size) for _ in pieces]
         self.lengths = [0] * len(pieces)
@@ -120,6 +121,18 @@ class _Receiver:
 
     def _on_payload(self, k: int) -> Done:
         def done() -> None:
+            if self.per_hop and self.nxt is not None and not self.raw[k]:
+                self.pending = k
+                self.decode_pending()  # the baseline: decode here, code again, then forward
+                lo, hi = self.pieces[k]
+                slot = self.area[self.starts[k]:self.starts[k + 1]]
+                self.lengths[k] = self.codec.encode(self.arr[lo:hi], slot)
+                self.frames[k][:] = FRAME.pack(self.codec.wire_id, 0, self.lengths[k])
+                self.tp.post_send(self.nxt, memoryview(self.frames[k]))
+                self.tp.post_send(self.nxt, memoryview(slot[:self.lengths[k]]))
+                if k + 1 < len(self.pieces):
+                    self._expect_frame(k + 1)
+                return
             if self.nxt is not None:
                 self.tp.post_send(self.nxt, memoryview(self.frames[k]))
                 self.tp.post_send(self.nxt, memoryview(self.area[self.starts[k]:self.starts[k] + self.lengths[k]]))

@@ -316,10 +316,11 @@ class TcpLane:
         self._agreed.add(key)
 
     def broadcast(self, nodes: tuple[int, ...], buf: torch.Tensor, root: int, timeout: float,
-                  codec: Codec | None = None, exact_root: bool = False) -> None:
+                  codec: Codec | None = None, exact_root: bool = False, per_hop: bool = False) -> None:
         """``root``'s bytes into everyone's ``buf``: direct when small, pipelined chain when large;
         ``codec``: the compressed chain instead (every node must name the same codec; a lossy one
-        leaves the root with the values the others decode, unless ``exact_root``)."""
+        leaves the root with the values the others decode, unless ``exact_root``; ``per_hop``: the
+        baseline that decodes and codes again at every hop, for benchmarks)."""
         nodes, me = self._check_nodes("broadcast", nodes)
         self._check_tensor("broadcast", buf)
         if root not in nodes:
@@ -335,7 +336,8 @@ class TcpLane:
                                 f"(it takes {', '.join(sorted(codec.dtypes))})")
             arr = buf.detach().reshape(-1).numpy()
             self._run(f"broadcast(root {root}, {len(view)} bytes, codec {codec.name!r})", "broadcast", nodes,
-                      timeout, lambda ex: compressed_chain_broadcast(ex, nodes, me, root, arr, codec, exact_root))
+                      timeout, lambda ex: compressed_chain_broadcast(ex, nodes, me, root, arr, codec, exact_root,
+                                                           per_hop))
             return
         algo = (algorithms.direct_broadcast if len(view) <= SMALL_BROADCAST_BYTES
                 else algorithms.chain_broadcast)
