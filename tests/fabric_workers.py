@@ -340,3 +340,52 @@ def early_tiny_allreduces(ctx: Any, rounds: int) -> str:
             _check(f"{op} round {i}", t, want_of(np.stack(arrays)).astype(np.float32))
     client.close()
     return "ok"
+
+
+def compressed_broadcasts(ctx: Any) -> dict[str, Any]:
+    """Broadcasts from a rank on node 1 with each codec across 2 nodes x 2 ranks: lossless ones give
+    the root's bits, lossy ones torch's rounding of them on every rank (the root's too); below
+    1 MiB the op runs uncompressed (exact); nodes that disagree on the codec, and a codec that does
+    not take the dtype, fail on every rank; the group works afterwards."""
+    from commd.client.errors import MismatchError, RequestError
+
+    client = ctx.connect()
+    me, world = ctx.rank, ctx.world_size
+    root = world // 2
+    n = 400_003  # 1.6 MB: 2 chunks
+
+    def weights(salt: int, count: int = n) -> np.ndarray:
+        rng = np.random.default_rng(salt)
+        values = (rng.standard_normal(count) * 0.02).astype(np.float32)
+        values[::97] *= 100
+        return values
+
+    rounding = {"bf16": torch.bfloat16, "bf16-cast": torch.bfloat16, "fp16": torch.float16}
+    for salt, codec in enumerate(("bf16", "lossless", "bf16-cast", "lossless-zstd", "fp16")):
+        source = weights(salt)
+        t = _t(source if me == root else np.zeros(n, np.float32))
+        ops.broadcast(client, t, root, compression=codec).wait(60)
+        kind = rounding.get(codec)
+        want = torch.from_numpy(source).to(kind).to(torch.float32).numpy() if kind is not None else source
+        if t.numpy().tobytes() != want.tobytes():
+            raise AssertionError(f"{codec}: rank {me} differs from the root's data (or its rounding)")
+    small = weights(99, 1000)
+    t = _t(small if me == root else np.zeros(1000, np.float32))
+    ops.broadcast(client, t, root, compression="bf16").wait(60)
+    _check("a small bf16 broadcast (uncompressed)", t, small)
+    outcome: dict[str, Any] = {}
+    try:  # node 0's ranks ask for bf16, node 1's for lossless: the nodes disagree
+        ops.broadcast(client, _t(weights(7)), root, compression="bf16" if me < world // 2 else "lossless").wait(60)
+        outcome["disagree"] = "no error"
+    except MismatchError as exc:
+        outcome["disagree"] = str(exc)
+    try:
+        ops.broadcast(client, _t(np.arange(n, dtype=np.int64)), root, compression="bf16").wait(60)
+        outcome["dtype"] = "no error"
+    except RequestError as exc:
+        outcome["dtype"] = str(exc)
+    t = _t(weights(8))
+    ops.broadcast(client, t, root).wait(60)
+    _check("a plain broadcast afterwards", t, weights(8))
+    client.close()
+    return outcome

@@ -194,3 +194,44 @@ def alltonext_crossed(ctx: Any, members: list[int], n: int) -> list[str]:
         message = f"{type(exc).__name__}: {exc}"
     client.close()
     return [result, message]
+
+
+def torch_compressed_broadcast(ctx: Any, port: int) -> str:
+    """``dist.broadcast`` on a group whose Options name a codec: float32 tensors arrive as torch's
+    bfloat16 rounding of the root's (the root's too: replicas identical), synchronously, async and
+    through the future; an int64 tensor (a dtype bf16 does not take) and the default group's
+    broadcasts arrive exact."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import commd
+
+    os.environ["COMMD_JOB"] = ctx.job
+    dist.init_process_group("commd", init_method=f"tcp://127.0.0.1:{port}", rank=ctx.rank,
+                            world_size=ctx.world_size, timeout=timedelta(seconds=60))
+    try:
+        rank, world = dist.get_rank(), ctx.world_size
+        root = world // 2
+        source = torch.from_numpy((np.random.default_rng(5).standard_normal(400_003) * 0.02).astype(np.float32))
+        rounded = source.to(torch.bfloat16).to(torch.float32)
+        group = dist.new_group(list(range(world)), pg_options=commd.Options(compression="bf16"))
+        t = source.clone() if rank == root else torch.zeros_like(source)
+        dist.broadcast(t, root, group=group)
+        assert torch.equal(t, rounded), (rank, "sync")
+        t = source.clone() if rank == root else torch.zeros_like(source)
+        dist.broadcast(t, root, group=group, async_op=True).wait()
+        assert torch.equal(t, rounded), (rank, "async")
+        t = source.clone() if rank == root else torch.zeros_like(source)
+        dist.broadcast(t, root, group=group, async_op=True).get_future().wait()
+        assert torch.equal(t, rounded), (rank, "future")
+        ints = torch.arange(400_003, dtype=torch.int64) * 3 if rank == root else torch.zeros(400_003, dtype=torch.int64)
+        dist.broadcast(ints, root, group=group)
+        assert torch.equal(ints, torch.arange(400_003, dtype=torch.int64) * 3), (rank, "int64")
+        t = source.clone() if rank == root else torch.zeros_like(source)
+        dist.broadcast(t, root)  # the default group: no codec
+        assert torch.equal(t, source), (rank, "default group")
+    finally:
+        dist.destroy_process_group()
+    return "ok"

@@ -282,6 +282,31 @@ def test_alltonext_and_allgather_programs_from_torch(fabric: Callable[..., OpsCl
     assert counts["alltonext"]["ops"] == 1 and counts["ag"]["ops"] == 2, counts
 
 
+def test_torch_broadcasts_of_a_group_with_a_codec_run_compressed(fabric: Callable[..., OpsCluster]) -> None:
+    """``commd.Options(compression="bf16")``: the group's float32 broadcasts between nodes are coded
+    (checked in the workers against torch's rounding, sync, async and future; int64 and the default
+    group exact); the node counts them (2 nodes x 2 ranks)."""
+    from cluster import free_port
+
+    c = fabric(2, 2)
+    out = c.join(c.start_workers(ow.torch_compressed_broadcast, free_port()), timeout=120)
+    assert set(out.values()) == {"ok"}, out
+    assert c.status(0)["fabric"]["compression"]["bf16"]["ops"] == 3
+
+
+def test_torch_compression_settings_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from commd.torch_backend.process_group import Options, compression_from_environment
+
+    assert Options(compression="lossless").compression == "lossless" and Options().compression is None
+    with pytest.raises(ValueError, match="compression: unknown codec 'zip' .*bf16"):
+        Options(compression="zip")
+    monkeypatch.setenv("COMMD_COMPRESSION", "bf16")
+    assert compression_from_environment() == "bf16"
+    monkeypatch.setenv("COMMD_COMPRESSION", "gzip")
+    with pytest.raises(ValueError, match="COMMD_COMPRESSION: unknown codec 'gzip'"):
+        compression_from_environment()
+
+
 def test_torch_options_take_an_algorithm_per_op() -> None:
     from commd.torch_backend.process_group import Options
 

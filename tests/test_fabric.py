@@ -18,6 +18,8 @@ import pytest
 from cluster import Cluster
 from helpers import wait_until
 
+from commd.cli.status import format_status
+
 
 def test_every_op_on_tcp_and_gloo_lanes(cluster) -> None:
     c = cluster()
@@ -129,3 +131,20 @@ def test_tiny_allreduces_complete_on_node_0s_early_contribution(cluster) -> None
 def test_large_buffers_use_parallel_local_phases(cluster) -> None:
     c = cluster()
     assert set(c.join(c.start_workers(fw.large_ops, "tcp")).values()) == {"ok"}
+
+
+def test_compressed_broadcasts_across_nodes_and_their_status(cluster) -> None:
+    """Every codec end to end through the client library on 2 nodes x 2 ranks (checked in the workers
+    against the root's data or torch's rounding); disagreements fail every rank; status counts it."""
+    c = cluster()
+    results = c.join(c.start_workers(fw.compressed_broadcasts))
+    for rank, outcome in results.items():
+        assert "'codec' differs" in outcome["disagree"] and "'bf16'" in outcome["disagree"], (rank, outcome)
+        assert "lossless" in outcome["disagree"], (rank, outcome)
+        assert "codec 'bf16' does not take int64" in outcome["dtype"], (rank, outcome)
+    for node in (0, 1):
+        rows = c.status(node)["fabric"]["compression"]
+        assert set(rows) == {"bf16", "lossless", "bf16-cast", "lossless-zstd", "fp16"}, rows
+        assert all(row["ops"] == 1 and row["raw_bytes"] == 400_003 * 4 for row in rows.values()), rows
+        assert rows["bf16"]["ratio"] < 0.45 and rows["bf16-cast"]["ratio"] == 0.5, rows
+        assert "compressed broadcasts, bf16: 1 ops" in format_status(c.status(node))

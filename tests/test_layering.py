@@ -48,7 +48,7 @@ FORBIDDEN = {
 
 #: Rule 5: the only commd layers the client library and the torch backend may import.
 CLIENT_SIDE = {"client", "torch_backend"}
-CLIENT_ALLOWED = {"protocol", "memory", "runtime", "kernels", "client", "torch_backend"}
+CLIENT_ALLOWED = {"protocol", "memory", "runtime", "kernels", "codecs", "client", "torch_backend"}
 
 #: Rule 7b: layers that nothing outside themselves may import (the entry points import them by name).
 TOP_ONLY = {"cli", "bench"}

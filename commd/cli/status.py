@@ -126,6 +126,11 @@ def format_status(status: dict[str, Any]) -> str:
                 f"{fusion.get('cycle_ms') or 0:g} ms; {fusion.get('ops', 0):,} ops ran in "
                 f"{fusion.get('sets', 0):,} fused sets"
             )
+        for name, row in sorted((fabric.get("compression") or {}).items()):
+            out.append(f"  compressed broadcasts, {name}: {row.get('ops', 0):,} ops, "
+                       f"{human_bytes(row.get('raw_bytes', 0))} as {human_bytes(row.get('wire_bytes', 0))} "
+                       f"(ratio {row.get('ratio') if row.get('ratio') is not None else '-'}), "
+                       f"{row.get('raw_chunks', 0):,} chunks sent raw, coding {row.get('codec_s', 0):.3f} s")
         algo_ops = fabric.get("algorithm_ops") or {}
         if algo_ops:
             out.append("  inter-node ops per algorithm ('native': the lane's own): " + ", ".join(

@@ -34,10 +34,25 @@ def reduce(client: Client, tensor: torch.Tensor, root: int, op: str = "sum", gro
 
 
 def broadcast(client: Client, tensor: torch.Tensor, root: int, group: str = WORLD,
-              timeout: float | None = None, lane: str | None = None) -> Handle:
+              timeout: float | None = None, lane: str | None = None, compression: str | None = None) -> Handle:
+    """``root``'s tensor into every rank's.  ``compression``: a codec (``commd.codecs``: "bf16",
+    "lossless", ...) for the inter-node phase, from 1 MiB up; every rank names the same one."""
     role = "in" if client.group_rank(group) == root else "out"
+    if role == "in" and compression and _lossy(compression):
+        role = "inout"  # the root's copy is rounded as the receivers decode it: replicas never drift
     return client.submit("broadcast", group, {"buf": (tensor, role)},
-                         tensor.dtype, result=tensor, count=tensor.numel(), root=root, timeout=timeout, lane=lane)
+                         tensor.dtype, result=tensor, count=tensor.numel(), root=root, timeout=timeout, lane=lane,
+                         codec=compression)
+
+
+def _lossy(codec: str) -> bool:
+    """Whether ``codec`` loses precision (an unknown name: False; the daemon refuses it, naming the codecs)."""
+    from commd.codecs import CodecError, get
+
+    try:
+        return get(codec).lossy
+    except CodecError:
+        return False
 
 
 def all_gather(client: Client, output: torch.Tensor, input: torch.Tensor, counts: list[int] | None = None,

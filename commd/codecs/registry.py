@@ -15,7 +15,7 @@ import numpy as np
 
 from commd.codecs import blosc
 from commd.codecs.base import Codec, CodecError
-from commd.codecs.rounding import from_bf16_bits, round_to_bf16, round_to_fp16, to_bf16_bits
+from commd.codecs.rounding import from_bf16_bits, to_bf16_bits
 
 #: Every dtype a lossless codec takes (the lanes' dtypes that NumPy has; bfloat16 travels as bytes).
 ANY_DTYPE = frozenset({"float16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64", "bool",
@@ -27,46 +27,82 @@ BF16_BOUND = (2.0 ** -8, 2.0 ** -134)
 FP16_BOUND = (2.0 ** -11, 2.0 ** -25)
 
 
+def _as_bytes(src: np.ndarray | memoryview | bytes) -> np.ndarray:
+    """Coded bytes as a flat uint8 array (no copy)."""
+    return src.reshape(-1).view(np.uint8) if isinstance(src, np.ndarray) else np.frombuffer(src, np.uint8)
+
+
 def _empty_ok(codec: Codec, src: np.ndarray | memoryview | bytes, dst: np.ndarray) -> bool:
     """An empty array codes to no bytes: True (nothing to do) when ``dst`` is empty and ``src`` too."""
     if dst.size:
         return False
-    if len(memoryview(src).cast("B") if not isinstance(src, np.ndarray) else src.reshape(-1).view(np.uint8)):
+    if _as_bytes(src).size:
         raise CodecError(f"codec {codec.name!r}: bytes given for an empty array")
     return True
 
 
-def _byte_length(src: np.ndarray | memoryview | bytes) -> int:
-    return src.nbytes if isinstance(src, np.ndarray) else memoryview(src).nbytes
+class HalfCast(Codec):
+    """float32 rounded to a 16-bit float: the bits of each element's rounding, nothing else."""
 
-
-class Bf16Cast(Codec):
-    name, wire_id, lossy, dtypes = "bf16-cast", 2, True, frozenset({"float32"})
-    summary = "float32 rounded to bfloat16 (nearest even): half the bytes, error <= 2^-8 relative"
+    lossy, dtypes = True, frozenset({"float32"})
+    bound: tuple[float, float]
 
     def max_encoded(self, nbytes: int) -> int:
         return nbytes // 2
 
     def error_bound(self, dtype: str) -> tuple[float, float]:
         self.check_dtype(dtype)
-        return BF16_BOUND
+        return self.bound
+
+    def to_half(self, src: np.ndarray, out: np.ndarray) -> None:
+        """``out`` (uint16 bits, same size) = ``src`` rounded."""
+        raise NotImplementedError
+
+    def from_half(self, bits: np.ndarray, dst: np.ndarray) -> None:
+        """float32 ``dst`` = the values whose 16-bit patterns are ``bits`` (exact)."""
+        raise NotImplementedError
 
     def round_in_place(self, arr: np.ndarray) -> None:
-        round_to_bf16(arr)
+        bits = np.empty(arr.size, np.uint16)
+        self.to_half(arr, bits)
+        self.from_half(bits, arr)
 
     def encode(self, src: np.ndarray, out: np.ndarray) -> int:
         self.check_encode(src, out)
         n = src.size * 2
-        to_bf16_bits(src, out[:n].view(np.uint16))
+        self.to_half(src, out[:n].view(np.uint16))
         return n
 
     def decode(self, src: np.ndarray | memoryview | bytes, dst: np.ndarray) -> None:
         self.check_decode(dst)
-        if _byte_length(src) != dst.size * 2:
-            raise CodecError(f"codec {self.name!r}: {_byte_length(src)} bytes for {dst.size} elements "
-                             f"(expected {dst.size * 2})")
-        bits = np.frombuffer(src, np.uint16) if not isinstance(src, np.ndarray) else src.reshape(-1).view(np.uint16)
+        coded = _as_bytes(src)
+        if coded.size != dst.size * 2:
+            raise CodecError(f"codec {self.name!r}: {coded.size} bytes for {dst.size} elements (expected {dst.size * 2})")
+        self.from_half(coded.view(np.uint16), dst)
+
+
+class Bf16Cast(HalfCast):
+    name, wire_id, bound = "bf16-cast", 2, BF16_BOUND
+    summary = "float32 rounded to bfloat16 (nearest even): half the bytes, error <= 2^-8 relative"
+
+    def to_half(self, src: np.ndarray, out: np.ndarray) -> None:
+        to_bf16_bits(src, out)
+
+    def from_half(self, bits: np.ndarray, dst: np.ndarray) -> None:
         from_bf16_bits(bits, dst)
+
+
+class Fp16(HalfCast):
+    name, wire_id, bound = "fp16", 5, FP16_BOUND
+    summary = ("float32 rounded to float16: half the bytes; values below 6e-5 lose precision or vanish, "
+               "beyond 65504 become inf — choose it only where the data's range fits")
+
+    def to_half(self, src: np.ndarray, out: np.ndarray) -> None:
+        with np.errstate(over="ignore"):
+            np.copyto(out.reshape(-1).view(np.float16), src.reshape(-1), casting="same_kind")
+
+    def from_half(self, bits: np.ndarray, dst: np.ndarray) -> None:
+        np.copyto(dst.reshape(-1), bits.reshape(-1).view(np.float16))
 
 
 class Bf16Lz4(Bf16Cast):
@@ -118,37 +154,6 @@ class LosslessZstd(Lossless):
     name, wire_id = "lossless-zstd", 4
     summary = "byte-shuffle + zstd level 1: exact; a little smaller than lossless, slower to encode"
     _codec, _level, _shuffle = "ZSTD", 1, "SHUFFLE"
-
-
-class Fp16(Codec):
-    name, wire_id, lossy, dtypes = "fp16", 5, True, frozenset({"float32"})
-    summary = ("float32 rounded to float16: half the bytes; values below 6e-5 lose precision or vanish, "
-               "beyond 65504 become inf — choose it only where the data's range fits")
-
-    def max_encoded(self, nbytes: int) -> int:
-        return nbytes // 2
-
-    def error_bound(self, dtype: str) -> tuple[float, float]:
-        self.check_dtype(dtype)
-        return FP16_BOUND
-
-    def round_in_place(self, arr: np.ndarray) -> None:
-        round_to_fp16(arr)
-
-    def encode(self, src: np.ndarray, out: np.ndarray) -> int:
-        self.check_encode(src, out)
-        n = src.size * 2
-        with np.errstate(over="ignore"):
-            np.copyto(out[:n].view(np.float16), src.reshape(-1), casting="same_kind")
-        return n
-
-    def decode(self, src: np.ndarray | memoryview | bytes, dst: np.ndarray) -> None:
-        self.check_decode(dst)
-        if _byte_length(src) != dst.size * 2:
-            raise CodecError(f"codec {self.name!r}: {_byte_length(src)} bytes for {dst.size} elements "
-                             f"(expected {dst.size * 2})")
-        half = np.frombuffer(src, np.float16) if not isinstance(src, np.ndarray) else src.reshape(-1).view(np.float16)
-        np.copyto(dst.reshape(-1), half)
 
 
 #: Every codec, in the order ``commd`` lists them.

@@ -32,16 +32,3 @@ def to_bf16_bits(src: np.ndarray, out: np.ndarray) -> None:
 def from_bf16_bits(src: np.ndarray, dst: np.ndarray) -> None:
     """float32 ``dst`` = the bfloat16 values whose bits are ``src`` (uint16, same size); exact."""
     np.left_shift(src.reshape(-1), 16, out=dst.reshape(-1).view(np.uint32), dtype=np.uint32)
-
-
-def round_to_bf16(arr: np.ndarray) -> None:
-    """float32 ``arr`` rounded in place to the nearest bfloat16 values (what a receiver decodes)."""
-    bits = np.empty(arr.size, np.uint16)
-    to_bf16_bits(arr, bits)
-    from_bf16_bits(bits, arr)
-
-
-def round_to_fp16(arr: np.ndarray) -> None:
-    """float32 ``arr`` rounded in place to the nearest float16 values (inf beyond ±65504)."""
-    with np.errstate(over="ignore"):
-        arr[...] = arr.astype(np.float16)

@@ -56,6 +56,8 @@ class Submission:
     lane: str = ""
     #: Algorithm hint (a program's catalogue name, "" = let the scheduler choose); agreed too.
     algo: str = ""
+    #: Codec of a compressed broadcast (a ``commd.codecs`` name, "" = uncompressed); agreed too.
+    codec: str = ""
     #: For a send forwarded from another node: that node (the sender is not a local client).
     origin: int = -1
     #: The fields every member must agree on, for a cheap equality check.

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from commd import codecs
 from commd.core.ops import ReadyOp, Submission
 from commd.core.placement import GroupPlacement
 from commd.execution.local import parallel_copy, parallel_reduce_into
@@ -173,8 +174,15 @@ def _broadcast(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Reso
         src = next(b for x, b in zip(op.subs, bufs, strict=True) if x.group_rank == first.root)
     else:
         src = bufs[0]
-    lane.broadcast(placement.nodes, byte_view(src), root_node, timeout)
+    if first.codec and op.nbytes >= COMPRESS_MIN_BYTES:  # (the coordinator released it on the tcp lane)
+        lane.broadcast(placement.nodes, src.reshape(-1), root_node, timeout, codec=codecs.get(first.codec))
+    else:
+        lane.broadcast(placement.nodes, byte_view(src), root_node, timeout)
     parallel_copy(bufs, src)
+
+
+#: Ops smaller than this run uncompressed whatever their codec: coding costs more than it saves.
+COMPRESS_MIN_BYTES = 1 << 20
 
 
 def _node_bytes(placement: GroupPlacement, counts: list[int], itemsize: int) -> list[int]:

@@ -264,6 +264,11 @@ class FabricMember:
         self.liveness.tick(now)
 
     # ---- status -----------------------------------------------------------------
+    def _compression(self) -> dict[str, Any]:
+        """The tcp lane's compressed broadcasts per codec (the only lane that compresses)."""
+        report = getattr(self.fabric.lanes.get("tcp"), "compression_status", None)
+        return report() if report is not None else {}
+
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
         stats = self.stats
@@ -287,6 +292,7 @@ class FabricMember:
             "coordinator_us_per_report": stats.coordinator_us_per_report(),
             "lane_ops": self.node.stats.per_lane(),
             "algorithm_ops": dict(self.node.stats.by_algorithm),
+            "compression": self._compression(),
             "algorithms": self.fabric.catalog.status() if self.fabric.catalog is not None else None,
             "fusion": {
                 "threshold_bytes": self.fabric.config.fusion_threshold_bytes if self.fabric.config else None,

@@ -122,11 +122,14 @@ def parse_submission(
         timeout=_int(msg, "timeout_ms", int(default_timeout * 1000), 1, _MAX_TIMEOUT_MS) / 1000.0,
         lane=_str(msg, "lane", ""),
         algo=_str(msg, "algo", ""),
+        codec=_str(msg, "codec", ""),
     )
     if sub.lane and sub.lane not in LANE_NAMES:
         raise s.ProtocolError(f"unknown lane {sub.lane!r}; known: {list(LANE_NAMES)}")
     if len(sub.algo) > MAX_ALGO_NAME:
         raise s.ProtocolError(f"field 'algo' (an algorithm's name) is longer than {MAX_ALGO_NAME} characters")
+    if sub.codec:
+        _check_codec(sub)
     for name in ("buf", "in", "out"):
         if name in msg:
             ref = _ref(msg, name)
@@ -203,6 +206,25 @@ def _check_shape(sub: Submission) -> None:
             raise s.ProtocolError(str(exc)) from None
 
 
+def _check_codec(sub: Submission) -> None:
+    """A compressed op names a known codec that takes its dtype, on a kind that compresses."""
+    from commd.codecs import CodecError, get
+
+    if len(sub.codec) > MAX_ALGO_NAME:
+        raise s.ProtocolError(f"field 'codec' (a codec's name) is longer than {MAX_ALGO_NAME} characters")
+    if sub.kind not in COMPRESSED_KINDS:
+        raise s.ProtocolError(f"field 'codec': {sub.kind} does not compress (compressed kinds: "
+                              f"{', '.join(sorted(COMPRESSED_KINDS))})")
+    try:
+        get(sub.codec).check_dtype(sub.dtype)
+    except CodecError as exc:
+        raise s.ProtocolError(f"field 'codec': {exc}") from None
+
+
+#: Op kinds whose inter-node phase can run compressed (the ``codec`` field).
+COMPRESSED_KINDS = frozenset({"broadcast"})
+
+
 @functools.cache
 def _agreed_fields(kind: str) -> tuple[str, ...]:
     fields: tuple[str, ...] = ("kind", "lane", "algo")
@@ -217,6 +239,8 @@ def _agreed_fields(kind: str) -> tuple[str, ...]:
         fields += ("reduce_op", "scale")
     if kind in ROOTED:
         fields += ("root",)
+    if kind in COMPRESSED_KINDS:
+        fields += ("codec",)
     return fields
 
 

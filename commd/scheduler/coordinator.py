@@ -272,12 +272,16 @@ class Coordinator:
             sig = first.signature
             nbytes = max(e.nbytes for e in pending.entries.values())  # buffers differ per rank (gather...)
             algo_hint = sig.get("algo") or None
+            codec = sig.get("codec") or None
             try:
-                lane = choose_lane(  # (programs run on the tcp lane: an algorithm hint implies it)
+                lane = choose_lane(  # (programs and codecs run on the tcp lane: either hint implies it)
                     first.kind, sig.get("dtype", "uint8"), sig.get("reduce_op"), nbytes, pending.nodes,
-                    len(first.placement), sig.get("lane") or ("tcp" if algo_hint else None), self.config,
+                    len(first.placement), sig.get("lane") or ("tcp" if algo_hint or codec else None), self.config,
                     self.lanes,
                 )
+                if codec is not None and lane != "tcp":
+                    raise SelectionError(f"codec {codec!r} compresses on the tcp lane only; the op asks for lane "
+                                         f"{lane!r}")
                 program = choose_algorithm(
                     first.kind, sig.get("dtype", "uint8"), sig.get("reduce_op"), nbytes, pending.nodes,
                     len(first.placement), algo_hint, lane, self.config, self.catalog,

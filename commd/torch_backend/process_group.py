@@ -170,7 +170,8 @@ class Options:
     None: the rules decide.
     """
 
-    def __init__(self, lane: str | None = None, algo: str | Mapping[str, str] | None = None) -> None:
+    def __init__(self, lane: str | None = None, algo: str | Mapping[str, str] | None = None,
+                 compression: str | None = None) -> None:
         from commd.protocol.schema import LANE_NAMES
 
         if lane is not None and lane not in LANE_NAMES:
@@ -185,6 +186,25 @@ class Options:
         #: The program per op (``ALGO_OPS``); ``algo``: the all-reduces' (None: the rules decide).
         self.algos = algos
         self.algo = algos.get("all_reduce")
+        #: The codec of this group's broadcasts between nodes (None: $COMMD_COMPRESSION, else none).
+        self.compression = checked_codec(compression, "compression")
+
+
+def checked_codec(name: str | None, what: str) -> str | None:
+    """``name`` if it is a codec's (``commd.codecs``); ValueError naming ``what`` and the codecs otherwise."""
+    if name is None or name == "":
+        return None
+    from commd.codecs import CodecError, get
+
+    try:
+        return get(name).name
+    except CodecError as exc:
+        raise ValueError(f"{what}: {exc}") from None
+
+
+def compression_from_environment() -> str | None:
+    """$COMMD_COMPRESSION: the codec of broadcasts between nodes for groups that name none."""
+    return checked_codec(os.environ.get("COMMD_COMPRESSION"), "COMMD_COMPRESSION")
 
 
 class ProcessGroupCommd(dist.ProcessGroup):
@@ -192,7 +212,7 @@ class ProcessGroupCommd(dist.ProcessGroup):
 
     def __init__(
         self, client: Client, name: str, rank: int, size: int, timeout: float | None, torch_name: str,
-        lane: str | None = None, algo: str | Mapping[str, str] | None = None,
+        lane: str | None = None, algo: str | Mapping[str, str] | None = None, compression: str | None = None,
     ) -> None:
         """``timeout``: this group's op timeout in seconds, None for the client's (see ``op_timeout_s``)."""
         super().__init__(rank, size)
@@ -204,6 +224,8 @@ class ProcessGroupCommd(dist.ProcessGroup):
         #: The program per op (``ALGO_OPS`` names), as ``Options(algo=)`` gave it.
         self._algos: dict[str, str] = Options(algo=algo).algos if algo is not None else {}
         self._algo = self._algos.get("all_reduce")
+        #: The codec of this group's broadcasts (for the dtypes it takes; others go uncompressed).
+        self._compression = checked_codec(compression, "compression")
         self.ring: Any = None  # the group's exchange ring (ring_ops.py), set by _create
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
@@ -309,8 +331,18 @@ class ProcessGroupCommd(dist.ProcessGroup):
     # ---- data movement --------------------------------------------------
     @profiled("broadcast")
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> CommdWork:
-        handles = [ops.broadcast(self._client, t, opts.rootRank, **self._kw()) for t in tensors]
+        handles = [ops.broadcast(self._client, t, opts.rootRank, **self._kw(), compression=self._codec_for(t))
+                   for t in tensors]
         return self._work(handles, tensors)
+
+    def _codec_for(self, tensor: torch.Tensor) -> str | None:
+        """The group's codec if it takes ``tensor``'s dtype (a model's integer buffers go uncompressed)."""
+        if self._compression is None:
+            return None
+        from commd.codecs import get
+        from commd.kernels.reduce import DTYPE_NAMES
+
+        return self._compression if DTYPE_NAMES.get(tensor.dtype) in get(self._compression).dtypes else None
 
     @profiled("all_gather")
     def allgather(
@@ -627,7 +659,9 @@ def _create(dist_opts: Any, backend_opts: Any) -> ProcessGroupCommd:
     client.register_group(name, global_ranks)
     lane = getattr(backend_opts, "lane", None) if isinstance(backend_opts, Options) else None
     algo = backend_opts.algos if isinstance(backend_opts, Options) else None
-    group = ProcessGroupCommd(client, name, rank, size, op_timeout_s(timeout), base, lane, algo)
+    compression = backend_opts.compression if isinstance(backend_opts, Options) else None
+    group = ProcessGroupCommd(client, name, rank, size, op_timeout_s(timeout), base, lane, algo,
+                              compression or compression_from_environment())
     # a group with a program runs its all-reduces through the coordinator (which releases the
     # program), never through a bridged ring, as a group with a lane does
     group.ring = open_ring(client, store, name, rank, size, global_ranks, op_timeout_s(timeout),

@@ -25,6 +25,8 @@ buffer taken as good.
 from __future__ import annotations
 
 import struct
+import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -45,8 +47,18 @@ def chunk_elements(nbytes: int, itemsize: int) -> int:
     return max(1, target // itemsize)
 
 
+@dataclass
+class ChainCounts:
+    """What one node's part of a compressed broadcast coded: for ``commd status``."""
+
+    raw_bytes: int = 0  # the chunks' bytes uncoded
+    wire_bytes: int = 0  # their payloads as sent (root) or received (others)
+    raw_chunks: int = 0  # chunks that travelled uncoded (they did not shrink)
+    codec_seconds: float = 0.0  # encoding (root, per-hop) and decoding (others)
+
+
 def compressed_chain_broadcast(tp: Transport, nodes: tuple[int, ...], me: int, root: int, arr: np.ndarray,
-                               codec: Codec, exact_root: bool = False, per_hop: bool = False) -> None:
+                               codec: Codec, exact_root: bool = False, per_hop: bool = False) -> ChainCounts:
     """``root``'s ``arr`` into every node's ``arr`` (flat, contiguous) along the chain from ``root``,
     coded by ``codec``.  With a lossy codec every node ends with the decoded values, the root too
     unless ``exact_root``.  ``per_hop``: the baseline this algorithm exists to beat — every middle
@@ -59,25 +71,33 @@ def compressed_chain_broadcast(tp: Transport, nodes: tuple[int, ...], me: int, r
     room = [codec.max_encoded((hi - lo) * arr.itemsize) for lo, hi in pieces]
     starts = np.concatenate([[0], np.cumsum(room)]).astype(int)
     area = np.empty(int(starts[-1]), np.uint8)  # each chunk's coded bytes, alive until sent
+    counts = ChainCounts(raw_bytes=arr.nbytes)
     if q == 0:
         assert nxt is not None
-        _send_from_root(tp, nxt, arr, codec, pieces, area, starts, exact_root)
+        _send_from_root(tp, nxt, arr, codec, pieces, area, starts, exact_root, counts)
         tp.wait()
-        return
-    receiver = _Receiver(tp, order[q - 1], nxt, arr, codec, pieces, area, starts, per_hop)
+        return counts
+    receiver = _Receiver(tp, order[q - 1], nxt, arr, codec, pieces, area, starts, per_hop, counts)
     receiver.start()
     tp.wait()
     receiver.decode_pending()  # a middle node's last chunk: decoded once it was forwarded
+    counts.wire_bytes = sum(receiver.lengths)
+    counts.raw_chunks = sum(receiver.raw)
+    return counts
 
 
 def _send_from_root(tp: Transport, nxt: int, arr: np.ndarray, codec: Codec, pieces: list[tuple[int, int]],
-                    area: np.ndarray, starts: np.ndarray, exact_root: bool) -> None:
+                    area: np.ndarray, starts: np.ndarray, exact_root: bool, counts: ChainCounts) -> None:
     raw_bytes = arr.reshape(-1).view(np.uint8)
     for k, (lo, hi) in enumerate(pieces):
         piece = arr[lo:hi]
         slot = area[starts[k]:starts[k + 1]]
+        began = time.perf_counter()
         n = codec.encode(piece, slot)
+        counts.codec_seconds += time.perf_counter() - began
         raw = n >= piece.nbytes
+        counts.raw_chunks += raw
+        counts.wire_bytes += piece.nbytes if raw else n
         payload = raw_bytes[lo * arr.itemsize:hi * arr.itemsize] if raw else slot[:n]
         tp.post_send(nxt, memoryview(FRAME.pack(codec.wire_id, RAW if raw else 0, len(payload))))
         tp.post_send(nxt, memoryview(payload))
@@ -89,8 +109,10 @@ class _Receiver:
     """One non-root node: the chunks' frames and payloads in order, forwarded on, decoded one late."""
 
     def __init__(self, tp: Transport, prv: int, nxt: int | None, arr: np.ndarray, codec: Codec,
-                 pieces: list[tuple[int, int]], area: np.ndarray, starts: np.ndarray, per_hop: bool = False) -> None:
+                 pieces: list[tuple[int, int]], area: np.ndarray, starts: np.ndarray, per_hop: bool,
+                 counts: ChainCounts) -> None:
         self.tp, self.prv, self.nxt, self.arr, self.codec, self.per_hop = tp, prv, nxt, arr, codec, per_hop
+        self.counts = counts
         self.pieces, self.area, self.starts = pieces, area, starts
         self.frames = [bytearray(FRAME.size) for _ in pieces]
         self.lengths = [0] * len(pieces)
@@ -126,7 +148,9 @@ class _Receiver:
                 self.decode_pending()  # the baseline: decode here, code again, then forward
                 lo, hi = self.pieces[k]
                 slot = self.area[self.starts[k]:self.starts[k + 1]]
+                began = time.perf_counter()
                 self.lengths[k] = self.codec.encode(self.arr[lo:hi], slot)
+                self.counts.codec_seconds += time.perf_counter() - began
                 self.frames[k][:] = FRAME.pack(self.codec.wire_id, 0, self.lengths[k])
                 self.tp.post_send(self.nxt, memoryview(self.frames[k]))
                 self.tp.post_send(self.nxt, memoryview(slot[:self.lengths[k]]))
@@ -153,10 +177,12 @@ class _Receiver:
         if self.raw[k]:
             self.arr.reshape(-1).view(np.uint8)[lo * self.arr.itemsize:hi * self.arr.itemsize] = payload
             return
+        began = time.perf_counter()
         try:
             self.codec.decode(payload, self.arr[lo:hi])
         except CodecError as exc:
             self._corrupt(k, f"it does not decode: {exc}")
+        self.counts.codec_seconds += time.perf_counter() - began
 
     def _corrupt(self, k: int, why: str) -> None:
         raise TransportError(self.prv, "internal", f"compressed broadcast: chunk {k} of {len(self.pieces)} from "

@@ -39,7 +39,7 @@ from commd.lanes.base import (
     refusal,
 )
 from commd.lanes.tcp import algorithms
-from commd.lanes.tcp.compressed import compressed_chain_broadcast
+from commd.lanes.tcp.compressed import ChainCounts, compressed_chain_broadcast
 from commd.lanes.tcp.handshake import MeshConnector, listen
 from commd.lanes.tcp.transport import Exchange, Mesh
 
@@ -140,6 +140,8 @@ class TcpLane:
         #: How a program runs (the interpreter; tests substitute their own).
         self.program_runner: ProgramRunner = interpret
         self._plans: OrderedDict[tuple, Any] = OrderedDict()
+        self._compression: dict[str, dict[str, Any]] = {}  # per codec: what compression_status reports
+        self._compression_lock = threading.Lock()
         #: (name, hash, nodes) whose every node was seen to hold that program (checked once).
         self._agreed: set[tuple[str, str, tuple[int, ...]]] = set()
 
@@ -336,13 +338,31 @@ class TcpLane:
                                 f"(it takes {', '.join(sorted(codec.dtypes))})")
             arr = buf.detach().reshape(-1).numpy()
             self._run(f"broadcast(root {root}, {len(view)} bytes, codec {codec.name!r})", "broadcast", nodes,
-                      timeout, lambda ex: compressed_chain_broadcast(ex, nodes, me, root, arr, codec, exact_root,
-                                                           per_hop))
+                      timeout, lambda ex: self._count(codec.name, compressed_chain_broadcast(
+                          ex, nodes, me, root, arr, codec, exact_root, per_hop)))
             return
         algo = (algorithms.direct_broadcast if len(view) <= SMALL_BROADCAST_BYTES
                 else algorithms.chain_broadcast)
         self._run(f"broadcast(root {root}, {len(view)} bytes)", "broadcast", nodes, timeout,
                   lambda ex: algo(ex, nodes, me, root, view))
+
+    def _count(self, codec: str, counts: ChainCounts) -> None:
+        with self._compression_lock:
+            row = self._compression.setdefault(codec, {"ops": 0, "raw_bytes": 0, "wire_bytes": 0, "raw_chunks": 0,
+                                                       "codec_s": 0.0})
+            row["ops"] += 1
+            row["raw_bytes"] += counts.raw_bytes
+            row["wire_bytes"] += counts.wire_bytes
+            row["raw_chunks"] += counts.raw_chunks
+            row["codec_s"] += counts.codec_seconds
+
+    def compression_status(self) -> dict[str, dict[str, Any]]:
+        """Per codec, this node's compressed broadcasts: ops, bytes uncoded and on the wire, their
+        ratio, chunks sent raw, seconds of coding (any thread may ask)."""
+        with self._compression_lock:
+            return {name: {**row, "codec_s": round(row["codec_s"], 6),
+                           "ratio": round(row["wire_bytes"] / row["raw_bytes"], 4) if row["raw_bytes"] else None}
+                    for name, row in sorted(self._compression.items())}
 
     def allgatherv(
         self, nodes: tuple[int, ...], inp: torch.Tensor, out: torch.Tensor, sizes: list[int], timeout: float,
