@@ -315,6 +315,25 @@ def test_bench_algorithms_on_simulated_hosts(tmp_path: Path) -> None:
     assert "algorithm 'twoshot' is a allreduce program, not alltoall" in skipped["reason"]
 
 
+@pytest.mark.slow  # ~30 s: three simulated hosts
+def test_bench_compression_on_simulated_hosts(tmp_path: Path) -> None:
+    """`commd bench --compression` measures a path per codec (and the per-hop baseline) beside the
+    plain broadcast, each row naming its codec and checked."""
+    if netns_unavailable():
+        pytest.skip("simulated hosts need root (network namespaces)")
+    out = tmp_path / "rows.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "commd", "bench", "--hosts", "3", "--nproc-per-node", "1", "--ops",
+         "broadcast", "--lanes", "tcp", "--compression", "bf16,lossless,bf16/per-hop", "--min-bytes", "2M",
+         "--max-bytes", "2M", "--iters", "3", "--warmup", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    got = {(r["path"], r.get("codec"), r["check"]) for r in rows}
+    assert got == {("commd/tcp", None, "ok"), ("commd-tcp+bf16", "bf16", "ok"),
+                   ("commd-tcp+lossless", "lossless", "ok"), ("commd-tcp+bf16/per-hop", "bf16/per-hop", "ok")}, got
+
+
 # ---- the benchmark's verdicts ----------------------------------------------------------------------------
 def _benchmark_module():  # noqa: ANN202 - the module benchmarks/algorithms.py
     import importlib.util

@@ -88,6 +88,10 @@ def test_busbw_factors_are_the_nccl_tests_ones() -> None:
     (["--rate", "1gbit"], "need --hosts"),
     (["--nproc-per-node", "1"], "at least 2 ranks"),
     (["--plot", "out.jpg"], "give a .png file name"),
+    (["--ops", "broadcast", "--compression", "zip"], "--compression: unknown codec 'zip'"),
+    (["--ops", "broadcast", "--compression", "bf16/twice"], "the only variant of a codec is 'per-hop'"),
+    (["--ops", "allreduce", "--compression", "bf16"], "--compression: broadcasts compress; --ops has no broadcast"),
+    (["--ops", "broadcast", "--compression", "bf16", "--dtype", "int64"], "model-like float32 data"),
 ])
 def test_bench_rejects_bad_options(args: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert commd_main(["bench", *args]) == 2
@@ -195,3 +199,28 @@ def test_tune_on_simulated_hosts_writes_a_loadable_table(rt: Path, tmp_path: Pat
         assert chosen["median_us"] <= min(fastest, best_tcp) * (1 + SWITCH_MARGIN)
     shown = _run(["tune", "--show"])
     assert shown.returncode == 0 and "allreduce" in shown.stdout and str(path) in shown.stdout
+
+
+def test_compressed_broadcast_cases_use_model_like_data_and_expect_the_codecs_rounding() -> None:
+    """A codec path's broadcast carries data a model would (the small-integer pattern would shrink to
+    nothing) and its check expects what the codec delivers: torch's bfloat16 rounding for bf16."""
+    import numpy as np
+    import torch
+
+    from commd.bench.cases import make_case
+
+    def case(rank: int):  # noqa: ANN202
+        made = make_case("broadcast", 1 << 20, rank, 2, 4, lambda n: (None, np.zeros(n, np.float32)), codec="bf16")
+        assert made is not None
+        made.fill()
+        return made
+
+    root, other = case(0), case(1)
+    data = root.view["buf"].copy()
+    want = torch.from_numpy(data).to(torch.bfloat16).to(torch.float32).numpy()
+    assert len(np.unique(data)) > 10_000  # not the 13-periodic pattern
+    assert np.array_equal(root.expected()["buf"], want) and np.array_equal(other.expected()["buf"], want)
+    assert (other.view["buf"] == -1).all()
+    assert root.check("x") is not None  # the root's exact values are not what a bf16 broadcast leaves
+    root.view["buf"][:] = want
+    assert root.check("x") is None

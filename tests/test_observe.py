@@ -194,9 +194,11 @@ def test_two_node_trace_has_every_op_phase_on_both_nodes_in_causal_order(cluster
         for rank in w.procs:
             w.wait_event(rank, "round0")
             w.send(rank, "go")
+    for w in workers:  # every rank has its mismatch error before any leaves: a rank that left first
+        for rank in w.procs:  # would turn a slower node's pending op into a departure instead
+            w.wait_event(rank, "mismatched")
     for w in workers:
         for rank in w.procs:
-            w.wait_event(rank, "mismatched")
             w.send(rank, "go")
     assert set(c.join(workers).values()) == {"ok"}
     c.stop()  # SIGTERM: each daemon finishes its file
@@ -356,8 +358,9 @@ def test_trace_started_on_node0_of_a_running_fabric_reaches_every_node(cluster, 
             check_causal(phases, key)
     for w, rank in everyone:
         w.send(rank, "go")
-    for w, rank in everyone:
+    for w, rank in everyone:  # every rank has its error before any leaves (see the test above)
         w.wait_event(rank, "mismatched")
+    for w, rank in everyone:
         w.send(rank, "go")
     assert set(c.join(workers).values()) == {"ok"}
 

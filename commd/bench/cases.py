@@ -31,6 +31,13 @@ def pattern(rank: int, start: int, count: int) -> np.ndarray:
     return ((index % 13) + 3 * rank + 1).astype(np.float64)
 
 
+def model_like(count: int) -> np.ndarray:
+    """Weights as a model holds them: N(0, 0.02), one value in 97 a hundred times larger (float32 values)."""
+    values = (np.random.default_rng(count).standard_normal(count) * 0.02).astype(np.float32)
+    values[::97] *= 100
+    return values
+
+
 class CheckError(Exception):
     """A wrong result; the message names op, size, path and rank."""
 
@@ -46,6 +53,9 @@ class Case:
     nbytes: int
     native: dict[str, Any] = field(default_factory=dict)
     view: dict[str, np.ndarray] = field(default_factory=dict)
+    #: a compressed broadcast's codec (``commd.codecs``): model-like data instead of ``pattern``, whose
+    #: small integers any codec would shrink to nothing
+    codec: str | None = None
 
     @property
     def last(self) -> int:
@@ -58,7 +68,8 @@ class Case:
         if self.op in ("allreduce", "reduce"):
             v["buf"][:] = pattern(r, 0, c)
         elif self.op == "broadcast":
-            v["buf"][:] = pattern(ROOT, 0, c) if r == ROOT else SENTINEL
+            source = model_like(c) if self.codec else pattern(ROOT, 0, c)
+            v["buf"][:] = source if r == ROOT else SENTINEL
         elif self.op == "allgather":
             v["in"][:] = pattern(r, r * c, c)
             v["out"][:] = SENTINEL
@@ -77,6 +88,12 @@ class Case:
         r, n, c = self.rank, self.world, self.count
         if self.op == "allreduce" or (self.op == "reduce" and r == ROOT):
             return {"buf": sum(pattern(j, 0, c) for j in range(n))}
+        if self.op == "broadcast" and self.codec:
+            from commd.codecs import get
+
+            want = model_like(c).astype(np.float32)
+            get(self.codec).round_in_place(want)  # what a lossy codec delivers (a lossless one: nothing)
+            return {"buf": want.astype(np.float64)}
         if self.op == "broadcast":
             return {"buf": pattern(ROOT, 0, c)}
         if self.op == "allgather":
@@ -109,7 +126,8 @@ class Case:
             self.view["buf"][:] = 0
 
 
-def make_case(op: str, nbytes: int, rank: int, world: int, itemsize: int, alloc: Alloc) -> Case | None:
+def make_case(op: str, nbytes: int, rank: int, world: int, itemsize: int, alloc: Alloc,
+              codec: str | None = None) -> Case | None:
     """Buffers for ``op`` at requested size ``nbytes``; None if the size holds less than one element per rank."""
     if op == "barrier":
         return Case(op, rank, world, 0, 0)
@@ -118,7 +136,7 @@ def make_case(op: str, nbytes: int, rank: int, world: int, itemsize: int, alloc:
     if count < 1:
         return None
     total = count * world if per_rank else count
-    case = Case(op, rank, world, count, total * itemsize)
+    case = Case(op, rank, world, count, total * itemsize, codec=codec)
     if op in ("allreduce", "reduce", "broadcast"):
         names = {"buf": count}
     elif op == "allgather":

@@ -80,11 +80,14 @@ def measure_cell(path: BenchPath, sync: Sync, case: Case, spec: BenchSpec,
         path.run(case)
         times.append(clock() - t0)
     slowest = sync.max_each(times)
-    row = {"op": case.op, "bytes": case.nbytes, "via": path.via, "lane": path.lane, "path": path.label,
-           "algorithm": getattr(path, "algorithm", None), "world": case.world, "iters": iters, "warmup": 1 + warm,
-           "check": "ok"}
-    row.update(summarize(case.op, case.nbytes, case.world, slowest))
-    return row
+    return {**row_of(path, case, iters, warm), **summarize(case.op, case.nbytes, case.world, slowest)}
+
+
+def row_of(path: BenchPath, case: Case, iters: int, warm: int) -> dict[str, Any]:
+    """A measured cell's identity and counts (its figures are added by ``summarize``)."""
+    return {"op": case.op, "bytes": case.nbytes, "via": path.via, "lane": path.lane, "path": path.label,
+            "algorithm": getattr(path, "algorithm", None), "codec": getattr(path, "compression", None),
+            "world": case.world, "iters": iters, "warmup": 1 + warm, "check": "ok"}
 
 
 def measure_interleaved(cells: list[tuple[BenchPath, Case]], sync: Sync, spec: BenchSpec,
@@ -133,8 +136,6 @@ def measure_interleaved(cells: list[tuple[BenchPath, Case]], sync: Sync, spec: B
             times[k].append(clock() - t0)
     rows = []
     for (path, case), mine in zip(cells, times, strict=True):
-        row = {"op": case.op, "bytes": case.nbytes, "via": path.via, "lane": path.lane, "path": path.label,
-               "algorithm": getattr(path, "algorithm", None), "world": case.world, "iters": iters, "warmup": 1 + warm, "check": "ok", "interleaved": True}
-        row.update(summarize(case.op, case.nbytes, case.world, sync.max_each(mine)))
-        rows.append(row)
+        rows.append({**row_of(path, case, iters, warm), "interleaved": True,
+                     **summarize(case.op, case.nbytes, case.world, sync.max_each(mine))})
     return rows

@@ -92,17 +92,23 @@ class CommdPath:
 
     via = "commd"
 
-    def __init__(self, client: Any, lane: str, dtype: Any, timeout: float, algorithm: str | None = None) -> None:
+    def __init__(self, client: Any, lane: str, dtype: Any, timeout: float, algorithm: str | None = None,
+                 compression: str | None = None) -> None:
         self.client, self.lane, self.dtype, self.timeout = client, lane, dtype, timeout
         self.hint = lane if lane not in ("auto", "local") else None
         self.algorithm = algorithm
         self.algo = algorithm if algorithm not in (None, NATIVE) else None
+        #: ``CODEC`` or ``CODEC/per-hop`` (broadcasts only); ``codec``: its codec's name
+        self.compression = compression
+        self.codec = compression.partition("/")[0] if compression else None
         self.rank, self.world = client.rank, client.world_size
 
     @property
     def label(self) -> str:
         if self.algorithm is not None:
             return f"commd-{self.lane}/{self.algorithm}"
+        if self.compression is not None:
+            return f"commd-{self.lane}+{self.compression}"
         return _label(self.via, self.lane)
 
     def alloc(self, count: int) -> tuple[Any, np.ndarray]:
@@ -125,7 +131,7 @@ class CommdPath:
         elif op == "reduce":
             ops.reduce(c, b["buf"], ROOT, lane=h).wait(w)
         elif op == "broadcast":
-            ops.broadcast(c, b["buf"], ROOT, lane=h).wait(w)
+            ops.broadcast(c, b["buf"], ROOT, lane=h, compression=self.compression).wait(w)
         elif op == "allgather":
             ops.all_gather(c, b["out"], b["in"], lane=h, algo=self.algo).wait(w)
         elif op == "reduce_scatter":

@@ -115,6 +115,7 @@ class BenchSpec:
     extra: dict[str, Any] = field(default_factory=dict)
     blocks: bool = False  # time each path's iterations in one block instead of in alternation
     algorithms: list[str] | None = None  # tcp-lane programs to measure (NATIVE: no hint); None: none
+    compression: list[str] | None = None  # codecs to broadcast with on the tcp lane (one path each); None: none
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -142,6 +143,11 @@ def add_measure_arguments(parser: argparse.ArgumentParser, *, ops_default: str =
                              "program (oneshot, twoshot, halving_doubling, ring, alltoall, ...) or a file of the "
                              "daemons' algorithms directory; all: native and every library program of the op"
                              + (f" (default {algorithms_default})" if algorithms_default else " (default: none)"))
+    parser.add_argument("--compression", default="",
+                        help="comma-separated codecs (bf16, bf16-cast, lossless, lossless-zstd, fp16) to broadcast "
+                             "with on the tcp lane, one path each (commd-tcp+CODEC), on model-like float32 data "
+                             "(the result checked against the root's data, or its rounding for a lossy codec); "
+                             "CODEC/per-hop: the baseline that decodes and codes again at every hop (default: none)")
     parser.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,
                         help=f"untimed iterations per size and path after the checked one (default {DEFAULT_WARMUP})")
     parser.add_argument("--iters", type=int, default=DEFAULT_ITERS,
@@ -206,10 +212,31 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     algorithms = parse_algorithms(getattr(args, "algorithms", "") or "")
     if algorithms and not any(op in ALGORITHM_OPS for op in ops):
         raise SpecError(f"--algorithms: programs run {','.join(ALGORITHM_OPS)} only; --ops has none of them")
+    compression = parse_compression(getattr(args, "compression", "") or "")
+    if compression and "broadcast" not in ops:
+        raise SpecError("--compression: broadcasts compress; --ops has no broadcast")
+    if compression and dtype != "float32":
+        raise SpecError(f"--compression measures model-like float32 data; --dtype is {dtype}")
     return BenchSpec(ops=ops, sizes=message_sizes(low, high, args.step_factor), lanes=lanes,
                      warmup=args.warmup, iters=args.iters, time_per_size=args.time_per_size, dtype=dtype,
                      compare=list(dict.fromkeys(compare)), op_timeout=args.op_timeout, blocks=args.blocks,
-                     algorithms=algorithms)
+                     algorithms=algorithms, compression=compression)
+
+
+def parse_compression(text: str) -> list[str] | None:
+    """``--compression``: codec names (``commd.codecs``), each optionally with ``/per-hop``."""
+    from commd.codecs import CodecError, parse_choice
+
+    out = []
+    for part in (p.strip() for p in str(text).split(",")):
+        if not part:
+            continue
+        try:
+            parse_choice(part)
+        except CodecError as exc:
+            raise SpecError(f"--compression: {exc} (each optionally /per-hop)") from None
+        out.append(part)
+    return list(dict.fromkeys(out)) or None
 
 
 def parse_algorithms(text: str) -> list[str] | None:
@@ -237,4 +264,5 @@ def measure_argv(spec: BenchSpec) -> list[str]:
     if spec.blocks:
         argv.append("--blocks")
     argv += ["--algorithms", ",".join(spec.algorithms or [])]
+    argv += ["--compression", ",".join(spec.compression or [])]
     return argv

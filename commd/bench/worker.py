@@ -145,8 +145,9 @@ def plan_cells(spec: BenchSpec, paths: list[BenchPath],
     the compared paths alike).  An algorithm path measures only the ops ``algorithms`` gives it."""
     cells = []
     for op in spec.ops:
-        mine = [p for p in paths if getattr(p, "algorithm", None) is None
-                or p.algorithm in (algorithms or {}).get(op, ())]  # type: ignore[attr-defined]
+        mine = [p for p in paths if (getattr(p, "algorithm", None) is None
+                                     or p.algorithm in (algorithms or {}).get(op, ()))  # type: ignore[attr-defined]
+                and (getattr(p, "compression", None) is None or op == "broadcast")]
         for size in [0] if op == "barrier" else spec.sizes:
             for path in mine:
                 cells.append((op, path, size))
@@ -228,6 +229,11 @@ def run(args: argparse.Namespace, spec: BenchSpec) -> int:
             paths: list[BenchPath] = [CommdPath(client, lane, dtype, spec.op_timeout) for lane in lanes]
             for name in dict.fromkeys(n for names in algorithms.values() for n in names):
                 paths.append(CommdPath(client, "tcp", dtype, spec.op_timeout, algorithm=name))
+            for choice in spec.compression or []:
+                if not multi or "tcp" not in fabric_lanes:
+                    raise SetupError("--compression: broadcasts compress between nodes, on the tcp lane; run "
+                                     "across nodes whose fabric has it, e.g. `commd bench --hosts 4`")
+                paths.append(CommdPath(client, "tcp", dtype, spec.op_timeout, compression=choice))
             if "gloo" in spec.compare:
                 paths.append(GlooPath(dtype))
             cells = plan_cells(spec, paths, algorithms)
@@ -295,7 +301,8 @@ def _measure_all(args: argparse.Namespace, spec: BenchSpec, cells: list[tuple[st
             paths = [p for p in paths if (op, p.label) not in skipped]
             if not paths:
                 continue
-            cases = [(path, make_case(op, size, path.rank, path.world, itemsize, path.alloc)) for path in paths]
+            cases = [(path, make_case(op, size, path.rank, path.world, itemsize, path.alloc,
+                                      getattr(path, "codec", None))) for path in paths]
             if any(case is None for _, case in cases):  # fewer bytes than one element per rank: skipped alike
                 bar.update(len(paths))
                 continue

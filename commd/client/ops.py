@@ -47,10 +47,10 @@ def broadcast(client: Client, tensor: torch.Tensor, root: int, group: str = WORL
 
 def _lossy(codec: str) -> bool:
     """Whether ``codec`` loses precision (an unknown name: False; the daemon refuses it, naming the codecs)."""
-    from commd.codecs import CodecError, get
+    from commd.codecs import CodecError, parse_choice
 
     try:
-        return get(codec).lossy
+        return parse_choice(codec)[0].lossy
     except CodecError:
         return False
 

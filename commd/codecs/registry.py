@@ -180,3 +180,16 @@ def by_wire_id(wire_id: int) -> Codec:
     if codec is None:
         raise CodecError(f"no codec has wire id {wire_id!r} (known: {sorted(_BY_WIRE)})")
     return codec
+
+
+#: The variant of a codec choice that benchmarks the per-hop baseline (``"bf16/per-hop"``).
+PER_HOP = "per-hop"
+
+
+def parse_choice(text: str) -> tuple[Codec, bool]:
+    """An op's codec field: ``NAME`` or ``NAME/per-hop`` (the baseline that decodes and codes again at
+    every hop, for benchmarks) → (codec, per_hop); CodecError otherwise."""
+    name, slash, variant = text.partition("/") if isinstance(text, str) else ("", "", "")
+    if slash and variant != PER_HOP:
+        raise CodecError(f"{text!r}: the only variant of a codec is {PER_HOP!r}")
+    return get(name), bool(slash)

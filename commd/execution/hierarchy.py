@@ -175,7 +175,8 @@ def _broadcast(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Reso
     else:
         src = bufs[0]
     if first.codec and op.nbytes >= COMPRESS_MIN_BYTES:  # (the coordinator released it on the tcp lane)
-        lane.broadcast(placement.nodes, src.reshape(-1), root_node, timeout, codec=codecs.get(first.codec))
+        codec, per_hop = codecs.parse_choice(first.codec)
+        lane.broadcast(placement.nodes, src.reshape(-1), root_node, timeout, codec=codec, per_hop=per_hop)
     else:
         lane.broadcast(placement.nodes, byte_view(src), root_node, timeout)
     parallel_copy(bufs, src)

@@ -208,7 +208,7 @@ def _check_shape(sub: Submission) -> None:
 
 def _check_codec(sub: Submission) -> None:
     """A compressed op names a known codec that takes its dtype, on a kind that compresses."""
-    from commd.codecs import CodecError, get
+    from commd.codecs import CodecError, parse_choice
 
     if len(sub.codec) > MAX_ALGO_NAME:
         raise s.ProtocolError(f"field 'codec' (a codec's name) is longer than {MAX_ALGO_NAME} characters")
@@ -216,7 +216,7 @@ def _check_codec(sub: Submission) -> None:
         raise s.ProtocolError(f"field 'codec': {sub.kind} does not compress (compressed kinds: "
                               f"{', '.join(sorted(COMPRESSED_KINDS))})")
     try:
-        get(sub.codec).check_dtype(sub.dtype)
+        parse_choice(sub.codec)[0].check_dtype(sub.dtype)
     except CodecError as exc:
         raise s.ProtocolError(f"field 'codec': {exc}") from None
 
