@@ -224,3 +224,29 @@ def test_compressed_broadcast_cases_use_model_like_data_and_expect_the_codecs_ro
     assert root.check("x") is not None  # the root's exact values are not what a bf16 broadcast leaves
     root.view["buf"][:] = want
     assert root.check("x") is None
+
+
+def test_compression_benchmark_judges_its_targets_from_the_rows() -> None:
+    """benchmarks/compression.py's verdicts from hand-stated medians (µs), each target both ways."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "compression.py"
+    spec = importlib.util.spec_from_file_location("compression_benchmark", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    m = 1 << 20
+
+    def rows(medians: dict[str, dict[int, float]]) -> dict[str, list[dict[str, object]]]:
+        return {"rows": [{"op": "broadcast", "bytes": s, "path": p, "check": "ok", "median_us": t}
+                         for p, by in medians.items() for s, t in by.items()]}
+
+    data = {"1gbit": rows({"commd-tcp+bf16": {64 * m: 300.0}, "mpi": {64 * m: 1000.0}}),  # 70% below: met
+            "10gbit": rows({"commd-tcp+bf16": {64 * m: 100.0}, "commd-tcp+bf16/per-hop": {64 * m: 120.0}}),
+            "unshaped": rows({"commd/auto": {m: 100.0, 4 * m: 200.0}, "commd/tcp": {m: 98.0, 4 * m: 150.0},
+                              "mpi": {m: 120.0, 4 * m: 400.0}})}
+    verdicts = {name[:2]: (met, evidence) for name, met, evidence in bench.targets(data)}
+    assert verdicts["C1"] == (True, "0 ms vs MPI 1 ms: 70% below")
+    assert verdicts["C2"] == (False, "1.20x")
+    assert verdicts["C3"] == (False, "worst 0.75x at 4M")  # the plain chain beat the daemons' own choice
+    assert all(met is None for met, _ in {n[:2]: (m_, e) for n, m_, e in bench.targets({})}.values())

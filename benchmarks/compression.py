@@ -1,0 +1,159 @@
+"""Compressed broadcasts against MPI, Gloo, commd's plain chain and the per-hop baseline.
+
+Four simulated hosts x 1 rank, per link setting one ``commd bench`` (the paths of a size timed
+in alternation): broadcast from rank 0 of 1..256 MiB through
+
+  commd/auto                  the daemons' own choice (no codec asked for)
+  commd/tcp                   the plain chain
+  commd-tcp+bf16, +lossless, +bf16-cast   the compressed chain per codec (model-like float32)
+  commd-tcp+bf16/per-hop      the baseline: every middle node decodes and codes again
+  mpi, gloo                   mpi4py Bcast (under mpiexec, its own phase) and torch's Gloo, directly
+
+Every commd row is checked (lossy codecs against their rounding, on every rank).  Targets,
+printed as met / NOT met:
+
+  C1  1 Gbit/s, 64 MiB: the bf16 chain's latency at least 65% below MPI's broadcast;
+  C2  10 Gbit/s + 0.1 ms, 64 MiB: the bf16 chain at least 1.3x the per-hop chain;
+  C3  links unshaped: commd's own choice at least 0.95x the best uncompressed path at every size.
+
+    python benchmarks/compression.py                  # 3 settings, 1..256 MiB (tens of minutes on 2 cores)
+    python benchmarks/compression.py --quick          # 4..64 MiB, 1 Gbit/s and 10 Gbit/s only
+    python benchmarks/compression.py --settings 1gbit --json out.json
+
+Needs root (network namespaces) and mpiexec (the mpich wheel; --no-mpi leaves MPI out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from algorithms import HOSTS, PY, ROOT, SETTINGS, commd, human, loadavg  # noqa: E402
+
+CODECS = "bf16,lossless,bf16-cast,bf16/per-hop"
+MiB = 1 << 20
+
+
+def run_setting(setting: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    rate, delay = SETTINGS[setting]
+    argv = ["bench", "--hosts", str(HOSTS), "--nproc-per-node", "1", "--timeout", str(args.timeout),
+            "--ops", "broadcast", "--lanes", "auto,tcp", "--compression", CODECS,
+            "--min-bytes", args.min_bytes, "--max-bytes", args.max_bytes, "--step-factor", "4",
+            "--iters", str(args.iters), "--warmup", "1", "--json", str(work / f"bench-{setting}.json")]
+    if rate:
+        argv += ["--rate", rate]
+    if delay is not None:
+        argv += ["--delay-ms", str(delay)]
+    argv += ["--compare", "gloo" if args.no_mpi else "gloo,mpi"]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "COMMD_TUNING": "off"}
+    env.pop("COMMD_COMPRESSION", None)
+    started, before = time.monotonic(), loadavg()
+    commd(argv, env, args.timeout + 60, work / f"bench-{setting}.log")
+    rows = json.loads((work / f"bench-{setting}.json").read_text())["rows"]
+    return {"setting": setting, "rate": rate, "delay_ms": delay, "rows": rows, "load_before": before,
+            "load_after": loadavg(), "wall_s": round(time.monotonic() - started, 1)}
+
+
+def medians(rows: list[dict[str, Any]]) -> dict[str, dict[int, float]]:
+    """path -> size -> median µs of the checked broadcast rows."""
+    out: dict[str, dict[int, float]] = {}
+    for r in rows:
+        if r.get("op") == "broadcast" and r.get("check") == "ok":
+            out.setdefault(r["path"], {})[r["bytes"]] = r["median_us"]
+    return out
+
+
+def targets(data: dict[str, dict[str, Any]]) -> list[tuple[str, bool | None, str]]:
+    out: list[tuple[str, bool | None, str]] = []
+    one = medians(data["1gbit"]["rows"]) if "1gbit" in data else {}
+    bf16, mpi = one.get("commd-tcp+bf16", {}).get(64 * MiB), one.get("mpi", {}).get(64 * MiB)
+    if bf16 and mpi:
+        below = 1 - bf16 / mpi
+        out.append(("C1 bf16 chain >= 65% below MPI, 1 Gbit/s 64 MiB", below >= 0.65,
+                    f"{bf16 / 1e3:.0f} ms vs MPI {mpi / 1e3:.0f} ms: {below:.0%} below"))
+    else:
+        out.append(("C1 bf16 chain >= 65% below MPI, 1 Gbit/s 64 MiB", None, "not measured"))
+    ten = medians(data["10gbit"]["rows"]) if "10gbit" in data else {}
+    bf16, hop = ten.get("commd-tcp+bf16", {}).get(64 * MiB), ten.get("commd-tcp+bf16/per-hop", {}).get(64 * MiB)
+    if bf16 and hop:
+        out.append(("C2 bf16 chain >= 1.3x per-hop, 10 Gbit/s 64 MiB", hop / bf16 >= 1.3, f"{hop / bf16:.2f}x"))
+    else:
+        out.append(("C2 bf16 chain >= 1.3x per-hop, 10 Gbit/s 64 MiB", None, "not measured"))
+    bare = medians(data["unshaped"]["rows"]) if "unshaped" in data else {}
+    auto = bare.get("commd/auto", {})
+    plain = [p for p in ("commd/auto", "commd/tcp", "mpi", "gloo") if p in bare]
+    worst = min(((min(bare[p][s] for p in plain if s in bare[p]) / auto[s], s) for s in auto), default=None)
+    if worst is None:
+        out.append(("C3 own choice >= 0.95x best uncompressed, unshaped", None, "not measured"))
+    else:
+        out.append(("C3 own choice >= 0.95x best uncompressed, unshaped", worst[0] >= 0.95,
+                    f"worst {worst[0]:.2f}x at {human(worst[1])}"))
+    return out
+
+
+def print_setting(data: dict[str, Any]) -> None:
+    by = medians(data["rows"])
+    sizes = sorted({s for v in by.values() for s in v})
+    paths = list(by)
+    print(f"\n=== {data['setting']}: load {data['load_before']} -> {data['load_after']}, {data['wall_s']} s")
+    print("broadcast median ms [x mpi: mpi's median over the row's]")
+    print(f"{'size':>6}  " + "".join(f"{p:>28}" for p in paths))
+    for s in sizes:
+        mpi = by.get("mpi", {}).get(s)
+        cells = []
+        for p in paths:
+            t = by[p].get(s)
+            cells.append("-" if t is None else f"{t / 1e3:9.1f}" + (f" [{mpi / t:5.2f}]" if mpi else ""))
+        print(f"{human(s):>6}  " + "".join(f"{c:>28}" for c in cells))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--settings", default="1gbit,10gbit,unshaped")
+    parser.add_argument("--min-bytes", default="1M")
+    parser.add_argument("--max-bytes", default="256M")
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--timeout", type=float, default=3600.0)
+    parser.add_argument("--no-mpi", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="4..64 MiB, 1gbit and 10gbit (about 10 minutes)")
+    parser.add_argument("--json", metavar="FILE")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.settings, args.min_bytes, args.max_bytes, args.iters = "1gbit,10gbit", "4M", "64M", 3
+    settings = [s.strip() for s in args.settings.split(",") if s.strip()]
+    if not settings or set(settings) - set(SETTINGS):
+        parser.error(f"--settings: choose from {','.join(SETTINGS)}")
+    if os.geteuid() != 0:
+        print("benchmarks/compression.py: simulated hosts need root (network namespaces)", file=sys.stderr)
+        return 2
+    if not args.no_mpi and not (Path(PY).with_name("mpiexec").exists() or shutil.which("mpiexec")):
+        print("benchmarks/compression.py: no mpiexec (pip install mpich), or pass --no-mpi", file=sys.stderr)
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="commd-compressbench-"))
+    data = {}
+    for setting in settings:
+        data[setting] = run_setting(setting, args, work)
+        print_setting(data[setting])
+    verdicts = targets(data)
+    print("\ntargets:")
+    for name, met, evidence in verdicts:
+        print(f"  {name:<52} {'met' if met else 'not measured' if met is None else 'NOT met':<13} {evidence}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"settings": data, "targets": verdicts}, indent=1))
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
