@@ -25,6 +25,10 @@ KINDS = ["allreduce", "reduce", "broadcast", "allgather", "gather", "scatter", "
 DTYPES = [np.float32, np.float64, np.int32, np.int64]
 #: The library's all-reduce programs a tcp-lane all-reduce may name (beside the lane's own algorithm).
 ALGORITHMS = ["oneshot", "twoshot", "halving_doubling", "ring"]
+#: Codecs a tcp-lane broadcast may name (bf16 for float32 only; the small integers stay exact in it).
+CODECS = ["lossless", "bf16"]
+#: A compressed broadcast's elements: past the 1 MiB below which ops run uncompressed.
+CODEC_N = 300_000
 
 
 @dataclass
@@ -43,6 +47,7 @@ class Op:
     src: int = 0
     dst: int = 0
     algo: str | None = None  # an all-reduce's program (its hint; groups within one node ignore it)
+    codec: str | None = None  # a broadcast's codec (groups within one node ignore it)
     arena: bool = False  # the buffer lives in the client's arena (zero copy) rather than being copied
     twice: bool = False  # all-reduce the same buffer twice in a row (program order across a fused set)
 
@@ -60,6 +65,7 @@ def make_groups(seed: int, world: int) -> dict[str, list[int]]:
 def make_program(seed: int, world: int, lanes: list[str], length: int) -> tuple[dict[str, list[int]], list[Op]]:
     rng = random.Random(seed)
     algo_rng = random.Random(seed * 7919 + 3)  # its own stream: the programs of a seed stay what they were
+    codec_rng = random.Random(seed * 104729 + 5)  # likewise
     groups = make_groups(seed, world)
     program = []
     for i in range(length):
@@ -81,6 +87,11 @@ def make_program(seed: int, world: int, lanes: list[str], length: int) -> tuple[
             op.src, op.dst = rng.sample(range(k), 2)
         if kind == "allreduce" and lane in (None, "tcp"):  # (a program runs on the tcp lane only)
             op.algo = algo_rng.choice([None, *ALGORITHMS])
+        if kind == "broadcast" and lane in (None, "tcp"):  # (so does a codec)
+            choices = [c for c in CODECS if c != "bf16" or dtype == np.float32]
+            op.codec = codec_rng.choice([None, None, *choices])
+            if op.codec is not None:
+                op.n = CODEC_N
         program.append(op)
         if kind == "allreduce" and rng.random() < 0.5:
             # a burst of small all-reduces like one op (group, dtype, reduce op, lane): what fusion fuses
@@ -127,7 +138,7 @@ def _submit(client: Any, op: Op, me: int) -> tuple[Any, Any, np.ndarray | None]:
         return ops.reduce(client, buf, op.root, op.reduce_op, **kw), buf, want
     if op.kind == "broadcast":
         buf = t(_data(op, g, op.n))
-        return ops.broadcast(client, buf, op.root, **kw), buf, _data(op, op.root, op.n)
+        return ops.broadcast(client, buf, op.root, **kw, compression=op.codec), buf, _data(op, op.root, op.n)
     if op.kind in ("allgather", "gather"):
         inp = t(_data(op, g, op.counts[g]))
         full = np.concatenate([_data(op, r, op.counts[r]) for r in range(k)])
@@ -201,7 +212,7 @@ def run_programs(ctx: Any, seeds: list[int], lanes: list[str], length: int, max_
                 got = out.numpy()
                 if got.shape != want.shape or not np.array_equal(got, want):
                     raise AssertionError(
-                        f"seed {seed} op {op.index} {op.kind} on {op.group} lane {op.lane} algo {op.algo} n={op.n}: "
+                        f"seed {seed} op {op.index} {op.kind} on {op.group} lane {op.lane} algo {op.algo} codec {op.codec} n={op.n}: "
                         f"got {got[:6]} want {want[:6]}"
                     )
         lines.append(f"seed {seed}: {len(pending)} ops ok in {time.monotonic() - started:.1f}s")
