@@ -156,3 +156,26 @@ def test_a_corrupt_frame_or_payload_is_a_transport_error_naming_the_sender(frame
     assert results[1].peer == 0 and "from node 0 is corrupt" in results[1].message, results[1].message
     assert words in results[1].message, results[1].message
     assert isinstance(results[2], TransportError)  # nothing more comes to it: the fake's deadline, never a hang
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+@pytest.mark.parametrize("name", ["bf16", "lossless", "bf16-cast"])
+def test_compressed_ring_allgather_gives_every_node_every_block(lanes: Callable[[int], list[TcpLane]], k: int,
+                                                                name: str) -> None:
+    """Blocks of different sizes (one empty, one spanning several chunks): every node's output holds
+    every node's block, coded once by its owner — the owner's own copy rounded like everyone's."""
+    codec, nodes = get(name), tuple(range(k))
+    counts = [COUNT if i == 0 else 0 if i == 1 else 1000 * i + 1 for i in nodes]
+    blocks = [model_like(c, seed=i) for i, c in enumerate(counts)]
+    outs = [torch.full((sum(counts),), -1.0) for _ in nodes]
+    sizes = [c * 4 for c in counts]
+
+    def call(i: int, lane: TcpLane) -> None:
+        as_bytes = [torch.from_numpy(t.numpy().view(np.uint8)) for t in (blocks[i], outs[i])]
+        lane.allgatherv(nodes, as_bytes[0], as_bytes[1], sizes, OP_S, codec=codec, dtype="float32")
+
+    each(lanes(k), call)
+    want = torch.cat([decoded(name, b) for b in blocks])
+    for i in nodes:
+        assert outs[i].numpy().tobytes() == want.numpy().tobytes(), f"{name}: node {i} differs"
+    assert all(torch.equal(blocks[i], model_like(c, seed=i)) for i, c in enumerate(counts)), "an input changed"

@@ -66,31 +66,68 @@ def compressed_chain_broadcast(tp: Transport, nodes: tuple[int, ...], me: int, r
     order = nodes[nodes.index(root):] + nodes[:nodes.index(root)]
     q = order.index(nodes[me])
     nxt = order[q + 1] if q + 1 < len(order) else None
-    step = chunk_elements(arr.nbytes, arr.itemsize)
-    pieces = [(lo, min(arr.size, lo + step)) for lo in range(0, arr.size, step)]
-    room = [codec.max_encoded((hi - lo) * arr.itemsize) for lo, hi in pieces]
-    starts = np.concatenate([[0], np.cumsum(room)]).astype(int)
-    area = np.empty(int(starts[-1]), np.uint8)  # each chunk's coded bytes, alive until sent
+    pieces = _cut(arr, chunk_elements(arr.nbytes, arr.itemsize))
     counts = ChainCounts(raw_bytes=arr.nbytes)
     if q == 0:
         assert nxt is not None
-        _send_from_root(tp, nxt, arr, codec, pieces, area, starts, exact_root, counts)
+        area = _send_coded(tp, nxt, pieces, None if exact_root else pieces, codec, counts)
         tp.wait()
+        del area
         return counts
-    receiver = _Receiver(tp, order[q - 1], nxt, arr, codec, pieces, area, starts, per_hop, counts)
+    receiver = _Receiver(tp, order[q - 1], [_Chunk(piece, nxt) for piece in pieces], codec, per_hop, counts)
     receiver.start()
     tp.wait()
     receiver.decode_pending()  # a middle node's last chunk: decoded once it was forwarded
-    counts.wire_bytes = sum(receiver.lengths)
-    counts.raw_chunks = sum(receiver.raw)
     return counts
 
 
-def _send_from_root(tp: Transport, nxt: int, arr: np.ndarray, codec: Codec, pieces: list[tuple[int, int]],
-                    area: np.ndarray, starts: np.ndarray, exact_root: bool, counts: ChainCounts) -> None:
-    raw_bytes = arr.reshape(-1).view(np.uint8)
-    for k, (lo, hi) in enumerate(pieces):
-        piece = arr[lo:hi]
+def compressed_ring_allgather(tp: Transport, nodes: tuple[int, ...], me: int, inp: np.ndarray, out: np.ndarray,
+                              sizes: list[int], codec: Codec) -> ChainCounts:
+    """Every node's ``inp`` (``sizes[i]`` elements from node i), in node order, into everyone's
+    ``out``, round a ring: each block is coded once by its owner, forwarded coded by the nodes after
+    it and decoded by each.  With a lossy codec a node's own block in ``out`` holds the decoded values
+    too, as everywhere else (``inp`` is left as it was)."""
+    n = len(nodes)
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+    nxt, prv = nodes[(me + 1) % n], nodes[(me - 1) % n]
+
+    def block(i: int, arr: np.ndarray) -> np.ndarray:
+        return arr[offsets[i]:offsets[i + 1]]
+
+    step = {i: chunk_elements(sizes[i] * out.itemsize, out.itemsize) for i in range(n)}
+    mine = block(me, out)
+    mine[:] = inp
+    counts = ChainCounts(raw_bytes=int(sum(sizes)) * out.itemsize)
+    area = _send_coded(tp, nxt, _cut(inp, step[me]), _cut(mine, step[me]), codec, counts)
+    chunks = []
+    for j in range(1, n):  # prv's own block first, then the ones it forwards, as they reach it
+        owner = (me - j) % n
+        forward = nxt if j < n - 1 else None  # the last hop's successor owns the block
+        chunks += [_Chunk(piece, forward) for piece in _cut(block(owner, out), step[owner])]
+    receiver = _Receiver(tp, prv, chunks, codec, False, counts) if chunks else None
+    if receiver is not None:
+        receiver.start()
+    tp.wait()
+    if receiver is not None:
+        receiver.decode_pending()
+    del area
+    return counts
+
+
+def _cut(arr: np.ndarray, step: int) -> list[np.ndarray]:
+    """``arr`` (flat) as consecutive views of ``step`` elements (the last shorter)."""
+    return [arr[lo:lo + step] for lo in range(0, arr.size, step)]
+
+
+def _send_coded(tp: Transport, nxt: int, pieces: list[np.ndarray], copies: list[np.ndarray] | None, codec: Codec,
+                counts: ChainCounts) -> np.ndarray:
+    """Code each piece once and post it to ``nxt`` (frame, payload); ``copies``: this node's own copy
+    of each piece, rounded as receivers decode it when the codec is lossy (None: left exact).
+    Returns the coded bytes' area, which must live until the transport has sent them."""
+    room = [codec.max_encoded(piece.nbytes) for piece in pieces]
+    starts = np.concatenate([[0], np.cumsum(room)]).astype(int)
+    area = np.empty(int(starts[-1]), np.uint8)
+    for k, piece in enumerate(pieces):
         slot = area[starts[k]:starts[k + 1]]
         began = time.perf_counter()
         n = codec.encode(piece, slot)
@@ -98,25 +135,36 @@ def _send_from_root(tp: Transport, nxt: int, arr: np.ndarray, codec: Codec, piec
         raw = n >= piece.nbytes
         counts.raw_chunks += raw
         counts.wire_bytes += piece.nbytes if raw else n
-        payload = raw_bytes[lo * arr.itemsize:hi * arr.itemsize] if raw else slot[:n]
+        payload = piece.reshape(-1).view(np.uint8) if raw else slot[:n]
         tp.post_send(nxt, memoryview(FRAME.pack(codec.wire_id, RAW if raw else 0, len(payload))))
         tp.post_send(nxt, memoryview(payload))
-        if codec.lossy and not raw and not exact_root:
-            codec.round_in_place(piece)  # (the coded bytes are sent, not the piece: free to change)
+        if copies is not None and codec.lossy and not raw:
+            if copies[k] is not piece:
+                copies[k][:] = piece
+            codec.round_in_place(copies[k])  # (the coded bytes are sent, not the piece: free to change)
+    return area
+
+
+@dataclass
+class _Chunk:
+    """One chunk a node receives: where it decodes, and the node it goes on to (coded as it came)."""
+
+    dst: np.ndarray
+    forward: int | None
 
 
 class _Receiver:
-    """One non-root node: the chunks' frames and payloads in order, forwarded on, decoded one late."""
+    """The chunks a node receives from ``prv``, in order: each forwarded, then decoded one chunk late."""
 
-    def __init__(self, tp: Transport, prv: int, nxt: int | None, arr: np.ndarray, codec: Codec,
-                 pieces: list[tuple[int, int]], area: np.ndarray, starts: np.ndarray, per_hop: bool,
+    def __init__(self, tp: Transport, prv: int, chunks: list[_Chunk], codec: Codec, per_hop: bool,
                  counts: ChainCounts) -> None:
-        self.tp, self.prv, self.nxt, self.arr, self.codec, self.per_hop = tp, prv, nxt, arr, codec, per_hop
-        self.counts = counts
-        self.pieces, self.area, self.starts = pieces, area, starts
-        self.frames = [bytearray(FRAME.size) for _ in pieces]
-        self.lengths = [0] * len(pieces)
-        self.raw = [False] * len(pieces)
+        self.tp, self.prv, self.chunks, self.codec, self.per_hop, self.counts = tp, prv, chunks, codec, per_hop, counts
+        room = [codec.max_encoded(c.dst.nbytes) for c in chunks]
+        self.starts = np.concatenate([[0], np.cumsum(room)]).astype(int)
+        self.area = np.empty(int(self.starts[-1]), np.uint8)  # each chunk's coded bytes, alive until forwarded
+        self.frames = [bytearray(FRAME.size) for _ in chunks]
+        self.lengths = [0] * len(chunks)
+        self.raw = [False] * len(chunks)
         self.pending: int | None = None  # the chunk received and not yet decoded
 
     def start(self) -> None:
@@ -125,45 +173,41 @@ class _Receiver:
     def _expect_frame(self, k: int) -> None:
         self.tp.post_recv(self.prv, memoryview(self.frames[k]), self._on_frame(k))
 
+    def _slot(self, k: int, length: int | None = None) -> np.ndarray:
+        return self.area[self.starts[k]:self.starts[k] + (self.lengths[k] if length is None else length)]
+
     def _on_frame(self, k: int) -> Done:
         def done() -> None:
             self.decode_pending()  # chunk k - 1 went on to the next node in the transport's last turn
             wire_id, flags, length = FRAME.unpack(self.frames[k])
-            lo, hi = self.pieces[k]
-            raw_size = (hi - lo) * self.arr.itemsize
+            raw_size = self.chunks[k].dst.nbytes
             if wire_id != self.codec.wire_id:
                 self._corrupt(k, f"its frame names codec wire id {wire_id}, this node expects "
                                  f"{self.codec.wire_id} ({self.codec.name}): do the nodes agree on the codec?")
             if flags & ~RAW or (flags & RAW and length != raw_size) or length > self.starts[k + 1] - self.starts[k]:
                 self._corrupt(k, f"its frame says {length} bytes (flags {flags:#x}) for a chunk of {raw_size} bytes")
             self.lengths[k], self.raw[k] = length, bool(flags & RAW)
-            slot = self.area[self.starts[k]:self.starts[k] + length]
-            self.tp.post_recv(self.prv, memoryview(slot), self._on_payload(k))
+            self.counts.wire_bytes += length
+            self.counts.raw_chunks += self.raw[k]
+            self.tp.post_recv(self.prv, memoryview(self._slot(k)), self._on_payload(k))
         return done
 
     def _on_payload(self, k: int) -> Done:
         def done() -> None:
-            if self.per_hop and self.nxt is not None and not self.raw[k]:
-                self.pending = k
+            forward = self.chunks[k].forward
+            self.pending = k
+            if self.per_hop and forward is not None and not self.raw[k]:
                 self.decode_pending()  # the baseline: decode here, code again, then forward
-                lo, hi = self.pieces[k]
-                slot = self.area[self.starts[k]:self.starts[k + 1]]
                 began = time.perf_counter()
-                self.lengths[k] = self.codec.encode(self.arr[lo:hi], slot)
+                self.lengths[k] = self.codec.encode(self.chunks[k].dst, self._slot(k, self.starts[k + 1] - self.starts[k]))
                 self.counts.codec_seconds += time.perf_counter() - began
                 self.frames[k][:] = FRAME.pack(self.codec.wire_id, 0, self.lengths[k])
-                self.tp.post_send(self.nxt, memoryview(self.frames[k]))
-                self.tp.post_send(self.nxt, memoryview(slot[:self.lengths[k]]))
-                if k + 1 < len(self.pieces):
-                    self._expect_frame(k + 1)
-                return
-            if self.nxt is not None:
-                self.tp.post_send(self.nxt, memoryview(self.frames[k]))
-                self.tp.post_send(self.nxt, memoryview(self.area[self.starts[k]:self.starts[k] + self.lengths[k]]))
-            self.pending = k
-            if k + 1 < len(self.pieces):
+            if forward is not None:
+                self.tp.post_send(forward, memoryview(self.frames[k]))
+                self.tp.post_send(forward, memoryview(self._slot(k)))
+            if k + 1 < len(self.chunks):
                 self._expect_frame(k + 1)
-            elif self.nxt is None:
+            elif forward is None:
                 self.decode_pending()  # the chain's end: nothing to forward first
         return done
 
@@ -172,18 +216,17 @@ class _Receiver:
         k, self.pending = self.pending, None
         if k is None:
             return
-        lo, hi = self.pieces[k]
-        payload = self.area[self.starts[k]:self.starts[k] + self.lengths[k]]
+        dst, payload = self.chunks[k].dst, self._slot(k)
         if self.raw[k]:
-            self.arr.reshape(-1).view(np.uint8)[lo * self.arr.itemsize:hi * self.arr.itemsize] = payload
+            dst.reshape(-1).view(np.uint8)[:] = payload
             return
         began = time.perf_counter()
         try:
-            self.codec.decode(payload, self.arr[lo:hi])
+            self.codec.decode(payload, dst)
         except CodecError as exc:
             self._corrupt(k, f"it does not decode: {exc}")
         self.counts.codec_seconds += time.perf_counter() - began
 
     def _corrupt(self, k: int, why: str) -> None:
-        raise TransportError(self.prv, "internal", f"compressed broadcast: chunk {k} of {len(self.pieces)} from "
+        raise TransportError(self.prv, "internal", f"compressed transfer: chunk {k} of {len(self.chunks)} from "
                                                    f"node {self.prv} is corrupt: {why}")

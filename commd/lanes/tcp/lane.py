@@ -39,7 +39,7 @@ from commd.lanes.base import (
     refusal,
 )
 from commd.lanes.tcp import algorithms
-from commd.lanes.tcp.compressed import ChainCounts, compressed_chain_broadcast
+from commd.lanes.tcp.compressed import ChainCounts, compressed_chain_broadcast, compressed_ring_allgather
 from commd.lanes.tcp.handshake import MeshConnector, listen
 from commd.lanes.tcp.transport import Exchange, Mesh
 
@@ -366,10 +366,11 @@ class TcpLane:
 
     def allgatherv(
         self, nodes: tuple[int, ...], inp: torch.Tensor, out: torch.Tensor, sizes: list[int], timeout: float,
-        program: Chosen | None = None,
+        program: Chosen | None = None, codec: Codec | None = None, dtype: str | None = None,
     ) -> None:
         """Every node's ``inp`` bytes, in node order, into everyone's ``out`` (pipelined ring);
-        ``program``: the released all-gather program instead (every node then gives one size)."""
+        ``program``: the released all-gather program instead (every node then gives one size);
+        ``codec``: the compressed ring instead, on the bytes read as ``dtype`` elements."""
         nodes, me = self._check_nodes("allgatherv", nodes)
         self._check_tensor("allgatherv", inp, uint8=True)
         self._check_tensor("allgatherv", out, uint8=True)
@@ -382,6 +383,17 @@ class TcpLane:
         if len(nodes) == 1 or sum(sizes) == 0:
             self._usable("allgatherv", nodes)
             dst[:] = src
+            return
+        if codec is not None:
+            itemsize = np.dtype(dtype).itemsize if dtype in codec.dtypes else 0
+            if not itemsize or any(size % itemsize for size in sizes):
+                raise LaneError(f"tcp allgatherv: codec {codec.name!r} does not take {dtype} blocks of {sizes} bytes "
+                                f"(it takes {', '.join(sorted(codec.dtypes))})")
+            src_arr, dst_arr = inp.reshape(-1).numpy().view(dtype), out.reshape(-1).numpy().view(dtype)
+            elements = [size // itemsize for size in sizes]
+            self._run(f"allgatherv({sum(sizes)} bytes, codec {codec.name!r})", "allgatherv", nodes, timeout,
+                      lambda ex: self._count(codec.name, compressed_ring_allgather(ex, nodes, me, src_arr, dst_arr,
+                                                                                   elements, codec)))
             return
         if program is not None:
             deadline = time.monotonic() + timeout
