@@ -387,5 +387,15 @@ def compressed_broadcasts(ctx: Any) -> dict[str, Any]:
     t = _t(weights(8))
     ops.broadcast(client, t, root).wait(60)
     _check("a plain broadcast afterwards", t, weights(8))
+    for salt, codec in enumerate(("bf16", "lossless"), start=20):  # all-gathers: every block coded once
+        blocks = [weights(salt + r, 100_003 + r) for r in range(world)]
+        mine = _t(blocks[me])
+        out = torch.full((sum(b.size for b in blocks),), -1.0)
+        ops.all_gather(client, out, mine, [b.size for b in blocks], compression=codec).wait(60)
+        kind = rounding.get(codec)
+        want = np.concatenate([torch.from_numpy(b).to(kind).to(torch.float32).numpy() if kind is not None else b
+                               for b in blocks])
+        if out.numpy().tobytes() != want.tobytes() or not np.array_equal(mine.numpy(), blocks[me]):
+            raise AssertionError(f"all_gather {codec}: rank {me} differs (or its input changed)")
     client.close()
     return outcome

@@ -200,7 +200,7 @@ def torch_compressed_broadcast(ctx: Any, port: int) -> str:
     """``dist.broadcast`` on a group whose Options name a codec: float32 tensors arrive as torch's
     bfloat16 rounding of the root's (the root's too: replicas identical), synchronously, async and
     through the future; an int64 tensor (a dtype bf16 does not take) and the default group's
-    broadcasts arrive exact."""
+    broadcasts arrive exact; the group's all-gathers (FSDP's shards) arrive rounded, inputs untouched."""
     import os
     from datetime import timedelta
 
@@ -232,6 +232,11 @@ def torch_compressed_broadcast(ctx: Any, port: int) -> str:
         t = source.clone() if rank == root else torch.zeros_like(source)
         dist.broadcast(t, root)  # the default group: no codec
         assert torch.equal(t, source), (rank, "default group")
+        shard = source[rank * 100_000:(rank + 1) * 100_000].clone()  # FSDP's all-gather of parameter shards
+        flat = torch.zeros(world * 100_000)
+        dist.all_gather_into_tensor(flat, shard, group=group)
+        assert torch.equal(flat, rounded[:world * 100_000]), (rank, "all_gather_into_tensor")
+        assert torch.equal(shard, source[rank * 100_000:(rank + 1) * 100_000]), (rank, "the shard changed")
     finally:
         dist.destroy_process_group()
     return "ok"

@@ -135,7 +135,8 @@ def test_large_buffers_use_parallel_local_phases(cluster) -> None:
 
 def test_compressed_broadcasts_across_nodes_and_their_status(cluster) -> None:
     """Every codec end to end through the client library on 2 nodes x 2 ranks (checked in the workers
-    against the root's data or torch's rounding); disagreements fail every rank; status counts it."""
+    against the root's data or torch's rounding), and compressed all-gathers; disagreements fail
+    every rank; status counts it."""
     c = cluster()
     results = c.join(c.start_workers(fw.compressed_broadcasts))
     for rank, outcome in results.items():
@@ -145,6 +146,9 @@ def test_compressed_broadcasts_across_nodes_and_their_status(cluster) -> None:
     for node in (0, 1):
         rows = c.status(node)["fabric"]["compression"]
         assert set(rows) == {"bf16", "lossless", "bf16-cast", "lossless-zstd", "fp16"}, rows
-        assert all(row["ops"] == 1 and row["raw_bytes"] == 400_003 * 4 for row in rows.values()), rows
+        gathered = 4 * sum(100_003 + r for r in range(4))  # each node's all-gather: every block's bytes
+        assert all(row["raw_bytes"] == 400_003 * 4 for name, row in rows.items() if name not in ("bf16", "lossless"))
+        assert rows["bf16"]["ops"] == rows["lossless"]["ops"] == 2, rows
+        assert rows["bf16"]["raw_bytes"] == 400_003 * 4 + gathered, rows
         assert rows["bf16"]["ratio"] < 0.45 and rows["bf16-cast"]["ratio"] == 0.5, rows
-        assert "compressed broadcasts, bf16: 1 ops" in format_status(c.status(node))
+        assert "compressed ops, bf16: 2 (broadcasts, all-gathers)" in format_status(c.status(node))

@@ -57,12 +57,14 @@ def _lossy(codec: str) -> bool:
 
 def all_gather(client: Client, output: torch.Tensor, input: torch.Tensor, counts: list[int] | None = None,
                group: str = WORLD, timeout: float | None = None, lane: str | None = None,
-               algo: str | None = None) -> Handle:
+               algo: str | None = None, compression: str | None = None) -> Handle:
     """output = concatenation of every rank's input (``counts``: elements per rank).  ``algo``: an
-    all-gather program for the inter-node phase (every node then gives the same number of bytes)."""
+    all-gather program for the inter-node phase (every node then gives the same number of bytes);
+    ``compression``: a codec for the inter-node phase (a lossy one rounds every block, this rank's
+    own in ``output`` too; ``input`` is left as it was), from 1 MiB of output up."""
     counts = counts or [input.numel()] * client.group_size(group)
     return client.submit("allgather", group, {"in": (input, "in"), "out": (output, "out")}, input.dtype,
-                         result=output, counts=counts, timeout=timeout, lane=lane, algo=algo)
+                         result=output, counts=counts, timeout=timeout, lane=lane, algo=algo, codec=compression)
 
 
 def gather(client: Client, output: torch.Tensor | None, input: torch.Tensor, root: int,

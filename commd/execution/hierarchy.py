@@ -200,7 +200,9 @@ def _allgather(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Reso
     outs = [byte_view(resolve(x, "out")) for x in op.subs]
     sizes = _node_bytes(placement, counts, itemsize)
     order = [g for n in placement.nodes for g in placement.members(n)]
-    extra = {} if program is None else {"program": program}
+    extra: dict[str, Any] = {} if program is None else {"program": program}
+    if first.codec and sum(sizes) >= COMPRESS_MIN_BYTES:  # (released on the tcp lane, with no program)
+        extra = {"codec": codecs.parse_choice(first.codec)[0], "dtype": first.dtype}
     if order == list(range(len(counts))):  # node-major placement: the gathered layout is the output
         lane.allgatherv(placement.nodes, mine, outs[0], sizes, timeout, **extra)
     else:

@@ -279,6 +279,9 @@ class Coordinator:
                     len(first.placement), sig.get("lane") or ("tcp" if algo_hint or codec else None), self.config,
                     self.lanes,
                 )
+                if codec is not None and algo_hint is not None:
+                    raise SelectionError(f"codec {codec!r} and algorithm {algo_hint!r} at once: a program's transfers "
+                                         "do not compress yet")
                 if codec is not None and lane != "tcp":
                     raise SelectionError(f"codec {codec!r} compresses on the tcp lane only; the op asks for lane "
                                          f"{lane!r}")

@@ -335,6 +335,11 @@ class ProcessGroupCommd(dist.ProcessGroup):
                    for t in tensors]
         return self._work(handles, tensors)
 
+    def _gather_codec(self, tensor: torch.Tensor) -> str | None:
+        """An all-gather's codec: the group's, unless an all-gather program runs it (programs do not
+        compress yet)."""
+        return None if self._algos.get("all_gather") else self._codec_for(tensor)
+
     def _codec_for(self, tensor: torch.Tensor) -> str | None:
         """The group's codec if it takes ``tensor``'s dtype (a model's integer buffers go uncompressed)."""
         if self._compression is None:
@@ -357,7 +362,7 @@ class ProcessGroupCommd(dist.ProcessGroup):
         handle = self._client.submit(
             "allgather", self._name, {"in": (inp, "in"), "out": (flat, "out")}, inp.dtype,
             result=outputs, after=lambda: _unflatten_into(flat, outs), counts=counts,
-            timeout=self._timeout, lane=self._lane, algo=self._algos.get("all_gather"),
+            timeout=self._timeout, lane=self._lane, algo=self._algos.get("all_gather"), codec=self._gather_codec(inp),
         )
         return self._work(handle, outputs)
 
@@ -380,7 +385,8 @@ class ProcessGroupCommd(dist.ProcessGroup):
                 f"all_gather_into_tensor: output holds {output.numel()} elements, expected "
                 f"{self.size()} x {input.numel()}"
             )
-        handle = ops.all_gather(self._client, output, input, None, **self._kw(), algo=self._algos.get("all_gather"))
+        handle = ops.all_gather(self._client, output, input, None, **self._kw(), algo=self._algos.get("all_gather"),
+                                compression=self._gather_codec(input))
         return self._work(handle, output)
 
     _allgather_base = all_gather_single

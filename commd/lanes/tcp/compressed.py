@@ -1,4 +1,4 @@
-"""The compressed chunked-chain broadcast, over any :class:`~commd.lanes.base.Transport`.
+"""The compressed chunked-chain broadcast and ring all-gather, over any :class:`~commd.lanes.base.Transport`.
 
 The root cuts its buffer into chunks and codes each one once; the chain forwards the coded
 bytes unchanged (no node decodes to encode again, the per-hop baseline's cost); every
@@ -49,7 +49,7 @@ def chunk_elements(nbytes: int, itemsize: int) -> int:
 
 @dataclass
 class ChainCounts:
-    """What one node's part of a compressed broadcast coded: for ``commd status``."""
+    """What one node's part of a compressed broadcast or all-gather coded: for ``commd status``."""
 
     raw_bytes: int = 0  # the chunks' bytes uncoded
     wire_bytes: int = 0  # their payloads as sent (root) or received (others)

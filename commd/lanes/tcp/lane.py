@@ -357,8 +357,8 @@ class TcpLane:
             row["codec_s"] += counts.codec_seconds
 
     def compression_status(self) -> dict[str, dict[str, Any]]:
-        """Per codec, this node's compressed broadcasts: ops, bytes uncoded and on the wire, their
-        ratio, chunks sent raw, seconds of coding (any thread may ask)."""
+        """Per codec, this node's compressed broadcasts and all-gathers: ops, bytes uncoded and on the
+        wire, their ratio, chunks sent raw, seconds of coding (any thread may ask)."""
         with self._compression_lock:
             return {name: {**row, "codec_s": round(row["codec_s"], 6),
                            "ratio": round(row["wire_bytes"] / row["raw_bytes"], 4) if row["raw_bytes"] else None}
