@@ -295,3 +295,20 @@ def test_errors_name_the_op_kind_and_the_nodes() -> None:
     gather, send = sent(out)[0]
     assert gather["m"].startswith("gather #0 on group 'e' cannot run: node 2 (gamma)"), gather
     assert "node 2 (gamma) stopped answering" in send["m"], send
+
+
+def test_a_codec_takes_the_tcp_lane_and_refuses_another_lane_or_a_program() -> None:
+    """A compressed op is released on the tcp lane; with another lane named, or with a program as well
+    (whose transfers do not compress), it fails on every node naming both."""
+    coord = Coordinator(2, SchedulerConfig(), LANES)
+    cases = [({"codec": "bf16"}, None), ({"codec": "bf16", "lane": "gloo"}, "compresses on the tcp lane only"),
+             ({"codec": "lossless", "algo": "ag"}, "codec 'lossless' and algorithm 'ag' at once")]
+    for seq, (sig, refusal) in enumerate(cases):
+        out = Outbox()
+        for node, mine in ((0, [0, 1]), (1, [2, 3])):
+            coord.report(node, ready([entry(seq=seq, kind="allgather", mine=mine, sig=sig)]), out)
+        messages = sent(out)[0] + sent(out)[1]
+        if refusal is None:
+            assert [m["t"] for m in messages] == ["go", "go"] and all(m["l"] == "tcp" for m in messages), messages
+        else:
+            assert all(m["t"] == "fail" and refusal in m["m"] for m in messages), messages
