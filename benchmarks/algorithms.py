@@ -79,6 +79,15 @@ T2_FROM, T2_RATIO = 1 * MiB, 0.9
 T3_RATIO = 0.95
 
 
+def missing_prerequisite(script: str, mpi: bool) -> str | None:
+    """Why ``benchmarks/SCRIPT`` cannot run here (simulated hosts need root; MPI needs mpiexec), or None."""
+    if os.geteuid() != 0:
+        return f"benchmarks/{script}: simulated hosts need root (network namespaces)"
+    if mpi and not (Path(PY).with_name("mpiexec").exists() or shutil.which("mpiexec")):
+        return f"benchmarks/{script}: no mpiexec (pip install mpich), or pass --no-mpi"
+    return None
+
+
 def path_of(program: str) -> str:
     return f"commd-tcp/{program}"
 
@@ -290,11 +299,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--ranks: comma-separated whole numbers")
     if not ranks or min(ranks) < 1:
         parser.error("--ranks: at least one, each >= 1")
-    if os.geteuid() != 0:
-        print("benchmarks/algorithms.py: simulated hosts need root (network namespaces)", file=sys.stderr)
-        return 2
-    if not args.no_mpi and not (Path(PY).with_name("mpiexec").exists() or shutil.which("mpiexec")):
-        print("benchmarks/algorithms.py: no mpiexec (pip install mpich), or pass --no-mpi", file=sys.stderr)
+    missing = missing_prerequisite("algorithms.py", not args.no_mpi)
+    if missing:
+        print(missing, file=sys.stderr)
         return 2
 
     work = Path(tempfile.mkdtemp(prefix="commd-algobench-"))

@@ -39,7 +39,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from algorithms import HOSTS, PY, ROOT, SETTINGS, commd, human, loadavg  # noqa: E402
+from algorithms import HOSTS, ROOT, SETTINGS, commd, human, loadavg, missing_prerequisite  # noqa: E402
 
 CODECS = "bf16,lossless,bf16-cast,bf16/per-hop"
 MiB = 1 << 20
@@ -142,11 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     settings = [s.strip() for s in args.settings.split(",") if s.strip()]
     if not settings or set(settings) - set(SETTINGS):
         parser.error(f"--settings: choose from {','.join(SETTINGS)}")
-    if os.geteuid() != 0:
-        print("benchmarks/compression.py: simulated hosts need root (network namespaces)", file=sys.stderr)
-        return 2
-    if not args.no_mpi and not (Path(PY).with_name("mpiexec").exists() or shutil.which("mpiexec")):
-        print("benchmarks/compression.py: no mpiexec (pip install mpich), or pass --no-mpi", file=sys.stderr)
+    missing = missing_prerequisite("compression.py", not args.no_mpi)
+    if missing:
+        print(missing, file=sys.stderr)
         return 2
     work = Path(tempfile.mkdtemp(prefix="commd-compressbench-"))
     data = {}

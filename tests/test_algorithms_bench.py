@@ -292,18 +292,22 @@ def test_report_and_tune_rows_name_algorithms_and_keep_skipped_ones_apart() -> N
     assert (entry.lane, entry.algorithm) == ("tcp", "twoshot") and "tcp/alltoall" not in entry.measured
 
 
+def bench_rows(tmp_path: Path, *args: str) -> list[dict]:
+    """The JSON rows of `commd bench` on 3 simulated hosts x 1 rank, tcp lane, 3 iterations (+ ``args``)."""
+    out = tmp_path / "rows.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "commd", "bench", "--hosts", "3", "--nproc-per-node", "1", "--lanes", "tcp",
+         "--iters", "3", "--warmup", "1", "--json", str(out), *args], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())["rows"]
+
+
 @pytest.mark.slow  # ~30 s: three simulated hosts
 def test_bench_algorithms_on_simulated_hosts(tmp_path: Path) -> None:
     if netns_unavailable():
         pytest.skip("simulated hosts need root (network namespaces)")
-    out = tmp_path / "rows.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "commd", "bench", "--hosts", "3", "--nproc-per-node", "1", "--ops",
-         "allreduce,alltoall", "--lanes", "tcp", "--algorithms", "native,twoshot,alltoall", "--min-bytes", "64K",
-         "--max-bytes", "64K", "--iters", "3", "--warmup", "1", "--json", str(out)],
-        capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    rows = bench_rows(tmp_path, "--ops", "allreduce,alltoall", "--algorithms", "native,twoshot,alltoall",
+                      "--min-bytes", "64K", "--max-bytes", "64K")
     got = {(r["op"], r["path"], r.get("algorithm"), r["check"]) for r in rows}
     assert got == {("allreduce", "commd/tcp", None, "ok"), ("allreduce", "commd-tcp/native", "native", "ok"),
                    ("allreduce", "commd-tcp/twoshot", "twoshot", "ok"),
@@ -321,14 +325,8 @@ def test_bench_compression_on_simulated_hosts(tmp_path: Path) -> None:
     plain broadcast, each row naming its codec and checked."""
     if netns_unavailable():
         pytest.skip("simulated hosts need root (network namespaces)")
-    out = tmp_path / "rows.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "commd", "bench", "--hosts", "3", "--nproc-per-node", "1", "--ops",
-         "broadcast", "--lanes", "tcp", "--compression", "bf16,lossless,bf16/per-hop", "--min-bytes", "2M",
-         "--max-bytes", "2M", "--iters", "3", "--warmup", "1", "--json", str(out)],
-        capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    rows = bench_rows(tmp_path, "--ops", "broadcast", "--compression", "bf16,lossless,bf16/per-hop", "--min-bytes",
+                      "2M", "--max-bytes", "2M")
     got = {(r["path"], r.get("codec"), r["check"]) for r in rows}
     assert got == {("commd/tcp", None, "ok"), ("commd-tcp+bf16", "bf16", "ok"),
                    ("commd-tcp+lossless", "lossless", "ok"), ("commd-tcp+bf16/per-hop", "bf16/per-hop", "ok")}, got
