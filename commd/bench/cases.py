@@ -31,9 +31,9 @@ def pattern(rank: int, start: int, count: int) -> np.ndarray:
     return ((index % 13) + 3 * rank + 1).astype(np.float64)
 
 
-def model_like(count: int) -> np.ndarray:
+def model_like(count: int, seed: int = 0) -> np.ndarray:
     """Weights as a model holds them: N(0, 0.02), one value in 97 a hundred times larger (float32 values)."""
-    values = (np.random.default_rng(count).standard_normal(count) * 0.02).astype(np.float32)
+    values = (np.random.default_rng([count, seed]).standard_normal(count) * 0.02).astype(np.float32)
     values[::97] *= 100
     return values
 
@@ -53,8 +53,8 @@ class Case:
     nbytes: int
     native: dict[str, Any] = field(default_factory=dict)
     view: dict[str, np.ndarray] = field(default_factory=dict)
-    #: a compressed broadcast's codec (``commd.codecs``): model-like data instead of ``pattern``, whose
-    #: small integers any codec would shrink to nothing
+    #: a compressed broadcast's or all-gather's codec (``commd.codecs``): model-like data instead of
+    #: ``pattern``, whose small integers any codec would shrink to nothing
     codec: str | None = None
 
     @property
@@ -71,7 +71,7 @@ class Case:
             source = model_like(c) if self.codec else pattern(ROOT, 0, c)
             v["buf"][:] = source if r == ROOT else SENTINEL
         elif self.op == "allgather":
-            v["in"][:] = pattern(r, r * c, c)
+            v["in"][:] = model_like(c, r) if self.codec else pattern(r, r * c, c)
             v["out"][:] = SENTINEL
         elif self.op in ("reduce_scatter", "alltoall"):
             v["in"][:] = pattern(r, 0, c * n)
@@ -88,12 +88,13 @@ class Case:
         r, n, c = self.rank, self.world, self.count
         if self.op == "allreduce" or (self.op == "reduce" and r == ROOT):
             return {"buf": sum(pattern(j, 0, c) for j in range(n))}
-        if self.op == "broadcast" and self.codec:
-            from commd.codecs import get
+        if self.op in ("broadcast", "allgather") and self.codec:
+            from commd.codecs import parse_choice
 
-            want = model_like(c).astype(np.float32)
-            get(self.codec).round_in_place(want)  # what a lossy codec delivers (a lossless one: nothing)
-            return {"buf": want.astype(np.float64)}
+            blocks = [model_like(c)] if self.op == "broadcast" else [model_like(c, j) for j in range(n)]
+            want = np.concatenate(blocks)
+            parse_choice(self.codec)[0].round_in_place(want)  # what a lossy codec delivers (lossless: nothing)
+            return {"buf" if self.op == "broadcast" else "out": want.astype(np.float64)}
         if self.op == "broadcast":
             return {"buf": pattern(ROOT, 0, c)}
         if self.op == "allgather":

@@ -133,7 +133,7 @@ class CommdPath:
         elif op == "broadcast":
             ops.broadcast(c, b["buf"], ROOT, lane=h, compression=self.compression).wait(w)
         elif op == "allgather":
-            ops.all_gather(c, b["out"], b["in"], lane=h, algo=self.algo).wait(w)
+            ops.all_gather(c, b["out"], b["in"], lane=h, algo=self.algo, compression=self.compression).wait(w)
         elif op == "reduce_scatter":
             ops.reduce_scatter(c, b["out"], b["in"], lane=h).wait(w)
         elif op == "alltoall":

@@ -33,6 +33,8 @@ COMPARE = ("gloo", "mpi")
 DTYPES = ("float32", "float64", "float16", "int32", "int64")
 #: Ops that a program can run (on the tcp lane); ``--algorithms`` adds paths for these only.
 ALGORITHM_OPS = ("allreduce", "allgather", "alltoall", "alltonext")
+#: Ops ``--compression`` adds codec paths for.
+COMPRESSED_OPS = ("broadcast", "allgather")
 #: The tcp lane's own algorithm (no ``algo=`` hint); ``all``: native and every library program of the op.
 NATIVE = "native"
 ALGORITHM_WORDS = (NATIVE, "all")
@@ -145,7 +147,8 @@ def add_measure_arguments(parser: argparse.ArgumentParser, *, ops_default: str =
                              + (f" (default {algorithms_default})" if algorithms_default else " (default: none)"))
     parser.add_argument("--compression", default="",
                         help="comma-separated codecs (bf16, bf16-cast, lossless, lossless-zstd, fp16) to broadcast "
-                             "with on the tcp lane, one path each (commd-tcp+CODEC), on model-like float32 data "
+                             "and all-gather with on the tcp lane, one path each (commd-tcp+CODEC), on model-like "
+                             "float32 data "
                              "(the result checked against the root's data, or its rounding for a lossy codec); "
                              "CODEC/per-hop: the baseline that decodes and codes again at every hop (default: none)")
     parser.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,
@@ -213,8 +216,8 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     if algorithms and not any(op in ALGORITHM_OPS for op in ops):
         raise SpecError(f"--algorithms: programs run {','.join(ALGORITHM_OPS)} only; --ops has none of them")
     compression = parse_compression(getattr(args, "compression", "") or "")
-    if compression and "broadcast" not in ops:
-        raise SpecError("--compression: broadcasts compress; --ops has no broadcast")
+    if compression and not set(ops) & set(COMPRESSED_OPS):
+        raise SpecError(f"--compression: {' and '.join(COMPRESSED_OPS)} compress; --ops has neither")
     if compression and dtype != "float32":
         raise SpecError(f"--compression measures model-like float32 data; --dtype is {dtype}")
     return BenchSpec(ops=ops, sizes=message_sizes(low, high, args.step_factor), lanes=lanes,

@@ -30,6 +30,7 @@ from commd.bench.measure import measure_cell, measure_interleaved
 from commd.bench.paths import BenchPath, CommdPath, GlooPath, GlooSync
 from commd.bench.spec import (
     ALGORITHM_OPS,
+    COMPRESSED_OPS,
     LOCAL,
     NATIVE,
     ROOT,
@@ -147,7 +148,7 @@ def plan_cells(spec: BenchSpec, paths: list[BenchPath],
     for op in spec.ops:
         mine = [p for p in paths if (getattr(p, "algorithm", None) is None
                                      or p.algorithm in (algorithms or {}).get(op, ()))  # type: ignore[attr-defined]
-                and (getattr(p, "compression", None) is None or op == "broadcast")]
+                and (getattr(p, "compression", None) is None or op in COMPRESSED_OPS)]
         for size in [0] if op == "barrier" else spec.sizes:
             for path in mine:
                 cells.append((op, path, size))
