@@ -1,4 +1,4 @@
-"""Compressed broadcasts against MPI, Gloo, commd's plain chain and the per-hop baseline.
+"""Compressed broadcasts and all-gathers against MPI, Gloo, commd's plain forms and the per-hop baseline.
 
 Four simulated hosts x 1 rank, per link setting one ``commd bench`` (the paths of a size timed
 in alternation): broadcast from rank 0 of 1..256 MiB through
@@ -9,7 +9,8 @@ in alternation): broadcast from rank 0 of 1..256 MiB through
   commd-tcp+bf16/per-hop      the baseline: every middle node decodes and codes again
   mpi, gloo                   mpi4py Bcast (under mpiexec, its own phase) and torch's Gloo, directly
 
-Every commd row is checked (lossy codecs against their rounding, on every rank).  Targets,
+All-gathers (S: the whole output) run the same paths but the per-hop one, beside their plain
+forms.  Every commd row is checked (lossy codecs against their rounding, on every rank).  Targets,
 printed as met / NOT met:
 
   C1  1 Gbit/s, 64 MiB: the bf16 chain's latency at least 65% below MPI's broadcast;
@@ -48,7 +49,7 @@ MiB = 1 << 20
 def run_setting(setting: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     rate, delay = SETTINGS[setting]
     argv = ["bench", "--hosts", str(HOSTS), "--nproc-per-node", "1", "--timeout", str(args.timeout),
-            "--ops", "broadcast", "--lanes", "auto,tcp", "--compression", CODECS,
+            "--ops", "broadcast,allgather", "--lanes", "auto,tcp", "--compression", CODECS,
             "--min-bytes", args.min_bytes, "--max-bytes", args.max_bytes, "--step-factor", "4",
             "--iters", str(args.iters), "--warmup", "1", "--json", str(work / f"bench-{setting}.json")]
     if rate:
@@ -66,11 +67,11 @@ def run_setting(setting: str, args: argparse.Namespace, work: Path) -> dict[str,
             "load_after": loadavg(), "wall_s": round(time.monotonic() - started, 1)}
 
 
-def medians(rows: list[dict[str, Any]]) -> dict[str, dict[int, float]]:
-    """path -> size -> median µs of the checked broadcast rows."""
+def medians(rows: list[dict[str, Any]], op: str = "broadcast") -> dict[str, dict[int, float]]:
+    """path -> size -> median µs of the checked rows of ``op``."""
     out: dict[str, dict[int, float]] = {}
     for r in rows:
-        if r.get("op") == "broadcast" and r.get("check") == "ok":
+        if r.get("op") == op and r.get("check") == "ok":
             out.setdefault(r["path"], {})[r["bytes"]] = r["median_us"]
     return out
 
@@ -111,19 +112,20 @@ def targets(data: dict[str, dict[str, Any]]) -> list[tuple[str, bool | None, str
 
 
 def print_setting(data: dict[str, Any]) -> None:
-    by = medians(data["rows"])
-    sizes = sorted({s for v in by.values() for s in v})
-    paths = list(by)
     print(f"\n=== {data['setting']}: load {data['load_before']} -> {data['load_after']}, {data['wall_s']} s")
-    print("broadcast median ms [x mpi: mpi's median over the row's]")
-    print(f"{'size':>6}  " + "".join(f"{p:>28}" for p in paths))
-    for s in sizes:
-        mpi = by.get("mpi", {}).get(s)
-        cells = []
-        for p in paths:
-            t = by[p].get(s)
-            cells.append("-" if t is None else f"{t / 1e3:9.1f}" + (f" [{mpi / t:5.2f}]" if mpi else ""))
-        print(f"{human(s):>6}  " + "".join(f"{c:>28}" for c in cells))
+    for op in ("broadcast", "allgather"):
+        by = medians(data["rows"], op)
+        sizes = sorted({s for v in by.values() for s in v})
+        paths = list(by)
+        print(f"{op} median ms [x mpi: mpi's median over the row's]")
+        print(f"{'size':>6}  " + "".join(f"{p:>28}" for p in paths))
+        for s in sizes:
+            mpi = by.get("mpi", {}).get(s)
+            cells = []
+            for p in paths:
+                t = by[p].get(s)
+                cells.append("-" if t is None else f"{t / 1e3:9.1f}" + (f" [{mpi / t:5.2f}]" if mpi else ""))
+            print(f"{human(s):>6}  " + "".join(f"{c:>28}" for c in cells))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -148,11 +148,16 @@ def plan_cells(spec: BenchSpec, paths: list[BenchPath],
     for op in spec.ops:
         mine = [p for p in paths if (getattr(p, "algorithm", None) is None
                                      or p.algorithm in (algorithms or {}).get(op, ()))  # type: ignore[attr-defined]
-                and (getattr(p, "compression", None) is None or op in COMPRESSED_OPS)]
+                and _compresses(getattr(p, "compression", None), op)]
         for size in [0] if op == "barrier" else spec.sizes:
             for path in mine:
                 cells.append((op, path, size))
     return cells
+
+
+def _compresses(choice: str | None, op: str) -> bool:
+    """Whether a path with codec ``choice`` measures ``op`` (the per-hop baseline is a broadcast's)."""
+    return choice is None or (op in COMPRESSED_OPS and (op == "broadcast" or not choice.endswith("/per-hop")))
 
 
 def nodes_in(op: str, nodes: list[str]) -> int:
