@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from commd.codecs import Codec, CodecError
+from commd.kernels.small import reduce_into
 from commd.lanes.base import Done, Transport, TransportError
 
 #: A chunk's frame: codec wire id, flags, two reserved bytes, payload length.
@@ -230,3 +231,52 @@ class _Receiver:
     def _corrupt(self, k: int, why: str) -> None:
         raise TransportError(self.prv, "internal", f"compressed transfer: chunk {k} of {len(self.chunks)} from "
                                                    f"node {self.prv} is corrupt: {why}")
+
+
+def compressed_ring_allreduce(tp: Transport, nodes: tuple[int, ...], me: int, arr: np.ndarray, op: str,
+                              codec: Codec) -> ChainCounts:
+    """``arr`` (flat, in place) reduced with ``op`` over ``nodes``, with coded bytes on the wire and the
+    reduction in ``arr``'s own precision: a ring reduce-scatter whose partial results travel coded
+    (each node decodes what arrives and reduces it into its float32 block), then the compressed ring
+    all-gather of the reduced blocks, each coded once by its owner.  With a lossy codec every node
+    ends with the owner's rounding of each block: the same bits everywhere."""
+    n = len(nodes)
+    base, rem = divmod(arr.size, n)
+    bounds = [k * base + min(k, rem) for k in range(n + 1)]
+
+    def block(k: int) -> np.ndarray:
+        k %= n
+        return arr[bounds[k]:bounds[k + 1]]
+
+    nxt, prv = nodes[(me + 1) % n], nodes[(me - 1) % n]
+    counts = ChainCounts(raw_bytes=arr.nbytes)
+    for t in range(n - 1):  # step t: send block me - t, receive block me - t - 1 and reduce it in
+        mine = block(me - t)
+        area = _send_coded(tp, nxt, _cut(mine, chunk_elements(mine.nbytes, arr.itemsize)), None, codec, counts)
+        into = block(me - t - 1)
+        pieces = _cut(into, chunk_elements(into.nbytes, arr.itemsize))
+        landed = [np.empty_like(piece) for piece in pieces]
+        receiver = _Receiver(tp, prv, [_Chunk(dst, None) for dst in landed], codec, False, counts)
+        if pieces:
+            receiver.start()
+        tp.wait()
+        receiver.decode_pending()
+        for piece, got in zip(pieces, landed, strict=True):
+            reduce_into(piece, [piece, got], op)
+        del area
+    # node me now holds block me + 1 reduced; the blocks travel round the ring from their owners
+    owned = block(me + 1)
+    area = _send_coded(tp, nxt, _cut(owned, chunk_elements(owned.nbytes, arr.itemsize)),
+                       _cut(owned, chunk_elements(owned.nbytes, arr.itemsize)), codec, counts)
+    chunks = []
+    for j in range(1, n):  # prv's block first (me), then the ones it forwards
+        b = block(me + 1 - j)
+        forward = nxt if j < n - 1 else None
+        chunks += [_Chunk(piece, forward) for piece in _cut(b, chunk_elements(b.nbytes, arr.itemsize))]
+    receiver = _Receiver(tp, prv, chunks, codec, False, counts)
+    if chunks:
+        receiver.start()
+    tp.wait()
+    receiver.decode_pending()
+    del area
+    return counts

@@ -39,7 +39,12 @@ from commd.lanes.base import (
     refusal,
 )
 from commd.lanes.tcp import algorithms
-from commd.lanes.tcp.compressed import ChainCounts, compressed_chain_broadcast, compressed_ring_allgather
+from commd.lanes.tcp.compressed import (
+    ChainCounts,
+    compressed_chain_broadcast,
+    compressed_ring_allgather,
+    compressed_ring_allreduce,
+)
 from commd.lanes.tcp.handshake import MeshConnector, listen
 from commd.lanes.tcp.transport import Exchange, Mesh
 
@@ -262,9 +267,10 @@ class TcpLane:
 
     # ---- primitives -----------------------------------------------------------------------
     def allreduce(self, nodes: tuple[int, ...], buf: torch.Tensor, op: str, timeout: float,
-                  program: Chosen | None = None) -> None:
+                  program: Chosen | None = None, codec: Codec | None = None) -> None:
         """In-place reduction over ``nodes``: whole-buffer exchange when small, ring when large;
-        ``program``: the released program instead (DSL rank = this node's index in ``nodes``)."""
+        ``program``: the released program instead (DSL rank = this node's index in ``nodes``);
+        ``codec``: the ring with coded bytes on the wire, reduced in ``buf``'s own precision."""
         nodes, me = self._check_nodes("allreduce", nodes)
         self._check_tensor("allreduce", buf)
         dtype = allreduce_dtype(self, nodes, buf, op)
@@ -273,6 +279,16 @@ class TcpLane:
             self._usable("allreduce", nodes)
             return
         nbytes = flat.numel() * flat.element_size()
+        if codec is not None:
+            if program is not None or dtype not in codec.dtypes:
+                raise LaneError(f"tcp allreduce: codec {codec.name!r} cannot run {dtype}"
+                                + (f" with algorithm {program.name!r}" if program is not None else
+                                   f" (it takes {', '.join(sorted(codec.dtypes))})"))
+            arr = flat.numpy()
+            self._run(f"allreduce({dtype}, {op}, {nbytes} bytes, codec {codec.name!r})", "allreduce", nodes,
+                      timeout, lambda ex: self._count(codec.name, compressed_ring_allreduce(ex, nodes, me, arr, op,
+                                                                                            codec)))
+            return
         if program is not None:
             if dtype in NO_NUMPY_DTYPES:
                 raise LaneError(f"tcp allreduce: algorithm {program.name!r} cannot run {dtype} (no NumPy dtype)")
