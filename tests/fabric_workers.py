@@ -397,5 +397,18 @@ def compressed_broadcasts(ctx: Any) -> dict[str, Any]:
                                for b in blocks])
         if out.numpy().tobytes() != want.tobytes() or not np.array_equal(mine.numpy(), blocks[me]):
             raise AssertionError(f"all_gather {codec}: rank {me} differs (or its input changed)")
+    for codec in ("lossless", "bf16"):  # all-reduces: partial results coded, sums in float32
+        inputs = [weights(40 + r, 300_001) for r in range(world)]
+        t = _t(inputs[me])
+        ops.all_reduce(client, t, compression=codec).wait(60)
+        plain = _t(inputs[me])
+        ops.all_reduce(client, plain).wait(60)
+        if codec == "lossless" and t.numpy().tobytes() != plain.numpy().tobytes():
+            raise AssertionError(f"all_reduce lossless: rank {me} differs from the plain all-reduce's bits")
+        exact = np.sum([a.astype(np.float64) for a in inputs], 0)
+        bound = world * 2.0 ** -8 * np.sum([np.abs(a) for a in inputs], 0) + 1e-30
+        if not (np.abs(t.numpy() - exact) <= bound).all():
+            raise AssertionError(f"all_reduce {codec}: rank {me} is farther from the exact sum than the codec allows")
+        outcome[f"allreduce-{codec}"] = t.numpy().tobytes()[:4096].hex()  # the test compares ranks
     client.close()
     return outcome

@@ -200,7 +200,8 @@ def torch_compressed_broadcast(ctx: Any, port: int) -> str:
     """``dist.broadcast`` on a group whose Options name a codec: float32 tensors arrive as torch's
     bfloat16 rounding of the root's (the root's too: replicas identical), synchronously, async and
     through the future; an int64 tensor (a dtype bf16 does not take) and the default group's
-    broadcasts arrive exact; the group's all-gathers (FSDP's shards) arrive rounded, inputs untouched."""
+    broadcasts arrive exact; the group's all-gathers (FSDP's shards) arrive rounded, inputs untouched;
+    its all-reduces (DDP's buckets) within the codec's bound of the exact sum."""
     import os
     from datetime import timedelta
 
@@ -237,6 +238,12 @@ def torch_compressed_broadcast(ctx: Any, port: int) -> str:
         dist.all_gather_into_tensor(flat, shard, group=group)
         assert torch.equal(flat, rounded[:world * 100_000]), (rank, "all_gather_into_tensor")
         assert torch.equal(shard, source[rank * 100_000:(rank + 1) * 100_000]), (rank, "the shard changed")
+        grads = [source[:300_001] * (r + 1) for r in range(world)]  # DDP's buckets: a bf16 wire, float32 sums
+        t = grads[rank].clone()
+        dist.all_reduce(t, group=group)
+        exact = torch.stack([g.double() for g in grads]).sum(0)
+        bound = world * 2.0 ** -8 * torch.stack([g.double().abs() for g in grads]).sum(0)
+        assert ((t.double() - exact).abs() <= bound).all(), (rank, "all_reduce")
     finally:
         dist.destroy_process_group()
     return "ok"

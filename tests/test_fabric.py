@@ -146,9 +146,10 @@ def test_compressed_broadcasts_across_nodes_and_their_status(cluster) -> None:
     for node in (0, 1):
         rows = c.status(node)["fabric"]["compression"]
         assert set(rows) == {"bf16", "lossless", "bf16-cast", "lossless-zstd", "fp16"}, rows
-        gathered = 4 * sum(100_003 + r for r in range(4))  # each node's all-gather: every block's bytes
-        assert all(row["raw_bytes"] == 400_003 * 4 for name, row in rows.items() if name not in ("bf16", "lossless"))
-        assert rows["bf16"]["ops"] == rows["lossless"]["ops"] == 2, rows
-        assert rows["bf16"]["raw_bytes"] == 400_003 * 4 + gathered, rows
+        assert all(row["ops"] == 1 and row["raw_bytes"] == 400_003 * 4  # one broadcast: sent or received once
+                   for name, row in rows.items() if name not in ("bf16", "lossless")), rows
+        assert rows["bf16"]["ops"] == rows["lossless"]["ops"] == 3, rows  # a broadcast, an all-gather, an all-reduce
         assert rows["bf16"]["ratio"] < 0.45 and rows["bf16-cast"]["ratio"] == 0.5, rows
-        assert "compressed ops, bf16: 2 (broadcasts, all-gathers)" in format_status(c.status(node))
+        assert "compressed ops, bf16: 3 (broadcasts, all-gathers, all-reduces)" in format_status(c.status(node))
+    for codec in ("lossless", "bf16"):  # every rank's all-reduce result has the same bits
+        assert len({outcome[f"allreduce-{codec}"] for outcome in results.values()}) == 1, codec

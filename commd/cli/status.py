@@ -127,7 +127,7 @@ def format_status(status: dict[str, Any]) -> str:
                 f"{fusion.get('sets', 0):,} fused sets"
             )
         for name, row in sorted((fabric.get("compression") or {}).items()):
-            out.append(f"  compressed ops, {name}: {row.get('ops', 0):,} (broadcasts, all-gathers), "
+            out.append(f"  compressed ops, {name}: {row.get('ops', 0):,} (broadcasts, all-gathers, all-reduces), "
                        f"{human_bytes(row.get('raw_bytes', 0))} as {human_bytes(row.get('wire_bytes', 0))} "
                        f"(ratio {row.get('ratio') if row.get('ratio') is not None else '-'}), "
                        f"{row.get('raw_chunks', 0):,} chunks sent raw, coding {row.get('codec_s', 0):.3f} s")

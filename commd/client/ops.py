@@ -19,12 +19,14 @@ WORLD = "world"
 
 def all_reduce(client: Client, tensor: torch.Tensor, op: str = "sum", group: str = WORLD,
                scale: float | None = None, timeout: float | None = None, lane: str | None = None,
-               algo: str | None = None) -> Handle:
+               algo: str | None = None, compression: str | None = None) -> Handle:
     """``algo``: run the inter-node phase with this program (a library name or a file of the
-    daemons' algorithms directory) on the tcp lane; the op fails on every rank if it cannot."""
+    daemons' algorithms directory) on the tcp lane; the op fails on every rank if it cannot.
+    ``compression``: a codec for the inter-node phase (partial results travel coded, reductions
+    stay in the tensor's precision), from 1 MiB up; not with ``algo``."""
     return client.submit("allreduce", group, {"buf": (tensor, "inout")}, tensor.dtype,
                          result=tensor, count=tensor.numel(), op=op, scale=scale, timeout=timeout, lane=lane,
-                         algo=algo)
+                         algo=algo, codec=compression)
 
 
 def reduce(client: Client, tensor: torch.Tensor, root: int, op: str = "sum", group: str = WORLD,

@@ -82,10 +82,12 @@ def _allreduce(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Reso
     acc = bufs[0]
     if len(bufs) > 1 or first.reduce_op == "premul_sum":
         parallel_reduce_into(acc, bufs, split.local_op, first.scale)
-    if program is None:
-        lane.allreduce(placement.nodes, acc, split.lane_op, timeout)
-    else:
+    if program is not None:
         lane.allreduce(placement.nodes, acc, split.lane_op, timeout, program=program)
+    elif first.codec and op.nbytes >= COMPRESS_MIN_BYTES:  # (released on the tcp lane, with no program)
+        lane.allreduce(placement.nodes, acc, split.lane_op, timeout, codec=codecs.parse_choice(first.codec)[0])
+    else:
+        lane.allreduce(placement.nodes, acc, split.lane_op, timeout)
     split.finish(acc, len(placement.ranks))
     parallel_copy(bufs[1:], acc)
 

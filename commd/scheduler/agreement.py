@@ -222,7 +222,7 @@ def _check_codec(sub: Submission) -> None:
 
 
 #: Op kinds whose inter-node phase can run compressed (the ``codec`` field).
-COMPRESSED_KINDS = frozenset({"broadcast", "allgather"})
+COMPRESSED_KINDS = frozenset({"broadcast", "allgather", "allreduce"})
 
 
 @functools.cache

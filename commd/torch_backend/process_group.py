@@ -269,7 +269,8 @@ class ProcessGroupCommd(dist.ProcessGroup):
             handle = ring_all_reduce(self._client, self.ring, tensors[0], op, self._timeout, tensors)
             if handle is not None:
                 return CommdWork([handle], tensors)
-        handles = [ops.all_reduce(self._client, t, op, **self._kw(), algo=self._algo) for t in tensors]
+        handles = [ops.all_reduce(self._client, t, op, **self._kw(), algo=self._algo,
+                                  compression=None if self._algo else self._codec_for(t)) for t in tensors]
         return self._work(handles, tensors)
 
     @profiled("all_reduce_coalesced")

@@ -52,8 +52,8 @@ def chunk_elements(nbytes: int, itemsize: int) -> int:
 class ChainCounts:
     """What one node's part of a compressed broadcast or all-gather coded: for ``commd status``."""
 
-    raw_bytes: int = 0  # the chunks' bytes uncoded
-    wire_bytes: int = 0  # their payloads as sent (root) or received (others)
+    raw_bytes: int = 0  # the bytes of the chunks this node sent or received, uncoded
+    wire_bytes: int = 0  # their payloads as they travelled
     raw_chunks: int = 0  # chunks that travelled uncoded (they did not shrink)
     codec_seconds: float = 0.0  # encoding (root, per-hop) and decoding (others)
 
@@ -68,7 +68,7 @@ def compressed_chain_broadcast(tp: Transport, nodes: tuple[int, ...], me: int, r
     q = order.index(nodes[me])
     nxt = order[q + 1] if q + 1 < len(order) else None
     pieces = _cut(arr, chunk_elements(arr.nbytes, arr.itemsize))
-    counts = ChainCounts(raw_bytes=arr.nbytes)
+    counts = ChainCounts()
     if q == 0:
         assert nxt is not None
         area = _send_coded(tp, nxt, pieces, None if exact_root else pieces, codec, counts)
@@ -98,7 +98,7 @@ def compressed_ring_allgather(tp: Transport, nodes: tuple[int, ...], me: int, in
     step = {i: chunk_elements(sizes[i] * out.itemsize, out.itemsize) for i in range(n)}
     mine = block(me, out)
     mine[:] = inp
-    counts = ChainCounts(raw_bytes=int(sum(sizes)) * out.itemsize)
+    counts = ChainCounts()
     area = _send_coded(tp, nxt, _cut(inp, step[me]), _cut(mine, step[me]), codec, counts)
     chunks = []
     for j in range(1, n):  # prv's own block first, then the ones it forwards, as they reach it
@@ -135,6 +135,7 @@ def _send_coded(tp: Transport, nxt: int, pieces: list[np.ndarray], copies: list[
         counts.codec_seconds += time.perf_counter() - began
         raw = n >= piece.nbytes
         counts.raw_chunks += raw
+        counts.raw_bytes += piece.nbytes
         counts.wire_bytes += piece.nbytes if raw else n
         payload = piece.reshape(-1).view(np.uint8) if raw else slot[:n]
         tp.post_send(nxt, memoryview(FRAME.pack(codec.wire_id, RAW if raw else 0, len(payload))))
@@ -188,6 +189,7 @@ class _Receiver:
             if flags & ~RAW or (flags & RAW and length != raw_size) or length > self.starts[k + 1] - self.starts[k]:
                 self._corrupt(k, f"its frame says {length} bytes (flags {flags:#x}) for a chunk of {raw_size} bytes")
             self.lengths[k], self.raw[k] = length, bool(flags & RAW)
+            self.counts.raw_bytes += raw_size
             self.counts.wire_bytes += length
             self.counts.raw_chunks += self.raw[k]
             self.tp.post_recv(self.prv, memoryview(self._slot(k)), self._on_payload(k))
@@ -249,7 +251,7 @@ def compressed_ring_allreduce(tp: Transport, nodes: tuple[int, ...], me: int, ar
         return arr[bounds[k]:bounds[k + 1]]
 
     nxt, prv = nodes[(me + 1) % n], nodes[(me - 1) % n]
-    counts = ChainCounts(raw_bytes=arr.nbytes)
+    counts = ChainCounts()
     for t in range(n - 1):  # step t: send block me - t, receive block me - t - 1 and reduce it in
         mine = block(me - t)
         area = _send_coded(tp, nxt, _cut(mine, chunk_elements(mine.nbytes, arr.itemsize)), None, codec, counts)
