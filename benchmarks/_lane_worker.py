@@ -44,8 +44,19 @@ def catalog() -> Catalog:
 
 
 def allreduce_cell(lane: TcpLane, nodes: tuple[int, ...], node: int, nbytes: int, name: str, timeout: float) -> Cell:
-    """(call, prepare, check) of one all-reduce cell: ``name`` is native or a library program."""
+    """(call, prepare, check) of one all-reduce cell: ``name`` is native, a library program, or
+    ``+CODEC`` (the lane's ring with coded partial results, on model-like data, checked against the
+    exact sum within one rounding of the codec per hop)."""
     count = nbytes // 4
+    if name.startswith("+"):
+        codec = get_codec(name[1:])
+        data = [torch.from_numpy(weights(count, seed=n)) for n in nodes]
+        exact = torch.stack([d.double() for d in data]).sum(0)
+        rel = max(codec.error_bound("float32")[0], 2.0 ** -23)  # (float32 sums round too)
+        slack = len(nodes) * rel * torch.stack([d.double().abs() for d in data]).sum(0)
+        buf = torch.empty(count, dtype=torch.float32)
+        return (lambda: lane.allreduce(nodes, buf, "sum", timeout, codec=codec), lambda: buf.copy_(data[node]),
+                lambda: bool(((buf.double() - exact).abs() <= slack).all()))
     mine = torch.from_numpy(inputs(node, count))
     want = sum(inputs(n, count) for n in nodes)
     buf = torch.empty(count, dtype=torch.float32)
@@ -59,9 +70,9 @@ def allreduce_cell(lane: TcpLane, nodes: tuple[int, ...], node: int, nbytes: int
             lambda: np.array_equal(buf.numpy(), want))
 
 
-def weights(count: int) -> np.ndarray:
+def weights(count: int, seed: int = 7) -> np.ndarray:
     """Model-like float32 data: N(0, 0.02) with one value in 97 a hundred times larger."""
-    values = (np.random.default_rng(7).standard_normal(count) * 0.02).astype(np.float32)
+    values = (np.random.default_rng(seed).standard_normal(count) * 0.02).astype(np.float32)
     values[::97] *= 100
     return values
 
