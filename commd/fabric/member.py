@@ -265,7 +265,7 @@ class FabricMember:
 
     # ---- status -----------------------------------------------------------------
     def _compression(self) -> dict[str, Any]:
-        """The tcp lane's compressed broadcasts per codec (the only lane that compresses)."""
+        """The tcp lane's compressed ops per codec (the only lane that compresses)."""
         report = getattr(self.fabric.lanes.get("tcp"), "compression_status", None)
         return report() if report is not None else {}
 

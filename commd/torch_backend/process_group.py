@@ -186,7 +186,8 @@ class Options:
         #: The program per op (``ALGO_OPS``); ``algo``: the all-reduces' (None: the rules decide).
         self.algos = algos
         self.algo = algos.get("all_reduce")
-        #: The codec of this group's broadcasts between nodes (None: $COMMD_COMPRESSION, else none).
+        #: The codec of this group's broadcasts, all-gathers and all-reduces between nodes (None:
+        #: $COMMD_COMPRESSION, else none).
         self.compression = checked_codec(compression, "compression")
 
 
@@ -203,7 +204,7 @@ def checked_codec(name: str | None, what: str) -> str | None:
 
 
 def compression_from_environment() -> str | None:
-    """$COMMD_COMPRESSION: the codec of broadcasts between nodes for groups that name none."""
+    """$COMMD_COMPRESSION: the codec between nodes for groups that name none."""
     return checked_codec(os.environ.get("COMMD_COMPRESSION"), "COMMD_COMPRESSION")
 
 
@@ -224,7 +225,7 @@ class ProcessGroupCommd(dist.ProcessGroup):
         #: The program per op (``ALGO_OPS`` names), as ``Options(algo=)`` gave it.
         self._algos: dict[str, str] = Options(algo=algo).algos if algo is not None else {}
         self._algo = self._algos.get("all_reduce")
-        #: The codec of this group's broadcasts (for the dtypes it takes; others go uncompressed).
+        #: The codec of this group's ops between nodes (for the dtypes it takes; others go uncompressed).
         self._compression = checked_codec(compression, "compression")
         self.ring: Any = None  # the group's exchange ring (ring_ops.py), set by _create
 

@@ -1,4 +1,5 @@
-"""The compressed chunked-chain broadcast and ring all-gather, over any :class:`~commd.lanes.base.Transport`.
+"""Compressed collectives over any :class:`~commd.lanes.base.Transport`: the chunked-chain broadcast,
+and the ring all-gather and all-reduce built on the same coded transfers.
 
 The root cuts its buffer into chunks and codes each one once; the chain forwards the coded
 bytes unchanged (no node decodes to encode again, the per-hop baseline's cost); every
@@ -50,7 +51,7 @@ def chunk_elements(nbytes: int, itemsize: int) -> int:
 
 @dataclass
 class ChainCounts:
-    """What one node's part of a compressed broadcast or all-gather coded: for ``commd status``."""
+    """What one node's part of a compressed broadcast, all-gather or all-reduce coded: for ``commd status``."""
 
     raw_bytes: int = 0  # the bytes of the chunks this node sent or received, uncoded
     wire_bytes: int = 0  # their payloads as they travelled
@@ -67,13 +68,12 @@ def compressed_chain_broadcast(tp: Transport, nodes: tuple[int, ...], me: int, r
     order = nodes[nodes.index(root):] + nodes[:nodes.index(root)]
     q = order.index(nodes[me])
     nxt = order[q + 1] if q + 1 < len(order) else None
-    pieces = _cut(arr, chunk_elements(arr.nbytes, arr.itemsize))
+    pieces = _pieces(arr)
     counts = ChainCounts()
     if q == 0:
         assert nxt is not None
-        area = _send_coded(tp, nxt, pieces, None if exact_root else pieces, codec, counts)
+        _send_coded(tp, nxt, pieces, None if exact_root else pieces, codec, counts)
         tp.wait()
-        del area
         return counts
     receiver = _Receiver(tp, order[q - 1], [_Chunk(piece, nxt) for piece in pieces], codec, per_hop, counts)
     receiver.start()
@@ -90,29 +90,32 @@ def compressed_ring_allgather(tp: Transport, nodes: tuple[int, ...], me: int, in
     too, as everywhere else (``inp`` is left as it was)."""
     n = len(nodes)
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
-    nxt, prv = nodes[(me + 1) % n], nodes[(me - 1) % n]
-
-    def block(i: int, arr: np.ndarray) -> np.ndarray:
-        return arr[offsets[i]:offsets[i + 1]]
-
-    step = {i: chunk_elements(sizes[i] * out.itemsize, out.itemsize) for i in range(n)}
-    mine = block(me, out)
-    mine[:] = inp
+    blocks = [out[offsets[i]:offsets[i + 1]] for i in range(n)]
+    blocks[me][:] = inp
     counts = ChainCounts()
-    area = _send_coded(tp, nxt, _cut(inp, step[me]), _cut(mine, step[me]), codec, counts)
-    chunks = []
-    for j in range(1, n):  # prv's own block first, then the ones it forwards, as they reach it
-        owner = (me - j) % n
-        forward = nxt if j < n - 1 else None  # the last hop's successor owns the block
-        chunks += [_Chunk(piece, forward) for piece in _cut(block(owner, out), step[owner])]
-    receiver = _Receiver(tp, prv, chunks, codec, False, counts) if chunks else None
-    if receiver is not None:
-        receiver.start()
-    tp.wait()
-    if receiver is not None:
-        receiver.decode_pending()
-    del area
+    # prv's own block arrives first, then the ones it forwards, as they reached it
+    _ring_pass(tp, nodes[(me + 1) % n], nodes[(me - 1) % n], inp, blocks[me],
+               [blocks[(me - j) % n] for j in range(1, n)], codec, counts)
     return counts
+
+
+def _ring_pass(tp: Transport, nxt: int, prv: int, send: np.ndarray, keep: np.ndarray, arriving: list[np.ndarray],
+               codec: Codec, counts: ChainCounts) -> None:
+    """One pass of blocks round a ring: ``send`` coded once to ``nxt`` (``keep``, this node's copy of
+    it, rounded as receivers decode it), and the blocks ``arriving`` from ``prv`` in that order, each
+    decoded here and forwarded coded, but the last (``nxt`` owns it)."""
+    _send_coded(tp, nxt, _pieces(send), _pieces(keep), codec, counts)
+    receiver = _Receiver(tp, prv, [_Chunk(piece, nxt if j < len(arriving) - 1 else None)
+                                   for j, block in enumerate(arriving) for piece in _pieces(block)],
+                         codec, False, counts)
+    receiver.start()
+    tp.wait()
+    receiver.decode_pending()
+
+
+def _pieces(arr: np.ndarray) -> list[np.ndarray]:
+    """``arr`` (flat) in the chunks it travels in (``chunk_elements``: the same on every node)."""
+    return _cut(arr, chunk_elements(arr.nbytes, arr.itemsize))
 
 
 def _cut(arr: np.ndarray, step: int) -> list[np.ndarray]:
@@ -121,10 +124,10 @@ def _cut(arr: np.ndarray, step: int) -> list[np.ndarray]:
 
 
 def _send_coded(tp: Transport, nxt: int, pieces: list[np.ndarray], copies: list[np.ndarray] | None, codec: Codec,
-                counts: ChainCounts) -> np.ndarray:
+                counts: ChainCounts) -> None:
     """Code each piece once and post it to ``nxt`` (frame, payload); ``copies``: this node's own copy
-    of each piece, rounded as receivers decode it when the codec is lossy (None: left exact).
-    Returns the coded bytes' area, which must live until the transport has sent them."""
+    of each piece, rounded as receivers decode it when the codec is lossy (None: left exact).  (The
+    posted memoryviews keep the coded bytes alive until the transport has sent them.)"""
     room = [codec.max_encoded(piece.nbytes) for piece in pieces]
     starts = np.concatenate([[0], np.cumsum(room)]).astype(int)
     area = np.empty(int(starts[-1]), np.uint8)
@@ -144,7 +147,6 @@ def _send_coded(tp: Transport, nxt: int, pieces: list[np.ndarray], copies: list[
             if copies[k] is not piece:
                 copies[k][:] = piece
             codec.round_in_place(copies[k])  # (the coded bytes are sent, not the piece: free to change)
-    return area
 
 
 @dataclass
@@ -170,7 +172,8 @@ class _Receiver:
         self.pending: int | None = None  # the chunk received and not yet decoded
 
     def start(self) -> None:
-        self._expect_frame(0)
+        if self.chunks:
+            self._expect_frame(0)
 
     def _expect_frame(self, k: int) -> None:
         self.tp.post_recv(self.prv, memoryview(self.frames[k]), self._on_frame(k))
@@ -253,32 +256,14 @@ def compressed_ring_allreduce(tp: Transport, nodes: tuple[int, ...], me: int, ar
     nxt, prv = nodes[(me + 1) % n], nodes[(me - 1) % n]
     counts = ChainCounts()
     for t in range(n - 1):  # step t: send block me - t, receive block me - t - 1 and reduce it in
-        mine = block(me - t)
-        area = _send_coded(tp, nxt, _cut(mine, chunk_elements(mine.nbytes, arr.itemsize)), None, codec, counts)
+        _send_coded(tp, nxt, _pieces(block(me - t)), None, codec, counts)
         into = block(me - t - 1)
-        pieces = _cut(into, chunk_elements(into.nbytes, arr.itemsize))
-        landed = [np.empty_like(piece) for piece in pieces]
-        receiver = _Receiver(tp, prv, [_Chunk(dst, None) for dst in landed], codec, False, counts)
-        if pieces:
-            receiver.start()
+        landed = np.empty_like(into)
+        receiver = _Receiver(tp, prv, [_Chunk(piece, None) for piece in _pieces(landed)], codec, False, counts)
+        receiver.start()
         tp.wait()
         receiver.decode_pending()
-        for piece, got in zip(pieces, landed, strict=True):
-            reduce_into(piece, [piece, got], op)
-        del area
+        reduce_into(into, [into, landed], op)
     # node me now holds block me + 1 reduced; the blocks travel round the ring from their owners
-    owned = block(me + 1)
-    area = _send_coded(tp, nxt, _cut(owned, chunk_elements(owned.nbytes, arr.itemsize)),
-                       _cut(owned, chunk_elements(owned.nbytes, arr.itemsize)), codec, counts)
-    chunks = []
-    for j in range(1, n):  # prv's block first (me), then the ones it forwards
-        b = block(me + 1 - j)
-        forward = nxt if j < n - 1 else None
-        chunks += [_Chunk(piece, forward) for piece in _cut(b, chunk_elements(b.nbytes, arr.itemsize))]
-    receiver = _Receiver(tp, prv, chunks, codec, False, counts)
-    if chunks:
-        receiver.start()
-    tp.wait()
-    receiver.decode_pending()
-    del area
+    _ring_pass(tp, nxt, prv, block(me + 1), block(me + 1), [block(me + 1 - j) for j in range(1, n)], codec, counts)
     return counts

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from commd.algorithms.catalog import NO_NUMPY_DTYPES, Chosen, Program, short
-from commd.codecs import Codec
+from commd.codecs import Codec, CodecError
 from commd.kernels.reduce import DTYPE_NAMES, UnsupportedReduction, check_supported
 from commd.lanes.base import (
     LaneError,
@@ -98,6 +98,14 @@ def interpret(tp: Transport, program: Program, nodes: tuple[int, ...], me: int, 
     elif not program.algo.inplace and inp is out:  # an out-of-place one must not see its output change
         inp = inp.copy()
     interpreter.run(plan, tp, nodes, inp, out, op, deadline)
+
+
+def _codec_takes(what: str, codec: Codec, dtype: str) -> None:
+    """LaneError, in the codec's own words, unless ``codec`` takes ``dtype`` (NumPy dtypes only)."""
+    try:
+        codec.check_dtype(dtype)
+    except CodecError as exc:
+        raise LaneError(f"tcp {what}: {exc}") from None
 
 
 class TcpLane:
@@ -280,10 +288,9 @@ class TcpLane:
             return
         nbytes = flat.numel() * flat.element_size()
         if codec is not None:
-            if program is not None or dtype not in codec.dtypes:
-                raise LaneError(f"tcp allreduce: codec {codec.name!r} cannot run {dtype}"
-                                + (f" with algorithm {program.name!r}" if program is not None else
-                                   f" (it takes {', '.join(sorted(codec.dtypes))})"))
+            if program is not None:
+                raise LaneError(f"tcp allreduce: codec {codec.name!r} cannot run with algorithm {program.name!r}")
+            _codec_takes("allreduce", codec, dtype)
             arr = flat.numpy()
             self._run(f"allreduce({dtype}, {op}, {nbytes} bytes, codec {codec.name!r})", "allreduce", nodes,
                       timeout, lambda ex: self._count(codec.name, compressed_ring_allreduce(ex, nodes, me, arr, op,
@@ -348,10 +355,7 @@ class TcpLane:
             self._usable("broadcast", nodes)
             return
         if codec is not None:
-            dtype = DTYPE_NAMES.get(buf.dtype, str(buf.dtype))
-            if dtype in NO_NUMPY_DTYPES or dtype not in codec.dtypes:
-                raise LaneError(f"tcp broadcast: codec {codec.name!r} does not take {dtype} "
-                                f"(it takes {', '.join(sorted(codec.dtypes))})")
+            _codec_takes("broadcast", codec, DTYPE_NAMES.get(buf.dtype, str(buf.dtype)))
             arr = buf.detach().reshape(-1).numpy()
             self._run(f"broadcast(root {root}, {len(view)} bytes, codec {codec.name!r})", "broadcast", nodes,
                       timeout, lambda ex: self._count(codec.name, compressed_chain_broadcast(
@@ -373,8 +377,9 @@ class TcpLane:
             row["codec_s"] += counts.codec_seconds
 
     def compression_status(self) -> dict[str, dict[str, Any]]:
-        """Per codec, this node's compressed broadcasts and all-gathers: ops, bytes uncoded and on the
-        wire, their ratio, chunks sent raw, seconds of coding (any thread may ask)."""
+        """Per codec, this node's compressed broadcasts, all-gathers and all-reduces: ops, bytes (sent
+        and received) uncoded and on the wire, their ratio, chunks sent raw, seconds of coding (any
+        thread may ask)."""
         with self._compression_lock:
             return {name: {**row, "codec_s": round(row["codec_s"], 6),
                            "ratio": round(row["wire_bytes"] / row["raw_bytes"], 4) if row["raw_bytes"] else None}
@@ -401,10 +406,10 @@ class TcpLane:
             dst[:] = src
             return
         if codec is not None:
-            itemsize = np.dtype(dtype).itemsize if dtype in codec.dtypes else 0
-            if not itemsize or any(size % itemsize for size in sizes):
-                raise LaneError(f"tcp allgatherv: codec {codec.name!r} does not take {dtype} blocks of {sizes} bytes "
-                                f"(it takes {', '.join(sorted(codec.dtypes))})")
+            _codec_takes("allgatherv", codec, str(dtype))
+            itemsize = np.dtype(dtype).itemsize
+            if any(size % itemsize for size in sizes):
+                raise LaneError(f"tcp allgatherv: blocks of {sizes} bytes are not whole {dtype} elements")
             src_arr, dst_arr = inp.reshape(-1).numpy().view(dtype), out.reshape(-1).numpy().view(dtype)
             elements = [size // itemsize for size in sizes]
             self._run(f"allgatherv({sum(sizes)} bytes, codec {codec.name!r})", "allgatherv", nodes, timeout,
