@@ -244,6 +244,18 @@ def torch_compressed_broadcast(ctx: Any, port: int) -> str:
         exact = torch.stack([g.double() for g in grads]).sum(0)
         bound = world * 2.0 ** -8 * torch.stack([g.double().abs() for g in grads]).sum(0)
         assert ((t.double() - exact).abs() <= bound).all(), (rank, "all_reduce")
+        # groups whose ranks name different codecs: every rank's op fails, through wait() and the future
+        split = dist.new_group(list(range(world)),
+                               pg_options=commd.Options(compression="bf16" if rank < world // 2 else "lossless"))
+        for through in ("wait", "future"):
+            t = source.clone()
+            work = dist.broadcast(t, root, group=split, async_op=True)
+            try:
+                work.wait() if through == "wait" else work.get_future().wait()
+            except Exception as exc:  # noqa: BLE001 - what torch hands on is checked by name
+                assert "'codec' differs" in str(exc), (rank, through, exc)
+            else:
+                raise AssertionError(f"rank {rank}: a broadcast the nodes disagree on succeeded ({through})")
     finally:
         dist.destroy_process_group()
     return "ok"
