@@ -5,6 +5,6 @@ a :class:`Codec`; ``names()`` lists them.  See ``registry.py`` for what each doe
 """
 
 from commd.codecs.base import Codec, CodecError
-from commd.codecs.registry import CODECS, PER_HOP, by_wire_id, get, names, parse_choice
+from commd.codecs.registry import CODECS, PER_HOP, HalfCast, Narrowed, by_wire_id, get, names, parse_choice
 
-__all__ = ["CODECS", "PER_HOP", "Codec", "CodecError", "by_wire_id", "get", "names", "parse_choice"]
+__all__ = ["CODECS", "PER_HOP", "Codec", "CodecError", "HalfCast", "Narrowed", "by_wire_id", "get", "names", "parse_choice"]

@@ -40,6 +40,16 @@ class Codec(ABC):
     idempotent: bool = True
     #: one line for people: what it does and how much it loses
     summary: str = ""
+    #: whether a chunk whose coding does not shrink travels as its own bytes instead (flag ``RAW``).
+    #: The 16-bit casts never do: their coding is at most half the bytes plus a header, and a raw
+    #: chunk would leave one replica with values the others hold rounded.
+    sends_raw: bool = True
+
+    def wire_itemsize(self, itemsize: int) -> int:
+        """The element size a collective cuts chunks by and counts raw bytes in: the array's own,
+        but the wide dtype's for a codec on elements already narrowed (``Narrowed``), so that a node
+        holding the narrow form and one holding the wide form cut the same chunks."""
+        return itemsize
 
     @abstractmethod
     def max_encoded(self, nbytes: int) -> int:

@@ -42,10 +42,16 @@ def _empty_ok(codec: Codec, src: np.ndarray | memoryview | bytes, dst: np.ndarra
 
 
 class HalfCast(Codec):
-    """float32 rounded to a 16-bit float: the bits of each element's rounding, nothing else."""
+    """float32 rounded to a 16-bit float: the bits of each element's rounding, then ``pack``.
 
-    lossy, dtypes = True, frozenset({"float32"})
+    Two stages, so that the first can run elsewhere (a GPU narrows CUDA tensors itself, see
+    ``commd.kernels.narrow``) and the second on the narrowed bits alone (``narrowed()``), with the
+    same bytes on the wire either way."""
+
+    lossy, dtypes, sends_raw = True, frozenset({"float32"}), False
     bound: tuple[float, float]
+    #: the 16-bit float it rounds to (``commd.kernels.narrow`` rounds to bfloat16 on GPUs)
+    half_dtype: str
 
     def max_encoded(self, nbytes: int) -> int:
         return nbytes // 2
@@ -61,6 +67,21 @@ class HalfCast(Codec):
     def from_half(self, bits: np.ndarray, dst: np.ndarray) -> None:
         """float32 ``dst`` = the values whose 16-bit patterns are ``bits`` (exact)."""
         raise NotImplementedError
+
+    def pack(self, bits: np.ndarray, out: np.ndarray) -> int:
+        """The second stage: 16-bit patterns ``bits`` into ``out``; the bytes written (here: as they are)."""
+        n = bits.size * 2
+        out[:n] = bits.reshape(-1).view(np.uint8)
+        return n
+
+    def unpack(self, src: np.ndarray | memoryview | bytes, bits: np.ndarray) -> None:
+        """Undo ``pack``: fill ``bits`` (uint16 or int16, flat) from the coded bytes (CodecError if they
+        are not a coding of that many)."""
+        coded = _as_bytes(src)
+        if coded.size != bits.size * 2:
+            raise CodecError(f"codec {self.name!r}: {coded.size} bytes for {bits.size} elements "
+                             f"(expected {bits.size * 2})")
+        bits.reshape(-1).view(np.uint8)[:] = coded
 
     def round_in_place(self, arr: np.ndarray) -> None:
         bits = np.empty(arr.size, np.uint16)
@@ -80,9 +101,43 @@ class HalfCast(Codec):
             raise CodecError(f"codec {self.name!r}: {coded.size} bytes for {dst.size} elements (expected {dst.size * 2})")
         self.from_half(coded.view(np.uint16), dst)
 
+    def narrowed(self) -> Narrowed:
+        """This codec's second stage alone, for arrays of bits already rounded (see ``Narrowed``)."""
+        return Narrowed(self)
+
+
+class Narrowed(Codec):
+    """A 16-bit cast's ``pack`` alone, on the bits of elements a GPU already rounded.
+
+    Same name, wire id and bytes on the wire as the whole codec on the float32 elements, and chunks
+    cut by float32's size (``wire_itemsize``), so a node holding the bits and one holding the floats
+    take part in one collective.  Lossless here: the rounding happened before."""
+
+    lossy, dtypes, sends_raw = False, frozenset({"int16", "uint16"}), False
+
+    def __init__(self, wide: HalfCast) -> None:
+        self.wide = wide
+        self.name, self.wire_id = wide.name, wide.wire_id
+        self.summary = f"{wide.name} on elements already rounded to 16 bits"
+
+    def wire_itemsize(self, itemsize: int) -> int:
+        return 4
+
+    def max_encoded(self, nbytes: int) -> int:
+        return self.wide.max_encoded(nbytes * 2)
+
+    def encode(self, src: np.ndarray, out: np.ndarray) -> int:
+        self.check_encode(src, out)
+        return self.wide.pack(src.reshape(-1).view(np.uint16), out) if src.size else 0
+
+    def decode(self, src: np.ndarray | memoryview | bytes, dst: np.ndarray) -> None:
+        self.check_decode(dst)
+        if not _empty_ok(self, src, dst):
+            self.wide.unpack(src, dst.reshape(-1).view(np.uint16))
+
 
 class Bf16Cast(HalfCast):
-    name, wire_id, bound = "bf16-cast", 2, BF16_BOUND
+    name, wire_id, bound, half_dtype = "bf16-cast", 2, BF16_BOUND, "bfloat16"
     summary = "float32 rounded to bfloat16 (nearest even): half the bytes, error <= 2^-8 relative"
 
     def to_half(self, src: np.ndarray, out: np.ndarray) -> None:
@@ -93,7 +148,7 @@ class Bf16Cast(HalfCast):
 
 
 class Fp16(HalfCast):
-    name, wire_id, bound = "fp16", 5, FP16_BOUND
+    name, wire_id, bound, half_dtype = "fp16", 5, FP16_BOUND, "float16"
     summary = ("float32 rounded to float16: half the bytes; values below 6e-5 lose precision or vanish, "
                "beyond 65504 become inf — choose it only where the data's range fits")
 
@@ -118,15 +173,21 @@ class Bf16Lz4(Bf16Cast):
             return 0
         bits = np.empty(src.size, np.uint16)
         to_bf16_bits(src, bits)
+        return self.pack(bits, out)
+
+    def pack(self, bits: np.ndarray, out: np.ndarray) -> int:
         return blosc.compress(bits, out, "LZ4", 1, 2, "BITSHUFFLE")
+
+    def unpack(self, src: np.ndarray | memoryview | bytes, bits: np.ndarray) -> None:
+        blosc.decompress(self.name, src, bits)
 
     def decode(self, src: np.ndarray | memoryview | bytes, dst: np.ndarray) -> None:
         self.check_decode(dst)
         if _empty_ok(self, src, dst):
             return
         bits = np.empty(dst.size, np.uint16)
-        blosc.decompress(self.name, src, bits)
-        from_bf16_bits(bits, dst)
+        self.unpack(src, bits)
+        self.from_half(bits, dst)
 
 
 class Lossless(Codec):

@@ -15,9 +15,11 @@ Where the work happens, so that a node's codec time hides behind the wire:
   next turn) and decodes chunk i only when chunk i + 1's frame arrives, or after the last
   chunk: the forward is on the wire before the decode starts.
 
-A chunk that does not shrink travels raw (the ``RAW`` flag); the root of a lossy codec then
-keeps that chunk exact and rounds the others in place as receivers decode them (unless told to
-stay exact), so that every replica ends with the same bits.  A frame naming another codec,
+A chunk that does not shrink travels raw (the ``RAW`` flag; codecs whose ``sends_raw`` is
+False, the 16-bit casts, always travel coded); the root of a lossy codec rounds its own copy in
+place as receivers decode it (unless told to stay exact), so that every replica ends with the
+same bits.  Chunks are cut by the codec's ``wire_itemsize``: a node that holds bits a GPU
+already rounded (``Narrowed``) cuts the same chunks as one holding the float32 values.  A frame naming another codec,
 another length than the chunk can have, or a payload that does not decode is a
 ``TransportError`` naming the node it came from, never a hang and never a half-written
 buffer taken as good.
@@ -68,7 +70,7 @@ def compressed_chain_broadcast(tp: Transport, nodes: tuple[int, ...], me: int, r
     order = nodes[nodes.index(root):] + nodes[:nodes.index(root)]
     q = order.index(nodes[me])
     nxt = order[q + 1] if q + 1 < len(order) else None
-    pieces = _pieces(arr)
+    pieces = _pieces(arr, codec)
     counts = ChainCounts()
     if q == 0:
         assert nxt is not None
@@ -104,18 +106,20 @@ def _ring_pass(tp: Transport, nxt: int, prv: int, send: np.ndarray, keep: np.nda
     """One pass of blocks round a ring: ``send`` coded once to ``nxt`` (``keep``, this node's copy of
     it, rounded as receivers decode it), and the blocks ``arriving`` from ``prv`` in that order, each
     decoded here and forwarded coded, but the last (``nxt`` owns it)."""
-    _send_coded(tp, nxt, _pieces(send), _pieces(keep), codec, counts)
+    _send_coded(tp, nxt, _pieces(send, codec), _pieces(keep, codec), codec, counts)
     receiver = _Receiver(tp, prv, [_Chunk(piece, nxt if j < len(arriving) - 1 else None)
-                                   for j, block in enumerate(arriving) for piece in _pieces(block)],
+                                   for j, block in enumerate(arriving) for piece in _pieces(block, codec)],
                          codec, False, counts)
     receiver.start()
     tp.wait()
     receiver.decode_pending()
 
 
-def _pieces(arr: np.ndarray) -> list[np.ndarray]:
-    """``arr`` (flat) in the chunks it travels in (``chunk_elements``: the same on every node)."""
-    return _cut(arr, chunk_elements(arr.nbytes, arr.itemsize))
+def _pieces(arr: np.ndarray, codec: Codec) -> list[np.ndarray]:
+    """``arr`` (flat) in the chunks it travels in (``chunk_elements`` of the codec's element size:
+    the same on every node)."""
+    itemsize = codec.wire_itemsize(arr.itemsize)
+    return _cut(arr, chunk_elements(arr.size * itemsize, itemsize))
 
 
 def _cut(arr: np.ndarray, step: int) -> list[np.ndarray]:
@@ -136,9 +140,9 @@ def _send_coded(tp: Transport, nxt: int, pieces: list[np.ndarray], copies: list[
         began = time.perf_counter()
         n = codec.encode(piece, slot)
         counts.codec_seconds += time.perf_counter() - began
-        raw = n >= piece.nbytes
+        raw = codec.sends_raw and n >= piece.nbytes
         counts.raw_chunks += raw
-        counts.raw_bytes += piece.nbytes
+        counts.raw_bytes += piece.size * codec.wire_itemsize(piece.itemsize)
         counts.wire_bytes += piece.nbytes if raw else n
         payload = piece.reshape(-1).view(np.uint8) if raw else slot[:n]
         tp.post_send(nxt, memoryview(FRAME.pack(codec.wire_id, RAW if raw else 0, len(payload))))
@@ -185,12 +189,15 @@ class _Receiver:
         def done() -> None:
             self.decode_pending()  # chunk k - 1 went on to the next node in the transport's last turn
             wire_id, flags, length = FRAME.unpack(self.frames[k])
-            raw_size = self.chunks[k].dst.nbytes
+            dst = self.chunks[k].dst
+            raw_size = dst.size * self.codec.wire_itemsize(dst.itemsize)
             if wire_id != self.codec.wire_id:
                 self._corrupt(k, f"its frame names codec wire id {wire_id}, this node expects "
                                  f"{self.codec.wire_id} ({self.codec.name}): do the nodes agree on the codec?")
-            if flags & ~RAW or (flags & RAW and length != raw_size) or length > self.starts[k + 1] - self.starts[k]:
-                self._corrupt(k, f"its frame says {length} bytes (flags {flags:#x}) for a chunk of {raw_size} bytes")
+            if (flags & ~RAW or (flags & RAW and (length != dst.nbytes or not self.codec.sends_raw))
+                    or length > self.starts[k + 1] - self.starts[k]):
+                self._corrupt(k, f"its frame says {length} bytes (flags {flags:#x}) for a chunk of {raw_size} bytes"
+                                 + ("" if self.codec.sends_raw else f", but {self.codec.name} never travels raw"))
             self.lengths[k], self.raw[k] = length, bool(flags & RAW)
             self.counts.raw_bytes += raw_size
             self.counts.wire_bytes += length
@@ -256,10 +263,11 @@ def compressed_ring_allreduce(tp: Transport, nodes: tuple[int, ...], me: int, ar
     nxt, prv = nodes[(me + 1) % n], nodes[(me - 1) % n]
     counts = ChainCounts()
     for t in range(n - 1):  # step t: send block me - t, receive block me - t - 1 and reduce it in
-        _send_coded(tp, nxt, _pieces(block(me - t)), None, codec, counts)
+        _send_coded(tp, nxt, _pieces(block(me - t), codec), None, codec, counts)
         into = block(me - t - 1)
         landed = np.empty_like(into)
-        receiver = _Receiver(tp, prv, [_Chunk(piece, None) for piece in _pieces(landed)], codec, False, counts)
+        receiver = _Receiver(tp, prv, [_Chunk(piece, None) for piece in _pieces(landed, codec)], codec, False,
+                             counts)
         receiver.start()
         tp.wait()
         receiver.decode_pending()
