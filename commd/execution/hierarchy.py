@@ -18,8 +18,9 @@ import torch
 from commd import codecs
 from commd.core.ops import ReadyOp, Submission
 from commd.core.placement import GroupPlacement
+from commd.execution import pinned
 from commd.execution.local import parallel_copy, parallel_reduce_into
-from commd.kernels import eager
+from commd.kernels import eager, narrow
 from commd.kernels.layout import block_offsets, byte_view
 from commd.kernels.reduce import TORCH_DTYPES, reduce_into
 from commd.kernels.small import NUMPY_DTYPES
@@ -34,16 +35,19 @@ Resolve = Callable[[Submission, str], torch.Tensor]
 
 
 class _Staging:
-    """GPU buffers go through host copies: lanes move host memory."""
+    """GPU buffers go through host copies (page-locked: ``pinned``): lanes move host memory."""
 
     def __init__(self, resolve: Resolve) -> None:
         self.resolve = resolve
         self.writeback: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.arena = pinned.arena()
+        self.arena.start()
 
     def __call__(self, sub: Submission, name: str) -> torch.Tensor:
         t = self.resolve(sub, name)
         if t.is_cuda:
-            host = t.cpu()
+            host = self.arena.take(t)
+            host.copy_(t)
             if name in ("buf", "out"):
                 self.writeback.append((t, host))
             return host
@@ -170,6 +174,10 @@ def _reduce(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Resolve
 
 def _broadcast(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float) -> None:
     first = op.subs[0]
+    narrowing = _gpu_narrowing(op, resolve, "buf", op.nbytes)
+    if narrowing is not None:
+        _narrowed_broadcast(op, placement, lane, narrowing, timeout)
+        return
     bufs = [resolve(x, "buf") for x in op.subs]
     root_node = placement.node_of[first.root]
     if root_node == placement.me:
@@ -188,6 +196,58 @@ def _broadcast(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Reso
 COMPRESS_MIN_BYTES = 1 << 20
 
 
+class _Narrowing:
+    """A compressed op whose float32 buffers are CUDA tensors and whose codec rounds to bfloat16:
+    the GPU rounds them (``kernels.narrow``), only the 16-bit patterns cross to host memory, and the
+    lane runs the codec's second stage on them (``codec.narrowed()``: the same bytes on the wire as a
+    node coding float32 on its CPU)."""
+
+    def __init__(self, codec: codecs.HalfCast, per_hop: bool, tensors: list[torch.Tensor], staging: _Staging) -> None:
+        self.codec, self.per_hop, self.tensors = codec, per_hop, tensors
+        self.resolve, self.arena = staging.resolve, staging.arena
+
+
+def _gpu_narrowing(op: ReadyOp, resolve: Resolve, name: str, nbytes: int) -> _Narrowing | None:
+    """The narrowing of a compressed op of ``nbytes`` whose local ``name`` buffers are all CUDA float32
+    tensors and whose codec is a bfloat16 cast, or None (it runs through host memory as it is)."""
+    first = op.subs[0]
+    if not first.codec or nbytes < COMPRESS_MIN_BYTES or first.dtype != "float32" or not isinstance(resolve, _Staging):
+        return None
+    codec, per_hop = codecs.parse_choice(first.codec)
+    if not (isinstance(codec, codecs.HalfCast) and codec.half_dtype == "bfloat16"):
+        return None
+    tensors = [resolve.resolve(x, name) for x in op.subs]
+    if not all(t.is_cuda and t.is_contiguous() for t in tensors):
+        return None
+    return _Narrowing(codec, per_hop, tensors, resolve)
+
+
+def _narrowed_broadcast(op: ReadyOp, placement: GroupPlacement, lane: Lane, narrowing: _Narrowing,
+                        timeout: float) -> None:
+    """A compressed broadcast of CUDA buffers: the root's GPU rounds its buffer (and keeps the
+    rounding, as every replica will hold it), the bits travel, receivers' GPUs widen them."""
+    first = op.subs[0]
+    bufs = narrowing.tensors
+    root_node = placement.node_of[first.root]
+    if root_node == placement.me:
+        src = next(b for x, b in zip(op.subs, bufs, strict=True) if x.group_rank == first.root)
+        bits = narrow.bf16_bits(src)
+        narrow.from_bf16_bits(bits, src)
+        host = narrowing.arena.take(bits)
+        host.copy_(bits)
+    else:
+        src = bufs[0]
+        host = narrowing.arena.take(torch.empty(src.numel(), dtype=torch.int16, device="meta"))
+    lane.broadcast(placement.nodes, host, root_node, timeout, codec=narrowing.codec.narrowed(),
+                   per_hop=narrowing.per_hop)
+    if root_node != placement.me:
+        narrow.from_bf16_bits(host.to(src.device), src)
+    for buf in bufs:
+        if buf.data_ptr() != src.data_ptr():
+            buf.copy_(src.view_as(buf))
+    torch.cuda.synchronize(src.device)  # (nothing is staged: the results are written on the device)
+
+
 def _node_bytes(placement: GroupPlacement, counts: list[int], itemsize: int) -> list[int]:
     return [sum(counts[g] for g in placement.members(n)) * itemsize for n in placement.nodes]
 
@@ -197,6 +257,10 @@ def _allgather(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Reso
     first = op.subs[0]
     itemsize = s.ITEMSIZE[first.dtype]
     counts = first.counts
+    narrowing = None if program is not None else _gpu_narrowing(op, resolve, "out", sum(counts) * itemsize)
+    if narrowing is not None:
+        _narrowed_allgather(op, placement, lane, narrowing, timeout)
+        return
     offsets = block_offsets([c * itemsize for c in counts])
     mine = torch.cat([byte_view(resolve(x, "in")) for x in op.subs]) if op.subs else torch.empty(0, dtype=torch.uint8)
     outs = [byte_view(resolve(x, "out")) for x in op.subs]
@@ -217,6 +281,39 @@ def _allgather(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Reso
             at += n
     for out in outs[1:]:
         out.copy_(outs[0])
+
+
+def _narrowed_allgather(op: ReadyOp, placement: GroupPlacement, lane: Lane, narrowing: _Narrowing,
+                        timeout: float) -> None:
+    """A compressed all-gather of CUDA buffers: each node's GPU rounds its ranks' blocks, the bits
+    travel round the ring, every GPU widens the gathered bits into its ranks' outputs (the node's
+    own blocks too: every replica holds the same rounding)."""
+    first = op.subs[0]
+    counts = first.counts
+    device = narrowing.tensors[0].device
+    inputs = [narrowing.resolve(x, "in").reshape(-1) for x in op.subs]
+    if not all(t.is_cuda and t.device == device for t in inputs):
+        raise LaneError(f"{op.describe()}: the inputs of a compressed all-gather of CUDA outputs must be on {device}")
+    mine = narrow.bf16_bits(torch.cat(inputs)) if inputs else torch.empty(0, dtype=torch.int16, device=device)
+    sizes = _node_bytes(placement, counts, 2)
+    host_mine = narrowing.arena.take(mine)
+    host_mine.copy_(mine)
+    gathered = narrowing.arena.take(torch.empty(sum(sizes) // 2, dtype=torch.int16, device="meta"))
+    lane.allgatherv(placement.nodes, byte_view(host_mine), byte_view(gathered), sizes, timeout,
+                    codec=narrowing.codec.narrowed(), dtype="int16")
+    order = [g for n in placement.nodes for g in placement.members(n)]
+    outs = [t.reshape(-1) for t in narrowing.tensors]
+    wide = outs[0] if order == list(range(len(counts))) else torch.empty(sum(counts), device=device)
+    narrow.from_bf16_bits(gathered.to(device), wide)
+    if wide is not outs[0]:
+        starts = block_offsets(counts)
+        at = 0
+        for g in order:
+            outs[0][starts[g]:starts[g] + counts[g]].copy_(wide[at:at + counts[g]])
+            at += counts[g]
+    for out in outs[1:]:
+        out.copy_(outs[0])
+    torch.cuda.synchronize(device)  # (nothing is staged: the results are written on the device)
 
 
 def _gather(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float) -> None:
