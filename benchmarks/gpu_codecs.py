@@ -139,7 +139,7 @@ def broadcasts(size: int, rounds: int, devices: tuple[str, ...] = ("cuda", "cpu"
 
                     def node(i: int, lane: TcpLane) -> None:
                         placement = GroupPlacement("g", (0, 1), (0, 1), i)
-                        op = ReadyOp("broadcast", "g", 1, [subs[i]], first_at=0.0)
+                        op = ReadyOp("broadcast", "g", 1, [subs[i]], first_at=0.0, codec=codec)
                         hierarchy.run(op, placement, lane, lambda s, name: bufs[s.group_rank], 60.0)
                     _both(lanes, node)
                 out[f"{codec or 'uncompressed'} {device}"] = median_s(once, rounds)

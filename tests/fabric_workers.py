@@ -342,6 +342,43 @@ def early_tiny_allreduces(ctx: Any, rounds: int) -> str:
     return "ok"
 
 
+def chosen_codecs(ctx: Any) -> dict[str, Any]:
+    """Broadcasts from a rank on node 1 that name no codec, under node 0's rules bf16 then lossless
+    (broadcasts from 1 MiB): "" gives the root's bits (lossless: bf16 is not allowed), "auto" torch's
+    bfloat16 rounding on every rank (the root's too), "auto" on int64 (which bf16 does not take) and
+    "none" the root's bits; a broadcast below 1 MiB runs plain.  The test counts the codecs in status
+    and compares the ranks' bits."""
+    client = ctx.connect()
+    me, world = ctx.rank, ctx.world_size
+    root = world // 2
+    n = 400_003  # 1.6 MB
+
+    def weights(salt: int, count: int = n) -> np.ndarray:
+        rng = np.random.default_rng(salt)
+        values = (rng.standard_normal(count) * 0.02).astype(np.float32)
+        values[::97] *= 100
+        return values
+
+    outcome: dict[str, Any] = {}
+    cases = [("default", weights(1), None), ("auto", weights(2), "auto"),
+             ("int64", np.arange(n, dtype=np.int64) * 7919, "auto"), ("none", weights(3), "none"),
+             ("small", weights(4, 1000), None)]
+    for name, source, compression in cases:
+        t = _t(source if me == root else np.zeros_like(source))
+        ops.broadcast(client, t, root, compression=compression).wait(60)
+        if name == "auto":
+            want = torch.from_numpy(source).to(torch.bfloat16).to(torch.float32).numpy()
+            bound = 2.0 ** -8 * np.abs(source) + 1e-30  # bf16's: half a step of an 8-bit significand
+            if not (np.abs(t.numpy() - source) <= bound).all():
+                raise AssertionError(f"auto: rank {me} is farther from the root's data than bf16 allows")
+        else:
+            want = source
+        _check(f"broadcast {name}", t, want)
+        outcome[name] = t.numpy().tobytes().hex()[:8192]  # the test compares ranks
+    client.close()
+    return outcome
+
+
 def compressed_broadcasts(ctx: Any) -> dict[str, Any]:
     """Broadcasts from a rank on node 1 with each codec across 2 nodes x 2 ranks: lossless ones give
     the root's bits, lossy ones torch's rounding of them on every rank (the root's too); below

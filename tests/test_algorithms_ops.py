@@ -298,10 +298,13 @@ def test_torch_compression_settings_are_checked(monkeypatch: pytest.MonkeyPatch)
     from commd.torch_backend.process_group import Options, compression_from_environment
 
     assert Options(compression="lossless").compression == "lossless" and Options().compression is None
-    with pytest.raises(ValueError, match="compression: unknown codec 'zip' .*bf16"):
+    assert Options(compression="auto").compression == "auto" and Options(compression="none").compression == "none"
+    with pytest.raises(ValueError, match="compression: unknown codec 'zip' .*bf16.*or 'auto'.*or 'none'"):
         Options(compression="zip")
     monkeypatch.setenv("COMMD_COMPRESSION", "bf16")
     assert compression_from_environment() == "bf16"
+    monkeypatch.setenv("COMMD_COMPRESSION", "auto")
+    assert compression_from_environment() == "auto"
     monkeypatch.setenv("COMMD_COMPRESSION", "gzip")
     with pytest.raises(ValueError, match="COMMD_COMPRESSION: unknown codec 'gzip'"):
         compression_from_environment()

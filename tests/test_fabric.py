@@ -133,6 +133,26 @@ def test_large_buffers_use_parallel_local_phases(cluster) -> None:
     assert set(c.join(c.start_workers(fw.large_ops, "tcp")).values()) == {"ok"}
 
 
+def test_rules_choose_a_codec_for_broadcasts_that_name_none(cluster, tmp_path: Path) -> None:
+    """Node 0's [[compression]] rules (bf16, then lossless, broadcasts from 1 MiB) reach the
+    coordinator: a broadcast that names no codec runs with lossless (the root's bits), one with
+    "auto" with bf16 (its rounding, the same bits on every rank), "auto" on int64 with lossless,
+    "none" and a small one plain; status counts what ran compressed on both nodes."""
+    config = tmp_path / "commd.toml"
+    config.write_text('[[compression]]\ncodec = "bf16"\nkind = "broadcast"\nmin_bytes = 1048576\n\n'
+                      '[[compression]]\ncodec = "lossless"\nkind = "broadcast"\nmin_bytes = 1048576\n')
+    c = cluster(extra=["--config", str(config)])
+    results = c.join(c.start_workers(fw.chosen_codecs))
+    for name in ("default", "auto", "int64", "none", "small"):
+        assert len({outcome[name] for outcome in results.values()}) == 1, name
+    for node in (0, 1):
+        rows = c.status(node)["fabric"]["compression"]
+        assert set(rows) == {"bf16", "lossless"}, rows
+        assert rows["lossless"]["ops"] == 2 and rows["bf16"]["ops"] == 1, rows  # default + int64; auto
+        assert rows["bf16"]["raw_bytes"] == 400_003 * 4 and rows["bf16"]["ratio"] < 0.5, rows
+        assert "compressed ops, bf16: 1" in format_status(c.status(node))
+
+
 def test_compressed_broadcasts_across_nodes_and_their_status(cluster) -> None:
     """Every codec end to end through the client library on 2 nodes x 2 ranks (checked in the workers
     against the root's data or torch's rounding), and compressed all-gathers; disagreements fail

@@ -65,7 +65,7 @@ def run_on_both(lanes: list[TcpLane], node_of: tuple[int, ...], kind: str, subs:
     """Each node runs its ranks' part of the op, as its daemon would once the op is released."""
     def node(i: int, lane: TcpLane) -> None:
         placement = GroupPlacement("g", (0, 1, 2, 3), node_of, i)
-        op = ReadyOp(kind, "g", 1, [subs[g] for g in placement.local], first_at=0.0)
+        op = ReadyOp(kind, "g", 1, [subs[g] for g in placement.local], first_at=0.0, codec=subs[0].codec)
         hierarchy.run(op, placement, lane, lambda s, name: tensors[name][s.group_rank], OP_S)
     each(lanes, node)
 

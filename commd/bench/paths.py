@@ -101,6 +101,9 @@ class CommdPath:
         #: ``CODEC`` or ``CODEC/per-hop`` (broadcasts only); ``codec``: its codec's name
         self.compression = compression
         self.codec = compression.partition("/")[0] if compression else None
+        #: The ops' codec field: a lane's plain path is never compressed ("none"), so compressed paths
+        #: and the tuning table compare against plain transfers; "auto" sends none (the daemons choose).
+        self.asked = compression or ("none" if self.hint else None)
         self.rank, self.world = client.rank, client.world_size
 
     @property
@@ -127,13 +130,13 @@ class CommdPath:
         w = self.timeout
         op = case.op
         if op == "allreduce":
-            ops.all_reduce(c, b["buf"], lane=h, algo=self.algo).wait(w)
+            ops.all_reduce(c, b["buf"], lane=h, algo=self.algo, compression=self.asked).wait(w)
         elif op == "reduce":
             ops.reduce(c, b["buf"], ROOT, lane=h).wait(w)
         elif op == "broadcast":
-            ops.broadcast(c, b["buf"], ROOT, lane=h, compression=self.compression).wait(w)
+            ops.broadcast(c, b["buf"], ROOT, lane=h, compression=self.asked).wait(w)
         elif op == "allgather":
-            ops.all_gather(c, b["out"], b["in"], lane=h, algo=self.algo, compression=self.compression).wait(w)
+            ops.all_gather(c, b["out"], b["in"], lane=h, algo=self.algo, compression=self.asked).wait(w)
         elif op == "reduce_scatter":
             ops.reduce_scatter(c, b["out"], b["in"], lane=h).wait(w)
         elif op == "alltoall":

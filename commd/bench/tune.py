@@ -12,7 +12,10 @@ its next start.  Beside the lanes the sweep runs the ops programs can run
 lane (``--algorithms``, default ``all``); the table keeps the tcp lane's best
 algorithm per cell, which the coordinator then chooses when no hint or rule
 decides.  A program that cannot run an op on this fabric is listed as skipped
-with its reason.
+with its reason.  ``--compression lossless,bf16`` adds the tcp lane's compressed
+broadcasts and all-gathers (``commd-tcp+CODEC``, model-like float32 data); the
+table keeps each codec's figures and the best lossless codec and the best codec
+of all where they beat the plain tcp path (per-hop baselines are not kept).
 """
 
 from __future__ import annotations
@@ -27,15 +30,17 @@ from commd.bench.spec import LOCAL, SpecError, spec_from_args
 
 
 def table_from_rows(meta: dict[str, Any], rows: list[dict[str, Any]]) -> Any:
-    """A TuningTable from the lane rows of a sweep (auto, local and direct-peer rows are not lanes)."""
+    """A TuningTable from the lane rows of a sweep (auto, local and direct-peer rows are not lanes),
+    the codec rows among them (per-hop baselines are no choice the daemons make)."""
     from commd.scheduler.tuning import TUNED_KINDS, TuningTable
 
     measured = [
         {"kind": r["op"], "nodes": r["nodes"], "bytes": r["bytes"], "lane": r["lane"], "median_us": r["median_us"],
-         "p95_us": r["p95_us"], "busbw_gbs": r["busbw_gbs"], "algorithm": r.get("algorithm")}
+         "p95_us": r["p95_us"], "busbw_gbs": r["busbw_gbs"], "algorithm": r.get("algorithm"),
+         **({"codec": r["codec"]} if r.get("codec") else {})}
         for r in rows
         if r["via"] == "commd" and r["lane"] not in ("auto", LOCAL) and r["op"] in TUNED_KINDS and r["bytes"] > 0
-        and r.get("check") != "skipped"
+        and r.get("check") != "skipped" and "/" not in (r.get("codec") or "")
     ]
     if not measured:
         raise orchestrate.BenchError("the sweep measured no lane (a single node has none: use --hosts H or "

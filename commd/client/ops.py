@@ -23,7 +23,9 @@ def all_reduce(client: Client, tensor: torch.Tensor, op: str = "sum", group: str
     """``algo``: run the inter-node phase with this program (a library name or a file of the
     daemons' algorithms directory) on the tcp lane; the op fails on every rank if it cannot.
     ``compression``: a codec for the inter-node phase (partial results travel coded, reductions
-    stay in the tensor's precision), from 1 MiB up; not with ``algo``."""
+    stay in the tensor's precision), from 1 MiB up; not with ``algo``.  Without one the daemons may
+    choose a lossless codec (config rules, tuning table); "auto": any codec, lossy ones too;
+    "none": never compressed."""
     return client.submit("allreduce", group, {"buf": (tensor, "inout")}, tensor.dtype,
                          result=tensor, count=tensor.numel(), op=op, scale=scale, timeout=timeout, lane=lane,
                          algo=algo, codec=compression)
@@ -38,7 +40,9 @@ def reduce(client: Client, tensor: torch.Tensor, root: int, op: str = "sum", gro
 def broadcast(client: Client, tensor: torch.Tensor, root: int, group: str = WORLD,
               timeout: float | None = None, lane: str | None = None, compression: str | None = None) -> Handle:
     """``root``'s tensor into every rank's.  ``compression``: a codec (``commd.codecs``: "bf16",
-    "lossless", ...) for the inter-node phase, from 1 MiB up; every rank names the same one."""
+    "lossless", ...) for the inter-node phase, from 1 MiB up; every rank names the same one.  Without
+    one the daemons may choose a lossless codec; "auto": any codec (a lossy one rounds the root's
+    tensor too); "none": never compressed."""
     role = "in" if client.group_rank(group) == root else "out"
     if role == "in" and compression and _lossy(compression):
         role = "inout"  # the root's copy is rounded as the receivers decode it: replicas never drift
@@ -48,9 +52,13 @@ def broadcast(client: Client, tensor: torch.Tensor, root: int, group: str = WORL
 
 
 def _lossy(codec: str) -> bool:
-    """Whether ``codec`` loses precision (an unknown name: False; the daemon refuses it, naming the codecs)."""
+    """Whether ``codec`` may lose precision ("auto": the daemons may choose a lossy codec; an unknown
+    name: False, the daemon refuses it, naming the codecs)."""
     from commd.codecs import CodecError, parse_choice
+    from commd.protocol.schema import CODEC_AUTO
 
+    if codec == CODEC_AUTO:
+        return True
     try:
         return parse_choice(codec)[0].lossy
     except CodecError:
@@ -63,7 +71,8 @@ def all_gather(client: Client, output: torch.Tensor, input: torch.Tensor, counts
     """output = concatenation of every rank's input (``counts``: elements per rank).  ``algo``: an
     all-gather program for the inter-node phase (every node then gives the same number of bytes);
     ``compression``: a codec for the inter-node phase (a lossy one rounds every block, this rank's
-    own in ``output`` too; ``input`` is left as it was), from 1 MiB of output up."""
+    own in ``output`` too; ``input`` is left as it was), from 1 MiB of output up; none: the daemons
+    may choose a lossless codec; "auto": any codec; "none": never compressed."""
     counts = counts or [input.numel()] * client.group_size(group)
     return client.submit("allgather", group, {"in": (input, "in"), "out": (output, "out")}, input.dtype,
                          result=output, counts=counts, timeout=timeout, lane=lane, algo=algo, codec=compression)

@@ -11,6 +11,11 @@ from commd.protocol.cuda import CudaRef
 ROOTED = frozenset({"reduce", "broadcast", "gather", "scatter"})
 REDUCING = frozenset({"allreduce", "reduce", "reduce_scatter"})
 COUNTED = frozenset({"allgather", "gather", "scatter", "reduce_scatter"})
+#: Op kinds whose inter-node phase can run compressed (the ``codec`` field).
+COMPRESSED_KINDS = frozenset({"broadcast", "allgather", "allreduce"})
+#: Ops smaller than this (an all-gather: its whole output) run uncompressed whatever their codec:
+#: coding costs more than it saves.  The coordinator releases no codec below it; execution checks again.
+COMPRESS_MIN_BYTES = 1 << 20
 
 
 @dataclass(slots=True)
@@ -56,7 +61,8 @@ class Submission:
     lane: str = ""
     #: Algorithm hint (a program's catalogue name, "" = let the scheduler choose); agreed too.
     algo: str = ""
-    #: Codec of a compressed broadcast (a ``commd.codecs`` name, "" = uncompressed); agreed too.
+    #: The op's codec field, agreed too: a ``commd.codecs`` choice ("NAME" or "NAME/per-hop"), ""
+    #: (the daemons may choose a lossless codec), "auto" (any codec) or "none" (never compressed).
     codec: str = ""
     #: For a send forwarded from another node: that node (the sender is not a local client).
     origin: int = -1
@@ -88,6 +94,7 @@ class ReadyOp:
     on_gpu: bool = False
     lane: str = "local"  # the lane that ran its inter-node phase ("local": none)
     algo: str = ""  # the program that ran it ("": the lane's own algorithm)
+    codec: str = ""  # the codec choice the coordinator released ("": uncompressed)
 
     def __post_init__(self) -> None:
         if self.nbytes < 0:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from commd import codecs
-from commd.core.ops import ReadyOp, Submission
+from commd.core.ops import COMPRESS_MIN_BYTES, ReadyOp, Submission
 from commd.core.placement import GroupPlacement
 from commd.execution import pinned
 from commd.execution.local import parallel_copy, parallel_reduce_into
@@ -88,8 +88,8 @@ def _allreduce(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Reso
         parallel_reduce_into(acc, bufs, split.local_op, first.scale)
     if program is not None:
         lane.allreduce(placement.nodes, acc, split.lane_op, timeout, program=program)
-    elif first.codec and op.nbytes >= COMPRESS_MIN_BYTES:  # (released on the tcp lane, with no program)
-        lane.allreduce(placement.nodes, acc, split.lane_op, timeout, codec=codecs.parse_choice(first.codec)[0])
+    elif op.codec and op.nbytes >= COMPRESS_MIN_BYTES:  # (released on the tcp lane, with no program)
+        lane.allreduce(placement.nodes, acc, split.lane_op, timeout, codec=codecs.parse_choice(op.codec)[0])
     else:
         lane.allreduce(placement.nodes, acc, split.lane_op, timeout)
     split.finish(acc, len(placement.ranks))
@@ -184,16 +184,12 @@ def _broadcast(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Reso
         src = next(b for x, b in zip(op.subs, bufs, strict=True) if x.group_rank == first.root)
     else:
         src = bufs[0]
-    if first.codec and op.nbytes >= COMPRESS_MIN_BYTES:  # (the coordinator released it on the tcp lane)
-        codec, per_hop = codecs.parse_choice(first.codec)
+    if op.codec and op.nbytes >= COMPRESS_MIN_BYTES:  # (the coordinator released it on the tcp lane)
+        codec, per_hop = codecs.parse_choice(op.codec)
         lane.broadcast(placement.nodes, src.reshape(-1), root_node, timeout, codec=codec, per_hop=per_hop)
     else:
         lane.broadcast(placement.nodes, byte_view(src), root_node, timeout)
     parallel_copy(bufs, src)
-
-
-#: Ops smaller than this run uncompressed whatever their codec: coding costs more than it saves.
-COMPRESS_MIN_BYTES = 1 << 20
 
 
 class _Narrowing:
@@ -210,10 +206,9 @@ class _Narrowing:
 def _gpu_narrowing(op: ReadyOp, resolve: Resolve, name: str, nbytes: int) -> _Narrowing | None:
     """The narrowing of a compressed op of ``nbytes`` whose local ``name`` buffers are all CUDA float32
     tensors and whose codec is a bfloat16 cast, or None (it runs through host memory as it is)."""
-    first = op.subs[0]
-    if not first.codec or nbytes < COMPRESS_MIN_BYTES or first.dtype != "float32" or not isinstance(resolve, _Staging):
+    if not op.codec or nbytes < COMPRESS_MIN_BYTES or op.subs[0].dtype != "float32" or not isinstance(resolve, _Staging):
         return None
-    codec, per_hop = codecs.parse_choice(first.codec)
+    codec, per_hop = codecs.parse_choice(op.codec)
     if not (isinstance(codec, codecs.HalfCast) and codec.half_dtype == "bfloat16"):
         return None
     tensors = [resolve.resolve(x, name) for x in op.subs]
@@ -267,8 +262,8 @@ def _allgather(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Reso
     sizes = _node_bytes(placement, counts, itemsize)
     order = [g for n in placement.nodes for g in placement.members(n)]
     extra: dict[str, Any] = {} if program is None else {"program": program}
-    if first.codec and sum(sizes) >= COMPRESS_MIN_BYTES:  # (released on the tcp lane, with no program)
-        extra = {"codec": codecs.parse_choice(first.codec)[0], "dtype": first.dtype}
+    if op.codec and sum(sizes) >= COMPRESS_MIN_BYTES:  # (released on the tcp lane, with no program)
+        extra = {"codec": codecs.parse_choice(op.codec)[0], "dtype": first.dtype}
     if order == list(range(len(counts))):  # node-major placement: the gathered layout is the output
         lane.allgatherv(placement.nodes, mine, outs[0], sizes, timeout, **extra)
     else:

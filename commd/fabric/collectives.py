@@ -223,6 +223,7 @@ class Collectives:
         self.stats.negotiation_us.append((time.monotonic() - op.ready_at) * 1e6)
         self.stats.released += 1
         op.lane = go.lane
+        op.codec = go.codec or ""  # (what every node runs: named by the op or chosen by the coordinator)
         if self.node.tracer.on:
             self.node.tracer.mark(op, "released")
         return op, placement

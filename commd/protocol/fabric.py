@@ -20,7 +20,7 @@ things each way):
 | ``p2p_match`` | ``P2pMatch`` | member → coordinator | a forwarded send met its receive: order the transfer | sender_node ``sn``, key ``key`` |
 | ``p2p_fail`` | ``SendFailed`` | member → coordinator | the receiver's node failed a forwarded send (mismatch, timeout) | sender_node ``sn``, key ``key``, code ``code``, message ``m`` |
 | ``hb`` | ``Heartbeat`` | member → coordinator | liveness, with the ops this node's ranks partly submitted | stalled ``stalled``: [group, seq, missing ranks] |
-| ``go`` | ``Go`` | coordinator → member | release: run the op at this place of the global order | group ``g``, seq ``s``, order ``o``, lane ``l``; cache_id ``c``, result ``r`` (bytes), fused_with ``fz`` (the fused set's first order), algorithm ``a`` with its sha256 ``ah`` (hex; both or neither), each optional |
+| ``go`` | ``Go`` | coordinator → member | release: run the op at this place of the global order | group ``g``, seq ``s``, order ``o``, lane ``l``; cache_id ``c``, result ``r`` (bytes), fused_with ``fz`` (the fused set's first order), algorithm ``a`` with its sha256 ``ah`` (hex; both or neither), codec ``z`` (a ``commd.codecs`` choice the op runs with, named or chosen by the coordinator), each optional |
 | ``fail`` | ``Fail`` | coordinator → member | the collective fails on every node | group ``g``, seq ``s``, code ``code``, message ``m`` |
 | ``early`` | ``Early`` | coordinator → member | node 0's contribution to a tiny all-reduce of a 2-node group, sent before the other node reported | group ``g``, seq ``s``, cache_id ``c``, contribution ``d`` (bytes) |
 | ``remote_send`` | ``RemoteSend`` | coordinator → member | a send forwarded to its receiver's node | the ``p2p_send`` fields, then sender_node ``sn`` |
@@ -324,7 +324,8 @@ class Heartbeat:
 @dataclass(slots=True)
 class Go:
     """A release: run the collective at place ``order`` of the global order, on ``lane``
-    (with program ``algo``, whose sha256 is ``algo_hash``, when the coordinator chose one)."""
+    (with program ``algo``, whose sha256 is ``algo_hash``, when the coordinator chose one;
+    compressed with ``codec`` when the op named one or the coordinator chose one for it)."""
 
     TYPE: ClassVar[str] = "go"
     group: str
@@ -336,6 +337,7 @@ class Go:
     fused_with: int | None = None  # the order of the fused set's first op this one joins
     algo: str | None = None  # the program's catalogue name (None: the lane's own algorithm)
     algo_hash: str | None = None  # its sha256, hex (with ``algo``, and only with it)
+    codec: str | None = None  # "NAME" or "NAME/per-hop" (``commd.codecs``; None: uncompressed)
 
     def to_wire(self) -> dict[str, Any]:
         item: dict[str, Any] = {"t": "go", "g": self.group, "s": self.seq, "o": self.order, "l": self.lane}
@@ -348,6 +350,8 @@ class Go:
         if self.algo is not None:
             item["a"] = self.algo
             item["ah"] = self.algo_hash
+        if self.codec is not None:
+            item["z"] = self.codec
         return item
 
     @classmethod
@@ -360,7 +364,7 @@ class Go:
         if (type(group) is str and type(seq) is int and type(order) is int and type(lane) is str
                 and (cache_id is None or type(cache_id) is int) and (result is None or type(result) is bytes)
                 and (fused_with is None or type(fused_with) is int)
-                and "a" not in item and "ah" not in item):  # valid: no more checks
+                and "a" not in item and "ah" not in item and "z" not in item):  # valid: no more checks
             return cls(group, seq, order, lane, cache_id, result, fused_with)
         return cls.checked(item)
 
@@ -374,9 +378,18 @@ class Go:
             _bad("go", "ah", "algorithm hash", "given exactly when 'a' (algorithm) is", algo_hash)
         if algo_hash is not None and not SHA256_HEX.fullmatch(algo_hash):
             _bad("go", "ah", "algorithm hash", "64 lowercase hex digits (sha256)", algo_hash)
+        codec = _opt_str(item, "go", "z", "codec")
+        if codec is not None:
+            from commd.codecs import CodecError, names, parse_choice  # (a sibling base layer: no cycle)
+
+            try:
+                parse_choice(codec)
+            except CodecError:
+                _bad("go", "z", "codec", f"a codec ({', '.join(names())}), optionally /per-hop", codec)
         return cls(_str(item, "go", "g", "group"), _int(item, "go", "s", "seq"), _int(item, "go", "o", "order"),
                    _str(item, "go", "l", "lane"), _opt_int(item, "go", "c", "cache id"),
-                   _opt_bytes(item, "go", "r", "result"), _opt_int(item, "go", "fz", "fused set"), algo, algo_hash)
+                   _opt_bytes(item, "go", "r", "result"), _opt_int(item, "go", "fz", "fused set"), algo, algo_hash,
+                   codec)
 
 
 @dataclass(slots=True)

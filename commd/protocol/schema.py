@@ -30,6 +30,11 @@ MAX_NAME_LEN = 256
 MAX_OP_TIMEOUT_S = 7 * 24 * 3600
 #: The transports a fabric may have; an op's lane hint names one of them.
 LANE_NAMES = ("tcp", "gloo", "mpi", "nccl")
+#: An op's ``codec`` field beside a codec's name (``commd.codecs``): "" lets the daemons choose a
+#: lossless codec where a rule or the tuning table says it pays; AUTO lets them choose a lossy one
+#: too (the user allowed the precision loss); NO_CODEC never compresses the op.
+CODEC_AUTO = "auto"
+NO_CODEC = "none"
 
 # Message types.
 HELLO = "hello"

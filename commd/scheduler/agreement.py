@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from commd.core.ops import COUNTED, REDUCING, ROOTED, BufferRef, Submission
+from commd.core.ops import COMPRESSED_KINDS, COUNTED, REDUCING, ROOTED, BufferRef, Submission
 from commd.protocol import schema as s
 from commd.protocol.cuda import CudaRef
 from commd.protocol.fabric import MAX_ALGO_NAME
@@ -128,7 +128,7 @@ def parse_submission(
         raise s.ProtocolError(f"unknown lane {sub.lane!r}; known: {list(LANE_NAMES)}")
     if len(sub.algo) > MAX_ALGO_NAME:
         raise s.ProtocolError(f"field 'algo' (an algorithm's name) is longer than {MAX_ALGO_NAME} characters")
-    if sub.codec:
+    if sub.codec and sub.codec not in _CHOOSING:
         _check_codec(sub)
     for name in ("buf", "in", "out"):
         if name in msg:
@@ -206,6 +206,11 @@ def _check_shape(sub: Submission) -> None:
             raise s.ProtocolError(str(exc)) from None
 
 
+#: Codec field values that name no codec ("auto": the daemons choose, lossy allowed; "none": never
+#: compressed): valid on every kind and dtype, the coordinator fits its choice to the op.
+_CHOOSING = frozenset({s.CODEC_AUTO, s.NO_CODEC})
+
+
 def _check_codec(sub: Submission) -> None:
     """A compressed op names a known codec that takes its dtype, on a kind that compresses."""
     from commd.codecs import CodecError, parse_choice
@@ -218,11 +223,9 @@ def _check_codec(sub: Submission) -> None:
     try:
         parse_choice(sub.codec)[0].check_dtype(sub.dtype)
     except CodecError as exc:
-        raise s.ProtocolError(f"field 'codec': {exc}") from None
+        raise s.ProtocolError(f"field 'codec': {exc} (or {s.CODEC_AUTO!r}: the daemons choose, lossy codecs too; "
+                              f"{s.NO_CODEC!r}: never compressed)") from None
 
-
-#: Op kinds whose inter-node phase can run compressed (the ``codec`` field).
-COMPRESSED_KINDS = frozenset({"broadcast", "allgather", "allreduce"})
 
 
 @functools.cache

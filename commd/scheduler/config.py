@@ -1,5 +1,5 @@
-"""The scheduler's settings: the `[scheduler]` table of the config file, its lane rules, and
-their wire form (node 0 sends its settings to every node when the fabric forms).
+"""The scheduler's settings: the `[scheduler]` table of the config file, its lane, program and codec
+rules, and their wire form (node 0 sends its settings to every node when the fabric forms).
 
 Everything here is validated data; which lane an op gets is ``selection.choose_lane``'s.
 """
@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from commd.core.ops import COMPRESSED_KINDS
 from commd.protocol import schema as s
 from commd.protocol.fabric import MAX_ALGO_NAME
 from commd.protocol.schema import LANE_NAMES
@@ -58,7 +59,24 @@ class AlgorithmRule:
         return (self.kind == "*" or self.kind == kind) and _within(self, nbytes, group_size)
 
 
-def _within(rule: LaneRule | AlgorithmRule, nbytes: int, group_size: int) -> bool:
+@dataclass(frozen=True)
+class CodecRule:
+    """``kind`` ('*' for any compressed kind), byte range, group-size range → ``codec`` (a
+    ``commd.codecs`` name, or "none": leave such ops uncompressed) for ops that let the daemons
+    choose.  A lossy codec applies only to ops that allowed lossy codecs (codec field "auto")."""
+
+    codec: str
+    kind: str = "*"
+    min_bytes: int = 0
+    max_bytes: int = 1 << 62
+    min_group: int = 1
+    max_group: int = s.MAX_GROUP_SIZE
+
+    def matches(self, kind: str, nbytes: int, group_size: int) -> bool:
+        return (self.kind == "*" or self.kind == kind) and _within(self, nbytes, group_size)
+
+
+def _within(rule: LaneRule | AlgorithmRule | CodecRule, nbytes: int, group_size: int) -> bool:
     """Whether an op of ``nbytes`` on a group of ``group_size`` falls in a rule's ranges (both kinds of rule)."""
     return rule.min_bytes <= nbytes <= rule.max_bytes and rule.min_group <= group_size <= rule.max_group
 
@@ -84,6 +102,8 @@ class SchedulerConfig:
     algorithm_rules: list[AlgorithmRule] = field(default_factory=list)
     #: ``[scheduler] algorithms_dir``: this node's user programs ("" = none; flag and env win).
     algorithms_dir: str = ""
+    #: ``[[compression]]`` rules: which codec an op that lets the daemons choose runs with.
+    codec_rules: list[CodecRule] = field(default_factory=list)
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -97,6 +117,8 @@ class SchedulerConfig:
             "tuning_note": self.tuning_note,
             "algorithm_rules": [[r.name, r.kind, r.min_bytes, r.max_bytes, r.min_group, r.max_group]
                                 for r in self.algorithm_rules],
+            "codec_rules": [[r.codec, r.kind, r.min_bytes, r.max_bytes, r.min_group, r.max_group]
+                            for r in self.codec_rules],
         }
 
     def adopt_table(self, table: TuningTable | None, nnodes: int, lanes: list[str]) -> None:
@@ -130,10 +152,10 @@ def _int(table: dict[str, Any], key: str, where: str, default: int) -> int:
 def parse_config(data: dict[str, Any], where: str = "config") -> SchedulerConfig:
     """Validate a config mapping (the TOML file's contents); errors name the key."""
     # [limits]: commd.daemon.limits reads it; [metrics]: commd.observe.settings
-    unknown = set(data) - {"scheduler", "rules", "algorithms", "limits", "metrics"}
+    unknown = set(data) - {"scheduler", "rules", "algorithms", "compression", "limits", "metrics"}
     if unknown:
         raise ValueError(f"{where}: unknown section(s) {sorted(unknown)}; known: scheduler, rules, algorithms, "
-                         "limits, metrics")
+                         "compression, limits, metrics")
     sched = data.get("scheduler", {})
     if not isinstance(sched, dict):
         raise ValueError(f"{where}: [scheduler] must be a table")
@@ -164,6 +186,7 @@ def parse_config(data: dict[str, Any], where: str = "config") -> SchedulerConfig
         raise ValueError(f"{where}: [scheduler] algorithms_dir must be a path, got {algorithms_dir!r}")
     config.algorithms_dir = algorithms_dir
     config.algorithm_rules = _algorithm_rules(data.get("algorithms", []), where)
+    config.codec_rules = _codec_rules(data.get("compression", []), where)
     rules = data.get("rules", [])
     if not isinstance(rules, list):
         raise ValueError(f"{where}: 'rules' must be an array of tables ([[rules]])")
@@ -222,6 +245,42 @@ def _algorithm_rules(rules: Any, where: str) -> list[AlgorithmRule]:
     return out
 
 
+def _codec_rules(rules: Any, where: str) -> list[CodecRule]:
+    """``[[compression]]``: each a ``codec`` (or "none") with the compressed kind, size and group-size
+    ranges it serves."""
+    from commd.codecs import CodecError, get
+
+    if not isinstance(rules, list):
+        raise ValueError(f"{where}: 'compression' must be an array of tables ([[compression]])")
+    out = []
+    for i, raw in enumerate(rules):
+        at = f"{where} compression[{i}]"
+        if not isinstance(raw, dict):
+            raise ValueError(f"{at}: must be a table")
+        unknown = set(raw) - {"codec", "kind", "min_bytes", "max_bytes", "min_group", "max_group"}
+        if unknown:
+            raise ValueError(f"{at}: unknown key(s) {sorted(unknown)}")
+        codec = raw.get("codec")
+        if codec != s.NO_CODEC:
+            try:
+                get(codec)
+            except CodecError as exc:
+                raise ValueError(f"{at}: 'codec': {exc}, or {s.NO_CODEC!r} (leave such ops uncompressed)") from None
+        kind = raw.get("kind", "*")
+        if kind != "*" and kind not in COMPRESSED_KINDS:
+            raise ValueError(f"{at}: 'kind' {kind!r} is not '*' or a kind that compresses "
+                             f"({', '.join(sorted(COMPRESSED_KINDS))})")
+        rule = CodecRule(
+            codec=codec, kind=kind,
+            min_bytes=_int(raw, "min_bytes", at, 0), max_bytes=_int(raw, "max_bytes", at, 1 << 62),
+            min_group=_int(raw, "min_group", at, 1), max_group=_int(raw, "max_group", at, s.MAX_GROUP_SIZE),
+        )
+        if rule.min_bytes > rule.max_bytes or rule.min_group > rule.max_group:
+            raise ValueError(f"{at}: empty range (min above max)")
+        out.append(rule)
+    return out
+
+
 def load_config(path: str | Path) -> SchedulerConfig:
     """Read and validate a TOML config file."""
     try:
@@ -241,4 +300,5 @@ def config_from_wire(raw: dict[str, Any]) -> SchedulerConfig:
         config.table = TuningTable.from_json(raw["table"], "the coordinator's tuning table")
     config.tuning_note = str(raw.get("tuning_note", ""))
     config.algorithm_rules = [AlgorithmRule(*r) for r in raw.get("algorithm_rules", [])]
+    config.codec_rules = [CodecRule(*r) for r in raw.get("codec_rules", [])]
     return config

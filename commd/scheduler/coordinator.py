@@ -14,6 +14,11 @@ gets a cache id that travels in the release; a daemon that sees the same
 pattern again reports only ``(group, seq, cache id)``.  When every node sends
 the same id the coordinator skips the comparison and the lane choice.
 
+Compression: with the lane and the program the coordinator decides the op's codec
+(``selection.choose_codec``: the one the op names, or for an op that lets the daemons
+choose, a ``[[compression]]`` rule's, then the tuning table's) and releases it in
+``Go.codec``; every node runs the released codec, and a compressed op is never fused.
+
 Fusion (Horovod's tensor fusion): small all-reduces of one group, dtype,
 reduce op and lane released one after the other in the same dispatch are
 marked as one fused set (``Go.fused_with``: the order number of the set's first op),
@@ -52,7 +57,13 @@ from commd.protocol.fabric import (
     ToMember,
 )
 from commd.scheduler.config import SchedulerConfig
-from commd.scheduler.selection import LaneCapability, SelectionError, choose_algorithm, choose_lane
+from commd.scheduler.selection import (
+    LaneCapability,
+    SelectionError,
+    choose_algorithm,
+    choose_codec,
+    choose_lane,
+)
 
 log = logging.getLogger("commd.coordinator")
 
@@ -175,6 +186,8 @@ class Coordinator:
         self.catalog = catalog
         #: cache id -> the (name, sha256) of the program its ops run (absent: the lane's own algorithm)
         self.cache_algo: dict[int, tuple[str, str]] = {}
+        #: cache id -> the codec its ops run with (absent: uncompressed); decided per pattern (kind, size...)
+        self.cache_codec: dict[int, str] = {}
         self.order = 0
         self.pending: dict[tuple[str, int], Pending] = {}
         # cache id -> (each node's pattern, lane, (fusion key, bytes) or None)
@@ -256,10 +269,12 @@ class Coordinator:
         lane: str | None = None
         cid: int | None = None
         algo: tuple[str, str] | None = None
+        codec: str | None = None
         if len(pending.cids) == len(pending.nodes) and len(cids) == 1:
             cid = cids.pop()
             _, lane, fuse_key = self.cache[cid]
             algo = self.cache_algo.get(cid)
+            codec = self.cache_codec.get(cid)
             self.stats.coord_fast_path += 1
         else:
             problem = self._mismatch(pending)
@@ -272,37 +287,42 @@ class Coordinator:
             sig = first.signature
             nbytes = max(e.nbytes for e in pending.entries.values())  # buffers differ per rank (gather...)
             algo_hint = sig.get("algo") or None
-            codec = sig.get("codec") or None
+            asked = sig.get("codec") or ""
+            named = asked if asked not in ("", s.CODEC_AUTO, s.NO_CODEC) else None  # (a codec, not a choice)
             try:
-                lane = choose_lane(  # (programs and codecs run on the tcp lane: either hint implies it)
+                lane = choose_lane(  # (programs and named codecs run on the tcp lane: either hint implies it)
                     first.kind, sig.get("dtype", "uint8"), sig.get("reduce_op"), nbytes, pending.nodes,
-                    len(first.placement), sig.get("lane") or ("tcp" if algo_hint or codec else None), self.config,
+                    len(first.placement), sig.get("lane") or ("tcp" if algo_hint or named else None), self.config,
                     self.lanes,
                 )
-                if codec is not None and algo_hint is not None:
-                    raise SelectionError(f"codec {codec!r} and algorithm {algo_hint!r} at once: a program's transfers "
+                if named is not None and algo_hint is not None:
+                    raise SelectionError(f"codec {named!r} and algorithm {algo_hint!r} at once: a program's transfers "
                                          "do not compress yet")
-                if codec is not None and lane != "tcp":
-                    raise SelectionError(f"codec {codec!r} compresses on the tcp lane only; the op asks for lane "
+                if named is not None and lane != "tcp":
+                    raise SelectionError(f"codec {named!r} compresses on the tcp lane only; the op asks for lane "
                                          f"{lane!r}")
                 program = choose_algorithm(
                     first.kind, sig.get("dtype", "uint8"), sig.get("reduce_op"), nbytes, pending.nodes,
                     len(first.placement), algo_hint, lane, self.config, self.catalog,
                     _UNFIT[first.kind](pending) if first.kind in _UNFIT else None,
                 )
+                codec = choose_codec(first.kind, sig.get("dtype", "uint8"), nbytes, pending.nodes,
+                                     len(first.placement), asked, lane, program, self.config)
             except SelectionError as exc:
                 for node in pending.nodes:
                     out.add(node, Fail(pending.group, pending.seq, s.E_PROTOCOL,
                                        f"{_op(pending)} on {self.nodes(pending.nodes)}: {exc}"))
                 return
             algo = (program.name, program.digest) if program is not None else None
-            # a program runs one op per lane call: never fused, never reduced here
-            fuse_key = self._fusion_key(pending.group, first, nbytes, lane) if algo is None else None
+            # a program or a codec runs one op per lane call: never fused, never reduced here
+            fuse_key = self._fusion_key(pending.group, first, nbytes, lane) if algo is None and codec is None else None
             if len(self.cache) < MAX_CACHE_ENTRIES:
                 cid = len(self.cache) + 1
                 self.cache[cid] = (dict(pending.entries), lane, fuse_key)
                 if algo is not None:
                     self.cache_algo[cid] = algo
+                if codec is not None:
+                    self.cache_codec[cid] = codec
         self.order += 1
         self.stats.coord_released += 1
         result = self._eager_result(pending, lane) if algo is None else None
@@ -311,10 +331,11 @@ class Coordinator:
         key, size = fuse_key if fusible else (None, 0)
         head = out.fuse(key, self.order, size, self.config.fusion_threshold_bytes)
         for node in pending.nodes:
-            # (positional: this runs for every node of every op; fields: cache id, result, fused with)
+            # (positional: this runs for every node of every op; fields: cache id, result, fused with,
+            # program, its hash, codec)
             out.add(node, Go(pending.group, pending.seq, self.order, lane,
                              cid if cid is not None and pending.cids.get(node) != cid else None, result, head,
-                             *(algo or (None, None))))
+                             *(algo or (None, None)), codec))
 
     def _send_early(self, pending: Pending, item: Ready, out: Outbox) -> None:
         """This node (the coordinator's own) reported a tiny all-reduce of a 2-node group first,

@@ -1,4 +1,5 @@
-"""Which lane runs an op (hint, config rules, tuning table, default) and which program runs it on the tcp lane.
+"""Which lane runs an op (hint, config rules, tuning table, default), which program runs it on the tcp
+lane, and which codec compresses it there.
 
 ``choose_lane`` is a pure function of the op's description, the rules and
 the lanes' own ``can_run`` answers, so any daemon computing it for the same
@@ -15,8 +16,9 @@ import logging
 from typing import TYPE_CHECKING, Protocol
 
 from commd.algorithms.catalog import COLL_FOR_KIND
+from commd.core.ops import COMPRESS_MIN_BYTES, COMPRESSED_KINDS
 from commd.kernels.split import split_reduce
-from commd.protocol.schema import LANE_NAMES
+from commd.protocol.schema import CODEC_AUTO, LANE_NAMES, NO_CODEC
 from commd.scheduler.config import SchedulerConfig
 from commd.scheduler.tuning import NATIVE
 
@@ -91,6 +93,40 @@ def choose_lane(
     raise SelectionError(f"no lane can run {kind} of {dtype}" + (f" with {reduce_op}" if reduce_op else ""))
 
 
+def choose_codec(kind: str, dtype: str, nbytes: int, nodes: tuple[int, ...], group_size: int, asked: str,
+                 lane: str, program: object, config: SchedulerConfig) -> str | None:
+    """The codec an op is released with (None: it runs uncompressed).
+
+    ``asked`` is the op's agreed codec field: a codec named there is released as it is (agreement
+    checked that it takes the dtype; the caller refused it with a program or another lane); "none"
+    never compresses; "" lets the ``[[compression]]`` rules, then the tuning table, choose a
+    lossless codec, "auto" any codec.  Only ops of a compressed kind, on the tcp lane without a
+    program, of at least ``COMPRESS_MIN_BYTES`` (an all-gather: its whole output) compress, and a
+    chosen codec must take the op's dtype: an automatic choice never makes an op fail."""
+    if (asked == NO_CODEC or kind not in COMPRESSED_KINDS or lane != "tcp" or program is not None
+            or nbytes < COMPRESS_MIN_BYTES):
+        return None
+    if asked not in ("", CODEC_AUTO):
+        return asked
+    from commd.codecs import get
+
+    lossy = asked == CODEC_AUTO
+
+    def fits(name: str) -> bool:
+        codec = get(name)
+        return (lossy or not codec.lossy) and dtype in codec.dtypes
+
+    for rule in config.codec_rules:
+        if rule.matches(kind, nbytes, group_size):
+            if rule.codec == NO_CODEC:
+                return None
+            if fits(rule.codec):
+                return rule.codec
+    if config.table is not None:
+        for name in config.table.lookup_codecs(kind, nbytes, len(nodes), lossy):
+            if fits(name):
+                return name
+    return None
 
 
 def choose_algorithm(

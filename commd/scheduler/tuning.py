@@ -20,6 +20,13 @@ sweep ran with an ``algo=`` hint); the tcp lane competes with the others at
 its best candidate's time.  The algorithm is kept even where another lane
 wins, since a rule may still send the op to the tcp lane.  A version 1 table
 (lanes only) still loads: its entries name no algorithm.
+
+Since version 3 an entry may also carry the tcp lane's compressed paths (``commd tune
+--compression``: one ``commd-tcp+CODEC`` row per codec): each codec's figures, the best
+lossless codec and the best codec of all, each only where it beats the plain tcp path by the
+switch margin.  The coordinator compresses an op that lets it choose with the lossless one, or
+with the best of all where the op allowed lossy codecs.  Tables of versions 1 and 2 name no
+codec: nothing is compressed by the table.
 """
 
 from __future__ import annotations
@@ -34,9 +41,9 @@ from pathlib import Path
 from typing import Any
 
 TABLE_FORMAT = "commd-tuning"
-TABLE_VERSION = 2
-#: Versions this commd reads (1: lanes only, no algorithm per entry).
-READABLE_VERSIONS = (1, 2)
+TABLE_VERSION = 3
+#: Versions this commd reads (1: lanes only, no algorithm per entry; 2: no codecs per entry).
+READABLE_VERSIONS = (1, 2, 3)
 #: The tcp lane's own algorithm, as entries and measurements name it.
 NATIVE = "native"
 #: The lane programs run on, and the op kinds they run.
@@ -91,7 +98,9 @@ def default_table_path(node0_name: str, nnodes: int) -> Path:
 @dataclass(frozen=True)
 class TuningEntry:
     """Sizes [min_bytes, max_bytes] of ``kind`` on groups of class ``nodes`` → ``lane``, and the tcp
-    lane's best ``algorithm`` (None: no program was measured here; ``NATIVE``: the lane's own won)."""
+    lane's best ``algorithm`` (None: no program was measured here; ``NATIVE``: the lane's own won);
+    ``codecs``: the tcp lane's compressed paths' figures per codec, ``codec_lossless`` / ``codec_any``
+    the best lossless codec / the best codec of all where it beats the plain tcp path (else None)."""
 
     kind: str
     nodes: str
@@ -101,10 +110,23 @@ class TuningEntry:
     lane: str
     measured: dict[str, dict[str, float]] = field(default_factory=dict)  # lane or "tcp/ALGO" -> figures
     algorithm: str | None = None
+    codecs: dict[str, dict[str, float]] = field(default_factory=dict)
+    codec_lossless: str | None = None
+    codec_any: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "nodes": self.nodes, "min_bytes": self.min_bytes, "max_bytes": self.max_bytes,
-                "size": self.size, "lane": self.lane, "algorithm": self.algorithm, "measured": self.measured}
+        out = {"kind": self.kind, "nodes": self.nodes, "min_bytes": self.min_bytes, "max_bytes": self.max_bytes,
+               "size": self.size, "lane": self.lane, "algorithm": self.algorithm, "measured": self.measured}
+        if self.codecs:  # (an entry without compressed paths keeps its version 2 form and digest)
+            out.update(codecs=self.codecs, codec_lossless=self.codec_lossless, codec_any=self.codec_any)
+        return out
+
+    def codec_choices(self, lossy: bool) -> list[str]:
+        """The codecs to try for an op in this entry, best first: the best of all where ``lossy`` is
+        allowed, then the best lossless one (the op's dtype may rule the first out)."""
+        found = [self.codec_any] if lossy else []
+        found.append(self.codec_lossless)
+        return [name for name in dict.fromkeys(found) if name is not None]
 
     def lane_without_programs(self, margin: float = SWITCH_MARGIN) -> str:
         """The winning lane had no program run: the lanes' own figures (the tcp lane's native row)."""
@@ -161,6 +183,12 @@ class TuningTable:
         entry = self.entry_for(kind, nbytes, group_nodes)
         return entry.algorithm if entry is not None else None
 
+    def lookup_codecs(self, kind: str, nbytes: int, group_nodes: int, lossy: bool) -> list[str]:
+        """The measured codecs for this op, best first (``TuningEntry.codec_choices``); [] where the
+        table has no entry, measured no codec here, or no codec beat the plain tcp path."""
+        entry = self.entry_for(kind, nbytes, group_nodes)
+        return entry.codec_choices(lossy) if entry is not None else []
+
     def entry_for(self, kind: str, nbytes: int, group_nodes: int) -> TuningEntry | None:
         """The entry whose size range holds ``nbytes`` for this op's measured kind and group class."""
         measured = _AS_TUNED.get(kind)
@@ -199,9 +227,16 @@ class TuningTable:
         tcp row) is a tcp candidate: the best candidate (the native one keeps near ties, then the
         order the programs were measured in) becomes the entry's algorithm, and the tcp lane
         competes with the other lanes at that candidate's time.
+
+        A row with a ``codec`` (a ``commd.codecs`` name: the tcp lane's compressed path) is kept in
+        the entry's ``codecs``; the best lossless codec and the best codec of all become the entry's
+        ``codec_lossless`` / ``codec_any`` where they beat the plain tcp row by more than ``margin``
+        (the plain path keeps near ties; no plain tcp row in the cell: no choice).  Codecs do not
+        take part in the lane choice.
         """
         cells: dict[tuple[str, str], dict[int, dict[str, dict[str, float]]]] = {}
         programs: dict[tuple[str, str], dict[int, dict[str, dict[str, float]]]] = {}
+        coded: dict[tuple[str, str], dict[int, dict[str, dict[str, float]]]] = {}
         for i, row in enumerate(rows):
             where = f"measurement {i}"
             kind = row.get("kind")
@@ -217,8 +252,14 @@ class TuningTable:
             algorithm = row.get("algorithm")
             if algorithm is not None and (lane != PROGRAM_LANE or not _is_name(algorithm)):
                 raise ValueError(f"{where}: 'algorithm' {algorithm!r} must be a program's name on the tcp lane")
+            codec = row.get("codec")
+            if codec is not None and (lane != PROGRAM_LANE or algorithm is not None or not _is_codec(codec)):
+                raise ValueError(f"{where}: 'codec' {codec!r} must be a codec's name (commd.codecs) on the tcp "
+                                 "lane, without an algorithm")
             cell = (kind, group_class(nodes))
-            if algorithm is None:
+            if codec is not None:
+                coded.setdefault(cell, {}).setdefault(size, {})[codec] = figures
+            elif algorithm is None:
                 cells.setdefault(cell, {}).setdefault(size, {})[lane] = figures
             else:
                 programs.setdefault(cell, {}).setdefault(size, {})[algorithm] = figures
@@ -238,16 +279,25 @@ class TuningTable:
                     order = sorted(candidates, key=lambda name: name != NATIVE)  # (stable: measuring order)
                     algorithm = _preferred(order, candidates, margin)
                     lanes[PROGRAM_LANE] = candidates[algorithm]
+                if not lanes:
+                    raise ValueError(f"{kind} of {size} bytes on {nodes} node(s): compressed rows only, no lane's "
+                                     "plain row to compare them with")
                 lane = _preferred(sorted(lanes, key=LANE_PREFERENCE.index), lanes, margin)
                 measured = dict(by_size[size])
                 measured.update({f"{PROGRAM_LANE}/{name}": figs for name, figs in candidates.items()
                                  if name != NATIVE or figs is not measured.get(PROGRAM_LANE)})
-                entries.append(TuningEntry(kind, nodes, low, high, size, lane, measured, algorithm))
+                codecs = dict(coded.get((kind, nodes), {}).get(size, {}))
+                plain = by_size[size].get(PROGRAM_LANE)
+                lossless, best = (_best_codec(codecs, plain, margin, lossy) for lossy in (False, True))
+                entries.append(TuningEntry(kind, nodes, low, high, size, lane, measured, algorithm, codecs,
+                                           lossless, best))
         return cls(dict(fabric), entries, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
     # ---- files -----------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
-        return {"format": TABLE_FORMAT, "version": TABLE_VERSION, "id": self.table_id, "created": self.created,
+        # (a table without codec figures is written as version 2: a commd from before codecs reads it)
+        version = TABLE_VERSION if any(e.codecs for e in self.entries) else 2
+        return {"format": TABLE_FORMAT, "version": version, "id": self.table_id, "created": self.created,
                 "fabric": self.fabric, "entries": [e.to_json() for e in self.entries]}
 
     def save(self, path: Path) -> None:
@@ -296,8 +346,9 @@ class TuningTable:
             algorithm = item.get("algorithm")
             if algorithm is not None and not _is_name(algorithm):
                 raise ValueError(f"{at}: 'algorithm' must be a program's name (or null), got {algorithm!r}")
+            codecs, lossless, best = _codec_fields(item, at)
             entries.append(TuningEntry(item["kind"], item["nodes"], low, high, size, item["lane"], measured,
-                                       algorithm))
+                                       algorithm, codecs, lossless, best))
         return cls(fabric, entries, created=str(raw.get("created", "")), table_id=str(raw.get("id", "")))
 
     @classmethod
@@ -333,7 +384,19 @@ class TuningTable:
             changes = self.winner_changes(nodes)
             if changes:
                 lines.append("winner changes: " + "; ".join(changes))
+            lines.extend(self.codec_lines(nodes))
         return "\n".join(lines)
+
+    def codec_lines(self, nodes: str) -> list[str]:
+        """Per kind measured with codecs, the codec chosen per size: lossless (ops that let the
+        daemons choose) / of all (ops that allowed lossy codecs); '-' where none beat plain tcp."""
+        out = []
+        for kind in TUNED_KINDS:
+            measured = [e for e in self._index.get((kind, nodes), ()) if e.codecs]
+            if measured:
+                cells = [f"{format_bytes(e.size)} {e.codec_lossless or '-'}/{e.codec_any or '-'}" for e in measured]
+                out.append(f"{kind} codec (lossless/any): " + ", ".join(cells))
+        return out
 
     def winner_changes(self, nodes: str) -> list[str]:
         """Where, per kind, the winning lane changes as sizes grow."""
@@ -359,6 +422,55 @@ def _preferred(order: list[str], figures: dict[str, dict[str, float]], margin: f
     """The first of ``order`` within ``margin`` (relative) of the fastest median."""
     fastest = min(figures[name]["median_us"] for name in order)
     return next(name for name in order if figures[name]["median_us"] <= fastest * (1 + margin))
+
+
+def _is_codec(value: Any) -> bool:
+    """Whether ``value`` names a codec (``commd.codecs``; a table names no per-hop baseline)."""
+    from commd.codecs import CODECS
+
+    return any(value == codec.name for codec in CODECS)
+
+
+def _lossy(name: str) -> bool:
+    from commd.codecs import get
+
+    return get(name).lossy
+
+
+def _best_codec(codecs: dict[str, dict[str, float]], plain: dict[str, float] | None, margin: float,
+                lossy: bool) -> str | None:
+    """The fastest codec (lossless ones only unless ``lossy``) if it beats the plain tcp path by more
+    than ``margin``; None otherwise, or without a plain tcp figure to compare with."""
+    names = [name for name in codecs if lossy or not _lossy(name)]
+    if plain is None or "median_us" not in plain or not names:
+        return None
+    figures = {"": plain, **{name: codecs[name] for name in names}}
+    best = _preferred(["", *names], figures, margin)  # (the plain path first: it keeps near ties)
+    return best or None
+
+
+def _codec_fields(item: dict[str, Any], at: str) -> tuple[dict[str, dict[str, float]], str | None, str | None]:
+    """An entry's ``codecs`` (name → figures with a positive ``median_us``), ``codec_lossless`` (a
+    lossless codec measured there) and ``codec_any`` (a codec measured there); absent: none."""
+    codecs = item.get("codecs", {})
+    if not isinstance(codecs, dict):
+        raise ValueError(f"{at}: 'codecs' must be an object (codec name -> figures)")
+    for name, figures in codecs.items():
+        if not _is_codec(name):
+            raise ValueError(f"{at}: 'codecs' names {name!r}, which is not a codec")
+        median = figures.get("median_us") if isinstance(figures, dict) else None
+        if isinstance(median, bool) or not isinstance(median, int | float) or not median > 0:
+            raise ValueError(f"{at}: 'codecs' {name!r} must hold a positive 'median_us'")
+    chosen = []
+    for key in ("codec_lossless", "codec_any"):
+        name = item.get(key)
+        if name is not None and name not in codecs:
+            raise ValueError(f"{at}: {key!r} must be null or one of the entry's measured codecs "
+                             f"{sorted(codecs)}, got {name!r}")
+        chosen.append(name)
+    if chosen[0] is not None and _lossy(chosen[0]):
+        raise ValueError(f"{at}: 'codec_lossless' names {chosen[0]!r}, which is lossy")
+    return codecs, chosen[0], chosen[1]
 
 
 def _is_name(value: Any) -> bool:

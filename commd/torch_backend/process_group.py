@@ -167,7 +167,9 @@ class Options:
     "nccl"); None lets the daemons' rules decide per op.  ``algo``: the program that
     runs this group's all-reduces between nodes (on the tcp lane), or a mapping from op
     (``ALGO_OPS``: all_reduce, all_gather, all_to_all, alltonext) to the program for that op;
-    None: the rules decide.
+    None: the rules decide.  ``compression``: a codec (``commd.codecs``) for the group's broadcasts,
+    all-gathers and all-reduces between nodes; "auto": the daemons choose, lossy codecs too; "none":
+    never compressed; None: $COMMD_COMPRESSION, else the daemons may choose a lossless codec.
     """
 
     def __init__(self, lane: str | None = None, algo: str | Mapping[str, str] | None = None,
@@ -187,20 +189,26 @@ class Options:
         self.algos = algos
         self.algo = algos.get("all_reduce")
         #: The codec of this group's broadcasts, all-gathers and all-reduces between nodes (None:
-        #: $COMMD_COMPRESSION, else none).
+        #: $COMMD_COMPRESSION, else the daemons may choose a lossless one); "auto": the daemons may
+        #: choose any codec, lossy ones too; "none": never compressed.
         self.compression = checked_codec(compression, "compression")
 
 
 def checked_codec(name: str | None, what: str) -> str | None:
-    """``name`` if it is a codec's (``commd.codecs``); ValueError naming ``what`` and the codecs otherwise."""
+    """``name`` if it is a codec's (``commd.codecs``), "auto" or "none"; ValueError naming ``what`` and
+    the codecs otherwise."""
     if name is None or name == "":
         return None
     from commd.codecs import CodecError, get
+    from commd.protocol.schema import CODEC_AUTO, NO_CODEC
 
+    if name in (CODEC_AUTO, NO_CODEC):
+        return name
     try:
         return get(name).name
     except CodecError as exc:
-        raise ValueError(f"{what}: {exc}") from None
+        raise ValueError(f"{what}: {exc}; or {CODEC_AUTO!r} (the daemons choose, lossy codecs too) or "
+                         f"{NO_CODEC!r} (never compressed)") from None
 
 
 def compression_from_environment() -> str | None:
@@ -343,12 +351,17 @@ class ProcessGroupCommd(dist.ProcessGroup):
         return None if self._algos.get("all_gather") else self._codec_for(tensor)
 
     def _codec_for(self, tensor: torch.Tensor) -> str | None:
-        """The group's codec if it takes ``tensor``'s dtype (a model's integer buffers go uncompressed)."""
+        """The group's codec if it takes ``tensor``'s dtype, else nothing (a model's integer buffers:
+        the daemons' default, a lossless codec where rules or the table choose one); "auto" and
+        "none" as they are (the daemons fit an automatic choice to the dtype)."""
         if self._compression is None:
             return None
         from commd.codecs import get
         from commd.kernels.reduce import DTYPE_NAMES
+        from commd.protocol.schema import CODEC_AUTO, NO_CODEC
 
+        if self._compression in (CODEC_AUTO, NO_CODEC):
+            return self._compression
         return self._compression if DTYPE_NAMES.get(tensor.dtype) in get(self._compression).dtypes else None
 
     @profiled("all_gather")
