@@ -44,6 +44,8 @@ FORBIDDEN = {
     "fabric": {"daemon"},
     # programs and their runtime: below the daemon; they move bytes only through lanes.base.Transport
     "algorithms": {"scheduler", "execution", "fabric", "daemon", "client", "torch_backend"},
+    # offline: it reaches the daemons only through the files it writes (a tuning table's data it reads)
+    "planner": {"execution", "fabric", "daemon", "lanes", "client", "torch_backend", "algorithms"},
 }
 
 #: Rule 5: the only commd layers the client library and the torch backend may import.

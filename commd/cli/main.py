@@ -38,6 +38,8 @@ COMMANDS: dict[str, Command] = {
                      "add_arguments", "run"),
     "algo": Command("check, simulate and list collective programs (MSCCL XML files, the library)",
                     "commd.cli.algo", "add_arguments", "run"),
+    "plan": Command("plan a model's parallelization (data, tensor, sequence, sharded) from measured costs",
+                    "commd.planner.cli", "add_arguments", "run"),
     "slurm-plan": Command("for the Slurm prolog: this node's rank and the job's rendezvous", "commd.deploy.slurm",
                           "add_arguments", "run"),
 }

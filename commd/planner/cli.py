@@ -1,0 +1,121 @@
+"""``commd plan``: plan a model's parallelization from a layer list and measured costs, or show a plan.
+
+    commd plan --layers model.json --mesh 2x2 --nproc-per-node 2 --table tuning.json --costs local.json -o plan.json
+    commd plan --example gpt --mesh 4 --nproc-per-node 2 --costs costs.json --search both
+    commd plan --show plan.json
+    commd plan calibrate --nproc-per-node 2 -o costs.json   # groups inside a node, and the compute rate
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from commd.planner import examples
+from commd.planner import plan as planner
+from commd.planner.costs import CollectiveCosts, CostError
+from commd.planner.graph import GraphError, LayerGraph
+
+#: The benchmark's model families at their default sizes (``--example``).
+EXAMPLES = {
+    "wide-mlp": lambda: examples.mlp(batch=32, width=4096, depth=4),
+    "narrow-mlp": lambda: examples.mlp(batch=8192, width=256, depth=4),
+    "cnn": lambda: examples.cnn(batch=64),
+    "gpt": lambda: examples.gpt(batch=8, seq=128, hidden=512, heads=8, blocks=4, vocab=8192),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", nargs="?", choices=["calibrate"],
+                   help="calibrate: time collectives among this node's ranks and the compute rate (a costs file)")
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--layers", type=Path, help="the model as a JSON layer list (format commd-layers)")
+    model.add_argument("--example", choices=sorted(EXAMPLES), help="one of the benchmark's model families")
+    model.add_argument("--show", type=Path, metavar="PLAN", help="print a plan.json for people and stop")
+    p.add_argument("--mesh", default=None, help="ranks as N (1-D) or DPxTP (2-D), e.g. 4 or 2x2")
+    p.add_argument("--nproc-per-node", type=int, default=None,
+                   help="ranks per node (plan default: all on one node; calibrate default: 2)")
+    p.add_argument("--max-bytes", default="16M", help="calibrate: the largest message timed (default 16M)")
+    p.add_argument("--iters", type=int, default=10, help="calibrate: timed iterations per size (default 10)")
+    p.add_argument("--matrix", type=int, default=1024, help="calibrate: side of the timed matrix products")
+    p.add_argument("--table", type=Path, help="a tuning table (`commd tune`): costs of groups across nodes")
+    p.add_argument("--costs", type=Path, help="a costs file: groups inside a node, and flops_per_s")
+    p.add_argument("--flops-per-s", type=float, help="the compute rate (overrides the costs file's)")
+    p.add_argument("--search", choices=planner.SEARCHES, default="descent",
+                   help="descent (default), exact, or both (fails when descent is >1%% worse than exact)")
+    p.add_argument("--mem-gb", type=float, help="memory per rank: strategies that do not fit are left out")
+    p.add_argument("--optimizer-states", type=int, default=2,
+                   help="parameter-sized optimizer tensors (Adam 2, SGD+momentum 1, SGD 0; default 2)")
+    p.add_argument("--gpu", action="store_true", help="a GPU mesh: S(i)->S(j) conversions as all-to-alls")
+    p.add_argument("--write-layers", type=Path, metavar="FILE", help="also write the model's layer list")
+    p.add_argument("-o", "--out", type=Path, help="write plan.json here")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.action == "calibrate":
+        from commd.planner import calibrate
+
+        if args.out is None:
+            print("commd plan calibrate: -o FILE names the costs file to write", file=sys.stderr)
+            return 2
+        args.nproc_per_node = args.nproc_per_node or 2
+        return calibrate.run(args)
+    try:
+        if args.show:
+            print(planner.show(planner.load(args.show)))
+            return 0
+        graph = _graph(args)
+        if args.write_layers:
+            args.write_layers.write_text(json.dumps(graph.to_json(), indent=1) + "\n")
+        if not args.mesh:
+            raise planner.PlanError("--mesh is needed (e.g. 4 or 2x2)")
+        mesh = planner.Mesh.parse(args.mesh, 1, args.gpu)
+        mesh = planner.Mesh(mesh.shape, args.nproc_per_node or mesh.world, args.gpu)
+        costs, table_id = _costs(args)
+        if args.mem_gb is not None and args.mem_gb <= 0:
+            raise planner.PlanError("--mem-gb must be positive")
+        if args.optimizer_states < 0:
+            raise planner.PlanError("--optimizer-states must not be negative")
+        opts = planner.Options(search=args.search, optimizer_states=args.optimizer_states,
+                               mem_bytes=args.mem_gb * 2**30 if args.mem_gb else None)
+        made = planner.plan(graph, mesh, costs, opts, table_id)
+    except (planner.PlanError, CostError, GraphError) as exc:
+        print(f"commd plan: {exc}", file=sys.stderr)
+        return 2
+    print(planner.show(made))
+    if args.out:
+        planner.save(made, args.out)
+        print(f"wrote {args.out}")
+    return 0
+
+
+def _graph(args: argparse.Namespace) -> LayerGraph:
+    if args.layers:
+        return LayerGraph.load(args.layers)
+    if args.example:
+        return EXAMPLES[args.example]()
+    raise planner.PlanError("give the model: --layers FILE (a JSON layer list) or --example NAME")
+
+
+def _costs(args: argparse.Namespace) -> tuple[CollectiveCosts, str]:
+    costs = CollectiveCosts({}, None, "")
+    table_id = ""
+    if args.table:
+        from commd.scheduler.tuning import TuningTable
+
+        try:
+            table = TuningTable.load(args.table)
+        except (OSError, ValueError) as exc:
+            raise CostError(f"cannot use the tuning table {args.table}: {exc}") from None
+        costs, table_id = costs.merged(CollectiveCosts.from_table(table)), table.table_id
+    if args.costs:
+        costs = costs.merged(CollectiveCosts.load(args.costs))
+    if args.flops_per_s is not None:
+        if args.flops_per_s <= 0:
+            raise CostError("--flops-per-s must be positive")
+        costs.flops_per_s = args.flops_per_s
+    if not costs.curves:
+        raise CostError("no measured costs: give --table (from `commd tune`) and/or --costs")
+    return costs, table_id

@@ -1,0 +1,365 @@
+"""From a layer graph, a mesh and measured costs to a plan: the problem, its solution, plan.json.
+
+Each layer's candidates are its strategies on every mesh dimension together (``layouts.py``);
+a candidate's own cost is its share of the layer's compute (forward and backward: three times the
+forward) and its parameter synchronisation; an edge's cost is the layout conversion of the
+activation forward and of its gradient backward, per mesh dimension.  Collectives are priced by
+``costs.py`` on the groups of the dimension they run on, so a dimension inside one node and one
+across nodes cost what they were measured to cost.  ``plan()`` solves it (``search.py``) and
+prices two baselines the same way: data parallel everywhere, and Megatron (linear layers in
+column/row pairs, attention split by heads, embeddings by vocabulary, the rest replicated).
+
+The model adds times: it does not overlap communication with compute (DDP overlaps its
+all-reduces with the backward pass), so a prediction is an upper bound where overlap is large.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from commd.planner import search
+from commd.planner.costs import CollectiveCosts
+from commd.planner.graph import LayerGraph
+from commd.planner.layouts import SYNC_NONE, Strategy, candidates, conversion, split_dim, sync_collectives
+
+PLAN_FORMAT = "commd-plan"
+PLAN_VERSION = 1
+SEARCHES = ("descent", "exact", "both")
+#: Adjacent layers descent changes at once (two missed the optimum on random models: search.py).
+DESCENT_WINDOW = 3
+#: ``--search both`` fails when descent is this much worse than the exact optimum.
+BOTH_TOLERANCE = 0.01
+
+
+class PlanError(ValueError):
+    """A plan that cannot be made as asked; the message says why."""
+
+
+@dataclass(frozen=True)
+class MeshDim:
+    size: int
+    role: str  # "any" (1-D), "data" or "model" (2-D)
+    nodes: int  # nodes one of its groups spans
+    name: str
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """Ranks laid out row-major over ``shape``; ``nproc_per_node`` consecutive ranks share a node."""
+
+    shape: tuple[int, ...]
+    nproc_per_node: int
+    gpu: bool = False
+
+    def __post_init__(self) -> None:
+        if not 1 <= len(self.shape) <= 2 or any(s < 1 for s in self.shape):
+            raise PlanError(f"a mesh is 1-D or 2-D (dp x tp) of positive sizes, not {self.shape}")
+        if self.nproc_per_node < 1 or self.world % self.nproc_per_node:
+            raise PlanError(f"{self.world} ranks do not fill nodes of {self.nproc_per_node}")
+
+    @property
+    def world(self) -> int:
+        return math.prod(self.shape)
+
+    def dims(self) -> list[MeshDim]:
+        out = []
+        for d, size in enumerate(self.shape):
+            stride = math.prod(self.shape[d + 1:])
+            nodes = len({(i * stride) // self.nproc_per_node for i in range(size)})
+            role = "any" if len(self.shape) == 1 else ("data" if d == 0 else "model")
+            out.append(MeshDim(size, role, nodes, "dp" if role == "data" else ("tp" if role == "model" else "world")))
+        return out
+
+    def describe(self) -> str:
+        return "x".join(map(str, self.shape)) + f" ({self.world // self.nproc_per_node} node(s) x {self.nproc_per_node})"
+
+    @classmethod
+    def parse(cls, text: str, nproc_per_node: int, gpu: bool = False) -> Mesh:
+        try:
+            shape = tuple(int(x) for x in text.lower().split("x"))
+        except ValueError:
+            raise PlanError(f"--mesh {text!r}: sizes such as 4 or 2x2") from None
+        return cls(shape, nproc_per_node, gpu)
+
+
+@dataclass
+class Options:
+    compute: str = "flops"  # "flops" (from the costs' flops_per_s) or "measured" (layer_seconds)
+    layer_seconds: dict[str, float] = field(default_factory=dict)  # forward seconds per layer
+    mem_bytes: float | None = None  # per rank
+    optimizer_states: int = 2  # extra parameter-sized tensors (Adam: 2, SGD with momentum: 1)
+    search: str = "descent"
+
+
+@dataclass
+class Priced:
+    """The problem, and per layer its candidates (one Strategy per mesh dimension)."""
+
+    problem: search.Problem
+    options: list[list[tuple[Strategy, ...]]]
+    node_parts: list[list[dict[str, float]]]  # per layer, per candidate: compute, sync seconds
+    collectives: dict[tuple[int, int], list[list[tuple[str, int, int, int]]]]  # per edge: [s*kv+t] -> list
+    node_collectives: list[list[list[tuple[str, int, int, int]]]]  # per layer, per candidate
+
+
+def price(graph: LayerGraph, mesh: Mesh, costs: CollectiveCosts, opts: Options) -> Priced:
+    """Every layer's candidates, their costs and the edges' costs."""
+    dims = mesh.dims()
+    ndim_in = [len(graph.layers[graph.index[x.inputs[0]]].out_shape) if x.inputs else len(x.out_shape)
+               for x in graph.layers]
+    options, node_costs, node_parts, node_colls = [], [], [], []
+    for i, layer in enumerate(graph.layers):
+        per_dim = [candidates(layer, ndim_in[i], d.size, d.role) for d in dims]
+        combos, costs_here, parts_here, colls_here = [], [], [], []
+        for combo in itertools.product(*per_dim):
+            compute = 3 * _forward_seconds(layer.name, layer.flops, costs, opts) * math.prod(s.compute_share for s in combo)
+            colls = []
+            for d, s in enumerate(combo):
+                if s.sync != SYNC_NONE:
+                    others = math.prod(x.param_share for e, x in enumerate(combo) if e != d)
+                    nbytes = int(graph.param_bytes(i) * others)
+                    colls += [(kind, b, d, 1) for kind, b in sync_collectives(s.sync, nbytes)]
+            sync = sum(costs.seconds(k, b, dims[d].nodes, dims[d].size) for k, b, d, _ in colls)
+            if opts.mem_bytes is not None and _memory(graph, i, combo, mesh.shape, opts.optimizer_states) > opts.mem_bytes:
+                continue
+            combos.append(combo)
+            costs_here.append(compute + sync)
+            parts_here.append({"compute_s": compute, "sync_s": sync})
+            colls_here.append(colls)
+        if not combos:
+            raise PlanError(f"layer {layer.name!r}: no strategy fits in {opts.mem_bytes / 2**30:.2f} GiB per rank")
+        options.append(combos)
+        node_costs.append(costs_here)
+        node_parts.append(parts_here)
+        node_colls.append(colls_here)
+    edges, edge_colls = {}, {}
+    for u, v in graph.edges():
+        nbytes = graph.edge_bytes(u)
+        ku, kv = len(options[u]), len(options[v])
+        matrix = np.zeros((ku, kv))
+        lists: list[list[tuple[str, int, int, int]]] = []
+        backward = graph.layers[u].kind != "input"  # (no gradient flows into the batch)
+        for s, t in itertools.product(range(ku), range(kv)):
+            colls = _edge_collectives(options[u][s], options[v][t], nbytes, mesh, backward)
+            matrix[s, t] = sum(costs.seconds(k, b, dims[d].nodes, dims[d].size) for k, b, d, _ in colls)
+            lists.append(colls)
+        key = (u, v)
+        if key in edges:  # the same producer feeds the consumer twice (x + x): both conversions count
+            edges[key] = edges[key] + matrix
+            edge_colls[key] = [a + b for a, b in zip(edge_colls[key], lists, strict=True)]
+        else:
+            edges[key], edge_colls[key] = matrix, lists
+    return Priced(search.Problem(node_costs, edges), options, node_parts, edge_colls, node_colls)
+
+
+def _forward_seconds(name: str, flops: float, costs: CollectiveCosts, opts: Options) -> float:
+    if opts.compute == "measured":
+        if name not in opts.layer_seconds:
+            raise PlanError(f"layer {name!r} has no measured time")
+        return opts.layer_seconds[name]
+    if flops and not costs.flops_per_s:
+        raise PlanError("compute from FLOPs needs a measured rate: run `commd plan calibrate` (flops_per_s)")
+    return flops / costs.flops_per_s if flops else 0.0
+
+
+def _memory(graph: LayerGraph, i: int, combo: tuple[Strategy, ...], shape: tuple[int, ...],
+            optimizer_states: int) -> float:
+    """A candidate's bytes per rank: its parameters, gradients and optimizer states, and its output
+    activation (kept for the backward pass)."""
+    params = graph.param_bytes(i) * math.prod(s.param_share for s in combo) * (2 + optimizer_states)
+    act = graph.edge_bytes(i) / math.prod(_shards(s.out, shape[d]) for d, s in enumerate(combo))
+    return params + act
+
+
+def _shards(layout: str, size: int) -> int:
+    return size if split_dim(layout) is not None else 1
+
+
+def _edge_collectives(su: tuple[Strategy, ...], sv: tuple[Strategy, ...], nbytes: int, mesh: Mesh,
+                      backward: bool) -> list[tuple[str, int, int, int]]:
+    """The conversions of one edge per mesh dimension, forward and backward: (kind, bytes, dim, 1)."""
+    out = []
+    for d in range(len(mesh.shape)):
+        others = math.prod(mesh.shape[e] if split_dim(su[e].out) is not None else 1
+                           for e in range(len(mesh.shape)) if e != d)
+        b = nbytes // others
+        out += [(k, n, d, 1) for k, n in conversion(su[d].out, sv[d].inp, b, mesh.gpu)]
+        if backward:
+            out += [(k, n, d, 1) for k, n in conversion(sv[d].in_grad, su[d].out, b, mesh.gpu)]
+    return out
+
+
+# ---- baselines ------------------------------------------------------------------------------------
+def data_parallel(graph: LayerGraph, priced: Priced) -> list[int] | None:
+    """Every dimension data parallel (DDP)."""
+    return _pick(priced, lambda i, combo: all(s.name == "dp" for s in combo))
+
+
+def megatron(graph: LayerGraph, priced: Priced) -> list[int] | None:
+    """Data parallel on a 2-D mesh's data dimension; on the other (a 1-D mesh's only one): linear and
+    convolution layers alternate column and row, attention splits heads, embeddings the vocabulary,
+    parameter-free layers keep the layout they are given (an activation after a column layer stays
+    split), everything else is replicated."""
+    choice: list[int] = []
+    column_next = True
+    model_dim = len(priced.options[0][0]) - 1
+    for i, layer in enumerate(graph.layers):
+        combos = priced.options[i]
+        want: str | None
+        if layer.kind in ("linear", "conv2d"):
+            want, column_next = ("col" if column_next else "row"), not column_next
+        elif layer.kind == "attention":
+            want = "heads"
+        elif layer.kind == "embedding":
+            want = "vocab"
+        elif layer.kind == "follow":
+            given = priced.options[graph.index[layer.inputs[0]]][choice[graph.index[layer.inputs[0]]]][model_dim].out
+            want = next((c[model_dim].name for c in combos if c[model_dim].inp == given and c[model_dim].name != "dp"),
+                        "rep")
+        else:
+            want = "rep"
+        found = next((k for k, combo in enumerate(combos)
+                      if combo[model_dim].name == want and all(s.name == "dp" for s in combo[:model_dim])), None)
+        if found is None:
+            return None
+        choice.append(found)
+    return choice
+
+
+def _pick(priced: Priced, fits: Any) -> list[int] | None:
+    choice = []
+    for i, combos in enumerate(priced.options):
+        found = next((k for k, combo in enumerate(combos) if fits(i, combo)), None)
+        if found is None:
+            return None
+        choice.append(found)
+    return choice
+
+
+# ---- the plan -------------------------------------------------------------------------------------
+def starts(priced: Priced) -> list[list[int]]:
+    """Descent's structured starts: for each strategy (its names on every mesh dimension), every layer
+    that has it takes it and the others their cheapest candidate.  A window of adjacent layers cannot
+    move a transformer's residual stream from one layout to another (every block's adds at once);
+    a start that has every layer there already can, and costs one descent each."""
+    names = sorted({tuple(s.name for s in combo) for combos in priced.options for combo in combos})
+    out = []
+    for name in names:
+        choice = []
+        for v, combos in enumerate(priced.options):
+            k = next((k for k, combo in enumerate(combos) if tuple(s.name for s in combo) == name), None)
+            choice.append(k if k is not None else int(np.argmin(priced.problem.node_costs[v])))
+        out.append(choice)
+    return out
+
+
+def solve(priced: Priced, how: str) -> tuple[search.Solution, dict[str, Any]]:
+    """The chosen candidates, and what the search did (times, and the exact check for ``both``)."""
+    if how not in SEARCHES:
+        raise PlanError(f"--search must be one of {', '.join(SEARCHES)}, not {how!r}")
+    notes: dict[str, Any] = {"method": how}
+    began = time.perf_counter()
+    if how == "exact":
+        best = search.exact(priced.problem)
+        notes["exact_s"] = time.perf_counter() - began
+        return best, notes
+    best = search.descent(priced.problem, window=DESCENT_WINDOW, starts=starts(priced))
+    notes["descent_s"] = time.perf_counter() - began
+    if how == "both":
+        began = time.perf_counter()
+        optimum = search.exact(priced.problem)
+        notes["exact_s"] = time.perf_counter() - began
+        notes["exact_total_s"] = optimum.total
+        gap = (best.total - optimum.total) / optimum.total if optimum.total > 0 else 0.0
+        notes["descent_gap"] = gap
+        if gap > BOTH_TOLERANCE:
+            raise PlanError(f"coordinate descent's plan ({best.total * 1e3:.3f} ms) is {gap:.1%} worse than the exact "
+                            f"optimum ({optimum.total * 1e3:.3f} ms): more than {BOTH_TOLERANCE:.0%}")
+    return best, notes
+
+
+def breakdown(priced: Priced, choice: list[int]) -> dict[str, Any]:
+    """The predicted step: compute, conversions and sync seconds, and the collectives per step."""
+    compute = sum(priced.node_parts[v][s]["compute_s"] for v, s in enumerate(choice))
+    sync = sum(priced.node_parts[v][s]["sync_s"] for v, s in enumerate(choice))
+    conversions = sum(float(m[choice[u], choice[v]]) for (u, v), m in priced.problem.edges.items())
+    counter: Counter[tuple[str, int, int]] = Counter()
+    for v, s in enumerate(choice):
+        for kind, nbytes, d, _ in priced.node_collectives[v][s]:
+            counter[(kind, nbytes, d)] += 1
+    for (u, v), lists in priced.collectives.items():
+        kv = len(priced.options[v])
+        for kind, nbytes, d, _ in lists[choice[u] * kv + choice[v]]:
+            counter[(kind, nbytes, d)] += 1
+    colls = [{"kind": k, "bytes": b, "mesh_dim": d, "count": n} for (k, b, d), n in sorted(counter.items())]
+    return {"step_s": compute + sync + conversions, "compute_s": compute, "conversions_s": conversions,
+            "sync_s": sync, "collectives": colls}
+
+
+def plan(graph: LayerGraph, mesh: Mesh, costs: CollectiveCosts, opts: Options, table_id: str = "") -> dict[str, Any]:
+    """The plan as plan.json holds it."""
+    priced = price(graph, mesh, costs, opts)
+    best, notes = solve(priced, opts.search)
+    dims = mesh.dims()
+    layers = []
+    for i, layer in enumerate(graph.layers):
+        combo = priced.options[i][best.choice[i]]
+        layers.append({"name": layer.name, "kind": layer.kind, "strategy": [s.name for s in combo],
+                       "input": [s.inp for s in combo], "output": [s.out for s in combo],
+                       "sync": [s.sync for s in combo]})
+    baselines = {}
+    for name, pick in (("data_parallel", data_parallel), ("megatron", megatron)):
+        choice = pick(graph, priced)
+        baselines[name] = None if choice is None else {
+            **breakdown(priced, choice), "strategy": [[s.name for s in priced.options[i][c]] for i, c in enumerate(choice)]}
+    return {"format": PLAN_FORMAT, "version": PLAN_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "mesh": {"shape": list(mesh.shape), "nproc_per_node": mesh.nproc_per_node, "gpu": mesh.gpu,
+                     "dims": [{"name": d.name, "size": d.size, "nodes": d.nodes} for d in dims]},
+            "table_id": table_id, "costs": costs.source, "model": graph.source, "search": notes,
+            "layers": layers, "predicted": breakdown(priced, best.choice), "baselines": baselines}
+
+
+def save(plan_json: dict[str, Any], path: Path) -> None:
+    Path(path).write_text(json.dumps(plan_json, indent=1) + "\n")
+
+
+def load(path: Path) -> dict[str, Any]:
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise PlanError(f"cannot read the plan {path}: {exc}") from None
+    if not isinstance(raw, dict) or raw.get("format") != PLAN_FORMAT:
+        raise PlanError(f"{path}: not a plan (expected \"format\": \"{PLAN_FORMAT}\")")
+    if raw.get("version") != PLAN_VERSION:
+        raise PlanError(f"{path}: plan version {raw.get('version')!r}; this commd reads {PLAN_VERSION}")
+    return raw
+
+
+def show(plan_json: dict[str, Any]) -> str:
+    """The plan for people: per layer its strategy and layouts, then the predicted step beside the baselines."""
+    lines = [f"plan for {plan_json.get('model') or 'a model'} on mesh "
+             f"{'x'.join(map(str, plan_json['mesh']['shape']))} ({plan_json['mesh']['nproc_per_node']} ranks per node); "
+             f"costs: {plan_json.get('costs')}"]
+    names = [d["name"] for d in plan_json["mesh"]["dims"]]
+    lines.append(f"{'layer':<28} {'kind':<10} " + " ".join(f"{n:<10}" for n in names) + "  in -> out")
+    for layer in plan_json["layers"]:
+        lines.append(f"{layer['name']:<28} {layer['kind']:<10} " + " ".join(f"{s:<10}" for s in layer["strategy"])
+                     + f"  {','.join(layer['input'])} -> {','.join(layer['output'])}")
+    lines.append(f"{'predicted per step (ms)':<28} {'step':>9} {'compute':>9} {'convert':>9} {'sync':>9}")
+    rows = [("this plan", plan_json["predicted"])] + [(k, v) for k, v in plan_json["baselines"].items()]
+    for name, fig in rows:
+        if fig is None:
+            lines.append(f"{name:<28} {'(does not fit)':>9}")
+            continue
+        lines.append(f"{name:<28} {fig['step_s'] * 1e3:9.3f} {fig['compute_s'] * 1e3:9.3f} "
+                     f"{fig['conversions_s'] * 1e3:9.3f} {fig['sync_s'] * 1e3:9.3f}")
+    return "\n".join(lines)

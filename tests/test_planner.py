@@ -1,0 +1,285 @@
+"""commd plan's offline core: the solvers against brute force and each other, layouts and their
+conversions, α-β fits, costs files and tuning tables, plans of the model families, plan.json.
+
+References are independent: brute force over every combination for the solvers, hand-derived
+collectives (Megatron's all-reduces) for the cost model, exact points for the fits.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from commd.planner import examples, search
+from commd.planner import plan as planner
+from commd.planner.costs import AlphaBeta, CollectiveCosts, CostError, fit
+from commd.planner.graph import GraphError, Layer, LayerGraph
+from commd.planner.layouts import B, P, conversion, split
+from commd.scheduler.tuning import TuningEntry, TuningTable
+
+KINDS = ("allreduce", "allgather", "reduce_scatter", "alltoall", "broadcast")
+
+
+def random_problem(rng: np.random.Generator, dag: bool) -> search.Problem:
+    n, k = int(rng.integers(3, 12)), int(rng.integers(2, 5))
+    costs = [list(rng.uniform(0, 10, k)) for _ in range(n)]
+    edges = {}
+    for v in range(1, n):
+        preds = {v - 1} if not dag else set(rng.choice(v, size=min(v, int(rng.integers(1, 3))), replace=False).tolist())
+        for u in preds:
+            m = rng.uniform(0, 10, (k, k))
+            m[np.arange(k), np.arange(k)] = 0
+            edges[(u, v)] = m
+    return search.Problem(costs, edges)
+
+
+def synthetic_costs(rng: np.random.Generator | None = None, flops_per_s: float = 2e10) -> CollectiveCosts:
+    """Curves for groups inside a node (fast) and across nodes (slow), per kind."""
+    curves = {}
+    for key, (alpha, bandwidth) in {"1x2": (50e-6, 2e9), "1x4": (60e-6, 1.5e9), "2x2": (300e-6, 1.1e8),
+                                    "2x4": (400e-6, 1e8), "4x4": (500e-6, 9e7)}.items():
+        for kind in KINDS:
+            a = alpha * (rng.uniform(0.5, 2) if rng is not None else 1)
+            bw = bandwidth * (rng.uniform(0.3, 3) if rng is not None else 1)
+            curves[(key, kind)] = AlphaBeta(a, (2 if kind == "allreduce" else 1) / bw, 2, "synthetic")
+    return CollectiveCosts(curves, flops_per_s, "synthetic")
+
+
+def random_model(rng: np.random.Generator) -> LayerGraph:
+    family = rng.integers(3)
+    if family == 0:
+        return examples.mlp(int(2 ** rng.integers(4, 12)), int(2 ** rng.integers(6, 12)), int(rng.integers(1, 6)))
+    if family == 1:
+        hidden = int(2 ** rng.integers(6, 10))
+        return examples.gpt(int(2 ** rng.integers(0, 4)), int(2 ** rng.integers(5, 9)), hidden, 4,
+                            int(rng.integers(1, 3)), int(rng.integers(1000, 20000)))
+    return examples.cnn(int(2 ** rng.integers(3, 7)), 16, (16, 32), int(2 ** rng.integers(7, 12)))
+
+
+# ---- solvers --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dag", [False, True])
+def test_the_exact_solvers_find_what_brute_force_finds(dag: bool) -> None:
+    for seed in range(25):
+        problem = random_problem(np.random.default_rng(seed), dag)
+        if np.prod([len(c) for c in problem.node_costs]) > 200_000:
+            continue
+        truth = search.brute_force(problem, limit=200_000)
+        found = search.exact(problem)
+        assert found.total == pytest.approx(truth.total, rel=1e-9), f"seed {seed}"
+        assert found.method == ("integer program" if dag and not problem.is_chain() else "dynamic programming") \
+            or problem.is_chain()
+
+
+def test_descent_with_windows_of_three_from_32_starts_finds_the_optimum_of_200_random_chains_and_graphs() -> None:
+    for seed in range(200):
+        for dag in (False, True):
+            problem = random_problem(np.random.default_rng(seed), dag)
+            optimum = search.exact(problem).total
+            assert search.descent(problem, window=3, random_starts=32).total == pytest.approx(optimum, rel=1e-9), f"seed {seed}, dag {dag}"
+
+
+def test_the_planners_descent_finds_the_exact_optimum_on_200_random_models() -> None:
+    """Windows of two from the planner's starts, on models of every family, random sizes and costs,
+    1-D and 2-D meshes: ``--search both`` never finds a gap."""
+    for seed in range(200):
+        rng = np.random.default_rng(seed)
+        graph = random_model(rng)
+        mesh = planner.Mesh((4,), 2) if rng.integers(2) else planner.Mesh((2, 2), 2)
+        priced = planner.price(graph, mesh, synthetic_costs(rng), planner.Options())
+        best, notes = planner.solve(priced, "both")
+        assert notes["descent_gap"] <= 1e-9, f"seed {seed}: {graph.source} on {mesh.shape}: gap {notes['descent_gap']}"
+
+
+def test_a_problem_must_be_numbered_in_a_topological_order() -> None:
+    with pytest.raises(search.SearchError, match="topological"):
+        search.Problem([[1.0], [1.0]], {(1, 0): np.zeros((1, 1))})
+    with pytest.raises(search.SearchError, match="cost matrix"):
+        search.Problem([[1.0], [1.0, 2.0]], {(0, 1): np.zeros((1, 1))})
+    with pytest.raises(search.SearchError, match="chain"):
+        search.exact_chain(search.Problem([[1.0]] * 3, {(0, 2): np.zeros((1, 1))}))
+
+
+# ---- layouts and costs ----------------------------------------------------------------------------
+def test_conversions_are_the_collectives_of_the_sbp_table() -> None:
+    n = 1000
+    assert conversion(B, split(0), n) == [] and conversion(split(1), P, n) == [] and conversion(P, P, n) == []
+    assert conversion(P, B, n) == [("allreduce", n)]
+    assert conversion(P, split(1), n) == [("reduce_scatter", n)]
+    assert conversion(split(0), B, n) == [("allgather", n)]
+    assert conversion(split(0), split(1), n) == [("allgather", n)]  # CPU meshes: gather, then slice
+    assert conversion(split(0), split(1), n, gpu=True) == [("alltoall", n)]
+
+
+def test_a_fit_recovers_alpha_and_beta_and_prices_nothing_for_nothing() -> None:
+    points = [(b, 1e-4 + 2e-9 * b) for b in (1 << 10, 1 << 16, 1 << 20, 1 << 24)]
+    curve = fit(points, "test")
+    assert curve.alpha == pytest.approx(1e-4, rel=1e-6) and curve.beta == pytest.approx(2e-9, rel=1e-6)
+    assert curve(0) == 0.0
+    assert fit([(1 << 20, 1e-3)], "one point").beta == pytest.approx(1e-3 / (1 << 20))
+    with pytest.raises(CostError, match="no measurement"):
+        fit([], "empty")
+
+
+def test_costs_come_from_a_tuning_tables_winning_lanes() -> None:
+    entries = [TuningEntry("allreduce", "2", 0, 1 << 62, size, "tcp",
+                           measured={"tcp": {"median_us": 100 + size * 0.01}, "gloo": {"median_us": 1e9}})
+               for size in (1 << 12, 1 << 16, 1 << 20)]
+    costs = CollectiveCosts.from_table(TuningTable({"nodes": 2, "lanes": ["tcp", "gloo"]}, entries))
+    got = costs.seconds("allreduce", 1 << 18, nodes=2, ranks=4)  # any ranks per node: the table's class
+    assert got == pytest.approx((100 + (1 << 18) * 0.01) / 1e6, rel=1e-6)
+    with pytest.raises(CostError, match="calibrate"):
+        costs.seconds("allreduce", 1 << 18, nodes=1, ranks=2)
+    with pytest.raises(CostError, match="allgather"):
+        costs.seconds("allgather", 1 << 18, nodes=2, ranks=2)
+
+
+@pytest.mark.parametrize(("raw", "error"), [
+    ({"format": "x"}, "not a costs file"),
+    ({"format": "commd-costs", "version": 9}, "version"),
+    ({"format": "commd-costs", "version": 1, "groups": {"two": {}}}, "NODESxRANKS"),
+    ({"format": "commd-costs", "version": 1, "groups": {"1x2": {"gossip": [[1, 1]]}}}, "gossip"),
+    ({"format": "commd-costs", "version": 1, "groups": {"1x2": {"allreduce": [[1, -1]]}}}, "positive"),
+    ({"format": "commd-costs", "version": 1, "groups": {"1x2": {"allreduce": "fast"}}}, "pairs"),
+    ({"format": "commd-costs", "version": 1, "groups": {}, "flops_per_s": -1}, "flops_per_s"),
+])
+def test_a_bad_costs_file_is_refused_naming_what_is_wrong(raw: dict, error: str) -> None:
+    with pytest.raises(CostError, match=error):
+        CollectiveCosts.from_json(raw)
+
+
+def test_a_reduce_scatter_without_measurements_is_priced_as_the_all_gather_of_the_same_tensor() -> None:
+    costs = CollectiveCosts.from_json({"format": "commd-costs", "version": 1,
+                                       "groups": {"1x2": {"allgather": [[1 << 10, 1e-5], [1 << 20, 1e-3]]}}})
+    assert costs.seconds("reduce_scatter", 1 << 15, 1, 2) == costs.seconds("allgather", 1 << 15, 1, 2)
+
+
+# ---- graphs ---------------------------------------------------------------------------------------
+def test_a_layer_list_round_trips_and_bad_ones_are_refused(tmp_path: Path) -> None:
+    graph = examples.gpt(2, 16, 32, 4, 2, 100)
+    path = tmp_path / "layers.json"
+    path.write_text(json.dumps(graph.to_json()))
+    again = LayerGraph.load(path)
+    assert again.to_json() == graph.to_json() and again.edges() == graph.edges()
+    bad = graph.to_json()
+    bad["layers"][3]["inputs"] = ["nowhere"]
+    with pytest.raises(GraphError, match="'nowhere' is not an earlier layer"):
+        LayerGraph.from_json(bad)
+    with pytest.raises(GraphError, match="kind 'magic'"):
+        LayerGraph([Layer("x", "input", (), (2, 2)), Layer("m", "magic", ("x",), (2, 2))])
+    with pytest.raises(GraphError, match="out_shape"):
+        LayerGraph([Layer("x", "input", (), (2, 0))])
+
+
+# ---- plans ----------------------------------------------------------------------------------------
+def test_megatron_on_an_mlp_issues_one_all_reduce_per_column_row_pair_forward() -> None:
+    """x -> fc0 (column) -> act -> fc1 (row) -> loss on 2 ranks of one node: the row layer's partial
+    output is all-reduced before the loss (Megatron's g); the column layer's backward all-reduce (f)
+    is not needed for the batch, which has no gradient.  Nothing else moves."""
+    graph = examples.mlp(batch=8, width=16, depth=2)
+    priced = planner.price(graph, planner.Mesh((2,), 2), synthetic_costs(), planner.Options())
+    choice = planner.megatron(graph, priced)
+    assert [priced.options[i][c][0].name for i, c in enumerate(choice)] == ["rep", "col", "split1", "row", "rep"]
+    got = planner.breakdown(priced, choice)["collectives"]
+    assert got == [{"kind": "allreduce", "bytes": 8 * 16 * 4, "mesh_dim": 0, "count": 1}]
+
+
+def test_data_parallel_syncs_every_parameter_once_and_converts_nothing() -> None:
+    graph = examples.mlp(batch=8, width=16, depth=3)
+    priced = planner.price(graph, planner.Mesh((4,), 2), synthetic_costs(), planner.Options())
+    figures = planner.breakdown(priced, planner.data_parallel(graph, priced))
+    synced = sorted(c["bytes"] for c in figures["collectives"] for _ in range(c["count"]))
+    assert synced == sorted(graph.param_bytes(i) for i, layer in enumerate(graph.layers) if layer.params)
+    assert all(c["kind"] == "allreduce" for c in figures["collectives"]) and figures["conversions_s"] == 0
+
+
+def test_the_plan_is_never_predicted_slower_than_its_baselines_and_survives_a_round_trip(tmp_path: Path) -> None:
+    for graph in (examples.mlp(64, 1024, 4), examples.cnn(32), examples.gpt(4, 64, 128, 4, 2, 1000)):
+        for mesh in (planner.Mesh((4,), 2), planner.Mesh((2, 2), 2)):
+            made = planner.plan(graph, mesh, synthetic_costs(), planner.Options(search="both"), table_id="t")
+            for name, baseline in made["baselines"].items():
+                assert baseline is not None, name
+                assert made["predicted"]["step_s"] <= baseline["step_s"] * (1 + 1e-9), (graph.source, mesh, name)
+            path = tmp_path / "plan.json"
+            planner.save(made, path)
+            assert planner.load(path) == json.loads(json.dumps(made))
+            text = planner.show(made)
+            assert all(layer.name in text for layer in graph.layers) and "megatron" in text
+
+
+def test_a_memory_limit_removes_the_candidates_that_do_not_fit() -> None:
+    graph = examples.mlp(batch=8, width=2048, depth=2)  # 16 MiB of weights per layer: 64 MiB with grads + Adam
+    roomy = planner.price(graph, planner.Mesh((4,), 4), synthetic_costs(), planner.Options())
+    tight = planner.price(graph, planner.Mesh((4,), 4), synthetic_costs(), planner.Options(mem_bytes=40 << 20))
+    names = {s[0].name for s in tight.options[1]}
+    assert "dp" in {s[0].name for s in roomy.options[1]} and "dp" not in names and {"fsdp", "col", "row"} <= names
+    with pytest.raises(planner.PlanError, match="no strategy fits"):
+        planner.price(graph, planner.Mesh((4,), 4), synthetic_costs(), planner.Options(mem_bytes=1 << 20))
+
+
+def test_a_24_block_transformer_plans_within_the_issues_10_seconds() -> None:
+    graph = examples.gpt(8, 512, 1024, 16, 24, 32000)
+    began = time.perf_counter()
+    made = planner.plan(graph, planner.Mesh((2, 2), 2), synthetic_costs(), planner.Options())
+    took = time.perf_counter() - began
+    assert len(made["layers"]) == len(graph.layers)
+    assert took < 10, f"planning a 24-block transformer took {took:.1f} s"
+
+
+# ---- the command line -----------------------------------------------------------------------------
+def write_costs(path: Path) -> Path:
+    groups = {}
+    for key, (alpha, bandwidth) in {"1x2": (5e-5, 2e9), "2x2": (3e-4, 1.1e8), "2x4": (4e-4, 1e8)}.items():
+        groups[key] = {kind: [[b, alpha + (2 if kind == "allreduce" else 1) * b / bandwidth] for b in (4096, 1 << 20, 1 << 24)]
+                       for kind in ("allreduce", "allgather")}
+    path.write_text(json.dumps({"format": "commd-costs", "version": 1, "flops_per_s": 2e10, "groups": groups}))
+    return path
+
+
+def test_commd_plan_writes_a_plan_it_can_show(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from commd.cli.main import main
+
+    costs, out, layers = write_costs(tmp_path / "costs.json"), tmp_path / "plan.json", tmp_path / "layers.json"
+    assert main(["plan", "--example", "gpt", "--mesh", "2x2", "--nproc-per-node", "2", "--costs", str(costs),
+                 "--search", "both", "--write-layers", str(layers), "-o", str(out)]) == 0
+    made = planner.load(out)
+    assert made["mesh"]["dims"] == [{"name": "dp", "size": 2, "nodes": 2}, {"name": "tp", "size": 2, "nodes": 1}]
+    assert made["search"]["descent_gap"] <= 1e-9
+    capsys.readouterr()
+    assert main(["plan", "--show", str(out)]) == 0
+    assert "h3.attn" in capsys.readouterr().out
+    assert main(["plan", "--layers", str(layers), "--mesh", "2x2", "--nproc-per-node", "2", "--costs", str(costs),
+                 "-o", str(tmp_path / "again.json")]) == 0  # the written layer list plans the same model
+    assert planner.load(tmp_path / "again.json")["layers"] == made["layers"]
+
+
+@pytest.mark.parametrize(("args", "error"), [
+    (["--example", "gpt", "--costs", "COSTS"], "--mesh is needed"),
+    (["--example", "gpt", "--mesh", "2y2", "--costs", "COSTS"], "sizes such as"),
+    (["--example", "gpt", "--mesh", "4"], "no measured costs"),
+    (["--example", "gpt", "--mesh", "4", "--costs", "COSTS"], "calibrate"),  # 4 ranks on one node: not measured
+    (["--mesh", "4", "--costs", "COSTS"], "give the model"),
+    (["--example", "gpt", "--mesh", "3", "--nproc-per-node", "2", "--costs", "COSTS"], "do not fill nodes"),
+    (["--example", "gpt", "--mesh", "2", "--costs", "COSTS", "--mem-gb", "0.00001"], "no strategy fits"),
+])
+def test_commd_plan_refuses_bad_input_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str],
+                                               error: str) -> None:
+    from commd.cli.main import main
+
+    costs = str(write_costs(tmp_path / "costs.json"))
+    assert main(["plan", *[costs if a == "COSTS" else a for a in args]]) == 2
+    assert error in capsys.readouterr().err
+
+
+def test_calibration_keeps_the_checked_commd_rows_per_group_and_kind() -> None:
+    from commd.planner.calibrate import group_sizes, points_from_rows
+
+    assert group_sizes(1) == [] and group_sizes(2) == [2] and group_sizes(6) == [2, 4, 6] and group_sizes(8) == [2, 4, 8]
+    rows = [{"op": "allreduce", "bytes": 4096, "via": "commd", "check": "ok", "world": 2, "nodes": 1, "median_us": 50.0},
+            {"op": "allreduce", "bytes": 4096, "via": "gloo", "check": "ok", "world": 2, "nodes": 1, "median_us": 9.0},
+            {"op": "allgather", "bytes": 8192, "via": "commd", "check": "FAILED", "world": 2, "nodes": 1, "median_us": 1.0},
+            {"op": "barrier", "bytes": 0, "via": "commd", "check": "ok", "world": 2, "nodes": 1, "median_us": 5.0}]
+    assert points_from_rows(rows) == {"1x2": {"allreduce": [[4096, 50e-6]]}}
