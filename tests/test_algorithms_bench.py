@@ -322,13 +322,14 @@ def test_bench_algorithms_on_simulated_hosts(tmp_path: Path) -> None:
 @pytest.mark.slow  # ~30 s: three simulated hosts
 def test_bench_compression_on_simulated_hosts(tmp_path: Path) -> None:
     """`commd bench --compression` measures a path per codec (and the per-hop baseline) beside the
-    plain broadcast and all-gather, each row naming its codec and checked."""
+    plain broadcast, all-gather and all-reduce, each row naming its codec and checked (the all-reduces
+    within the codec's bound per hop of the exact sum)."""
     if netns_unavailable():
         pytest.skip("simulated hosts need root (network namespaces)")
-    rows = bench_rows(tmp_path, "--ops", "broadcast,allgather", "--compression", "bf16,lossless,bf16/per-hop",
-                      "--min-bytes", "2M", "--max-bytes", "2M")
+    rows = bench_rows(tmp_path, "--ops", "broadcast,allgather,allreduce", "--compression",
+                      "bf16,lossless,bf16/per-hop", "--min-bytes", "2M", "--max-bytes", "2M")
     got = {(r["op"], r["path"], r.get("codec"), r["check"]) for r in rows}
-    assert got == {(op, path, codec, "ok") for op in ("broadcast", "allgather") for path, codec in (
+    assert got == {(op, path, codec, "ok") for op in ("broadcast", "allgather", "allreduce") for path, codec in (
         ("commd/tcp", None), ("commd-tcp+bf16", "bf16"), ("commd-tcp+lossless", "lossless"))} | {
         ("broadcast", "commd-tcp+bf16/per-hop", "bf16/per-hop", "ok")}, got  # (per-hop: a broadcast's baseline)
 

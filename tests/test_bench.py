@@ -90,7 +90,7 @@ def test_busbw_factors_are_the_nccl_tests_ones() -> None:
     (["--plot", "out.jpg"], "give a .png file name"),
     (["--ops", "broadcast", "--compression", "zip"], "--compression: unknown codec 'zip'"),
     (["--ops", "broadcast", "--compression", "bf16/twice"], "the only variant of a codec is 'per-hop'"),
-    (["--ops", "allreduce", "--compression", "bf16"], "--compression: broadcast and allgather compress; --ops has neither"),
+    (["--ops", "alltoall", "--compression", "bf16"], "--compression: broadcast, allgather, allreduce compress; --ops has none of them"),
     (["--ops", "broadcast", "--compression", "bf16", "--dtype", "int64"], "model-like float32 data"),
 ])
 def test_bench_rejects_bad_options(args: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -34,7 +34,7 @@ DTYPES = ("float32", "float64", "float16", "int32", "int64")
 #: Ops that a program can run (on the tcp lane); ``--algorithms`` adds paths for these only.
 ALGORITHM_OPS = ("allreduce", "allgather", "alltoall", "alltonext")
 #: Ops ``--compression`` adds codec paths for.
-COMPRESSED_OPS = ("broadcast", "allgather")
+COMPRESSED_OPS = ("broadcast", "allgather", "allreduce")
 #: The tcp lane's own algorithm (no ``algo=`` hint); ``all``: native and every library program of the op.
 NATIVE = "native"
 ALGORITHM_WORDS = (NATIVE, "all")
@@ -117,7 +117,7 @@ class BenchSpec:
     extra: dict[str, Any] = field(default_factory=dict)
     blocks: bool = False  # time each path's iterations in one block instead of in alternation
     algorithms: list[str] | None = None  # tcp-lane programs to measure (NATIVE: no hint); None: none
-    compression: list[str] | None = None  # codecs to broadcast with on the tcp lane (one path each); None: none
+    compression: list[str] | None = None  # codecs of the compressed ops' tcp paths (one path each); None: none
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -146,11 +146,12 @@ def add_measure_arguments(parser: argparse.ArgumentParser, *, ops_default: str =
                              "daemons' algorithms directory; all: native and every library program of the op"
                              + (f" (default {algorithms_default})" if algorithms_default else " (default: none)"))
     parser.add_argument("--compression", default="",
-                        help="comma-separated codecs (bf16, bf16-cast, lossless, lossless-zstd, fp16) to broadcast "
-                             "and all-gather with on the tcp lane, one path each (commd-tcp+CODEC), on model-like "
-                             "float32 data "
-                             "(the result checked against the root's data, or its rounding for a lossy codec); "
-                             "CODEC/per-hop: the baseline that decodes and codes again at every hop (default: none)")
+                        help="comma-separated codecs (bf16, bf16-cast, lossless, lossless-zstd, fp16) to broadcast, "
+                             "all-gather and all-reduce with on the tcp lane, one path each (commd-tcp+CODEC); every "
+                             "commd path of those ops then moves model-like float32 data (broadcasts and all-gathers "
+                             "checked against the data or its rounding, all-reduces within the codec's bound per hop); "
+                             "CODEC/per-hop: the broadcast baseline that decodes and codes again at every hop "
+                             "(default: none)")
     parser.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,
                         help=f"untimed iterations per size and path after the checked one (default {DEFAULT_WARMUP})")
     parser.add_argument("--iters", type=int, default=DEFAULT_ITERS,
@@ -217,7 +218,7 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         raise SpecError(f"--algorithms: programs run {','.join(ALGORITHM_OPS)} only; --ops has none of them")
     compression = parse_compression(getattr(args, "compression", "") or "")
     if compression and not set(ops) & set(COMPRESSED_OPS):
-        raise SpecError(f"--compression: {' and '.join(COMPRESSED_OPS)} compress; --ops has neither")
+        raise SpecError(f"--compression: {', '.join(COMPRESSED_OPS)} compress; --ops has none of them")
     if compression and dtype != "float32":
         raise SpecError(f"--compression measures model-like float32 data; --dtype is {dtype}")
     return BenchSpec(ops=ops, sizes=message_sizes(low, high, args.step_factor), lanes=lanes,

@@ -307,8 +307,9 @@ def _measure_all(args: argparse.Namespace, spec: BenchSpec, cells: list[tuple[st
             paths = [p for p in paths if (op, p.label) not in skipped]
             if not paths:
                 continue
+            model = bool(spec.compression) and op in COMPRESSED_OPS  # every commd path moves the same data
             cases = [(path, make_case(op, size, path.rank, path.world, itemsize, path.alloc,
-                                      getattr(path, "codec", None))) for path in paths]
+                                      getattr(path, "codec", None), model)) for path in paths]
             if any(case is None for _, case in cases):  # fewer bytes than one element per rank: skipped alike
                 bar.update(len(paths))
                 continue
