@@ -1,26 +1,31 @@
-"""Compressed broadcasts and all-gathers against MPI, Gloo, commd's plain forms and the per-hop baseline.
+"""Compressed broadcasts, all-gathers and all-reduces against MPI, Gloo, commd's plain forms and the
+per-hop baseline.
 
 Four simulated hosts x 1 rank, per link setting one ``commd bench`` (the paths of a size timed
 in alternation): broadcast from rank 0 of 1..256 MiB through
 
-  commd/auto                  the daemons' own choice (no codec asked for)
+  commd/auto                  the daemons' own choice (no codec asked for: a lossless one where
+                              --table, measured by `commd tune --compression`, says it pays)
   commd/tcp                   the plain chain
   commd-tcp+bf16, +lossless, +bf16-cast   the compressed chain per codec (model-like float32)
   commd-tcp+bf16/per-hop      the baseline: every middle node decodes and codes again
   mpi, gloo                   mpi4py Bcast (under mpiexec, its own phase) and torch's Gloo, directly
 
-All-gathers (S: the whole output) run the same paths but the per-hop one, beside their plain
-forms.  Every commd row is checked (lossy codecs against their rounding, on every rank).  Targets,
-printed as met / NOT met:
+All-gathers (S: the whole output) and all-reduces run the same paths but the per-hop one, beside
+their plain forms.  Every commd path moves model-like float32 data, and every row is checked
+(broadcasts and all-gathers: the data or a lossy codec's rounding of it, on every rank;
+all-reduces: within the codec's bound per hop of the exact sum).  Targets, printed as met / NOT met:
 
   C1  1 Gbit/s, 64 MiB: the bf16 chain's latency at least 65% below MPI's broadcast;
   C2  10 Gbit/s + 0.1 ms, 64 MiB: the bf16 chain at least 1.3x the per-hop chain;
   C3  links unshaped: commd's own choice at least 0.95x commd's best uncompressed path at every size
       (it never compresses where that costs); beside it, the same ratio against Gloo and MPI directly.
+      Without --table the daemons have no measured codec figures and their choice is uncompressed.
 
     python benchmarks/compression.py                  # 3 settings, 1..256 MiB (tens of minutes on 2 cores)
     python benchmarks/compression.py --quick          # 4..64 MiB, 1 Gbit/s and 10 Gbit/s only
     python benchmarks/compression.py --settings 1gbit --json out.json
+    python benchmarks/compression.py --settings unshaped --table t.json   # C3 with a tuned choice
 
 Needs root (network namespaces) and mpiexec (the mpich wheel; --no-mpi leaves MPI out).
 """
@@ -49,7 +54,7 @@ MiB = 1 << 20
 def run_setting(setting: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     rate, delay = SETTINGS[setting]
     argv = ["bench", "--hosts", str(HOSTS), "--nproc-per-node", "1", "--timeout", str(args.timeout),
-            "--ops", "broadcast,allgather", "--lanes", "auto,tcp", "--compression", CODECS,
+            "--ops", args.ops, "--lanes", "auto,tcp", "--compression", CODECS,
             "--min-bytes", args.min_bytes, "--max-bytes", args.max_bytes, "--step-factor", "4",
             "--iters", str(args.iters), "--warmup", "1", "--json", str(work / f"bench-{setting}.json")]
     if rate:
@@ -58,7 +63,7 @@ def run_setting(setting: str, args: argparse.Namespace, work: Path) -> dict[str,
         argv += ["--delay-ms", str(delay)]
     argv += ["--compare", "gloo" if args.no_mpi else "gloo,mpi"]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "COMMD_TUNING": "off"}
+           "COMMD_TUNING": str(Path(args.table).resolve()) if args.table and setting == "unshaped" else "off"}
     env.pop("COMMD_COMPRESSION", None)
     started, before = time.monotonic(), loadavg()
     commd(argv, env, args.timeout + 60, work / f"bench-{setting}.log")
@@ -113,8 +118,10 @@ def targets(data: dict[str, dict[str, Any]]) -> list[tuple[str, bool | None, str
 
 def print_setting(data: dict[str, Any]) -> None:
     print(f"\n=== {data['setting']}: load {data['load_before']} -> {data['load_after']}, {data['wall_s']} s")
-    for op in ("broadcast", "allgather"):
+    for op in ("broadcast", "allgather", "allreduce"):
         by = medians(data["rows"], op)
+        if not by:
+            continue
         sizes = sorted({s for v in by.values() for s in v})
         paths = list(by)
         print(f"{op} median ms [x mpi: mpi's median over the row's]")
@@ -136,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=3600.0)
     parser.add_argument("--no-mpi", action="store_true")
+    parser.add_argument("--ops", default="broadcast,allgather,allreduce")
+    parser.add_argument("--table", help="the daemons' tuning table for the unshaped setting (commd tune --compression)")
     parser.add_argument("--quick", action="store_true", help="4..64 MiB, 1gbit and 10gbit (about 10 minutes)")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)
