@@ -37,7 +37,9 @@ def run_job(worker: Path, cfg: dict[str, Any], env_extra: dict[str, str], work: 
         for i, host in enumerate(sim.hosts):
             argv = [*launch, "--nnodes", str(len(sim.hosts)), "--node-rank", str(i), "--master", master,
                     "--node-name", host.name, str(worker), str(cfg_path)]
-            procs.append(host.popen(argv, env=env, stdout=subprocess.DEVNULL,
+            # the host's own COMMD_NODE and COMMD_RUNTIME_DIR win over the caller's environment: with
+            # one COMMD_RUNTIME_DIR for both, the hosts' daemons of one job would share a socket path
+            procs.append(host.popen(argv, env={**env, **host.env}, stdout=subprocess.DEVNULL,
                                     stderr=open(work / f"{tag}-n{i}.log", "w")))  # noqa: SIM115
     for proc in procs:
         try:
