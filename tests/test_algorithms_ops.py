@@ -396,3 +396,61 @@ def test_alltonext_on_a_group_whose_ranks_alternate_between_nodes(fabric: Callab
     for rank, (result, message) in out.items():
         assert result == "ok", (rank, result)
         assert "contiguous range of group ranks" in message, (rank, message)
+
+
+# ---- programs with coded transfers (a lossless codec on every send) ---------------------------------
+
+
+@pytest.mark.parametrize("name", ["ring", "twoshot"])
+@pytest.mark.parametrize("codec", ["lossless", "lossless-zstd"])
+def test_an_allreduce_program_with_a_lossless_codec_gives_the_uncoded_programs_bits(
+        lanes: Callable[[int], list[TcpLane]], name: str, codec: str) -> None:
+    """Every transfer of the program travels coded (CodedTransport) and decodes to the bytes that were
+    sent: the result is bit for bit the same program run uncoded, and the lane counts the coded bytes."""
+    from commd.codecs import get
+
+    k = 3
+    chosen = chosen_for(library.get(name, k), name)
+    mine = lanes(k)
+    nodes = tuple(range(k))
+    rng = np.random.default_rng(3)
+    inputs = [(rng.standard_normal(40_003) * 0.02).astype(np.float32) for _ in nodes]
+    plain = [torch.from_numpy(a.copy()) for a in inputs]
+    coded = [torch.from_numpy(a.copy()) for a in inputs]
+    assert run_nodes([lambda i=i: mine[i].allreduce(nodes, plain[i], "sum", 20.0, program=chosen)
+                      for i in nodes]) == [None] * k
+    assert run_nodes([lambda i=i: mine[i].allreduce(nodes, coded[i], "sum", 20.0, program=chosen, codec=get(codec))
+                      for i in nodes]) == [None] * k
+    for i in nodes:
+        assert coded[i].numpy().tobytes() == plain[i].numpy().tobytes(), f"node {i}"
+    np.testing.assert_allclose(plain[0].numpy(), sum(inputs), rtol=1e-5, atol=1e-6)
+    status = mine[0].compression_status()[codec]
+    assert status["ops"] >= 1 and 0 < status["wire_bytes"] < status["raw_bytes"]
+
+
+def test_a_program_with_a_lossy_codec_is_refused_before_anything_moves(lanes: Callable[[int], list[TcpLane]]) -> None:
+    from commd.codecs import get
+
+    two = lanes(2)
+    with pytest.raises(LaneError, match="lossless codecs only"):
+        two[0].allreduce((0, 1), torch.zeros(1000), "sum", 5.0, program=chosen_for(library.get("ring", 2), "ring"),
+                         codec=get("bf16"))
+
+
+def test_an_allgather_program_with_a_lossless_codec_equals_numpy(lanes: Callable[[int], list[TcpLane]]) -> None:
+    from commd.codecs import get
+
+    k = 2
+    chosen = chosen_for(direct_allgather(k, 2))
+    mine = lanes(k)
+    nodes = tuple(range(k))
+    for size in (4, 4 * 5003):  # (the second: tiles that do not hold whole float32 elements travel as bytes)
+        inputs = [(np.random.default_rng(size + i).standard_normal(size // 4) * 0.02).astype(np.float32)
+                  for i in nodes]
+        outs = [torch.zeros(k * size, dtype=torch.uint8) for _ in nodes]
+        got = run_nodes([lambda i=i, s=size: mine[i].allgatherv(
+            nodes, torch.from_numpy(inputs[i].view(np.uint8)), outs[i], [s] * k, 20.0, program=chosen,
+            codec=get("lossless"), dtype="float32") for i in nodes])
+        assert got == [None] * k, got
+        for out in outs:
+            np.testing.assert_array_equal(out.numpy(), np.concatenate(inputs).view(np.uint8))

@@ -210,6 +210,10 @@ def test_a_program_gets_no_automatic_codec() -> None:
     coord = Coordinator(2, _rules({"codec": "lossless"}), LANES, catalog=Catalog())
     (go,) = _release(coord.config, coord=coord, kind="allreduce", algo="ring")
     assert go["a"] == "ring" and "z" not in go
+    # a lossless codec the op names codes the program's transfers: released with both
+    coord = Coordinator(2, SchedulerConfig(), LANES, catalog=Catalog())
+    (go,) = _release(coord.config, coord=coord, kind="allreduce", algo="ring", codec="lossless-zstd")
+    assert go["a"] == "ring" and go["z"] == "lossless-zstd"
 
 
 def test_the_table_decides_after_the_rules_and_a_named_codec_is_released_as_it_is() -> None:

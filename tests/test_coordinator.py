@@ -298,11 +298,13 @@ def test_errors_name_the_op_kind_and_the_nodes() -> None:
 
 
 def test_a_codec_takes_the_tcp_lane_and_refuses_another_lane_or_a_program() -> None:
-    """A compressed op is released on the tcp lane; with another lane named, or with a program as well
-    (whose transfers do not compress), it fails on every node naming both."""
+    """A compressed op is released on the tcp lane; with another lane named, or a lossy codec with a
+    program as well (whose partial results it would round at every hop), it fails on every node
+    naming both."""
     coord = Coordinator(2, SchedulerConfig(), LANES)
     cases = [({"codec": "bf16"}, None), ({"codec": "bf16", "lane": "gloo"}, "compresses on the tcp lane only"),
-             ({"codec": "lossless", "algo": "ag"}, "codec 'lossless' and algorithm 'ag' at once")]
+             ({"codec": "bf16", "algo": "ag"}, "codec 'bf16' is lossy; algorithm 'ag' runs compressed with "
+                                               "lossless codecs only")]
     for seq, (sig, refusal) in enumerate(cases):
         out = Outbox()
         for node, mine in ((0, [0, 1]), (1, [2, 3])):

@@ -86,10 +86,11 @@ def _allreduce(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Reso
     acc = bufs[0]
     if len(bufs) > 1 or first.reduce_op == "premul_sum":
         parallel_reduce_into(acc, bufs, split.local_op, first.scale)
-    if program is not None:
-        lane.allreduce(placement.nodes, acc, split.lane_op, timeout, program=program)
-    elif op.codec and op.nbytes >= COMPRESS_MIN_BYTES:  # (released on the tcp lane, with no program)
-        lane.allreduce(placement.nodes, acc, split.lane_op, timeout, codec=codecs.parse_choice(op.codec)[0])
+    codec = codecs.parse_choice(op.codec)[0] if op.codec and op.nbytes >= COMPRESS_MIN_BYTES else None
+    if program is not None:  # (with a codec: a lossless one, coding the program's transfers)
+        lane.allreduce(placement.nodes, acc, split.lane_op, timeout, program=program, codec=codec)
+    elif codec is not None:  # (released on the tcp lane)
+        lane.allreduce(placement.nodes, acc, split.lane_op, timeout, codec=codec)
     else:
         lane.allreduce(placement.nodes, acc, split.lane_op, timeout)
     split.finish(acc, len(placement.ranks))
@@ -262,8 +263,8 @@ def _allgather(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Reso
     sizes = _node_bytes(placement, counts, itemsize)
     order = [g for n in placement.nodes for g in placement.members(n)]
     extra: dict[str, Any] = {} if program is None else {"program": program}
-    if op.codec and sum(sizes) >= COMPRESS_MIN_BYTES:  # (released on the tcp lane, with no program)
-        extra = {"codec": codecs.parse_choice(op.codec)[0], "dtype": first.dtype}
+    if op.codec and sum(sizes) >= COMPRESS_MIN_BYTES:  # (released on the tcp lane; with a program: lossless)
+        extra |= {"codec": codecs.parse_choice(op.codec)[0], "dtype": first.dtype}
     if order == list(range(len(counts))):  # node-major placement: the gathered layout is the output
         lane.allgatherv(placement.nodes, mine, outs[0], sizes, timeout, **extra)
     else:

@@ -63,6 +63,7 @@ from commd.scheduler.selection import (
     choose_algorithm,
     choose_codec,
     choose_lane,
+    lossy_codec,
 )
 
 log = logging.getLogger("commd.coordinator")
@@ -295,9 +296,9 @@ class Coordinator:
                     len(first.placement), sig.get("lane") or ("tcp" if algo_hint or named else None), self.config,
                     self.lanes,
                 )
-                if named is not None and algo_hint is not None:
-                    raise SelectionError(f"codec {named!r} and algorithm {algo_hint!r} at once: a program's transfers "
-                                         "do not compress yet")
+                if named is not None and algo_hint is not None and lossy_codec(named):
+                    raise SelectionError(f"codec {named!r} is lossy; algorithm {algo_hint!r} runs compressed with "
+                                         "lossless codecs only (its partial results would be rounded at every hop)")
                 if named is not None and lane != "tcp":
                     raise SelectionError(f"codec {named!r} compresses on the tcp lane only; the op asks for lane "
                                          f"{lane!r}")

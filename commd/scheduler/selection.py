@@ -93,21 +93,30 @@ def choose_lane(
     raise SelectionError(f"no lane can run {kind} of {dtype}" + (f" with {reduce_op}" if reduce_op else ""))
 
 
+def lossy_codec(choice: str) -> bool:
+    """Whether the codec an op names (``NAME`` or ``NAME/per-hop``) loses precision."""
+    from commd.codecs import parse_choice
+
+    return parse_choice(choice)[0].lossy
+
+
 def choose_codec(kind: str, dtype: str, nbytes: int, nodes: tuple[int, ...], group_size: int, asked: str,
                  lane: str, program: object, config: SchedulerConfig) -> str | None:
     """The codec an op is released with (None: it runs uncompressed).
 
     ``asked`` is the op's agreed codec field: a codec named there is released as it is (agreement
-    checked that it takes the dtype; the caller refused it with a program or another lane); "none"
+    checked that it takes the dtype; the caller refused it with another lane, or lossy with a
+    program: a lossless one codes the program's transfers); "none"
     never compresses; "" lets the ``[[compression]]`` rules, then the tuning table, choose a
     lossless codec, "auto" any codec.  Only ops of a compressed kind, on the tcp lane without a
     program, of at least ``COMPRESS_MIN_BYTES`` (an all-gather: its whole output) compress, and a
     chosen codec must take the op's dtype: an automatic choice never makes an op fail."""
-    if (asked == NO_CODEC or kind not in COMPRESSED_KINDS or lane != "tcp" or program is not None
-            or nbytes < COMPRESS_MIN_BYTES):
+    if asked == NO_CODEC or kind not in COMPRESSED_KINDS or lane != "tcp" or nbytes < COMPRESS_MIN_BYTES:
         return None
     if asked not in ("", CODEC_AUTO):
-        return asked
+        return asked  # (with a program: a lossless codec, the caller refused a lossy one)
+    if program is not None:  # the daemons never add a codec to a program on their own
+        return None
     from commd.codecs import get
 
     lossy = asked == CODEC_AUTO

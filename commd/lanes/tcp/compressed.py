@@ -275,3 +275,91 @@ def compressed_ring_allreduce(tp: Transport, nodes: tuple[int, ...], me: int, ar
     # node me now holds block me + 1 reduced; the blocks travel round the ring from their owners
     _ring_pass(tp, nxt, prv, block(me + 1), block(me + 1), [block(me + 1 - j) for j in range(1, n)], codec, counts)
     return counts
+
+
+class CodedTransport:
+    """A :class:`~commd.lanes.base.Transport` whose every transfer travels coded by a lossless codec:
+    what lets a collective program (the interpreter, which posts plain sends and receives) run
+    compressed.  Each send is coded when it is posted (a frame, then the payload; raw where coding
+    does not shrink it); receives from one peer are served in the order they were posted, each
+    frame read before its payload's receive is posted, and decoded into the receiver's view.
+
+    Lossless only: a program's partial results would otherwise be rounded at every hop, and a node
+    that keeps a value it sent would hold other bits than the nodes it sent it to."""
+
+    def __init__(self, inner: Transport, codec: Codec, dtype: np.dtype, counts: ChainCounts) -> None:
+        if codec.lossy:
+            raise ValueError(f"codec {codec.name!r} is lossy: programs run compressed with lossless codecs only")
+        self.inner, self.codec, self.dtype, self.counts = inner, codec, np.dtype(dtype), counts
+        self.chunk_bytes = inner.chunk_bytes
+        self._waiting: dict[int, list[tuple[memoryview, Done | None]]] = {}  # per peer: receives not yet framed
+        self._framing: set[int] = set()  # peers whose next frame's receive is posted
+
+    def post_send(self, peer: int, view: memoryview, done: Done | None = None) -> None:
+        data = np.frombuffer(view, np.uint8)
+        elements = data.view(self._dtype_for(data.size))
+        out = np.empty(self.codec.max_encoded(data.size), np.uint8)
+        began = time.perf_counter()
+        n = self.codec.encode(elements, out) if data.size else 0
+        self.counts.codec_seconds += time.perf_counter() - began
+        raw = n >= data.size
+        payload = view if raw else memoryview(out[:n])
+        self.counts.raw_chunks += raw
+        self.counts.raw_bytes += data.size
+        self.counts.wire_bytes += len(payload)
+        self.inner.post_send(peer, memoryview(FRAME.pack(self.codec.wire_id, RAW if raw else 0, len(payload))))
+        self.inner.post_send(peer, payload, done)
+
+    def post_recv(self, peer: int, view: memoryview, done: Done | None = None) -> None:
+        self._waiting.setdefault(peer, []).append((view, done))
+        if peer not in self._framing:
+            self._next_frame(peer)
+
+    def wait(self) -> None:
+        self.inner.wait()
+
+    def _dtype_for(self, nbytes: int) -> np.dtype:
+        """The elements a transfer of ``nbytes`` is coded as (its shuffle's width): the data's dtype, or
+        bytes where a tile does not hold whole elements (sender and receiver decide alike)."""
+        return self.dtype if nbytes % self.dtype.itemsize == 0 else np.dtype(np.uint8)
+
+    def _next_frame(self, peer: int) -> None:
+        queue = self._waiting.get(peer)
+        if not queue:
+            self._framing.discard(peer)
+            return
+        self._framing.add(peer)
+        view, done = queue.pop(0)
+        frame = bytearray(FRAME.size)
+        self.inner.post_recv(peer, memoryview(frame), lambda: self._on_frame(peer, frame, view, done))
+
+    def _on_frame(self, peer: int, frame: bytearray, view: memoryview, done: Done | None) -> None:
+        wire_id, flags, length = FRAME.unpack(frame)
+        size = len(view)
+        if wire_id != self.codec.wire_id:
+            raise TransportError(peer, "internal", f"coded transfer from node {peer}: its frame names codec wire id "
+                                                   f"{wire_id}, this node expects {self.codec.wire_id} ({self.codec.name})")
+        if flags & ~RAW or (flags & RAW and length != size) or length > self.codec.max_encoded(size):
+            raise TransportError(peer, "internal", f"coded transfer from node {peer} is corrupt: its frame says "
+                                                   f"{length} bytes (flags {flags:#x}) for {size}")
+        self.counts.raw_bytes += size
+        self.counts.wire_bytes += length
+        self.counts.raw_chunks += bool(flags & RAW)
+        if flags & RAW:
+            self.inner.post_recv(peer, view, done)
+        else:
+            coded = np.empty(length, np.uint8)
+            self.inner.post_recv(peer, memoryview(coded), lambda: self._decode(peer, coded, view, done))
+        self._next_frame(peer)  # (its frame follows this payload on the stream)
+
+    def _decode(self, peer: int, coded: np.ndarray, view: memoryview, done: Done | None) -> None:
+        dst = np.frombuffer(view, np.uint8)
+        dst = dst.view(self._dtype_for(dst.size))
+        began = time.perf_counter()
+        try:
+            self.codec.decode(coded, dst)
+        except CodecError as exc:
+            raise TransportError(peer, "internal", f"coded transfer from node {peer} does not decode: {exc}") from None
+        self.counts.codec_seconds += time.perf_counter() - began
+        if done is not None:
+            done()

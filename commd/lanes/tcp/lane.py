@@ -41,6 +41,7 @@ from commd.lanes.base import (
 from commd.lanes.tcp import algorithms
 from commd.lanes.tcp.compressed import (
     ChainCounts,
+    CodedTransport,
     compressed_chain_broadcast,
     compressed_ring_allgather,
     compressed_ring_allreduce,
@@ -98,6 +99,13 @@ def interpret(tp: Transport, program: Program, nodes: tuple[int, ...], me: int, 
     elif not program.algo.inplace and inp is out:  # an out-of-place one must not see its output change
         inp = inp.copy()
     interpreter.run(plan, tp, nodes, inp, out, op, deadline)
+
+
+def _program_codec(what: str, program: Chosen, codec: Codec | None) -> None:
+    """LaneError unless ``codec`` may code a program's transfers (none, or a lossless one)."""
+    if codec is not None and codec.lossy:
+        raise LaneError(f"tcp {what}: codec {codec.name!r} is lossy; algorithm {program.name!r} runs compressed "
+                        "with lossless codecs only (its partial results would be rounded at every hop)")
 
 
 def _codec_takes(what: str, codec: Codec, dtype: str) -> None:
@@ -287,9 +295,7 @@ class TcpLane:
             self._usable("allreduce", nodes)
             return
         nbytes = flat.numel() * flat.element_size()
-        if codec is not None:
-            if program is not None:
-                raise LaneError(f"tcp allreduce: codec {codec.name!r} cannot run with algorithm {program.name!r}")
+        if codec is not None and program is None:
             _codec_takes("allreduce", codec, dtype)
             arr = flat.numpy()
             self._run(f"allreduce({dtype}, {op}, {nbytes} bytes, codec {codec.name!r})", "allreduce", nodes,
@@ -299,22 +305,32 @@ class TcpLane:
         if program is not None:
             if dtype in NO_NUMPY_DTYPES:
                 raise LaneError(f"tcp allreduce: algorithm {program.name!r} cannot run {dtype} (no NumPy dtype)")
+            _program_codec("allreduce", program, codec)
             deadline = time.monotonic() + timeout
             arr = flat.numpy()
-            self._run(f"allreduce({dtype}, {op}, {nbytes} bytes, algorithm {program.name!r})", "allreduce", nodes,
-                      timeout, lambda ex: self._run_program(ex, "allreduce", program, nodes, me, arr, arr, op,
-                                                            deadline))
+            coded = f", codec {codec.name!r}" if codec is not None else ""
+            self._run(f"allreduce({dtype}, {op}, {nbytes} bytes, algorithm {program.name!r}{coded})", "allreduce",
+                      nodes, timeout, lambda ex: self._run_program(ex, "allreduce", program, nodes, me, arr, arr, op,
+                                                                   deadline, codec))
             return
         algo = algorithms.direct_allreduce if nbytes <= SMALL_ALLREDUCE_BYTES else algorithms.ring_allreduce
         self._run(f"allreduce({dtype}, {op}, {nbytes} bytes)", "allreduce", nodes, timeout,
                   lambda ex: algo(ex, nodes, me, flat, op))
 
     def _run_program(self, tp: Transport, what: str, chosen: Chosen, nodes: tuple[int, ...], me: int,
-                     inp: np.ndarray, out: np.ndarray, op: str, deadline: float) -> None:
-        """Check that every node holds the released program, then run this node's part of it."""
+                     inp: np.ndarray, out: np.ndarray, op: str, deadline: float, codec: Codec | None = None,
+                     dtype: np.dtype | None = None) -> None:
+        """Check that every node holds the released program, then run this node's part of it (its
+        transfers coded by ``codec``, a lossless one, read as ``dtype`` elements, when given)."""
         self._agree_on_program(tp, what, chosen, nodes)
         assert chosen.program is not None  # (agreement fails the call on every node otherwise)
-        self.program_runner(tp, chosen.program, nodes, me, inp, out, op, deadline, self._plans)
+        if codec is None:
+            self.program_runner(tp, chosen.program, nodes, me, inp, out, op, deadline, self._plans)
+            return
+        counts = ChainCounts()
+        coded = CodedTransport(tp, codec, dtype if dtype is not None else inp.dtype, counts)
+        self.program_runner(coded, chosen.program, nodes, me, inp, out, op, deadline, self._plans)
+        self._count(codec.name, counts)
 
     def _agree_on_program(self, tp: Transport, what: str, chosen: Chosen, nodes: tuple[int, ...]) -> None:
         """Every node sends every other its own hash for the released name (zeros: none); each
@@ -405,7 +421,7 @@ class TcpLane:
             self._usable("allgatherv", nodes)
             dst[:] = src
             return
-        if codec is not None:
+        if codec is not None and program is None:
             _codec_takes("allgatherv", codec, str(dtype))
             itemsize = np.dtype(dtype).itemsize
             if any(size % itemsize for size in sizes):
@@ -417,11 +433,14 @@ class TcpLane:
                                                                                    elements, codec)))
             return
         if program is not None:
+            _program_codec("allgatherv", program, codec)
             deadline = time.monotonic() + timeout
             src_arr, dst_arr = inp.reshape(-1).numpy(), out.reshape(-1).numpy()
-            self._run(f"allgatherv({sum(sizes)} bytes, algorithm {program.name!r})", "allgatherv", nodes, timeout,
-                      lambda ex: self._run_program(ex, "allgatherv", program, nodes, me, src_arr, dst_arr, "sum",
-                                                   deadline))
+            elements = np.dtype(dtype) if codec is not None and dtype is not None else None
+            coded = f", codec {codec.name!r}" if codec is not None else ""
+            self._run(f"allgatherv({sum(sizes)} bytes, algorithm {program.name!r}{coded})", "allgatherv", nodes,
+                      timeout, lambda ex: self._run_program(ex, "allgatherv", program, nodes, me, src_arr, dst_arr,
+                                                            "sum", deadline, codec, elements))
             return
         self._run(f"allgatherv({sum(sizes)} bytes)", "allgatherv", nodes, timeout,
                   lambda ex: algorithms.ring_allgatherv(ex, nodes, me, src, dst, sizes))
