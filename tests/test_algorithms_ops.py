@@ -448,8 +448,8 @@ def test_an_allgather_program_with_a_lossless_codec_equals_numpy(lanes: Callable
         inputs = [(np.random.default_rng(size + i).standard_normal(size // 4) * 0.02).astype(np.float32)
                   for i in nodes]
         outs = [torch.zeros(k * size, dtype=torch.uint8) for _ in nodes]
-        got = run_nodes([lambda i=i, s=size: mine[i].allgatherv(
-            nodes, torch.from_numpy(inputs[i].view(np.uint8)), outs[i], [s] * k, 20.0, program=chosen,
+        got = run_nodes([lambda i=i, s=size, a=inputs[i], o=outs[i]: mine[i].allgatherv(
+            nodes, torch.from_numpy(a.view(np.uint8)), o, [s] * k, 20.0, program=chosen,
             codec=get("lossless"), dtype="float32") for i in nodes])
         assert got == [None] * k, got
         for out in outs:
