@@ -187,61 +187,47 @@ def parse_config(data: dict[str, Any], where: str = "config") -> SchedulerConfig
     config.algorithms_dir = algorithms_dir
     config.algorithm_rules = _algorithm_rules(data.get("algorithms", []), where)
     config.codec_rules = _codec_rules(data.get("compression", []), where)
-    rules = data.get("rules", [])
-    if not isinstance(rules, list):
-        raise ValueError(f"{where}: 'rules' must be an array of tables ([[rules]])")
-    for i, raw in enumerate(rules):
-        at = f"{where} rules[{i}]"
-        if not isinstance(raw, dict):
-            raise ValueError(f"{at}: must be a table")
-        unknown = set(raw) - {"lane", "kind", "min_bytes", "max_bytes", "min_group", "max_group"}
-        if unknown:
-            raise ValueError(f"{at}: unknown key(s) {sorted(unknown)}")
+    for at, raw, kind, ranges in _ranged_tables(data.get("rules", []), where, "rules", "lane", s.OP_KINDS):
         if raw.get("lane") not in LANE_NAMES:
             raise ValueError(f"{at}: 'lane' must be one of {list(LANE_NAMES)}, got {raw.get('lane')!r}")
-        kind = raw.get("kind", "*")
-        if kind != "*" and kind not in s.OP_KINDS:
-            raise ValueError(f"{at}: 'kind' {kind!r} is not '*' or one of {sorted(s.OP_KINDS)}")
-        rule = LaneRule(
-            lane=raw["lane"], kind=kind,
-            min_bytes=_int(raw, "min_bytes", at, 0), max_bytes=_int(raw, "max_bytes", at, 1 << 62),
-            min_group=_int(raw, "min_group", at, 1), max_group=_int(raw, "max_group", at, s.MAX_GROUP_SIZE),
-        )
-        if rule.min_bytes > rule.max_bytes or rule.min_group > rule.max_group:
-            raise ValueError(f"{at}: empty range (min above max)")
-        config.rules.append(rule)
+        config.rules.append(LaneRule(lane=raw["lane"], kind=kind, **ranges))
     if config.stall_shutdown_s and config.stall_shutdown_s <= config.stall_warning_s:
         raise ValueError(f"{where}: stall_shutdown_s must exceed stall_warning_s (or be 0 to disable)")
     return config
 
 
-def _algorithm_rules(rules: Any, where: str) -> list[AlgorithmRule]:
-    """``[[algorithms]]``: each a program ``name`` with the kind, size and group-size ranges it serves."""
+def _ranged_tables(rules: Any, where: str, table: str, key: str,
+                   kinds: frozenset[str] | set[str] | tuple[str, ...], kinds_are: str = ""):  # noqa: ANN202
+    """Each table of the array ``[[table]]``, checked alike: a table, no key but ``key``, ``kind`` and the
+    four ranges; ``kind`` '*' or one of ``kinds``; ranges not empty.  Yields (where, table, kind, ranges)."""
     if not isinstance(rules, list):
-        raise ValueError(f"{where}: 'algorithms' must be an array of tables ([[algorithms]])")
-    out = []
+        raise ValueError(f"{where}: '{table}' must be an array of tables ([[{table}]])")
     for i, raw in enumerate(rules):
-        at = f"{where} algorithms[{i}]"
+        at = f"{where} {table}[{i}]"
         if not isinstance(raw, dict):
             raise ValueError(f"{at}: must be a table")
-        unknown = set(raw) - {"name", "kind", "min_bytes", "max_bytes", "min_group", "max_group"}
+        unknown = set(raw) - {key, "kind", "min_bytes", "max_bytes", "min_group", "max_group"}
         if unknown:
             raise ValueError(f"{at}: unknown key(s) {sorted(unknown)}")
+        kind = raw.get("kind", "*")
+        if kind != "*" and kind not in kinds:
+            raise ValueError(f"{at}: 'kind' {kind!r} is not '*' or {kinds_are or 'one of'} {sorted(kinds)}")
+        ranges = {"min_bytes": _int(raw, "min_bytes", at, 0), "max_bytes": _int(raw, "max_bytes", at, 1 << 62),
+                  "min_group": _int(raw, "min_group", at, 1), "max_group": _int(raw, "max_group", at, s.MAX_GROUP_SIZE)}
+        if ranges["min_bytes"] > ranges["max_bytes"] or ranges["min_group"] > ranges["max_group"]:
+            raise ValueError(f"{at}: empty range (min above max)")
+        yield at, raw, kind, ranges
+
+
+def _algorithm_rules(rules: Any, where: str) -> list[AlgorithmRule]:
+    """``[[algorithms]]``: each a program ``name`` with the kind, size and group-size ranges it serves."""
+    out = []
+    for at, raw, kind, ranges in _ranged_tables(rules, where, "algorithms", "name", s.OP_KINDS):
         name = raw.get("name")
         if not isinstance(name, str) or not 0 < len(name) <= MAX_ALGO_NAME:
             raise ValueError(f"{at}: 'name' must be an algorithm's name (1 to {MAX_ALGO_NAME} characters), "
                              f"got {name!r}")
-        kind = raw.get("kind", "*")
-        if kind != "*" and kind not in s.OP_KINDS:
-            raise ValueError(f"{at}: 'kind' {kind!r} is not '*' or one of {sorted(s.OP_KINDS)}")
-        rule = AlgorithmRule(
-            name=name, kind=kind,
-            min_bytes=_int(raw, "min_bytes", at, 0), max_bytes=_int(raw, "max_bytes", at, 1 << 62),
-            min_group=_int(raw, "min_group", at, 1), max_group=_int(raw, "max_group", at, s.MAX_GROUP_SIZE),
-        )
-        if rule.min_bytes > rule.max_bytes or rule.min_group > rule.max_group:
-            raise ValueError(f"{at}: empty range (min above max)")
-        out.append(rule)
+        out.append(AlgorithmRule(name=name, kind=kind, **ranges))
     return out
 
 
@@ -250,34 +236,16 @@ def _codec_rules(rules: Any, where: str) -> list[CodecRule]:
     ranges it serves."""
     from commd.codecs import CodecError, get
 
-    if not isinstance(rules, list):
-        raise ValueError(f"{where}: 'compression' must be an array of tables ([[compression]])")
     out = []
-    for i, raw in enumerate(rules):
-        at = f"{where} compression[{i}]"
-        if not isinstance(raw, dict):
-            raise ValueError(f"{at}: must be a table")
-        unknown = set(raw) - {"codec", "kind", "min_bytes", "max_bytes", "min_group", "max_group"}
-        if unknown:
-            raise ValueError(f"{at}: unknown key(s) {sorted(unknown)}")
+    for at, raw, kind, ranges in _ranged_tables(rules, where, "compression", "codec", COMPRESSED_KINDS,
+                                                "a kind that compresses"):
         codec = raw.get("codec")
         if codec != s.NO_CODEC:
             try:
                 get(codec)
             except CodecError as exc:
                 raise ValueError(f"{at}: 'codec': {exc}, or {s.NO_CODEC!r} (leave such ops uncompressed)") from None
-        kind = raw.get("kind", "*")
-        if kind != "*" and kind not in COMPRESSED_KINDS:
-            raise ValueError(f"{at}: 'kind' {kind!r} is not '*' or a kind that compresses "
-                             f"({', '.join(sorted(COMPRESSED_KINDS))})")
-        rule = CodecRule(
-            codec=codec, kind=kind,
-            min_bytes=_int(raw, "min_bytes", at, 0), max_bytes=_int(raw, "max_bytes", at, 1 << 62),
-            min_group=_int(raw, "min_group", at, 1), max_group=_int(raw, "max_group", at, s.MAX_GROUP_SIZE),
-        )
-        if rule.min_bytes > rule.max_bytes or rule.min_group > rule.max_group:
-            raise ValueError(f"{at}: empty range (min above max)")
-        out.append(rule)
+        out.append(CodecRule(codec=codec, kind=kind, **ranges))
     return out
 
 
