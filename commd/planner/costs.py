@@ -17,12 +17,13 @@ Group keys are ``NODESxRANKS``: a group of RANKS ranks over NODES nodes.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from commd.planner.files import check_header, read_json
 
 COSTS_FORMAT = "commd-costs"
 COSTS_VERSION = 1
@@ -125,10 +126,7 @@ class CollectiveCosts:
 
     @classmethod
     def from_json(cls, raw: Any, where: str = "costs file") -> CollectiveCosts:
-        if not isinstance(raw, dict) or raw.get("format") != COSTS_FORMAT:
-            raise CostError(f"{where}: not a costs file (expected \"format\": \"{COSTS_FORMAT}\")")
-        if raw.get("version") != COSTS_VERSION:
-            raise CostError(f"{where}: version {raw.get('version')!r}; this commd reads {COSTS_VERSION}")
+        check_header(raw, where, COSTS_FORMAT, COSTS_VERSION, "costs file", CostError)
         groups = raw.get("groups", {})
         if not isinstance(groups, dict):
             raise CostError(f"{where}: 'groups' must be an object")
@@ -156,8 +154,4 @@ class CollectiveCosts:
 
     @classmethod
     def load(cls, path: Path) -> CollectiveCosts:
-        try:
-            raw = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise CostError(f"cannot read the costs file {path}: {exc}") from None
-        return cls.from_json(raw, str(path))
+        return cls.from_json(read_json(path, "costs file", CostError), str(path))

@@ -17,11 +17,12 @@ every activation is the batch; a 3-D activation's dimension 1 is the sequence.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from commd.planner.files import check_header, read_json
 
 LAYERS_FORMAT = "commd-layers"
 LAYERS_VERSION = 1
@@ -100,10 +101,7 @@ class LayerGraph:
 
     @classmethod
     def from_json(cls, raw: Any, where: str = "layer list") -> LayerGraph:
-        if not isinstance(raw, dict) or raw.get("format") != LAYERS_FORMAT:
-            raise GraphError(f"{where}: not a layer list (expected \"format\": \"{LAYERS_FORMAT}\")")
-        if raw.get("version") != LAYERS_VERSION:
-            raise GraphError(f"{where}: version {raw.get('version')!r}; this commd reads version {LAYERS_VERSION}")
+        check_header(raw, where, LAYERS_FORMAT, LAYERS_VERSION, "layer list", GraphError)
         dtype_bytes = raw.get("dtype_bytes", 4)
         if dtype_bytes not in (1, 2, 4, 8):
             raise GraphError(f"{where}: dtype_bytes must be 1, 2, 4 or 8, not {dtype_bytes!r}")
@@ -126,11 +124,7 @@ class LayerGraph:
 
     @classmethod
     def load(cls, path: Path) -> LayerGraph:
-        try:
-            raw = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise GraphError(f"cannot read the layer list {path}: {exc}") from None
-        return cls.from_json(raw, str(path))
+        return cls.from_json(read_json(path, "layer list", GraphError), str(path))
 
 
 def _text(row: dict[str, Any], key: str) -> str:

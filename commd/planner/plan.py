@@ -28,6 +28,7 @@ import numpy as np
 
 from commd.planner import search
 from commd.planner.costs import CollectiveCosts
+from commd.planner.files import check_header, read_json
 from commd.planner.graph import LayerGraph
 from commd.planner.layouts import SYNC_NONE, Strategy, candidates, conversion, split_dim, sync_collectives
 
@@ -333,14 +334,8 @@ def save(plan_json: dict[str, Any], path: Path) -> None:
 
 
 def load(path: Path) -> dict[str, Any]:
-    try:
-        raw = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise PlanError(f"cannot read the plan {path}: {exc}") from None
-    if not isinstance(raw, dict) or raw.get("format") != PLAN_FORMAT:
-        raise PlanError(f"{path}: not a plan (expected \"format\": \"{PLAN_FORMAT}\")")
-    if raw.get("version") != PLAN_VERSION:
-        raise PlanError(f"{path}: plan version {raw.get('version')!r}; this commd reads {PLAN_VERSION}")
+    raw = read_json(path, "plan", PlanError)
+    check_header(raw, str(path), PLAN_FORMAT, PLAN_VERSION, "plan", PlanError)
     return raw
 
 
