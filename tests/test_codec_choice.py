@@ -13,7 +13,7 @@ from commd.core.ops import COMPRESS_MIN_BYTES
 from commd.protocol.fabric import FabricMessageError, Go
 from commd.protocol.schema import ProtocolError
 from commd.scheduler.agreement import parse_submission
-from commd.scheduler.config import CodecRule, SchedulerConfig, config_from_wire, parse_config
+from commd.scheduler.config import AlgorithmRule, CodecRule, SchedulerConfig, config_from_wire, parse_config
 from commd.scheduler.coordinator import Coordinator, Outbox
 from commd.scheduler.tuning import SWITCH_MARGIN, TuningTable
 
@@ -210,6 +210,13 @@ def test_a_program_gets_no_automatic_codec() -> None:
     coord = Coordinator(2, _rules({"codec": "lossless"}), LANES, catalog=Catalog())
     (go,) = _release(coord.config, coord=coord, kind="allreduce", algo="ring")
     assert go["a"] == "ring" and "z" not in go
+    # a lossy codec the op names keeps the lane's own algorithm where a rule (or the table) names a program
+    config = SchedulerConfig(algorithm_rules=[AlgorithmRule("ring")])
+    coord = Coordinator(2, config, LANES, catalog=Catalog())
+    (go,) = _release(config, coord=coord, kind="allreduce", codec="bf16")
+    assert go.get("a") is None and go["z"] == "bf16"
+    (go,) = _release(config, coord=coord, kind="allreduce", codec="lossless", seq=1)
+    assert go["a"] == "ring" and go["z"] == "lossless"
     # a lossless codec the op names codes the program's transfers: released with both
     coord = Coordinator(2, SchedulerConfig(), LANES, catalog=Catalog())
     (go,) = _release(coord.config, coord=coord, kind="allreduce", algo="ring", codec="lossless-zstd")

@@ -307,6 +307,8 @@ class Coordinator:
                     len(first.placement), algo_hint, lane, self.config, self.catalog,
                     _UNFIT[first.kind](pending) if first.kind in _UNFIT else None,
                 )
+                if program is not None and algo_hint is None and named is not None and lossy_codec(named):
+                    program = None  # a rule's or the table's program would round partial results at every hop
                 codec = choose_codec(first.kind, sig.get("dtype", "uint8"), nbytes, pending.nodes,
                                      len(first.placement), asked, lane, program, self.config)
             except SelectionError as exc:
