@@ -8,6 +8,7 @@ collectives (Megatron's all-reduces) for the cost model, exact points for the fi
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -283,3 +284,56 @@ def test_calibration_keeps_the_checked_commd_rows_per_group_and_kind() -> None:
             {"op": "allgather", "bytes": 8192, "via": "commd", "check": "FAILED", "world": 2, "nodes": 1, "median_us": 1.0},
             {"op": "barrier", "bytes": 0, "via": "commd", "check": "ok", "world": 2, "nodes": 1, "median_us": 5.0}]
     assert points_from_rows(rows) == {"1x2": {"allreduce": [[4096, 50e-6]]}}
+
+
+# ---- tracing torch models ------------------------------------------------------------------------
+@pytest.mark.parametrize(("factory", "shape", "dtype"), [("mlp", (8, 32), "float32"), ("TinyGPT", (2, 16), "int64"),
+                                                         ("cnn", (4, 3, 16, 16), "float32")])
+def test_a_traced_model_holds_every_parameter_and_the_shapes_torch_computes(factory: str, shape: tuple[int, ...],
+                                                                            dtype: str) -> None:
+    import planner_models
+    import torch
+
+    from commd.planner.trace import trace
+
+    graph = trace(getattr(planner_models, factory), shape, dtype)
+    model = getattr(planner_models, factory)()  # on the CPU: the reference
+    assert sum(layer.params for layer in graph.layers) == sum(p.numel() for p in model.parameters())
+    out = model(torch.zeros(shape, dtype=getattr(torch, dtype)))
+    last = graph.layers[graph.index[graph.layers[-1].inputs[0]]]
+    assert last.out_shape == tuple(out.shape)
+    for layer in graph.layers:
+        if layer.kind == "linear":
+            batch = math.prod(layer.out_shape[:-1])
+            assert layer.flops == 2.0 * batch * layer.attrs["in_features"] * layer.attrs["out_features"]
+
+
+def test_a_traced_transformer_has_its_residual_adds_and_attention_blocks() -> None:
+    import planner_models
+
+    from commd.planner.trace import trace
+
+    graph = trace(planner_models.TinyGPT, (2, 16), "int64")
+    kinds = [layer.kind for layer in graph.layers]
+    assert kinds.count("attention") == 2 and kinds.count("layernorm") == 5 and kinds.count("embedding") == 1
+    adds = [layer for layer in graph.layers if layer.attrs.get("linear")]
+    assert len(adds) == 4 and all(len(layer.inputs) == 2 for layer in adds)
+    made = planner.plan(graph, planner.Mesh((2,), 2), synthetic_costs(), planner.Options(search="both"))
+    assert made["search"]["descent_gap"] <= 1e-9
+
+
+def test_commd_plan_traces_a_factory_and_refuses_what_it_cannot_trace(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from commd.cli.main import main
+
+    costs = str(write_costs(tmp_path / "costs.json"))
+    assert main(["plan", "planner_models:TinyGPT", "--input", "2x16", "--input-dtype", "int64", "--mesh", "2",
+                 "--costs", costs, "-o", str(tmp_path / "plan.json")]) == 0
+    assert "blocks_1_attn" in capsys.readouterr().out
+    for args, error in ((["planner_models:TinyGPT", "--mesh", "2"], "--input SHAPE"),
+                        (["planner_models:nothing", "--input", "2x16", "--mesh", "2"], "no callable 'nothing'"),
+                        (["no_such_module_here:f", "--input", "2", "--mesh", "2"], "cannot import"),
+                        (["planner_models:not_a_model", "--input", "2", "--mesh", "2"], "not a torch.nn.Module"),
+                        (["planner_models:mlp", "--input", "2x7", "--mesh", "2"], "does not trace")):
+        assert main(["plan", *args, "--costs", costs]) == 2
+        assert error in capsys.readouterr().err, args

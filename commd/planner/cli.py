@@ -1,5 +1,6 @@
 """``commd plan``: plan a model's parallelization from a layer list and measured costs, or show a plan.
 
+    commd plan mypkg.models:build_gpt --input 8x512 --input-dtype int64 --mesh 2x2 --nproc-per-node 2 --table t.json
     commd plan --layers model.json --mesh 2x2 --nproc-per-node 2 --table tuning.json --costs local.json -o plan.json
     commd plan --example gpt --mesh 4 --nproc-per-node 2 --costs costs.json --search both
     commd plan --show plan.json
@@ -28,8 +29,12 @@ EXAMPLES = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", nargs="?", choices=["calibrate"],
-                   help="calibrate: time collectives among this node's ranks and the compute rate (a costs file)")
+    p.add_argument("target", nargs="?", metavar="MODULE:FACTORY | calibrate",
+                   help="the model, built by FACTORY (a function or class of MODULE) and traced on the meta device "
+                        "(with --input); or calibrate: time collectives among this node's ranks and the compute rate "
+                        "(a costs file)")
+    p.add_argument("--input", metavar="SHAPE", help="the traced model's input batch, e.g. 8x128 or 64x3x32x32")
+    p.add_argument("--input-dtype", default="float32", help="its dtype (token ids: int64; default float32)")
     model = p.add_mutually_exclusive_group()
     model.add_argument("--layers", type=Path, help="the model as a JSON layer list (format commd-layers)")
     model.add_argument("--example", choices=sorted(EXAMPLES), help="one of the benchmark's model families")
@@ -54,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.action == "calibrate":
+    if args.target == "calibrate":
         from commd.planner import calibrate
 
         if args.out is None:
@@ -92,11 +97,29 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _graph(args: argparse.Namespace) -> LayerGraph:
+    if args.target:
+        if args.layers or args.example:
+            raise planner.PlanError("give the model once: MODULE:FACTORY, --layers or --example")
+        if not args.input:
+            raise planner.PlanError(f"{args.target}: --input SHAPE (the batch the model is traced with) is needed")
+        try:
+            shape = tuple(int(x) for x in args.input.lower().split("x"))
+        except ValueError:
+            raise planner.PlanError(f"--input {args.input!r}: sizes such as 8x128") from None
+        if any(d <= 0 for d in shape):
+            raise planner.PlanError(f"--input {args.input!r}: sizes must be positive")
+        if args.input_dtype not in ("float32", "float16", "bfloat16", "float64", "int64", "int32"):
+            raise planner.PlanError(f"--input-dtype {args.input_dtype!r}: float32, float16, bfloat16, float64, "
+                                    "int64 or int32")
+        from commd.planner import trace
+
+        return trace.trace(trace.load_factory(args.target), shape, args.input_dtype, args.target)
     if args.layers:
         return LayerGraph.load(args.layers)
     if args.example:
         return EXAMPLES[args.example]()
-    raise planner.PlanError("give the model: --layers FILE (a JSON layer list) or --example NAME")
+    raise planner.PlanError("give the model: MODULE:FACTORY with --input SHAPE, --layers FILE (a JSON layer list) "
+                            "or --example NAME")
 
 
 def _costs(args: argparse.Namespace) -> tuple[CollectiveCosts, str]:

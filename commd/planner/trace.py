@@ -1,0 +1,153 @@
+"""A torch model into the planner's layer graph, traced on the meta device (no memory, no compute).
+
+``torch.fx`` traces the model with its parameter layers as leaves — ``nn.Linear``, ``nn.Embedding``,
+``nn.Conv2d``, ``nn.LayerNorm`` and recognised attention blocks (``nn.MultiheadAttention``, or any
+module whose class name ends in ``Attention`` and that holds parameters) — and a shape pass on meta
+tensors gives every activation's shape.  Every other call that makes a tensor (activations, dropout,
+residual adds, reshapes) becomes a ``follow`` layer; additions and subtractions of two tensors are
+marked linear (sums of parts are parts of the sum).  Calls that make no tensor (sizes, attribute
+reads) are not layers: a layer that reads their result is wired to the tensors they came from.
+Dimension 0 of every activation must be the batch (``nn.MultiheadAttention(batch_first=True)``).
+Models that do not trace take the JSON layer list instead (``graph.py``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import operator
+from collections.abc import Callable
+from typing import Any
+
+from commd.planner.graph import GraphError, Layer, LayerGraph
+
+#: Calls whose result is the sum of their tensor inputs (a split into parts commutes with them).
+LINEAR_CALLS = {operator.add, operator.sub, operator.iadd, "add", "sub", "add_"}
+
+
+def load_factory(spec: str) -> Callable[[], Any]:
+    """``MODULE:FACTORY`` → the factory (a callable that builds the model); GraphError naming what is missing."""
+    module_name, colon, attr = spec.partition(":")
+    if not colon or not module_name or not attr:
+        raise GraphError(f"{spec!r}: give the model as MODULE:FACTORY (a function or class that builds it)")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise GraphError(f"{spec!r}: cannot import {module_name!r}: {exc}") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise GraphError(f"{spec!r}: {module_name} has no callable {attr!r}")
+    return factory
+
+
+def trace(factory: Callable[[], Any], input_shape: tuple[int, ...], input_dtype: str = "float32",
+          name: str = "") -> LayerGraph:
+    """The layer graph of the model ``factory()`` builds, for one batch of ``input_shape``."""
+    import torch
+    import torch.fx
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    with torch.device("meta"):
+        model = factory()
+    if not isinstance(model, torch.nn.Module):
+        raise GraphError(f"{name or 'the factory'} built a {type(model).__name__}, not a torch.nn.Module")
+
+    class Tracer(torch.fx.Tracer):
+        def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
+            return _kind_of(m) is not None or super().is_leaf_module(m, qualname)
+
+    try:
+        graph = Tracer().trace(model)
+        module = torch.fx.GraphModule(model, graph)
+        dtype = getattr(torch, input_dtype)
+        example = (torch.zeros(input_shape, dtype=dtype, device="meta") if not dtype.is_floating_point
+                   else torch.empty(input_shape, dtype=dtype, device="meta"))
+        ShapeProp(module).propagate(example)
+    except Exception as exc:  # tracing runs the model's own code: any failure is the model's
+        raise GraphError(f"{name or 'the model'} does not trace on the meta device ({type(exc).__name__}: {exc}); "
+                         "give it as a JSON layer list (--layers)") from None
+    return _layers(module, name or type(model).__name__, dtype.itemsize)
+
+
+def _kind_of(m: Any) -> str | None:
+    import torch.nn as nn
+
+    if isinstance(m, nn.Linear):
+        return "linear"
+    if isinstance(m, nn.Embedding):
+        return "embedding"
+    if isinstance(m, nn.Conv2d):
+        return "conv2d"
+    if isinstance(m, nn.LayerNorm):
+        return "layernorm"
+    if isinstance(m, nn.MultiheadAttention) or (type(m).__name__.endswith("Attention")
+                                                 and any(True for _ in m.parameters())):
+        return "attention"
+    return None
+
+
+def _layers(module: Any, name: str, input_itemsize: int) -> LayerGraph:
+    layers: list[Layer] = []
+    produced: dict[str, list[str]] = {}  # fx node -> the layers its value comes from
+    modules = dict(module.named_modules())
+    dtype_bytes = 4
+    for node in module.graph.nodes:
+        meta = node.meta.get("tensor_meta")
+        shape = tuple(int(d) for d in meta.shape) if meta is not None and hasattr(meta, "shape") else None
+        sources = [layer for arg in node.all_input_nodes for layer in produced.get(arg.name, [])]
+        sources = list(dict.fromkeys(sources))  # (x, x, x) into attention: one input
+        if node.op == "placeholder":
+            layers.append(Layer(node.name, "input", (), shape or (1,)))
+            produced[node.name] = [node.name]
+        elif node.op == "output":
+            layers.append(Layer("output", "output", tuple(sources[:1]), (1,)))
+        elif node.op == "call_module" and _kind_of(modules[node.target]) is not None:
+            m = modules[node.target]
+            kind = _kind_of(m)
+            if shape is None:  # attention returns (output, weights): its output is the first
+                first = node.meta.get("tensor_meta")
+                shape = tuple(int(d) for d in first[0].shape) if isinstance(first, (tuple, list)) else (1,)
+            params = sum(p.numel() for p in m.parameters())
+            layers.append(Layer(_name(node.target), kind, tuple(sources[:1]), shape, params,
+                                _flops(kind, m, shape, layers, sources), _attrs(kind, m)))
+            produced[node.name] = [layers[-1].name]
+            dtype_bytes = max(p.element_size() for p in m.parameters()) if params else dtype_bytes
+        elif shape is not None and sources:
+            linear = (node.target in LINEAR_CALLS) and len(sources) > 1
+            layers.append(Layer(node.name, "follow", tuple(sources), shape, attrs={"linear": True} if linear else {}))
+            produced[node.name] = [node.name]
+        else:
+            produced[node.name] = sources  # no tensor of its own (a size, a constant): pass the wiring on
+    if not layers or layers[-1].kind != "output" or not layers[-1].inputs:
+        raise GraphError(f"{name}: the traced graph has no tensor output")
+    return LayerGraph(layers, dtype_bytes, f"{name} (traced)")
+
+
+def _name(target: str) -> str:
+    return target.replace(".", "_") if target else "module"
+
+
+def _attrs(kind: str, m: Any) -> dict[str, Any]:
+    if kind == "linear":
+        return {"in_features": m.in_features, "out_features": m.out_features}
+    if kind == "attention":
+        return {"heads": getattr(m, "num_heads", 0)}
+    return {}
+
+
+def _flops(kind: str, m: Any, out_shape: tuple[int, ...], layers: list[Layer], sources: list[str]) -> float:
+    """Forward FLOPs of one leaf for the whole batch (multiply-adds count two)."""
+    out = math.prod(out_shape)
+    if kind == "linear":
+        return 2.0 * out * m.in_features
+    if kind == "conv2d":
+        k = math.prod(m.kernel_size)
+        return 2.0 * out * k * m.in_channels / m.groups
+    if kind == "layernorm":
+        return 5.0 * out
+    if kind == "attention":
+        hidden = out_shape[-1]
+        tokens = out // hidden
+        seq = out_shape[-2] if len(out_shape) >= 3 else tokens
+        return 2.0 * tokens * hidden * 4 * hidden + 4.0 * tokens * seq * hidden
+    return 0.0
