@@ -337,3 +337,22 @@ def test_commd_plan_traces_a_factory_and_refuses_what_it_cannot_trace(tmp_path: 
                         (["planner_models:mlp", "--input", "2x7", "--mesh", "2"], "does not trace")):
         assert main(["plan", *args, "--costs", costs]) == 2
         assert error in capsys.readouterr().err, args
+
+
+def test_measured_layer_times_price_the_compute_and_every_layer_has_one(tmp_path: Path) -> None:
+    """Measured forward times (this machine, real tensors) replace FLOPs: every traced layer has a time,
+    and a plan's compute is three times their sum on one rank when nothing is split."""
+    import planner_models
+
+    from commd.planner.trace import measure, trace
+
+    graph = trace(planner_models.TinyGPT, (2, 16), "int64")
+    seconds = measure(planner_models.TinyGPT, (2, 16), "int64", repeats=3, threads=1)
+    assert {layer.name for layer in graph.layers} <= set(seconds) and all(t > 0 for t in seconds.values())
+    opts = planner.Options(compute="measured", layer_seconds=seconds)
+    priced = planner.price(graph, planner.Mesh((1,), 1), synthetic_costs(), opts)
+    choice = [next(k for k, c in enumerate(options) if c[0].name == "rep") for options in priced.options]
+    assert planner.breakdown(priced, choice)["compute_s"] == pytest.approx(
+        3 * sum(seconds[layer.name] for layer in graph.layers))
+    with pytest.raises(planner.PlanError, match="no measured time"):
+        planner.price(graph, planner.Mesh((1,), 1), synthetic_costs(), planner.Options(compute="measured"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -35,6 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(a costs file)")
     p.add_argument("--input", metavar="SHAPE", help="the traced model's input batch, e.g. 8x128 or 64x3x32x32")
     p.add_argument("--input-dtype", default="float32", help="its dtype (token ids: int64; default float32)")
+    p.add_argument("--compute", choices=("measured", "flops"), default=None,
+                   help="layer compute times: measured here on the traced model (the default for MODULE:FACTORY; "
+                        "on a rank's share of the cores) or FLOPs at the costs' flops_per_s (the fast estimate, and "
+                        "the only way for --layers and --example)")
     model = p.add_mutually_exclusive_group()
     model.add_argument("--layers", type=Path, help="the model as a JSON layer list (format commd-layers)")
     model.add_argument("--example", choices=sorted(EXAMPLES), help="one of the benchmark's model families")
@@ -85,6 +90,16 @@ def run(args: argparse.Namespace) -> int:
             raise planner.PlanError("--optimizer-states must not be negative")
         opts = planner.Options(search=args.search, optimizer_states=args.optimizer_states,
                                mem_bytes=args.mem_gb * 2**30 if args.mem_gb else None)
+        compute = args.compute or ("measured" if args.target else "flops")
+        if compute == "measured":
+            if not args.target:
+                raise planner.PlanError("--compute measured needs the model as MODULE:FACTORY (it runs the model)")
+            from commd.planner import trace
+
+            threads = max(1, (os.cpu_count() or 1) // mesh.nproc_per_node)
+            opts.compute = "measured"
+            opts.layer_seconds = trace.measure(trace.load_factory(args.target), _shape(args.input),
+                                               args.input_dtype, threads=threads)
         made = planner.plan(graph, mesh, costs, opts, table_id)
     except (planner.PlanError, CostError, GraphError) as exc:
         print(f"commd plan: {exc}", file=sys.stderr)
@@ -102,12 +117,7 @@ def _graph(args: argparse.Namespace) -> LayerGraph:
             raise planner.PlanError("give the model once: MODULE:FACTORY, --layers or --example")
         if not args.input:
             raise planner.PlanError(f"{args.target}: --input SHAPE (the batch the model is traced with) is needed")
-        try:
-            shape = tuple(int(x) for x in args.input.lower().split("x"))
-        except ValueError:
-            raise planner.PlanError(f"--input {args.input!r}: sizes such as 8x128") from None
-        if any(d <= 0 for d in shape):
-            raise planner.PlanError(f"--input {args.input!r}: sizes must be positive")
+        shape = _shape(args.input)
         if args.input_dtype not in ("float32", "float16", "bfloat16", "float64", "int64", "int32"):
             raise planner.PlanError(f"--input-dtype {args.input_dtype!r}: float32, float16, bfloat16, float64, "
                                     "int64 or int32")
@@ -120,6 +130,16 @@ def _graph(args: argparse.Namespace) -> LayerGraph:
         return EXAMPLES[args.example]()
     raise planner.PlanError("give the model: MODULE:FACTORY with --input SHAPE, --layers FILE (a JSON layer list) "
                             "or --example NAME")
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise planner.PlanError(f"--input {text!r}: sizes such as 8x128") from None
+    if any(d <= 0 for d in shape):
+        raise planner.PlanError(f"--input {text!r}: sizes must be positive")
+    return shape
 
 
 def _costs(args: argparse.Namespace) -> tuple[CollectiveCosts, str]:

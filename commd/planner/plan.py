@@ -125,7 +125,7 @@ def price(graph: LayerGraph, mesh: Mesh, costs: CollectiveCosts, opts: Options) 
             compute = 3 * _forward_seconds(layer.name, layer.flops, costs, opts) * math.prod(s.compute_share for s in combo)
             colls = []
             for d, s in enumerate(combo):
-                if s.sync != SYNC_NONE:
+                if s.sync != SYNC_NONE and dims[d].size > 1:  # (one rank: nothing to synchronise)
                     others = math.prod(x.param_share for e, x in enumerate(combo) if e != d)
                     nbytes = int(graph.param_bytes(i) * others)
                     colls += [(kind, b, d, 1) for kind, b in sync_collectives(s.sync, nbytes)]
@@ -167,6 +167,8 @@ def _forward_seconds(name: str, flops: float, costs: CollectiveCosts, opts: Opti
         if name not in opts.layer_seconds:
             raise PlanError(f"layer {name!r} has no measured time")
         return opts.layer_seconds[name]
+    if opts.compute != "flops":
+        raise PlanError(f"compute must be 'flops' or 'measured', not {opts.compute!r}")
     if flops and not costs.flops_per_s:
         raise PlanError("compute from FLOPs needs a measured rate: run `commd plan calibrate` (flops_per_s)")
     return flops / costs.flops_per_s if flops else 0.0
@@ -190,6 +192,8 @@ def _edge_collectives(su: tuple[Strategy, ...], sv: tuple[Strategy, ...], nbytes
     """The conversions of one edge per mesh dimension, forward and backward: (kind, bytes, dim, 1)."""
     out = []
     for d in range(len(mesh.shape)):
+        if mesh.shape[d] == 1:  # one rank per group: every layout is the whole tensor, nothing moves
+            continue
         others = math.prod(mesh.shape[e] if split_dim(su[e].out) is not None else 1
                            for e in range(len(mesh.shape)) if e != d)
         b = nbytes // others
