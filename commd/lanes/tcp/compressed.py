@@ -9,8 +9,9 @@ posts one chunk's receives at a time, the payload's once its frame is in.
 
 Where the work happens, so that a node's codec time hides behind the wire:
 
-- the root posts chunk i's transfers as soon as it is coded, then codes chunk i + 1 while the
-  kernel's socket buffer still feeds the link with chunk i;
+- a sender keeps two chunks coded and posted ahead; each later chunk is coded when a payload
+  before it has left (from the transport's completion), while the socket's buffer still feeds
+  the link with the chunks already written;
 - a middle node forwards chunk i from its receive callback (the transport writes it on its
   next turn) and decodes chunk i only when chunk i + 1's frame arrives, or after the last
   chunk: the forward is on the wire before the decode starts.
@@ -127,16 +128,29 @@ def _cut(arr: np.ndarray, step: int) -> list[np.ndarray]:
     return [arr[lo:lo + step] for lo in range(0, arr.size, step)]
 
 
+#: Chunks a sender keeps coded and posted ahead of the transport: the next one is coded when one is out.
+SEND_AHEAD = 2
+
+
 def _send_coded(tp: Transport, nxt: int, pieces: list[np.ndarray], copies: list[np.ndarray] | None, codec: Codec,
                 counts: ChainCounts) -> None:
     """Code each piece once and post it to ``nxt`` (frame, payload); ``copies``: this node's own copy
-    of each piece, rounded as receivers decode it when the codec is lossy (None: left exact).  (The
-    posted memoryviews keep the coded bytes alive until the transport has sent them.)"""
+    of each piece, rounded as receivers decode it when the codec is lossy (None: left exact).
+
+    The first ``SEND_AHEAD`` pieces are coded now; each later one when a payload before it has left
+    (from the transport's completion, inside ``wait``), so the coding of piece k overlaps the link
+    draining the pieces already in the socket's buffer instead of all coding preceding all sending.
+    (The posted memoryviews keep the coded bytes alive until the transport has sent them.)"""
     room = [codec.max_encoded(piece.nbytes) for piece in pieces]
     starts = np.concatenate([[0], np.cumsum(room)]).astype(int)
     area = np.empty(int(starts[-1]), np.uint8)
-    for k, piece in enumerate(pieces):
-        slot = area[starts[k]:starts[k + 1]]
+    following = iter(range(len(pieces)))
+
+    def post_next() -> None:
+        k = next(following, None)
+        if k is None:
+            return
+        piece, slot = pieces[k], area[starts[k]:starts[k + 1]]
         began = time.perf_counter()
         n = codec.encode(piece, slot)
         counts.codec_seconds += time.perf_counter() - began
@@ -146,11 +160,14 @@ def _send_coded(tp: Transport, nxt: int, pieces: list[np.ndarray], copies: list[
         counts.wire_bytes += piece.nbytes if raw else n
         payload = piece.reshape(-1).view(np.uint8) if raw else slot[:n]
         tp.post_send(nxt, memoryview(FRAME.pack(codec.wire_id, RAW if raw else 0, len(payload))))
-        tp.post_send(nxt, memoryview(payload))
+        tp.post_send(nxt, memoryview(payload), post_next)
         if copies is not None and codec.lossy and not raw:
             if copies[k] is not piece:
                 copies[k][:] = piece
             codec.round_in_place(copies[k])  # (the coded bytes are sent, not the piece: free to change)
+
+    for _ in range(SEND_AHEAD):
+        post_next()
 
 
 @dataclass
