@@ -146,6 +146,20 @@ def _one_d_rank(rank: int, plans: dict[str, dict[str, Any]]) -> None:
     dist.destroy_process_group()
 
 
+def _data_parallel_rank(rank: int, made: dict[str, Any]) -> None:
+    """FSDP over the whole 1-D mesh: each rank its own batch, gradients averaged."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _init(rank, 2)
+    mesh = init_device_mesh("cpu", (2,))
+    batch = [torch.randn(4, 32, generator=torch.Generator().manual_seed(2 * s + r)) for s in range(STEPS)
+             for r in range(2)]
+    got = _train(apply(_built("mlp"), made, mesh), batch[rank::2])
+    want = _train(_built("mlp"), [torch.cat(batch[2 * s:2 * s + 2]) for s in range(STEPS)], scale=0.5)
+    _assert_close(got, want, _built("mlp"), f"fsdp rank {rank}")
+    dist.destroy_process_group()
+
+
 def _two_d_rank(rank: int, plans: dict[str, dict[str, Any]]) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -168,6 +182,15 @@ def test_megatron_plans_applied_on_commd_train_like_one_process(backend_env: Pat
     plans = {"mlp": forced_plan("mlp", (2,), (8, 32)),
              "sp_mlp": forced_plan("sp_mlp", (2,), (2, 4, 8), {"3": ("seq",)})}
     spawn(_one_d_rank, (plans,))
+
+
+@pytest.mark.timeout(240)
+def test_an_fsdp_plan_on_a_1d_mesh_applied_on_commd_trains_like_one_process(backend_env: Path) -> None:
+    graph = trace(planner_models.mlp, (8, 32))
+    made = forced_plan("mlp", (2,), (8, 32), {x.name: ("fsdp",) if x.kind == "linear" else ("dp",)
+                                              for x in graph.layers})
+    assert [s.data for s in specs(made)] == ["fsdp"] * 3
+    spawn(_data_parallel_rank, (made,))
 
 
 @pytest.mark.timeout(300)
