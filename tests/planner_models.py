@@ -46,3 +46,9 @@ def cnn() -> nn.Module:
 
 def not_a_model() -> int:
     return 3
+
+
+def sp_mlp() -> nn.Module:
+    """Megatron-SP's shape on (batch, sequence, 8) activations: column, row, a LayerNorm, column, row."""
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), nn.LayerNorm(8), nn.Linear(8, 16), nn.ReLU(),
+                         nn.Linear(16, 8))

@@ -30,9 +30,11 @@ INIT_TIMEOUT = timedelta(seconds=30)  # also the commd op timeout of the groups
 SPAWN_TIMEOUT_S = 100.0
 
 
-def spawn(fn: Callable[..., None], args: tuple[Any, ...], timeout: float = SPAWN_TIMEOUT_S) -> None:
-    """mp.spawn with a deadline; re-raises a rank's exception, kills stragglers."""
-    context = tmp.spawn(fn, args=args, nprocs=WORLD, join=False)
+def spawn(
+    fn: Callable[..., None], args: tuple[Any, ...], timeout: float = SPAWN_TIMEOUT_S, nprocs: int = WORLD
+) -> None:
+    """mp.spawn of ``nprocs`` ranks with a deadline; re-raises a rank's exception, kills stragglers."""
+    context = tmp.spawn(fn, args=args, nprocs=nprocs, join=False)
     deadline = time.monotonic() + timeout
     try:
         while not context.join(timeout=1):

@@ -310,17 +310,24 @@ def breakdown(priced: Priced, choice: list[int]) -> dict[str, Any]:
             "sync_s": sync, "collectives": colls}
 
 
+def layer_rows(graph: LayerGraph, priced: Priced, choice: list[int]) -> list[dict[str, Any]]:
+    """plan.json's layers for a choice (the solved one, or a baseline's): per layer its inputs (the
+    graph's edges, which ``apply`` follows to convert partial outputs), strategy and layouts per dimension."""
+    rows = []
+    for i, layer in enumerate(graph.layers):
+        combo = priced.options[i][choice[i]]
+        rows.append({"name": layer.name, "kind": layer.kind, "inputs": list(layer.inputs),
+                     "strategy": [s.name for s in combo], "input": [s.inp for s in combo],
+                     "output": [s.out for s in combo], "sync": [s.sync for s in combo]})
+    return rows
+
+
 def plan(graph: LayerGraph, mesh: Mesh, costs: CollectiveCosts, opts: Options, table_id: str = "") -> dict[str, Any]:
     """The plan as plan.json holds it."""
     priced = price(graph, mesh, costs, opts)
     best, notes = solve(priced, opts.search)
     dims = mesh.dims()
-    layers = []
-    for i, layer in enumerate(graph.layers):
-        combo = priced.options[i][best.choice[i]]
-        layers.append({"name": layer.name, "kind": layer.kind, "strategy": [s.name for s in combo],
-                       "input": [s.inp for s in combo], "output": [s.out for s in combo],
-                       "sync": [s.sync for s in combo]})
+    layers = layer_rows(graph, priced, best.choice)
     baselines = {}
     for name, pick in (("data_parallel", data_parallel), ("megatron", megatron)):
         choice = pick(graph, priced)

@@ -1,0 +1,260 @@
+"""A plan (plan.json) applied to a torch model through DTensor, and its parameter placements checked.
+
+On the model dimension (a 1-D mesh's only one, a 2-D mesh's ``tp``) each parameter layer's strategy
+becomes a ``parallelize_module`` style: ``col`` → ``ColwiseParallel``, ``row`` and an embedding's
+``vocab`` → ``RowwiseParallel``, ``seq`` → ``SequenceParallel``, ``rep`` → none.  Layouts come from
+the plan: a layer's ``input_layouts`` are what its producer really gives, and a partial (``P``)
+output is converted where it is made into the layout its consumers take (the plan's edges), so no
+partial tensor leaves a module.  A replicated layer whose input arrives in another layout gets a
+``PrepareModuleInput`` to convert it; a parameter-free layer has no module to convert in, so a
+plan that needs a conversion into one is refused.  On the data dimension (a 2-D mesh's ``dp``, or
+a 1-D layer whose strategy is ``dp``/``fsdp``), ``fsdp`` → ``fully_shard`` and ``dp`` →
+``replicate`` (FSDP2's replicated variant), both on that dimension's sub-mesh.
+
+The caller feeds the model its input in the plan's input layer's layouts (the local shard of a
+split batch or sequence, the whole tensor where it is ``B``) and gets the output in the layout the
+plan's output layer takes.  ``specs`` (no torch) decides everything; ``apply`` only carries it out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from commd.planner.graph import WITH_PARAMS, LayerGraph
+from commd.planner.layouts import B, P, split_dim
+
+
+class ApplyError(ValueError):
+    """A plan that cannot be applied to this model or mesh; the message names the layer and why."""
+
+
+#: (kind, model-dimension strategy) → the style applied; strategies not here (and not ``rep``) fail.
+STYLES = {("linear", "col"): "col", ("linear", "row"): "row", ("linear", "seq"): "seq",
+          ("layernorm", "seq"): "seq", ("embedding", "vocab"): "row", ("embedding", "col"): "col"}
+#: Why the strategies DTensor's styles cannot express are refused.
+UNSUPPORTED = {
+    "heads": "DTensor cannot column-split the packed in_proj of nn.MultiheadAttention (split the attention's "
+             "projections into separate Linear layers and plan those)",
+    "col": "DTensor has no column style for convolutions",
+    "row": "DTensor has no row style for convolutions",
+}
+#: Per style, a parameter's placement on the model dimension (by its name; others: replicated).
+PARAM_LAYOUTS = {
+    ("linear", "col"): {"weight": "S(0)", "bias": "S(0)"},
+    ("linear", "row"): {"weight": "S(1)", "bias": B},
+    ("embedding", "col"): {"weight": "S(1)"},
+    ("embedding", "row"): {"weight": "S(0)"},
+}
+DATA = ("dp", "fsdp")
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What ``apply`` does to one parameter layer.  Layouts are the model dimension's."""
+
+    name: str
+    kind: str
+    style: str | None  # "col", "row", "seq" or None (replicated on the model dimension)
+    arrives: str  # the layout its input arrives in
+    takes: str  # the layout the plan says it takes
+    gives: str  # the layout of its output, after any conversion of a partial one
+    data: str | None  # "dp", "fsdp" or None: its data-dimension strategy
+
+
+def specs(plan: Mapping[str, Any], graph: LayerGraph | None = None) -> list[LayerSpec]:
+    """Each parameter layer's style and layouts; ApplyError where the plan cannot be applied."""
+    rows = plan["layers"]
+    ndim = len(plan["mesh"]["shape"])
+    m = ndim - 1
+    inputs = {row["name"]: _inputs(row, graph) for row in rows}
+    wants: dict[str, set[str]] = {}
+    for row in rows:
+        for src in inputs[row["name"]]:
+            wants.setdefault(src, set()).add(row["input"][m])
+    for row in rows:  # a strategy no style expresses first: it is why the plan cannot apply
+        strategy = row["strategy"][m]
+        if row["kind"] in WITH_PARAMS and strategy not in ("rep", *DATA) and (row["kind"], strategy) not in STYLES:
+            why = UNSUPPORTED.get(strategy, "no DTensor style applies it")
+            raise ApplyError(f"layer {row['name']!r} ({row['kind']}, strategy {strategy!r}): cannot be applied "
+                             f"through DTensor: {why}")
+    gives: dict[str, str] = {}
+    out: list[LayerSpec] = []
+    for row in rows:
+        name, kind, strategy = row["name"], row["kind"], row["strategy"][m]
+        takes, own_out = row["input"][m], row["output"][m]
+        where = f"layer {name!r} ({kind}, strategy {strategy!r})"
+        if kind == "input":
+            gives[name] = own_out
+            continue
+        arriving = {gives[src] for src in inputs[name]}
+        if len(arriving) != 1:
+            raise ApplyError(f"{where}: its inputs arrive in different layouts {sorted(arriving)}")
+        arrives = arriving.pop()
+        if kind not in WITH_PARAMS:
+            if arrives != takes:
+                raise ApplyError(f"{where}: its input arrives {arrives} but the plan takes it {takes}, and a "
+                                 f"parameter-free layer has no module to convert it in")
+            gives[name] = own_out
+            continue
+        data = row["strategy"][0] if ndim == 2 else (strategy if strategy in DATA else None)
+        if data is not None and data not in DATA:
+            raise ApplyError(f"{where}: data-dimension strategy {data!r} is not dp or fsdp")
+        style = STYLES.get((kind, strategy))  # None: replicated on the model dimension (checked above)
+        target = wants.get(name, {own_out})
+        if style in ("col", "row"):
+            if len(target) != 1:
+                raise ApplyError(f"{where}: its consumers take its output in different layouts {sorted(target)}")
+            given = target.pop()
+            if given == P:
+                raise ApplyError(f"{where}: a consumer takes its output partial ({P}); DTensor's module styles "
+                                 "give local tensors, which cannot stay partial across modules")
+        else:
+            given = own_out
+            if style == "seq" and (split_dim(arrives) is None or arrives != takes or own_out != takes):
+                raise ApplyError(f"{where}: SequenceParallel takes and gives the sequence split {takes}; "
+                                 f"its input arrives {arrives}")
+        gives[name] = given
+        out.append(LayerSpec(name, kind, style, arrives, takes, given, data))
+    return out
+
+
+def _inputs(row: Mapping[str, Any], graph: LayerGraph | None) -> list[str]:
+    if "inputs" in row:
+        return list(row["inputs"])
+    if graph is None or row["name"] not in graph.index:
+        raise ApplyError(f"layer {row['name']!r}: the plan has no inputs (an older plan.json): pass its layer graph")
+    return list(graph.layers[graph.index[row["name"]]].inputs)
+
+
+def expected_placements(spec: LayerSpec, param: str, dims: list[str]) -> dict[str, str]:
+    """A parameter's placement per mesh dimension name, after ``apply`` (dims absent: a plain tensor there)."""
+    want: dict[str, str] = {}
+    if spec.data is not None:
+        want[dims[0]] = "S(0)" if spec.data == "fsdp" else B
+    if spec.style is not None:
+        want[dims[-1]] = PARAM_LAYOUTS.get((spec.kind, spec.style), {}).get(param, B)
+    return want
+
+
+def apply(model: Any, plan: Mapping[str, Any], mesh: Any, graph: LayerGraph | None = None) -> Any:
+    """Parallelize ``model`` (in place) as ``plan`` says on ``mesh`` (a DeviceMesh of the plan's shape;
+    2-D: dims named "dp", "tp"), check every parameter's placement, and return the model."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    layer_specs = specs(plan, graph)
+    dims = _check_mesh(plan, mesh)
+    model_mesh, data_mesh = (mesh, mesh) if len(dims) == 1 else (mesh["tp"], mesh["dp"])
+    modules = modules_by_layer(model)
+    for spec in layer_specs:
+        if spec.name not in modules:
+            raise ApplyError(f"layer {spec.name!r}: the model has no module of that name")
+    for spec in layer_specs:
+        style = _style(spec)
+        if style is not None:
+            parallelize_module(modules[spec.name], model_mesh, style)
+    for spec in layer_specs:
+        if spec.data == "fsdp":
+            fully_shard(modules[spec.name], mesh=data_mesh)
+        elif spec.data == "dp":
+            from torch.distributed._composable.replicate_with_fsdp import replicate
+
+            replicate(modules[spec.name], mesh=data_mesh)
+    check(model, plan, mesh, graph)
+    return model
+
+
+def check(model: Any, plan: Mapping[str, Any], mesh: Any, graph: LayerGraph | None = None) -> None:
+    """Every parameter of the plan's layers placed as its strategy implies: a DTensor with those
+    placements, or a plain tensor where the plan replicates it; ApplyError naming the first that is not."""
+    dims = _check_mesh(plan, mesh)
+    modules = modules_by_layer(model)
+    for spec in specs(plan, graph):
+        module = modules.get(spec.name)
+        if module is None:
+            raise ApplyError(f"layer {spec.name!r}: the model has no module of that name")
+        for pname, param in module.named_parameters():
+            want = expected_placements(spec, pname.rsplit(".", 1)[-1], dims)
+            got = placements(param, dims)
+            if got != want:
+                raise ApplyError(f"layer {spec.name!r} ({spec.kind}, {spec.style or 'replicated'}"
+                                 f"{', ' + spec.data if spec.data else ''}): parameter {pname!r} is placed "
+                                 f"{_show(got)}, the plan implies {_show(want)}")
+
+
+def placements(param: Any, dims: list[str]) -> dict[str, str]:
+    """A parameter's placement per mesh dimension name ({} for a plain tensor)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return {}
+    names = param.device_mesh.mesh_dim_names or tuple(dims[:param.device_mesh.ndim])
+    out = {}
+    for name, pl in zip(names, param.placements, strict=True):
+        if pl.is_shard() or type(pl).__name__ == "_StridedShard":  # FSDP's shard of a TP shard
+            out[name] = f"S({pl.dim})"
+        elif pl.is_replicate():
+            out[name] = B
+        elif pl.is_partial():
+            out[name] = P
+        else:
+            out[name] = repr(pl)
+    return out
+
+
+def _show(placed: dict[str, str]) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in placed.items()) if placed else "a plain tensor"
+
+
+def modules_by_layer(model: Any) -> dict[str, Any]:
+    """The model's modules by their layer names (trace.py's: the qualified name with '.' as '_')."""
+    out = {}
+    for qualname, module in model.named_modules():
+        out[qualname] = module
+        out.setdefault(qualname.replace(".", "_") or "module", module)
+    return out
+
+
+def _check_mesh(plan: Mapping[str, Any], mesh: Any) -> list[str]:
+    """The plan's dimension names, once the mesh is checked to be the plan's."""
+    shape = tuple(plan["mesh"]["shape"])
+    if tuple(mesh.shape) != shape:
+        raise ApplyError(f"the plan is for a mesh of {list(shape)}, the mesh given is {list(mesh.shape)}")
+    dims = [d["name"] for d in plan["mesh"]["dims"]]
+    if len(shape) == 2 and tuple(mesh.mesh_dim_names or ()) != ("dp", "tp"):
+        raise ApplyError(f"a 2-D plan needs a mesh with dims named ('dp', 'tp'), not {mesh.mesh_dim_names}")
+    return dims
+
+
+def _layout(layout: str) -> Any:
+    from torch.distributed.tensor import Replicate, Shard
+
+    if layout == B:
+        return Replicate()
+    k = split_dim(layout)
+    if k is None:
+        raise ApplyError(f"layout {layout!r} has no DTensor placement here")
+    return Shard(k)
+
+
+def _style(spec: LayerSpec) -> Any:
+    """The ParallelStyle that makes ``spec`` so, or None."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    if spec.style == "col":
+        return ColwiseParallel(input_layouts=_layout(spec.arrives), output_layouts=_layout(spec.gives))
+    if spec.style == "row":
+        return RowwiseParallel(input_layouts=_layout(spec.arrives), output_layouts=_layout(spec.gives))
+    if spec.style == "seq":
+        return SequenceParallel(sequence_dim=split_dim(spec.takes) or 1)
+    if spec.arrives != spec.takes:
+        return PrepareModuleInput(input_layouts=(_layout(spec.arrives),), desired_input_layouts=(_layout(spec.takes),),
+                                  use_local_output=True)
+    return None
