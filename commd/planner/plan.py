@@ -30,7 +30,16 @@ from commd.planner import search
 from commd.planner.costs import CollectiveCosts
 from commd.planner.files import check_header, read_json
 from commd.planner.graph import LayerGraph
-from commd.planner.layouts import SYNC_NONE, Strategy, candidates, conversion, split_dim, sync_collectives
+from commd.planner.layouts import (
+    SYNC_NONE,
+    B,
+    P,
+    Strategy,
+    candidates,
+    conversion,
+    split_dim,
+    sync_collectives,
+)
 
 PLAN_FORMAT = "commd-plan"
 PLAN_VERSION = 1
@@ -198,8 +207,10 @@ def _edge_collectives(su: tuple[Strategy, ...], sv: tuple[Strategy, ...], nbytes
                            for e in range(len(mesh.shape)) if e != d)
         b = nbytes // others
         out += [(k, n, d, 1) for k, n in conversion(su[d].out, sv[d].inp, b, mesh.gpu)]
-        if backward:
-            out += [(k, n, d, 1) for k, n in conversion(sv[d].in_grad, su[d].out, b, mesh.gpu)]
+        if backward:  # the producer's output gradient: its layout, but whole where the output is partial
+            # (each rank's part of a sum gets the sum's whole gradient: P's dual is B)
+            wanted = B if su[d].out == P else su[d].out
+            out += [(k, n, d, 1) for k, n in conversion(sv[d].in_grad, wanted, b, mesh.gpu)]
     return out
 
 

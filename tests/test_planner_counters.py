@@ -1,0 +1,130 @@
+"""The collectives a plan predicts for one training step are the ones the commd daemon counts.
+
+A plan applied through DTensor on the commd backend runs one step between two readings of
+``commd status``; the bytes counted in between, per op kind, must be what ``plan.breakdown``
+predicts for that plan (bytes, not ops: torch reduces a layer's gradients per parameter where the
+plan counts one collective per layer) — the cost model's view of the step is
+checked against what really moved, independently of any timing.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from pathlib import Path
+from typing import Any
+
+import planner_models
+import pytest
+import torch
+import torch.distributed as dist
+from test_planner import synthetic_costs
+from test_torch_backend import spawn
+
+from commd.planner import plan as planner
+from commd.planner.apply import apply
+from commd.planner.trace import trace
+
+#: (factory, mesh shape, input shape, strategy overrides): a Megatron MLP, and Megatron-SP.
+CASES = {
+    "megatron": ("mlp", (2,), (512, 32), {}),
+    "sequence-parallel": ("sp_mlp", (2,), (4, 64, 8), {"3": ("seq",)}),
+    "2x2": ("mlp", (2, 2), (512, 32), {}),  # dp x tp: FSDP2's replicate on dp, Megatron on tp
+}
+
+
+def forced(factory: str, shape: tuple[int, ...], input_shape: tuple[int, ...],
+           overrides: dict[str, tuple[str, ...]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """plan.json with Megatron's choice (some layers overridden), and the collectives it predicts per step."""
+    graph = trace(getattr(planner_models, factory), input_shape)
+    mesh, costs, opts = planner.Mesh(shape, 2), synthetic_costs(), planner.Options()  # (2 ranks a node)
+    priced = planner.price(graph, mesh, costs, opts)
+    choice = planner.megatron(graph, priced)
+    assert choice is not None
+    for name, names in overrides.items():
+        i = graph.index[name]
+        choice[i] = next(k for k, combo in enumerate(priced.options[i]) if tuple(s.name for s in combo) == names)
+    made = planner.plan(graph, mesh, costs, opts)
+    made["layers"] = planner.layer_rows(graph, priced, choice)
+    return made, planner.breakdown(priced, choice)["collectives"]
+
+
+def _reading() -> dict[str, Any]:
+    from commd.client.status import query_status
+    from commd.runtime import JobPaths, runtime_root
+
+    (job,) = [p for p in runtime_root().iterdir() if p.is_dir()]
+    status = query_status(JobPaths(job.name, job))
+    ops: collections.Counter[str] = collections.Counter()
+    sizes: collections.Counter[str] = collections.Counter()
+    for kind, lanes in status.get("ops_by_lane", {}).items():
+        for row in lanes.values():
+            ops[kind] += row["ops"]
+            sizes[kind] += row["bytes"]
+    assert not any(ring["ops"] for ring in status.get("rings", {}).values()), "an op bypassed the daemon's count"
+    return {"ops": ops, "bytes": sizes}
+
+
+def _rank(rank: int, made: dict[str, Any], factory: str, input_shape: tuple[int, ...], out: Any) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    # COMMD_LOCAL_RING=0: small all-reduces go through the daemon too, which counts their bytes
+    shape = tuple(made["mesh"]["shape"])
+    world = 1
+    for size in shape:
+        world *= size
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), COMMD_LOCAL_RING="0")
+    import commd  # noqa: F401 - registers the backend
+
+    dist.init_process_group("commd")
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp") if len(shape) == 2 else None)
+    torch.manual_seed(0)
+    model = apply(getattr(planner_models, factory)(), made, mesh)
+    if len(shape) == 2:  # the plan splits the batch over dp: each dp rank its part
+        input_shape = (input_shape[0] // shape[0], *input_shape[1:])
+    x = torch.randn(input_shape, generator=torch.Generator().manual_seed(1))
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step() -> None:  # a whole training step: the optimizer reduces partial gradients (SP's LayerNorm)
+        optimizer.zero_grad()
+        model(x).pow(2).sum().backward()
+        optimizer.step()
+
+    step()  # the first step's one-off collectives (DTensor's set-up) are not the plan's
+    dist.barrier()
+    before = _reading() if rank == 0 else None
+    dist.barrier()
+    step()
+    dist.barrier()
+    if rank == 0:
+        after = _reading()
+        out.put({"ops": dict(after["ops"] - before["ops"]), "bytes": dict(after["bytes"] - before["bytes"])})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_collectives_a_plan_predicts_are_what_the_daemon_counts_over_a_step(backend_env: Path, case: str) -> None:
+    import torch.multiprocessing as tmp
+
+    factory, shape, input_shape, overrides = CASES[case]
+    made, predicted = forced(factory, shape, input_shape, overrides)
+    queue = tmp.get_context("spawn").SimpleQueue()
+    spawn(_rank, (made, factory, input_shape, queue), nprocs=2 * len(shape))
+    counted = queue.get()
+    world = 1
+    for size in shape:
+        world *= size
+    want: collections.Counter[str] = collections.Counter()
+    for c in predicted:  # the plan's collectives are one group's; the daemon counts every group of the dim
+        want[c["kind"]] += c["bytes"] * c["count"] * world // shape[c["mesh_dim"]]
+    got = collections.Counter(counted["bytes"])
+    got["barrier"] = 0  # the two barriers around the step
+    got = collections.Counter({k: v for k, v in got.items() if v})
+    assert set(got) == set(want), (counted, predicted)
+    for kind, nbytes in want.items():
+        # exact, but for the few bytes FSDP2's replicate pads its gradient buckets with (2x2: 256 of 290 KB)
+        slack = 0.002 * nbytes if case == "2x2" and kind == "allreduce" else 0
+        assert abs(got[kind] - nbytes) <= slack, (kind, got[kind], nbytes, counted, predicted)
