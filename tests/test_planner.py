@@ -91,7 +91,7 @@ def test_the_planners_descent_finds_the_exact_optimum_on_200_random_models() -> 
         graph = random_model(rng)
         mesh = planner.Mesh((4,), 2) if rng.integers(2) else planner.Mesh((2, 2), 2)
         priced = planner.price(graph, mesh, synthetic_costs(rng), planner.Options())
-        best, notes = planner.solve(priced, "both")
+        best, notes = planner.solve(priced, "both", graph)
         assert notes["descent_gap"] <= 1e-9, f"seed {seed}: {graph.source} on {mesh.shape}: gap {notes['descent_gap']}"
 
 

@@ -220,13 +220,14 @@ def data_parallel(graph: LayerGraph, priced: Priced) -> list[int] | None:
     return _pick(priced, lambda i, combo: all(s.name == "dp" for s in combo))
 
 
-def megatron(graph: LayerGraph, priced: Priced) -> list[int] | None:
+def megatron(graph: LayerGraph, priced: Priced, row_first: bool = False) -> list[int] | None:
     """Data parallel on a 2-D mesh's data dimension; on the other (a 1-D mesh's only one): linear and
     convolution layers alternate column and row, attention splits heads, embeddings the vocabulary,
     parameter-free layers keep the layout they are given (an activation after a column layer stays
-    split), everything else is replicated."""
+    split), everything else is replicated.  ``row_first``: the pairs shifted by one layer (a start for
+    descent, which cannot shift every pair at once)."""
     choice: list[int] = []
-    column_next = True
+    column_next = not row_first
     model_dim = len(priced.options[0][0]) - 1
     for i, layer in enumerate(graph.layers):
         combos = priced.options[i]
@@ -262,11 +263,12 @@ def _pick(priced: Priced, fits: Any) -> list[int] | None:
 
 
 # ---- the plan -------------------------------------------------------------------------------------
-def starts(priced: Priced) -> list[list[int]]:
+def starts(priced: Priced, graph: LayerGraph | None = None) -> list[list[int]]:
     """Descent's structured starts: for each strategy (its names on every mesh dimension), every layer
-    that has it takes it and the others their cheapest candidate.  A window of adjacent layers cannot
-    move a transformer's residual stream from one layout to another (every block's adds at once);
-    a start that has every layer there already can, and costs one descent each."""
+    that has it takes it and the others their cheapest candidate; and Megatron's column/row pairs in
+    both phases.  A window of adjacent layers cannot move a transformer's residual stream from one
+    layout to another (every block's adds at once), nor shift every column/row pair by one layer;
+    a start that is there already can, and costs one descent each."""
     names = sorted({tuple(s.name for s in combo) for combos in priced.options for combo in combos})
     out = []
     for name in names:
@@ -275,10 +277,12 @@ def starts(priced: Priced) -> list[list[int]]:
             k = next((k for k, combo in enumerate(combos) if tuple(s.name for s in combo) == name), None)
             choice.append(k if k is not None else int(np.argmin(priced.problem.node_costs[v])))
         out.append(choice)
+    if graph is not None:
+        out += [c for c in (megatron(graph, priced), megatron(graph, priced, row_first=True)) if c is not None]
     return out
 
 
-def solve(priced: Priced, how: str) -> tuple[search.Solution, dict[str, Any]]:
+def solve(priced: Priced, how: str, graph: LayerGraph | None = None) -> tuple[search.Solution, dict[str, Any]]:
     """The chosen candidates, and what the search did (times, and the exact check for ``both``)."""
     if how not in SEARCHES:
         raise PlanError(f"--search must be one of {', '.join(SEARCHES)}, not {how!r}")
@@ -288,7 +292,7 @@ def solve(priced: Priced, how: str) -> tuple[search.Solution, dict[str, Any]]:
         best = search.exact(priced.problem)
         notes["exact_s"] = time.perf_counter() - began
         return best, notes
-    best = search.descent(priced.problem, window=DESCENT_WINDOW, starts=starts(priced))
+    best = search.descent(priced.problem, window=DESCENT_WINDOW, starts=starts(priced, graph))
     notes["descent_s"] = time.perf_counter() - began
     if how == "both":
         began = time.perf_counter()
@@ -336,7 +340,7 @@ def layer_rows(graph: LayerGraph, priced: Priced, choice: list[int]) -> list[dic
 def plan(graph: LayerGraph, mesh: Mesh, costs: CollectiveCosts, opts: Options, table_id: str = "") -> dict[str, Any]:
     """The plan as plan.json holds it."""
     priced = price(graph, mesh, costs, opts)
-    best, notes = solve(priced, opts.search)
+    best, notes = solve(priced, opts.search, graph)
     dims = mesh.dims()
     layers = layer_rows(graph, priced, best.choice)
     baselines = {}

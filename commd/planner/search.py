@@ -15,9 +15,10 @@ total is the sum of the chosen candidates' costs and of the chosen pairs' edge c
   arbitrary costs: windows of two from 4 random starts missed the optimum on 9 chains and 8 graphs,
   from 16 on 1 chain and 1 graph; windows of three from 16 on 1 graph, from 32 on none.  On the
   planner's own problems (200 random models, tests/test_planner.py) windows of two from the
-  planner's starts missed 2 (a stack of convolutions going from column/row to replicated: three
-  layers at once), windows of three none, so the planner uses three; ``--search both`` checks any
-  plan against the exact optimum.  A window's every combination is one NumPy array.
+  planner's starts missed 2, windows of three none, so the planner uses three; without Megatron's
+  column/row pairs in both phases among the starts, windows of three missed 4 (shifting every
+  pair by one layer changes four or more layers at once).  ``--search both`` checks any plan
+  against the exact optimum.  A window's every combination is one NumPy array.
 - ``brute_force``: every combination, for checking the others on small graphs.
 """
 
