@@ -29,11 +29,13 @@ STEPS = 2
 
 
 def forced_plan(factory: str, shape: tuple[int, ...], input_shape: tuple[int, ...],
-                overrides: dict[str, tuple[str, ...]] | None = None, dtype: str = "float32") -> dict[str, Any]:
+                overrides: dict[str, tuple[str, ...]] | None = None, dtype: str = "float32",
+                appliable_only: bool = True) -> dict[str, Any]:
     """plan.json for a traced model with Megatron's choice, some layers' strategies (one name per mesh
-    dimension) overridden."""
+    dimension) overridden (``appliable_only=False``: strategies apply cannot set up are offered too)."""
     graph = trace(getattr(planner_models, factory), input_shape, dtype)
-    mesh, costs, opts = planner.Mesh(shape, math.prod(shape)), synthetic_costs(), planner.Options()
+    mesh, costs = planner.Mesh(shape, math.prod(shape)), synthetic_costs()
+    opts = planner.Options(appliable_only=appliable_only)
     made = planner.plan(graph, mesh, costs, opts)
     priced = planner.price(graph, mesh, costs, opts)
     choice = planner.megatron(graph, priced)
@@ -62,19 +64,35 @@ def test_a_sequence_parallel_layernorm_takes_its_row_layers_output_reduce_scatte
 
 
 def test_strategies_dtensor_cannot_express_are_refused_naming_the_layer() -> None:
-    gpt = forced_plan("TinyGPT", (2,), (2, 16), dtype="int64")
+    """Plans made from every strategy (the planner's default leaves these out: see the next test)."""
+    gpt = forced_plan("TinyGPT", (2,), (2, 16), dtype="int64", appliable_only=False)
     with pytest.raises(ApplyError, match=r"layer 'blocks_0_attn' \(attention, strategy 'heads'\).*in_proj"):
         specs(gpt)
     # with the attention replicated, the residual stream stays partial after the vocabulary split
     # embedding (Megatron's plan adds partial sums), but DTensor's styles hand on local tensors only
     replicated = forced_plan("TinyGPT", (2,), (2, 16), {"blocks_0_attn": ("rep",), "blocks_1_attn": ("rep",)},
-                             dtype="int64")
+                             dtype="int64", appliable_only=False)
     with pytest.raises(ApplyError, match=r"layer 'embed' \(embedding, strategy 'vocab'\): its consumers take its "
                                          r"output in different layouts \['B', 'P'\]"):
         specs(replicated)
-    cnn = forced_plan("cnn", (2,), (4, 3, 16, 16))
+    cnn = forced_plan("cnn", (2,), (4, 3, 16, 16), appliable_only=False)
     with pytest.raises(ApplyError, match=r"layer '0' \(conv2d, strategy 'col'\).*convolutions"):
         specs(cnn)
+
+
+def test_the_planners_own_plans_use_only_what_apply_can_set_up() -> None:
+    """By default the planner offers no attention heads, convolution splits or partial residual streams:
+    the optimum and both baselines of every model family are plans ``specs`` accepts."""
+    for factory, shape, dtype in (("TinyGPT", (2, 16), "int64"), ("cnn", (4, 3, 16, 16), "float32"),
+                                  ("mlp", (8, 32), "float32")):
+        graph = trace(getattr(planner_models, factory), shape, dtype)
+        for mesh in (planner.Mesh((2,), 2), planner.Mesh((2, 2), 2)):
+            made = planner.plan(graph, mesh, synthetic_costs(), planner.Options())
+            priced = planner.price(graph, mesh, synthetic_costs(), planner.Options())
+            for choice in (planner.megatron(graph, priced), planner.data_parallel(graph, priced)):
+                assert choice is not None
+                specs({**made, "layers": planner.layer_rows(graph, priced, choice)})
+            specs(made)
 
 
 def test_a_plan_without_edges_needs_its_graph() -> None:

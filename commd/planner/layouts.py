@@ -52,6 +52,9 @@ class Strategy:
     compute_share: float  # the part of the layer's work each rank does (1 / n or 1)
     param_share: float  # the part of the parameters each rank holds
     sync: str = SYNC_NONE  # how parameter gradients are synchronised across this dimension
+    #: whether ``commd.planner.apply`` can set it up through DTensor (plans are made of those only,
+    #: unless asked otherwise; the rest stay for pricing what DTensor cannot express)
+    appliable: bool = True
 
 
 def conversion(src: str, dst: str, nbytes: int, gpu: bool = False) -> list[tuple[str, int]]:
@@ -107,7 +110,7 @@ def candidates(layer: Layer, in_ndim: int, n: int, role: str) -> list[Strategy]:
         for dim in range(1, min(in_ndim, out_ndim)):
             model.append(Strategy(f"split{dim}", split(dim), split(dim), split(dim), share, 1.0))
         if layer.attrs.get("linear"):  # a residual add or a scaling: sums of parts are parts of the sum
-            model.append(Strategy("partial", P, P, P, share, 1.0))
+            model.append(Strategy("partial", P, P, P, share, 1.0, appliable=False))  # (styles hand on local tensors)
     else:
         sync_share = 1.0
         data = [Strategy("dp", split(0), split(0), split(0), share, sync_share, SYNC_DDP),
@@ -117,11 +120,13 @@ def candidates(layer: Layer, in_ndim: int, n: int, role: str) -> list[Strategy]:
             model.append(Strategy("seq", split(1), split(1), split(1), share, 1.0, SYNC_DDP))
         feat_in, feat_out = in_ndim - 1 if kind != "conv2d" else 1, feature_dim(layer)
         if kind in ("linear", "conv2d"):
-            model.append(Strategy("col", B, split(feat_out), P, share, share))
-            model.append(Strategy("row", split(feat_in), P, split(feat_in), share, share))
+            conv = kind == "conv2d"  # (DTensor has no style that splits a convolution)
+            model.append(Strategy("col", B, split(feat_out), P, share, share, appliable=not conv))
+            model.append(Strategy("row", split(feat_in), P, split(feat_in), share, share, appliable=not conv))
         elif kind == "embedding":
             model.append(Strategy("col", B, split(feat_out), B, share, share))  # embedding dim split
             model.append(Strategy("vocab", B, P, B, share, share))  # rows split: each rank looks its own up
         elif kind == "attention":
-            model.append(Strategy("heads", B, P, P, share, share))  # Megatron: qkv columns, output rows
+            # Megatron: qkv columns, output rows (DTensor cannot split nn.MultiheadAttention's packed in_proj)
+            model.append(Strategy("heads", B, P, P, share, share, appliable=False))
     return data if role == "data" else data + model

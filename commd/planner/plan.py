@@ -108,6 +108,8 @@ class Options:
     mem_bytes: float | None = None  # per rank
     optimizer_states: int = 2  # extra parameter-sized tensors (Adam: 2, SGD with momentum: 1)
     search: str = "descent"
+    #: only strategies ``apply`` can set up through DTensor (False: price every strategy)
+    appliable_only: bool = True
 
 
 @dataclass
@@ -131,6 +133,8 @@ def price(graph: LayerGraph, mesh: Mesh, costs: CollectiveCosts, opts: Options) 
         per_dim = [candidates(layer, ndim_in[i], d.size, d.role) for d in dims]
         combos, costs_here, parts_here, colls_here = [], [], [], []
         for combo in itertools.product(*per_dim):
+            if opts.appliable_only and not all(st.appliable for st in combo):
+                continue
             compute = 3 * _forward_seconds(layer.name, layer.flops, costs, opts) * math.prod(s.compute_share for s in combo)
             colls = []
             for d, s in enumerate(combo):
@@ -224,7 +228,7 @@ def megatron(graph: LayerGraph, priced: Priced, row_first: bool = False) -> list
     """Data parallel on a 2-D mesh's data dimension; on the other (a 1-D mesh's only one): linear and
     convolution layers alternate column and row, attention splits heads, embeddings the vocabulary,
     parameter-free layers keep the layout they are given (an activation after a column layer stays
-    split), everything else is replicated.  ``row_first``: the pairs shifted by one layer (a start for
+    split), everything else is replicated (and so is a layer whose split the plan may not use).  ``row_first``: the pairs shifted by one layer (a start for
     descent, which cannot shift every pair at once)."""
     choice: list[int] = []
     column_next = not row_first
@@ -244,8 +248,12 @@ def megatron(graph: LayerGraph, priced: Priced, row_first: bool = False) -> list
                         "rep")
         else:
             want = "rep"
-        found = next((k for k, combo in enumerate(combos)
-                      if combo[model_dim].name == want and all(s.name == "dp" for s in combo[:model_dim])), None)
+        found = None
+        for name in (want, "rep"):  # a split the plan may not use (one apply cannot set up): replicated
+            found = next((k for k, combo in enumerate(combos)
+                          if combo[model_dim].name == name and all(s.name == "dp" for s in combo[:model_dim])), None)
+            if found is not None:
+                break
         if found is None:
             return None
         choice.append(found)
