@@ -101,6 +101,9 @@ def run(args: argparse.Namespace) -> int:
             opts.layer_seconds = trace.measure(trace.load_factory(args.target), _shape(args.input),
                                                args.input_dtype, threads=threads)
         made = planner.plan(graph, mesh, costs, opts, table_id)
+        if args.target:  # how to build the model again (commd plan --measure, apply in a job)
+            made["model_factory"] = {"factory": args.target, "input": list(_shape(args.input)),
+                                     "input_dtype": args.input_dtype}
     except (planner.PlanError, CostError, GraphError) as exc:
         print(f"commd plan: {exc}", file=sys.stderr)
         return 2

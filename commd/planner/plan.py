@@ -355,7 +355,8 @@ def plan(graph: LayerGraph, mesh: Mesh, costs: CollectiveCosts, opts: Options, t
     for name, pick in (("data_parallel", data_parallel), ("megatron", megatron)):
         choice = pick(graph, priced)
         baselines[name] = None if choice is None else {
-            **breakdown(priced, choice), "strategy": [[s.name for s in priced.options[i][c]] for i, c in enumerate(choice)]}
+            **breakdown(priced, choice), "strategy": [[s.name for s in priced.options[i][c]] for i, c in enumerate(choice)],
+            "layers": layer_rows(graph, priced, choice)}  # (what apply needs to set the baseline up)
     return {"format": PLAN_FORMAT, "version": PLAN_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "mesh": {"shape": list(mesh.shape), "nproc_per_node": mesh.nproc_per_node, "gpu": mesh.gpu,
                      "dims": [{"name": d.name, "size": d.size, "nodes": d.nodes} for d in dims]},
