@@ -4,6 +4,7 @@
     commd plan --layers model.json --mesh 2x2 --nproc-per-node 2 --table tuning.json --costs local.json -o plan.json
     commd plan --example gpt --mesh 4 --nproc-per-node 2 --costs costs.json --search both
     commd plan --show plan.json
+    commd plan --measure plan.json --hosts 2 --nproc-per-node 2 --rate 1gbit --delay-ms 0.2 --json measured.json
     commd plan calibrate --nproc-per-node 2 -o costs.json   # groups inside a node, and the compute rate
 """
 
@@ -44,6 +45,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     model.add_argument("--layers", type=Path, help="the model as a JSON layer list (format commd-layers)")
     model.add_argument("--example", choices=sorted(EXAMPLES), help="one of the benchmark's model families")
     model.add_argument("--show", type=Path, metavar="PLAN", help="print a plan.json for people and stop")
+    model.add_argument("--measure", type=Path, metavar="PLAN",
+                       help="train a traced model's plan and its baselines on simulated hosts (root) and print the "
+                            "measured step beside the predicted")
+    p.add_argument("--hosts", type=int, default=2, help="measure: simulated hosts (x --nproc-per-node = the mesh)")
+    p.add_argument("--rate", help="measure: each host's bandwidth, e.g. 1gbit (default unshaped)")
+    p.add_argument("--delay-ms", type=float, help="measure: one-way delay added per host link")
+    p.add_argument("--steps", type=int, default=20, help="measure: timed steps per setting (default 20)")
+    p.add_argument("--warmup", type=int, default=5, help="measure: untimed steps first (default 5)")
+    p.add_argument("--repeats", type=int, default=1, help="measure: runs per setting, interleaved (default 1)")
+    p.add_argument("--json", type=Path, metavar="FILE", help="measure: write the figures and every run here")
     p.add_argument("--mesh", default=None, help="ranks as N (1-D) or DPxTP (2-D), e.g. 4 or 2x2")
     p.add_argument("--nproc-per-node", type=int, default=None,
                    help="ranks per node (plan default: all on one node; calibrate default: 2)")
@@ -76,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
         if args.show:
             print(planner.show(planner.load(args.show)))
             return 0
+        if args.measure:
+            return _measure(args)
         graph = _graph(args)
         if args.write_layers:
             args.write_layers.write_text(json.dumps(graph.to_json(), indent=1) + "\n")
@@ -111,6 +124,21 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         planner.save(made, args.out)
         print(f"wrote {args.out}")
+    return 0
+
+
+def _measure(args: argparse.Namespace) -> int:
+    from commd.planner import measure
+
+    plan = planner.load(args.measure)
+    nproc = args.nproc_per_node or plan["mesh"]["nproc_per_node"]
+    measure.check(plan, args.hosts, nproc)  # before the simulated hosts come up
+    result = measure.measure(plan, args.hosts, nproc, rate=args.rate, delay_ms=args.delay_ms, steps=args.steps,
+                             warmup=args.warmup, repeats=args.repeats)
+    print(measure.table(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.json}")
     return 0
 
 

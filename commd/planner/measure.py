@@ -1,0 +1,165 @@
+"""``commd plan --measure``: run a plan and its baselines on simulated hosts and set the measured step beside the predicted.
+
+Each setting (the plan, its ``data_parallel`` and ``megatron`` baselines) is one job: ``commd launch
+-m commd.planner.measure_worker`` on every simulated host (a network namespace per node, shaped by
+``--rate``/``--delay-ms``), each rank building the model with the plan's ``model_factory``, applying
+the setting's layers and timing SGD steps (see measure_worker for how).  Settings are interleaved over
+``--repeats`` so a drift in the machine's load touches them all; a setting's figure is the median of
+its runs' medians.  Only plans of traced models (``MODULE:FACTORY``) can be measured: a layer list or
+an example has no model to run.  The daemons run without a tuning table unless ``COMMD_TUNING`` says
+otherwise, so every setting sees the same lanes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from commd.planner.plan import PlanError
+
+#: The settings measured, in order: the plan itself, then its baselines (by plan.json's keys).
+SETTINGS = ("plan", "data_parallel", "megatron")
+WORKER = "commd.planner.measure_worker"
+
+
+def check(plan: dict[str, Any], hosts: int, nproc_per_node: int) -> None:
+    """PlanError when ``plan`` cannot be measured on ``hosts`` x ``nproc_per_node`` ranks."""
+    if not plan.get("model_factory"):
+        raise PlanError("the plan has no model_factory: only plans of a traced model (MODULE:FACTORY) can be "
+                        "measured; plans made from --layers or --example have no model to run")
+    if hosts < 1 or nproc_per_node < 1:
+        raise PlanError("--hosts and --nproc-per-node must be positive")
+    shape = plan["mesh"]["shape"]
+    if hosts * nproc_per_node != math.prod(shape):
+        raise PlanError(f"--hosts {hosts} x --nproc-per-node {nproc_per_node} = {hosts * nproc_per_node} ranks, "
+                        f"but the plan's mesh {'x'.join(map(str, shape))} has {math.prod(shape)}")
+    if plan["mesh"].get("nproc_per_node") not in (None, nproc_per_node):
+        print(f"commd plan --measure: note: the plan was priced for {plan['mesh']['nproc_per_node']} ranks per "
+              f"node, measured with {nproc_per_node}", file=sys.stderr)
+
+
+def settings(plan: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """(name → (predicted figures, plan with that setting's layers), names skipped with why)."""
+    out = {"plan": {"predicted": plan["predicted"], "plan": plan}}
+    skipped = []
+    for name in SETTINGS[1:]:
+        base = (plan.get("baselines") or {}).get(name)
+        if base is None:
+            skipped.append(f"{name}: the plan has no such baseline (null: it does not fit or does not apply)")
+            continue
+        out[name] = {"predicted": base, "plan": dict(plan, layers=base["layers"])}
+    return out, skipped
+
+
+def interleaved(names: list[str], repeats: int) -> list[tuple[int, str]]:
+    """(repeat, setting) in run order: every repeat runs every setting, the leading one rotating."""
+    return [(rep, name) for rep in range(repeats) for name in names[rep % len(names):] + names[:rep % len(names)]]
+
+
+def summary(plan_settings: dict[str, dict[str, Any]], runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per setting predicted and measured step seconds and their ratio, and the fastest measured."""
+    rows = {}
+    for name, setting in plan_settings.items():
+        predicted = setting["predicted"]["step_s"]
+        measured = statistics.median(r["median_s"] for r in runs[name])
+        rows[name] = {"predicted_step_s": predicted, "measured_step_s": measured,
+                      "measured_over_predicted": measured / predicted if predicted > 0 else None,
+                      "runs_median_s": [r["median_s"] for r in runs[name]]}
+    fastest = min(rows, key=lambda n: rows[n]["measured_step_s"])
+    return {"settings": rows, "fastest": fastest}
+
+
+def table(result: dict[str, Any]) -> str:
+    """The summary for people."""
+    lines = [f"{'setting':<16} {'predicted ms':>13} {'measured ms':>12} {'meas/pred':>10}"]
+    for name, row in result["settings"].items():
+        ratio = row["measured_over_predicted"]
+        lines.append(f"{name:<16} {row['predicted_step_s'] * 1e3:13.3f} {row['measured_step_s'] * 1e3:12.3f} "
+                     f"{(f'{ratio:.2f}x' if ratio is not None else '-'):>10}")
+    lines.append(f"fastest measured: {result['fastest']}")
+    lines.extend(f"skipped {s}" for s in result.get("skipped", []))
+    return "\n".join(lines)
+
+
+def run_job(sim: Any, cfg: dict[str, Any], work: Path, tag: str, nproc: int, timeout: float) -> dict[str, Any]:
+    """Rank 0's result of one job of the worker on every simulated host; SystemExit naming the logs on failure."""
+    out, cfg_path = work / f"{tag}.json", work / f"{tag}-cfg.json"
+    cfg_path.write_text(json.dumps(dict(cfg, out=str(out))))
+    env = {**os.environ, "COMMD_SECRET": secrets.token_hex(32)}  # the job's secret, the same on every host
+    env.setdefault("COMMD_TUNING", "off")
+    env.pop("COMMD_JOB", None)
+    master = f"{sim.hosts[0].ip}:{random.randint(20000, 40000)}"
+    procs = []
+    for i, host in enumerate(sim.hosts):
+        argv = [sys.executable, "-m", "commd", "launch", "--nproc-per-node", str(nproc), "--nnodes",
+                str(len(sim.hosts)), "--node-rank", str(i), "--master", master, "--node-name", host.name,
+                "-m", WORKER, str(cfg_path)]
+        # the host's own COMMD_NODE and COMMD_RUNTIME_DIR win: the hosts' daemons must not share sockets
+        with open(work / f"{tag}-n{i}.log", "w") as log:
+            procs.append(host.popen(argv, env={**env, **host.env}, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise SystemExit(f"{tag}: no result within {timeout:.0f}s\n{_tails(work, tag)}") from None
+        if code != 0:
+            for p in procs:
+                p.kill()
+            raise SystemExit(f"{tag}: a launcher exited with {code}\n{_tails(work, tag)}")
+    return json.loads(out.read_text())
+
+
+def _tails(work: Path, tag: str, lines: int = 15) -> str:
+    """The last lines of every host's log of one job (the folder goes with the simulated hosts)."""
+    parts = []
+    for log in sorted(work.glob(f"{tag}-n*.log")):
+        parts.append(f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:]))
+    return "\n".join(parts)
+
+
+def measure(plan: dict[str, Any], hosts: int, nproc_per_node: int, rate: str | None = None,
+            delay_ms: float | None = None, steps: int = 20, warmup: int = 5, repeats: int = 1,
+            timeout: float = 300.0, log: Any = sys.stderr) -> dict[str, Any]:
+    """Every setting of ``plan`` run and timed on ``hosts`` simulated hosts; the summary (see ``summary``)."""
+    from commd.sim.hosts import SimulatedHosts, netns_unavailable, shaping_unavailable
+
+    check(plan, hosts, nproc_per_node)
+    if steps < 1 or warmup < 0 or repeats < 1:
+        raise PlanError("--steps and --repeats must be positive, --warmup not negative")
+    if os.geteuid() != 0:
+        raise PlanError("simulated hosts need root (network namespaces)")
+    reason = netns_unavailable() or shaping_unavailable(delay_ms, rate)
+    if reason:
+        raise PlanError(f"simulated hosts: {reason}")
+    plan_settings, skipped = settings(plan)
+    factory = plan["model_factory"]
+    base = {"factory": factory["factory"], "input": factory["input"], "input_dtype": factory["input_dtype"],
+            "steps": steps, "warmup": warmup, "seed": 0, "sys_path": [os.getcwd(), *sys.path],
+            "threads": max(1, (os.cpu_count() or 1) // (hosts * nproc_per_node))}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in plan_settings}
+    with tempfile.TemporaryDirectory(prefix="commd-plan-measure-") as tmp, \
+            SimulatedHosts(hosts, delay_ms=delay_ms, rate=rate) as sim:
+        for rep, name in interleaved(list(plan_settings), repeats):
+            print(f"[{rep + 1}/{repeats}] {name} ...", file=log, flush=True)
+            cfg = dict(base, plan=plan_settings[name]["plan"])
+            runs[name].append(run_job(sim, cfg, Path(tmp), f"{name}-{rep}", nproc_per_node, timeout))
+    result = summary(plan_settings, runs)
+    result.update(skipped=skipped, runs=runs,
+                  config={"hosts": hosts, "nproc_per_node": nproc_per_node, "rate": rate, "delay_ms": delay_ms,
+                          "steps": steps, "warmup": warmup, "repeats": repeats, "threads": base["threads"],
+                          "model_factory": factory, "mesh": plan["mesh"]["shape"]},
+                  load=os.getloadavg())
+    return result

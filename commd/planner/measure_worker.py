@@ -1,0 +1,108 @@
+"""One rank of ``commd plan --measure``: a setting's layers applied to the plan's model, trained and timed.
+
+Run by ``commd launch -m commd.planner.measure_worker CONFIG.json`` on every simulated host (see
+``commd.planner.measure``); ``import commd`` registers the backend, which is the only part of commd
+below the planner it touches.  The config names the model factory, the global batch, the plan (its
+``mesh`` and the setting's ``layers``), the step counts and the file rank 0 writes.
+
+Timing: all ranks pass one ``dist.barrier()`` after the warm-up steps, then run the timed steps back
+to back with no barrier among them; each rank times every step (forward, backward, SGD step) from the
+end of its previous one, and a step's time is the slowest rank's (an all-reduce of the times after the
+last step).  A step's collectives hold the ranks together, so no barrier is needed inside; a plan
+without collectives (replicated) is timed as its ranks run it, independently.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def local_shape(plan: dict[str, Any], batch: list[int]) -> tuple[int, ...]:
+    """This rank's share of the global ``batch``: divided along every mesh dimension its input layer splits."""
+    from commd.planner.layouts import split_dim
+
+    row = next(r for r in plan["layers"] if r["kind"] == "input")
+    shape = list(batch)
+    for size, layout in zip(plan["mesh"]["shape"], row["output"], strict=True):
+        k = split_dim(layout)
+        if k is not None:
+            if shape[k] % size:
+                raise ValueError(f"input dimension {k} of size {shape[k]} does not split over {size} ranks")
+            shape[k] //= size
+    return tuple(shape)
+
+
+def batches(shape: tuple[int, ...], dtype: str, count: int, rank: int, seed: int) -> list[Any]:
+    """``count`` seeded random inputs of ``shape`` (token ids 0 or 1 for integer dtypes), different per rank."""
+    import torch
+
+    dt = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(seed * 100_003 + rank)
+    if dt.is_floating_point:
+        return [torch.randn(shape, generator=gen).to(dt) for _ in range(count)]
+    return [torch.randint(0, 2, shape, generator=gen, dtype=dt) for _ in range(count)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import commd  # noqa: F401 - registers the "commd" backend
+    from commd.planner.apply import apply
+    from commd.planner.trace import load_factory
+
+    cfg = json.loads(Path((argv or sys.argv[1:])[0]).read_text())
+    for entry in reversed(cfg.get("sys_path", [])):  # where the caller imports the model factory from
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    torch.set_num_threads(int(cfg.get("threads", 1)))
+    dist.init_process_group("commd")
+    rank = dist.get_rank()
+    plan = cfg["plan"]
+    shape = tuple(plan["mesh"]["shape"])
+    if math.prod(shape) != dist.get_world_size():
+        raise SystemExit(f"the plan's mesh {list(shape)} is not the job's {dist.get_world_size()} ranks")
+    names = ("dp", "tp") if len(shape) == 2 else None
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    torch.manual_seed(cfg.get("seed", 0))  # every rank builds the same model
+    model = apply(load_factory(cfg["factory"])(), plan, mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=float(cfg.get("lr", 1e-3)))
+    warmup, steps = int(cfg["warmup"]), int(cfg["steps"])
+    inputs = batches(local_shape(plan, cfg["input"]), cfg["input_dtype"], warmup + steps, rank, cfg.get("seed", 0))
+
+    def step(x: Any) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        model(x).float().pow(2).mean().backward()
+        optimizer.step()
+
+    for x in inputs[:warmup]:
+        step(x)
+    dist.barrier()
+    times = []
+    last = time.perf_counter()
+    for x in inputs[warmup:]:
+        step(x)
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+    slowest = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        per_step = slowest.tolist()
+        out = {"median_s": statistics.median(per_step), "step_s": per_step, "rank0_step_s": times,
+               "world": dist.get_world_size(), "local_input": list(inputs[0].shape), "threads": torch.get_num_threads()}
+        Path(cfg["out"]).write_text(json.dumps(out))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
