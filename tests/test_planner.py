@@ -136,6 +136,11 @@ def test_costs_come_from_a_tuning_tables_winning_lanes() -> None:
         costs.seconds("allreduce", 1 << 18, nodes=1, ranks=2)
     with pytest.raises(CostError, match="allgather"):
         costs.seconds("allgather", 1 << 18, nodes=2, ranks=2)
+    # a table tuned with --algorithms native: the tcp lane's figures are "tcp/native", its winner "tcp"
+    native = [TuningEntry("allgather", "2", 0, 1 << 62, size, "tcp", algorithm="native",
+                          measured={"tcp/native": {"median_us": 50 + size * 0.02}}) for size in (1 << 12, 1 << 20)]
+    costs = CollectiveCosts.from_table(TuningTable({"nodes": 2, "lanes": ["tcp"]}, native))
+    assert costs.seconds("allgather", 1 << 20, nodes=2, ranks=4) == pytest.approx((50 + (1 << 20) * 0.02) / 1e6)
 
 
 @pytest.mark.parametrize(("raw", "error"), [

@@ -116,7 +116,9 @@ class CollectiveCosts:
         """Curves from a ``TuningTable``: per kind and group class, each entry's winner's median."""
         points: dict[tuple[str, str], list[tuple[int, float]]] = {}
         for entry in table.entries:
-            figures = entry.measured.get(entry.winner) or entry.measured.get(entry.lane) or {}
+            # the tcp lane's own algorithm is measured as "tcp/native" but wins as "tcp"
+            figures = (entry.measured.get(entry.winner) or entry.measured.get(entry.lane)
+                       or entry.measured.get(f"{entry.lane}/{entry.algorithm or 'native'}") or {})
             median_us = figures.get("median_us")
             if median_us:
                 points.setdefault((f"table:{entry.nodes}", entry.kind), []).append((entry.size, median_us / 1e6))
