@@ -52,3 +52,9 @@ def sp_mlp() -> nn.Module:
     """Megatron-SP's shape on (batch, sequence, 8) activations: column, row, a LayerNorm, column, row."""
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), nn.LayerNorm(8), nn.Linear(8, 16), nn.ReLU(),
                          nn.Linear(16, 8))
+
+
+def wide_mlp() -> nn.Module:
+    """4.2M parameters on (batch, 512) inputs: gradients dear to all-reduce over a slow link, activations cheap."""
+    return nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512), nn.GELU(), nn.Linear(512, 2048),
+                         nn.GELU(), nn.Linear(2048, 512))
