@@ -52,13 +52,8 @@ def trace(factory: Callable[[], Any], input_shape: tuple[int, ...], input_dtype:
     if not isinstance(model, torch.nn.Module):
         raise GraphError(f"{name or 'the factory'} built a {type(model).__name__}, not a torch.nn.Module")
 
-    class Tracer(torch.fx.Tracer):
-        def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
-            return _kind_of(m) is not None or super().is_leaf_module(m, qualname)
-
     try:
-        graph = Tracer().trace(model)
-        module = torch.fx.GraphModule(model, graph)
+        module = _traced(model)
         dtype = getattr(torch, input_dtype)
         example = (torch.zeros(input_shape, dtype=dtype, device="meta") if not dtype.is_floating_point
                    else torch.empty(input_shape, dtype=dtype, device="meta"))
@@ -85,13 +80,7 @@ def measure(factory: Callable[[], Any], input_shape: tuple[int, ...], input_dtyp
     if threads:
         torch.set_num_threads(threads)
     try:
-        model = factory()
-
-        class Tracer(torch.fx.Tracer):
-            def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
-                return _kind_of(m) is not None or super().is_leaf_module(m, qualname)
-
-        module = torch.fx.GraphModule(model, Tracer().trace(model))
+        module = _traced(factory())
         dtype = getattr(torch, input_dtype)
         example = (torch.randint(0, 2, input_shape, dtype=dtype) if not dtype.is_floating_point
                    else torch.randn(input_shape, dtype=dtype))
@@ -112,6 +101,17 @@ def measure(factory: Callable[[], Any], input_shape: tuple[int, ...], input_dtyp
     finally:
         torch.set_num_threads(saved)
     return {name: statistics.median(t[1:]) for name, t in times.items()}  # (the first run warms up)
+
+
+def _traced(model: Any) -> Any:
+    """``model`` as a ``torch.fx.GraphModule`` whose parameter layers (``_kind_of``) are leaves."""
+    import torch.fx
+
+    class Tracer(torch.fx.Tracer):
+        def is_leaf_module(self, m: Any, qualname: str) -> bool:
+            return _kind_of(m) is not None or super().is_leaf_module(m, qualname)
+
+    return torch.fx.GraphModule(model, Tracer().trace(model))
 
 
 def _kind_of(m: Any) -> str | None:
