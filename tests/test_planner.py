@@ -345,19 +345,87 @@ def test_commd_plan_traces_a_factory_and_refuses_what_it_cannot_trace(tmp_path: 
 
 
 def test_measured_layer_times_price_the_compute_and_every_layer_has_one(tmp_path: Path) -> None:
-    """Measured forward times (this machine, real tensors) replace FLOPs: every traced layer has a time,
-    and a plan's compute is three times their sum on one rank when nothing is split."""
+    """Measured training times (this machine, real tensors) replace FLOPs: every traced layer has a time,
+    a plan's compute is their sum on one rank when nothing is split, and a layer's fixed part is
+    charged whole when a strategy splits it."""
     import planner_models
 
     from commd.planner.trace import measure, trace
 
     graph = trace(planner_models.TinyGPT, (2, 16), "int64")
     seconds = measure(planner_models.TinyGPT, (2, 16), "int64", repeats=3, threads=1)
-    assert {layer.name for layer in graph.layers} <= set(seconds) and all(t > 0 for t in seconds.values())
+    assert {layer.name for layer in graph.layers} <= set(seconds)
+    assert all(seconds[x.name] > 0 for x in graph.layers if x.kind not in ("input", "output"))
     opts = planner.Options(compute="measured", layer_seconds=seconds)
     priced = planner.price(graph, planner.Mesh((1,), 1), synthetic_costs(), opts)
     choice = [next(k for k, c in enumerate(options) if c[0].name == "rep") for options in priced.options]
     assert planner.breakdown(priced, choice)["compute_s"] == pytest.approx(
-        3 * sum(seconds[layer.name] for layer in graph.layers))
+        sum(seconds[layer.name] for layer in graph.layers))
+    fixed = {name: t / 4 for name, t in seconds.items()}
+    opts = planner.Options(compute="measured", layer_seconds=seconds, layer_fixed_seconds=fixed)
+    priced = planner.price(graph, planner.Mesh((2,), 2), synthetic_costs(), opts)
+    choice = [next(k for k, c in enumerate(options) if c[0].name == "dp") for options in priced.options]
+    assert planner.breakdown(priced, choice)["compute_s"] == pytest.approx(
+        sum(fixed[x.name] + (seconds[x.name] - fixed[x.name]) / 2 for x in graph.layers))
     with pytest.raises(planner.PlanError, match="no measured time"):
         planner.price(graph, planner.Mesh((1,), 1), synthetic_costs(), planner.Options(compute="measured"))
+
+
+def test_fixed_part_of_a_layer_from_its_time_on_the_whole_batch_and_on_a_share() -> None:
+    """t(s) = fixed + (whole - fixed) * s through both measured points; a share timed slower than its
+    line allows is all fixed, one timed faster than proportional has no fixed part."""
+    from commd.planner.trace import fixed_and_whole
+
+    got = fixed_and_whole({"a": 10.0, "b": 8.0, "c": 8.0}, {"a": 4.0, "b": 9.0, "c": 1.0}, 0.25)
+    fixed, whole = got["a"]
+    assert whole == 10.0 and fixed + (whole - fixed) * 0.25 == pytest.approx(4.0)
+    assert got["b"] == (8.0, 8.0) and got["c"] == (0.0, 8.0)
+
+
+def job_measurement(graph: LayerGraph, probe_s: float) -> dict:
+    return {"layers": {x.name: [1e-4, 1e-3] for x in graph.layers}, "world": 4, "hosts": 2, "nproc_per_node": 2,
+            "rate": "1gbit", "delay_ms": 0.2, "input": [64, 32],
+            "probe_bytes": {"allreduce": 65536, "allgather": 262144, "reduce_scatter": 65536},
+            "collectives": {path: dict.fromkeys(("allreduce", "allgather", "reduce_scatter"), probe_s)
+                            for path in ("plain", "functional")}}
+
+
+def test_torch_path_overheads_are_what_the_job_measured_beyond_the_costs() -> None:
+    from commd.planner.measure import torch_path_overheads
+
+    costs = synthetic_costs()
+    job = job_measurement(examples.mlp(64, 32, 2), 0.05)
+    job["collectives"]["plain"]["allreduce"] = 0.0  # faster than the costs say: no negative overhead
+    convert, sync = torch_path_overheads(job, costs)
+    assert convert["allgather"] == pytest.approx(0.05 - costs.seconds("allgather", 262144, 2, 4))
+    assert sync["allreduce"] == 0.0 and sync["reduce_scatter"] > 0
+
+
+def test_a_job_measurement_prices_compute_and_conversions(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--compute-from reuses a job measurement: every layer's compute and every collective's overhead
+    come from it (a huge probe time makes every conversion dearer than data parallel), and a file
+    without one is refused."""
+    from commd.cli.main import main
+    from commd.planner.trace import load_factory, trace
+
+    graph = trace(load_factory("planner_models:mlp"), (64, 32), "float32", "planner_models:mlp")
+    costs = str(write_costs(tmp_path / "costs.json"))
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps(job_measurement(graph, 10.0)))
+    out = tmp_path / "plan.json"
+    mesh = ["--mesh", "4", "--nproc-per-node", "2"]
+    assert main(["plan", "planner_models:mlp", "--input", "64x32", *mesh, "--costs", costs,
+                 "--compute-from", str(job), "-o", str(out)]) == 0
+    made = planner.load(out)
+    assert made["compute"]["source"].startswith("job on 2 simulated hosts x 2 ranks")
+    assert made["compute"]["job"]["layers"] == json.loads(job.read_text())["layers"]
+    assert made["predicted"]["conversions_s"] == 0.0  # (every conversion costs 10 s more)
+    n = len(graph.layers)
+    assert n * (1e-4 + 0.9e-3 / 4) <= made["predicted"]["compute_s"] <= n * 1e-3
+    assert main(["plan", "planner_models:mlp", "--input", "64x32", "--mesh", "2", "--costs", costs,
+                 "--compute-from", str(job)]) == 2
+    assert "measured on 4 ranks" in capsys.readouterr().err
+    job.write_text(json.dumps({"layers": {}}))
+    assert main(["plan", "planner_models:mlp", "--input", "64x32", *mesh, "--costs", costs,
+                 "--compute-from", str(job)]) == 2
+    assert "no job measurement" in capsys.readouterr().err

@@ -37,10 +37,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(a costs file)")
     p.add_argument("--input", metavar="SHAPE", help="the traced model's input batch, e.g. 8x128 or 64x3x32x32")
     p.add_argument("--input-dtype", default="float32", help="its dtype (token ids: int64; default float32)")
-    p.add_argument("--compute", choices=("measured", "flops"), default=None,
-                   help="layer compute times: measured here on the traced model (the default for MODULE:FACTORY; "
-                        "on a rank's share of the cores) or FLOPs at the costs' flops_per_s (the fast estimate, and "
-                        "the only way for --layers and --example)")
+    p.add_argument("--compute", choices=("job", "measured", "flops"), default=None,
+                   help="layer compute times: job = measured inside a job launched on --hosts simulated hosts x "
+                        "--nproc-per-node ranks (root; the default for MODULE:FACTORY when --hosts is given; also "
+                        "measures what the torch path adds to each collective); measured = here, on a rank's share "
+                        "of the cores (the default for MODULE:FACTORY otherwise); flops = FLOPs at the costs' "
+                        "flops_per_s (the fast estimate, and the only way for --layers and --example)")
+    p.add_argument("--compute-from", type=Path, metavar="FILE",
+                   help="reuse the job measurement of an earlier plan.json (or of --compute-out) instead of "
+                        "launching a job")
+    p.add_argument("--compute-out", type=Path, metavar="FILE", help="also write the job measurement here")
     model = p.add_mutually_exclusive_group()
     model.add_argument("--layers", type=Path, help="the model as a JSON layer list (format commd-layers)")
     model.add_argument("--example", choices=sorted(EXAMPLES), help="one of the benchmark's model families")
@@ -48,9 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     model.add_argument("--measure", type=Path, metavar="PLAN",
                        help="train a traced model's plan and its baselines on simulated hosts (root) and print the "
                             "measured step beside the predicted")
-    p.add_argument("--hosts", type=int, default=2, help="measure: simulated hosts (x --nproc-per-node = the mesh)")
-    p.add_argument("--rate", help="measure: each host's bandwidth, e.g. 1gbit (default unshaped)")
-    p.add_argument("--delay-ms", type=float, help="measure: one-way delay added per host link")
+    p.add_argument("--hosts", type=int, default=None,
+                   help="measure, --compute job: simulated hosts (x --nproc-per-node = the mesh; default 2)")
+    p.add_argument("--rate", help="measure, --compute job: each host's bandwidth, e.g. 1gbit (default unshaped)")
+    p.add_argument("--delay-ms", type=float, help="measure, --compute job: one-way delay added per host link")
     p.add_argument("--steps", type=int, default=20, help="measure: timed steps per setting (default 20)")
     p.add_argument("--warmup", type=int, default=5, help="measure: untimed steps first (default 5)")
     p.add_argument("--repeats", type=int, default=1, help="measure: runs per setting, interleaved (default 1)")
@@ -103,17 +110,24 @@ def run(args: argparse.Namespace) -> int:
             raise planner.PlanError("--optimizer-states must not be negative")
         opts = planner.Options(search=args.search, optimizer_states=args.optimizer_states,
                                mem_bytes=args.mem_gb * 2**30 if args.mem_gb else None)
-        compute = args.compute or ("measured" if args.target else "flops")
+        compute = args.compute or ("flops" if not args.target else "job" if args.hosts or args.compute_from
+                                   else "measured")
+        job = None
+        if compute != "flops" and not args.target:
+            raise planner.PlanError(f"--compute {compute} needs the model as MODULE:FACTORY (it runs the model)")
         if compute == "measured":
-            if not args.target:
-                raise planner.PlanError("--compute measured needs the model as MODULE:FACTORY (it runs the model)")
             from commd.planner import trace
 
             threads = max(1, (os.cpu_count() or 1) // mesh.nproc_per_node)
-            opts.compute = "measured"
+            opts.compute, opts.compute_source = "measured", "measured here"
             opts.layer_seconds = trace.measure(trace.load_factory(args.target), _shape(args.input),
                                                args.input_dtype, threads=threads)
+        elif compute == "job":
+            job = _job_compute(args, mesh)
+            _use_job(opts, job, costs)
         made = planner.plan(graph, mesh, costs, opts, table_id)
+        if job is not None:
+            made["compute"]["job"] = job
         if args.target:  # how to build the model again (commd plan --measure, apply in a job)
             made["model_factory"] = {"factory": args.target, "input": list(_shape(args.input)),
                                      "input_dtype": args.input_dtype}
@@ -127,11 +141,57 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _job_compute(args: argparse.Namespace, mesh: planner.Mesh) -> dict:
+    """The job measurement: read from --compute-from, or measured in a job on simulated hosts."""
+    from commd.planner import measure
+
+    factory = {"factory": args.target, "input": list(_shape(args.input)), "input_dtype": args.input_dtype}
+    if args.compute_from:
+        try:
+            raw = json.loads(Path(args.compute_from).read_text())
+        except (OSError, ValueError) as exc:
+            raise planner.PlanError(f"--compute-from {args.compute_from}: {exc}") from None
+        job = raw.get("compute", {}).get("job") if isinstance(raw, dict) and "layers" in raw and "mesh" in raw else raw
+        if not isinstance(job, dict) or not {"layers", "collectives", "probe_bytes", "world", "hosts"} <= set(job):
+            raise planner.PlanError(f"--compute-from {args.compute_from}: no job measurement in it (written by "
+                                    "--compute job: a plan.json or --compute-out)")
+        if job["world"] != mesh.world:
+            raise planner.PlanError(f"--compute-from {args.compute_from}: measured on {job['world']} ranks, the "
+                                    f"mesh has {mesh.world}")
+        if list(job.get("input", [])) != factory["input"]:
+            raise planner.PlanError(f"--compute-from {args.compute_from}: measured with input {job.get('input')}, "
+                                    f"not {factory['input']}")
+    else:
+        hosts = args.hosts or 2
+        nproc = args.nproc_per_node or max(1, mesh.world // hosts)
+        if hosts * nproc != mesh.world:
+            raise planner.PlanError(f"--compute job: --hosts {hosts} x {nproc} ranks per node is not the mesh's "
+                                    f"{mesh.world} ranks")
+        job = measure.job_compute(factory, hosts, nproc, rate=args.rate, delay_ms=args.delay_ms)
+    if args.compute_out:
+        args.compute_out.write_text(json.dumps(job, indent=1) + "\n")
+    return job
+
+
+def _use_job(opts: planner.Options, job: dict, costs: CollectiveCosts) -> None:
+    """Price compute and the torch path's overheads with a job measurement."""
+    from commd.planner import measure
+
+    opts.compute = "measured"
+    link = [f"{job['rate']}" if job.get("rate") else "", f"{job['delay_ms']} ms" if job.get("delay_ms") else ""]
+    opts.compute_source = (f"job on {job['hosts']} simulated hosts x {job['nproc_per_node']} ranks"
+                           + "".join(f", {x}" for x in link if x))
+    opts.layer_seconds = {name: float(v[1]) for name, v in job["layers"].items()}
+    opts.layer_fixed_seconds = {name: float(v[0]) for name, v in job["layers"].items()}
+    opts.convert_overhead_s, opts.sync_overhead_s = measure.torch_path_overheads(job, costs)
+
+
 def _measure(args: argparse.Namespace) -> int:
     from commd.planner import measure
 
     plan = planner.load(args.measure)
     nproc = args.nproc_per_node or plan["mesh"]["nproc_per_node"]
+    args.hosts = args.hosts or 2
     measure.check(plan, args.hosts, nproc)  # before the simulated hosts come up
     result = measure.measure(plan, args.hosts, nproc, rate=args.rate, delay_ms=args.delay_ms, steps=args.steps,
                              warmup=args.warmup, repeats=args.repeats)

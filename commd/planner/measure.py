@@ -130,25 +130,68 @@ def _tails(work: Path, tag: str, lines: int = 15) -> str:
     return "\n".join(parts)
 
 
-def measure(plan: dict[str, Any], hosts: int, nproc_per_node: int, rate: str | None = None,
-            delay_ms: float | None = None, steps: int = 20, warmup: int = 5, repeats: int = 1,
-            timeout: float = 300.0, log: Any = sys.stderr) -> dict[str, Any]:
-    """Every setting of ``plan`` run and timed on ``hosts`` simulated hosts; the summary (see ``summary``)."""
-    from commd.sim.hosts import SimulatedHosts, netns_unavailable, shaping_unavailable
+def _simulated_hosts_ready(delay_ms: float | None, rate: str | None) -> None:
+    from commd.sim.hosts import netns_unavailable, shaping_unavailable
 
-    check(plan, hosts, nproc_per_node)
-    if steps < 1 or warmup < 0 or repeats < 1:
-        raise PlanError("--steps and --repeats must be positive, --warmup not negative")
     if os.geteuid() != 0:
         raise PlanError("simulated hosts need root (network namespaces)")
     reason = netns_unavailable() or shaping_unavailable(delay_ms, rate)
     if reason:
         raise PlanError(f"simulated hosts: {reason}")
+
+
+def _base_config(factory: dict[str, Any], ranks: int) -> dict[str, Any]:
+    """What every job's config holds: the model, where to import it from, a rank's threads."""
+    return {"factory": factory["factory"], "input": factory["input"], "input_dtype": factory["input_dtype"],
+            "seed": 0, "sys_path": [os.getcwd(), *sys.path], "threads": max(1, (os.cpu_count() or 1) // ranks)}
+
+
+def job_compute(factory: dict[str, Any], hosts: int, nproc_per_node: int, rate: str | None = None,
+                delay_ms: float | None = None, repeats: int = 5, timeout: float = 300.0,
+                log: Any = sys.stderr) -> dict[str, Any]:
+    """The layer and torch-path times a plan is priced with, measured inside a job launched like the
+    one that will train (``measure_worker.layer_job``): every rank of ``hosts`` x ``nproc_per_node``
+    at once, on as many threads as a training rank, with the daemons and the link shaping running."""
+    from commd.sim.hosts import SimulatedHosts
+
+    if hosts < 1 or nproc_per_node < 1:
+        raise PlanError("--hosts and --nproc-per-node must be positive")
+    _simulated_hosts_ready(delay_ms, rate)
+    cfg = dict(_base_config(factory, hosts * nproc_per_node), mode="layers", repeats=repeats)
+    print(f"timing layers and collectives inside a job on {hosts} simulated hosts x {nproc_per_node} ranks ...",
+          file=log, flush=True)
+    with tempfile.TemporaryDirectory(prefix="commd-plan-compute-") as tmp, \
+            SimulatedHosts(hosts, delay_ms=delay_ms, rate=rate) as sim:
+        result = run_job(sim, cfg, Path(tmp), "layers", nproc_per_node, timeout)
+    result.update(hosts=hosts, nproc_per_node=nproc_per_node, rate=rate, delay_ms=delay_ms)
+    return result
+
+
+def torch_path_overheads(job: dict[str, Any], costs: Any) -> tuple[dict[str, float], dict[str, float]]:
+    """(conversion, sync) seconds per collective kind that the torch path adds to the measured price:
+    a probe's time inside the job minus what ``costs`` say the same collective costs on the same
+    group (never below zero)."""
+    nodes, world = int(job["hosts"]), int(job["world"])
+    out: list[dict[str, float]] = []
+    for path in ("functional", "plain"):
+        out.append({kind: max(0.0, seconds - costs.seconds(kind, int(job["probe_bytes"][kind]), nodes, world))
+                    for kind, seconds in job["collectives"][path].items()})
+    return out[0], out[1]
+
+
+def measure(plan: dict[str, Any], hosts: int, nproc_per_node: int, rate: str | None = None,
+            delay_ms: float | None = None, steps: int = 20, warmup: int = 5, repeats: int = 1,
+            timeout: float = 300.0, log: Any = sys.stderr) -> dict[str, Any]:
+    """Every setting of ``plan`` run and timed on ``hosts`` simulated hosts; the summary (see ``summary``)."""
+    from commd.sim.hosts import SimulatedHosts
+
+    check(plan, hosts, nproc_per_node)
+    if steps < 1 or warmup < 0 or repeats < 1:
+        raise PlanError("--steps and --repeats must be positive, --warmup not negative")
+    _simulated_hosts_ready(delay_ms, rate)
     plan_settings, skipped = settings(plan)
     factory = plan["model_factory"]
-    base = {"factory": factory["factory"], "input": factory["input"], "input_dtype": factory["input_dtype"],
-            "steps": steps, "warmup": warmup, "seed": 0, "sys_path": [os.getcwd(), *sys.path],
-            "threads": max(1, (os.cpu_count() or 1) // (hosts * nproc_per_node))}
+    base = dict(_base_config(factory, hosts * nproc_per_node), steps=steps, warmup=warmup)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in plan_settings}
     with tempfile.TemporaryDirectory(prefix="commd-plan-measure-") as tmp, \
             SimulatedHosts(hosts, delay_ms=delay_ms, rate=rate) as sim:

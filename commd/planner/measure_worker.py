@@ -5,6 +5,9 @@ Run by ``commd launch -m commd.planner.measure_worker CONFIG.json`` on every sim
 below the planner it touches.  The config names the model factory, the global batch, the plan (its
 ``mesh`` and the setting's ``layers``), the step counts and the file rank 0 writes.
 
+With ``"mode": "layers"`` in the config a job instead times what the planner prices compute and the
+torch path with (``layer_job``): every rank at once, so each sees the load it will train under.
+
 Timing: all ranks pass one ``dist.barrier()`` after the warm-up steps, then run the timed steps back
 to back with no barrier among them; each rank times every step (forward, backward, SGD step) from the
 end of its previous one, and a step's time is the slowest rank's (an all-reduce of the times after the
@@ -49,6 +52,74 @@ def batches(shape: tuple[int, ...], dtype: str, count: int, rank: int, seed: int
     return [torch.randint(0, 2, shape, generator=gen, dtype=dt) for _ in range(count)]
 
 
+#: Bytes of the collectives ``layer_job`` times the torch path with (a layout conversion's size).
+PROBE_BYTES = 64 * 1024
+PROBE_REPEATS = 11
+
+
+def layer_job(cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """Per layer (fixed, whole) training seconds (``trace.measure`` on the whole batch and on one
+    rank's share of it, every rank at once; the median over ranks) and, per collective kind, the
+    seconds a ``PROBE_BYTES`` collective on all ranks takes through ``torch.distributed`` directly
+    (``plain``: FSDP2's gradient sync) and through functional collectives (``functional``: DTensor's
+    conversions).  Rank 0's return value; None on the others."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as fc
+
+    from commd.planner.trace import fixed_and_whole, load_factory, measure
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    factory, shape = load_factory(cfg["factory"]), tuple(cfg["input"])
+    share_shape = (max(1, shape[0] // world), *shape[1:])
+    threads, repeats = int(cfg.get("threads", 1)), int(cfg.get("repeats", 5))
+    dist.barrier()
+    whole = measure(factory, shape, cfg["input_dtype"], repeats, threads)
+    dist.barrier()
+    part = measure(factory, share_shape, cfg["input_dtype"], repeats, threads)
+    layers = fixed_and_whole(whole, part, share_shape[0] / shape[0])
+
+    group = dist.group.WORLD
+    n = PROBE_BYTES // 4
+    rs_n = max(1, n // world) * world
+    # every call on fresh tensors, as the gradients FSDP2 syncs and the activations DTensor converts are
+    calls: dict[str, dict[str, Any]] = {
+        "plain": {"allreduce": lambda: dist.all_reduce(torch.randn(n)),
+                  "allgather": lambda: dist.all_gather_into_tensor(torch.empty(n * world), torch.randn(n)),
+                  "reduce_scatter": lambda: dist.reduce_scatter_tensor(torch.empty(rs_n // world), torch.randn(rs_n))},
+        "functional": {"allreduce": lambda: fc.wait_tensor(fc.all_reduce(torch.randn(n), "sum", group)),
+                       "allgather": lambda: fc.wait_tensor(fc.all_gather_tensor(torch.randn(n), 0, group)),
+                       "reduce_scatter": lambda: fc.wait_tensor(
+                           fc.reduce_scatter_tensor(torch.randn(rs_n), "sum", 0, group))},
+    }
+    collectives: dict[str, dict[str, float]] = {}
+    for path, kinds in calls.items():
+        for kind, call in kinds.items():
+            times = []
+            for _ in range(PROBE_REPEATS):
+                dist.barrier()
+                began = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - began)
+            collectives.setdefault(path, {})[kind] = statistics.median(times[1:])
+    began = time.perf_counter()  # what making a probe's inputs costs, taken off each probe
+    for _ in range(PROBE_REPEATS):
+        torch.randn(n * world)
+    making = (time.perf_counter() - began) / PROBE_REPEATS
+    collectives = {path: {kind: max(0.0, t - making) for kind, t in kinds.items()} for path, kinds in collectives.items()}
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, {"layers": layers, "collectives": collectives})
+    if rank != 0:
+        return None
+    return {"layers": {name: [statistics.median(g["layers"][name][0] for g in gathered),
+                              statistics.median(g["layers"][name][1] for g in gathered)] for name in layers},
+            "collectives": {path: {kind: statistics.median(g["collectives"][path][kind] for g in gathered)
+                                   for kind in kinds} for path, kinds in collectives.items()},
+            "probe_bytes": {"allreduce": PROBE_BYTES, "allgather": PROBE_BYTES * world,
+                            "reduce_scatter": rs_n * 4},
+            "world": world, "threads": threads, "input": list(shape), "share_input": list(share_shape)}
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
@@ -65,6 +136,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(int(cfg.get("threads", 1)))
     dist.init_process_group("commd")
     rank = dist.get_rank()
+    if cfg.get("mode") == "layers":
+        result = layer_job(cfg)
+        if result is not None:
+            Path(cfg["out"]).write_text(json.dumps(result))
+        dist.barrier()
+        dist.destroy_process_group()
+        return 0
     plan = cfg["plan"]
     shape = tuple(plan["mesh"]["shape"])
     if math.prod(shape) != dist.get_world_size():

@@ -1,8 +1,9 @@
 """From a layer graph, a mesh and measured costs to a plan: the problem, its solution, plan.json.
 
 Each layer's candidates are its strategies on every mesh dimension together (``layouts.py``);
-a candidate's own cost is its share of the layer's compute (forward and backward: three times the
-forward) and its parameter synchronisation; an edge's cost is the layout conversion of the
+a candidate's own cost is its share of the layer's training compute (measured forward, backward and
+update, with a part that does not shrink with the share; or three times the forward's FLOPs at a
+measured rate) and its parameter synchronisation; an edge's cost is the layout conversion of the
 activation forward and of its gradient backward, per mesh dimension.  Collectives are priced by
 ``costs.py`` on the groups of the dimension they run on, so a dimension inside one node and one
 across nodes cost what they were measured to cost.  ``plan()`` solves it (``search.py``) and
@@ -104,7 +105,16 @@ class Mesh:
 @dataclass
 class Options:
     compute: str = "flops"  # "flops" (from the costs' flops_per_s) or "measured" (layer_seconds)
-    layer_seconds: dict[str, float] = field(default_factory=dict)  # forward seconds per layer
+    #: measured training seconds (forward, backward, update) of each whole layer
+    layer_seconds: dict[str, float] = field(default_factory=dict)
+    #: the part of a layer's measured seconds that does not shrink with its share (absent: none)
+    layer_fixed_seconds: dict[str, float] = field(default_factory=dict)
+    #: per collective kind, seconds a layout conversion's collective takes beyond its measured price:
+    #: the torch path DTensor takes (functional collectives), measured inside the launched job
+    convert_overhead_s: dict[str, float] = field(default_factory=dict)
+    #: the same for the gradient sync's collectives (FSDP2's direct calls)
+    sync_overhead_s: dict[str, float] = field(default_factory=dict)
+    compute_source: str = ""  # where the measured times come from, for plan.json
     mem_bytes: float | None = None  # per rank
     optimizer_states: int = 2  # extra parameter-sized tensors (Adam: 2, SGD with momentum: 1)
     search: str = "descent"
@@ -135,14 +145,15 @@ def price(graph: LayerGraph, mesh: Mesh, costs: CollectiveCosts, opts: Options) 
         for combo in itertools.product(*per_dim):
             if opts.appliable_only and not all(st.appliable for st in combo):
                 continue
-            compute = 3 * _forward_seconds(layer.name, layer.flops, costs, opts) * math.prod(s.compute_share for s in combo)
+            compute = _compute_seconds(layer.name, layer.flops, costs, opts, math.prod(s.compute_share for s in combo))
             colls = []
             for d, s in enumerate(combo):
                 if s.sync != SYNC_NONE and dims[d].size > 1:  # (one rank: nothing to synchronise)
                     others = math.prod(x.param_share for e, x in enumerate(combo) if e != d)
                     nbytes = int(graph.param_bytes(i) * others)
                     colls += [(kind, b, d, 1) for kind, b in sync_collectives(s.sync, nbytes)]
-            sync = sum(costs.seconds(k, b, dims[d].nodes, dims[d].size) for k, b, d, _ in colls)
+            sync = sum(costs.seconds(k, b, dims[d].nodes, dims[d].size) + opts.sync_overhead_s.get(k, 0.0)
+                       for k, b, d, _ in colls)
             if opts.mem_bytes is not None and _memory(graph, i, combo, mesh.shape, opts.optimizer_states) > opts.mem_bytes:
                 continue
             combos.append(combo)
@@ -164,7 +175,8 @@ def price(graph: LayerGraph, mesh: Mesh, costs: CollectiveCosts, opts: Options) 
         backward = graph.layers[u].kind != "input"  # (no gradient flows into the batch)
         for s, t in itertools.product(range(ku), range(kv)):
             colls = _edge_collectives(options[u][s], options[v][t], nbytes, mesh, backward)
-            matrix[s, t] = sum(costs.seconds(k, b, dims[d].nodes, dims[d].size) for k, b, d, _ in colls)
+            matrix[s, t] = sum(costs.seconds(k, b, dims[d].nodes, dims[d].size) + opts.convert_overhead_s.get(k, 0.0)
+                               for k, b, d, _ in colls)
             lists.append(colls)
         key = (u, v)
         if key in edges:  # the same producer feeds the consumer twice (x + x): both conversions count
@@ -175,16 +187,18 @@ def price(graph: LayerGraph, mesh: Mesh, costs: CollectiveCosts, opts: Options) 
     return Priced(search.Problem(node_costs, edges), options, node_parts, edge_colls, node_colls)
 
 
-def _forward_seconds(name: str, flops: float, costs: CollectiveCosts, opts: Options) -> float:
+def _compute_seconds(name: str, flops: float, costs: CollectiveCosts, opts: Options, share: float) -> float:
+    """A rank's training seconds of one layer when a strategy gives it ``share`` of the layer's work."""
     if opts.compute == "measured":
         if name not in opts.layer_seconds:
             raise PlanError(f"layer {name!r} has no measured time")
-        return opts.layer_seconds[name]
+        whole, fixed = opts.layer_seconds[name], opts.layer_fixed_seconds.get(name, 0.0)
+        return fixed + (whole - fixed) * share
     if opts.compute != "flops":
         raise PlanError(f"compute must be 'flops' or 'measured', not {opts.compute!r}")
     if flops and not costs.flops_per_s:
         raise PlanError("compute from FLOPs needs a measured rate: run `commd plan calibrate` (flops_per_s)")
-    return flops / costs.flops_per_s if flops else 0.0
+    return 3 * flops / costs.flops_per_s * share if flops else 0.0  # (backward: twice the forward)
 
 
 def _memory(graph: LayerGraph, i: int, combo: tuple[Strategy, ...], shape: tuple[int, ...],
@@ -361,6 +375,8 @@ def plan(graph: LayerGraph, mesh: Mesh, costs: CollectiveCosts, opts: Options, t
             "mesh": {"shape": list(mesh.shape), "nproc_per_node": mesh.nproc_per_node, "gpu": mesh.gpu,
                      "dims": [{"name": d.name, "size": d.size, "nodes": d.nodes} for d in dims]},
             "table_id": table_id, "costs": costs.source, "model": graph.source, "search": notes,
+            "compute": {"source": opts.compute_source or opts.compute, "convert_overhead_s": opts.convert_overhead_s,
+                        "sync_overhead_s": opts.sync_overhead_s},
             "layers": layers, "predicted": breakdown(priced, best.choice), "baselines": baselines}
 
 

@@ -66,10 +66,12 @@ def trace(factory: Callable[[], Any], input_shape: tuple[int, ...], input_dtype:
 
 def measure(factory: Callable[[], Any], input_shape: tuple[int, ...], input_dtype: str = "float32",
             repeats: int = 5, threads: int | None = None) -> dict[str, float]:
-    """Forward seconds of every layer ``trace`` names, measured on this machine with real tensors: the
-    model built on the CPU, its traced graph run node by node ``repeats`` times after a warm-up, each
-    node's median kept (under the layer's name).  The planner charges the backward pass twice the
-    forward, and a rank a strategy's share of the whole layer's time."""
+    """Training seconds of every layer ``trace`` names, measured on this machine with real tensors: the
+    model built on the CPU and its traced graph run node by node; each node timed on its own, ``repeats``
+    times after a warm-up, for its forward, its backward (a gradient of ones into its output, into every
+    floating-point input and its parameters) and an SGD update of its parameters; each node's median
+    kept under the layer's name.  A rank is charged a strategy's share of the whole layer's time (see
+    ``fixed_and_whole`` for the part that does not shrink)."""
     import statistics
     import time
 
@@ -88,19 +90,52 @@ def measure(factory: Callable[[], Any], input_shape: tuple[int, ...], input_dtyp
         names = {node.name: (_name(node.target) if node.op == "call_module" and _kind_of(module.get_submodule(node.target))
                              else node.name) for node in module.graph.nodes}
 
+        def detached(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                return value.detach().requires_grad_(value.is_floating_point())
+            if isinstance(value, (tuple, list)):
+                return type(value)(detached(v) for v in value)
+            return value
+
         class Timer(torch.fx.Interpreter):
             def run_node(self, n: torch.fx.Node) -> Any:
+                if n.op in ("placeholder", "output", "get_attr"):  # (no work of their own)
+                    times.setdefault(names[n.name], []).append(0.0)
+                    return super().run_node(n)
+                args, kwargs = self.fetch_args_kwargs_from_env(n)
+                args, kwargs = detached(args), {k: detached(v) for k, v in kwargs.items()}
+                params = list(module.get_submodule(n.target).parameters()) if n.op == "call_module" else []
                 began = time.perf_counter()
-                result = super().run_node(n)
+                result = getattr(self, n.op)(n.target, args, kwargs)
+                out = result[0] if isinstance(result, (tuple, list)) and result else result
+                if isinstance(out, torch.Tensor) and out.requires_grad:
+                    out.backward(torch.ones_like(out))
+                with torch.no_grad():
+                    for p in params:
+                        if p.grad is not None:
+                            p.add_(p.grad, alpha=-1e-6)
+                            p.grad = None
                 times.setdefault(names[n.name], []).append(time.perf_counter() - began)
-                return result
+                return detached(result)
 
-        with torch.no_grad():
-            for _ in range(repeats + 1):
-                Timer(module).run(example)
+        for _ in range(repeats + 1):
+            Timer(module).run(example)
     finally:
         torch.set_num_threads(saved)
     return {name: statistics.median(t[1:]) for name, t in times.items()}  # (the first run warms up)
+
+
+def fixed_and_whole(whole: dict[str, float], part: dict[str, float], share: float) -> dict[str, tuple[float, float]]:
+    """Per layer (fixed, whole) seconds from its time on the whole batch and on a ``share`` of it: a
+    layer's time on a share s is taken as fixed + (whole - fixed) * s — the fixed part (Python, autograd,
+    small kernels) does not shrink when a strategy splits the layer."""
+    out = {}
+    for name, t_whole in whole.items():
+        t_part = part.get(name, t_whole * share)
+        variable = max(0.0, (t_whole - t_part) / (1.0 - share)) if share < 1 else t_whole
+        fixed = min(max(0.0, t_whole - variable), t_part)
+        out[name] = (fixed, t_whole)
+    return out
 
 
 def _traced(model: Any) -> Any:
