@@ -429,3 +429,26 @@ def test_a_job_measurement_prices_compute_and_conversions(tmp_path: Path, capsys
     assert main(["plan", "planner_models:mlp", "--input", "64x32", *mesh, "--costs", costs,
                  "--compute-from", str(job)]) == 2
     assert "no job measurement" in capsys.readouterr().err
+
+
+def test_a_split_follows_views_and_transposes_onto_the_heads() -> None:
+    """A reshape keeps a split of the leading dimension of each group it divides or merges; a transpose
+    moves it; the rest of a view's arguments are sizes, not inputs.  Checked against torch: a block of
+    the features, viewed as heads, is that block of the heads."""
+    import planner_models
+    import torch
+
+    from commd.planner.trace import reshape_map, trace
+
+    assert reshape_map((8, 64, 256), (8, 64, 8, 32)) == [0, 1, 2]
+    assert reshape_map((8, 64, 8, 32), (8, 64, 256)) == [0, 1, 2, None]
+    assert reshape_map((4, 3, 5), (60,)) == [0, None, None]
+    x = torch.arange(2 * 3 * 8).reshape(2, 3, 8)
+    halves = x.chunk(2, dim=2)  # the features split in two: rank r's view holds heads 2r, 2r+1
+    assert all(torch.equal(x.view(2, 3, 4, 2).chunk(2, dim=2)[r], h.reshape(2, 3, -1, 2)) for r, h in enumerate(halves))
+    graph = trace(planner_models.SplitGPT, (2, 8), "int64")
+    by_name = {layer.name: layer for layer in graph.layers}
+    assert by_name["view"].inputs == ("blocks_0_attn_q",) and by_name["view"].attrs["dims"] == [0, 1, 2]
+    assert by_name["transpose"].attrs["dims"] == [0, 2, 1, 3]
+    assert len(by_name["scaled_dot_product_attention"].inputs) == 3
+    assert "blocks_0_attn" not in by_name  # (made of Linear layers: traced through, not one attention leaf)

@@ -127,9 +127,10 @@ def _train(model: torch.nn.Module, batches: list[torch.Tensor], scale: float = 1
     return [p.full_tensor().detach() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
 
 
-def _assert_close(got: list[torch.Tensor], want: list[torch.Tensor], untrained: torch.nn.Module, what: str) -> None:
+def _assert_close(got: list[torch.Tensor], want: list[torch.Tensor], untrained: torch.nn.Module, what: str,
+                  tolerance: float = 1e-5) -> None:
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, i=i: f"{what}: param {i}: {m}")
+        torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance, msg=lambda m, i=i: f"{what}: param {i}: {m}")
     assert not all(torch.equal(a, b.detach()) for a, b in zip(got, untrained.parameters(), strict=True)), (
         "training changed nothing: the comparison would prove nothing")
 
@@ -217,3 +218,28 @@ def test_a_dp_by_tp_plan_applied_on_commd_trains_like_one_process(backend_env: P
     plans = {"fsdp": forced_plan("mlp", (2, 2), (8, 32), fsdp), "dp": forced_plan("mlp", (2, 2), (8, 32))}
     assert {s.data for s in specs(plans["dp"])} == {"dp"} and {s.data for s in specs(plans["fsdp"])} == {"fsdp"}
     spawn(_two_d_rank, (plans,), timeout=240, nprocs=4)
+
+
+def _split_gpt_rank(rank: int, made: dict[str, Any]) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _init(rank, 2)
+    mesh = init_device_mesh("cpu", (2,))
+    tokens = [torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(s)) for s in range(STEPS)]
+    model = apply(_built("SplitGPT"), made, mesh)
+    # (sums over split features and heads add in another order than one process's: 1e-4)
+    _assert_close(_train(model, tokens), _train(_built("SplitGPT"), tokens), _built("SplitGPT"), f"rank {rank}",
+                  tolerance=1e-4)
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(240)
+def test_megatron_splits_separate_projection_attention_by_heads_and_trains_like_one_process(
+        backend_env: Path) -> None:
+    """q, k, v column layers, their views, transposes and attention split by heads, the output projection
+    their row partner; on 2 ranks of the commd backend it trains like one process."""
+    made = forced_plan("SplitGPT", (2,), (2, 8), dtype="int64")
+    rows = {r["name"]: (r["strategy"][0], r["output"][0]) for r in made["layers"]}
+    assert [rows[f"blocks_0_attn_{p}"][0] for p in "qkvo"] == ["col", "col", "col", "row"]
+    assert rows["scaled_dot_product_attention"] == ("split1", "S(1)")  # (batch, heads, sequence, head_dim)
+    spawn(_split_gpt_rank, (made,))

@@ -107,8 +107,12 @@ def candidates(layer: Layer, in_ndim: int, n: int, role: str) -> list[Strategy]:
     elif kind == "follow":
         data = [Strategy("dp", split(0), split(0), split(0), share, 1.0)]
         model = [Strategy("rep", B, B, B, 1.0, 1.0)]
-        for dim in range(1, min(in_ndim, out_ndim)):
-            model.append(Strategy(f"split{dim}", split(dim), split(dim), split(dim), share, 1.0))
+        # a split survives where the layer keeps (or moves) its dimension: attrs "dims" (traced views,
+        # reshapes, transposes) says where each input dimension goes; otherwise dimensions stay put
+        dims = layer.attrs.get("dims") or list(range(min(in_ndim, out_ndim)))
+        for dim, to in enumerate(dims[:in_ndim]):
+            if dim >= 1 and to is not None and to >= 1 and layer.out_shape[to] % n == 0:
+                model.append(Strategy(f"split{dim}", split(dim), split(to), split(dim), share, 1.0))
         if layer.attrs.get("linear"):  # a residual add or a scaling: sums of parts are parts of the sum
             model.append(Strategy("partial", P, P, P, share, 1.0, appliable=False))  # (styles hand on local tensors)
     else:

@@ -239,8 +239,10 @@ def data_parallel(graph: LayerGraph, priced: Priced) -> list[int] | None:
 
 
 def megatron(graph: LayerGraph, priced: Priced, row_first: bool = False) -> list[int] | None:
-    """Data parallel on a 2-D mesh's data dimension; on the other (a 1-D mesh's only one): linear and
-    convolution layers alternate column and row, attention splits heads, embeddings the vocabulary,
+    """Data parallel on a 2-D mesh's data dimension; on the other (a 1-D mesh's only one): a linear
+    layer is a row layer where its input arrives with its features split (a column layer's output,
+    through parameter-free layers: attention's separate q, k, v projections are three column layers
+    and its output projection their row partner), else a column layer; convolutions alternate, attention splits heads, embeddings the vocabulary,
     parameter-free layers keep the layout they are given (an activation after a column layer stays
     split), everything else is replicated (and so is a layer whose split the plan may not use).  ``row_first``: the pairs shifted by one layer (a start for
     descent, which cannot shift every pair at once)."""
@@ -250,7 +252,11 @@ def megatron(graph: LayerGraph, priced: Priced, row_first: bool = False) -> list
     for i, layer in enumerate(graph.layers):
         combos = priced.options[i]
         want: str | None
-        if layer.kind in ("linear", "conv2d"):
+        if layer.kind == "linear" and not row_first and layer.inputs:  # pairs by dataflow: a linear layer
+            src = graph.index[layer.inputs[0]]  # fed features split by a column layer is its row partner
+            given = priced.options[src][choice[src]][model_dim].out
+            want = "row" if split_dim(given) == len(graph.layers[src].out_shape) - 1 else "col"
+        elif layer.kind in ("linear", "conv2d"):
             want, column_next = ("col" if column_next else "row"), not column_next
         elif layer.kind == "attention":
             want = "heads"

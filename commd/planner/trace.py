@@ -2,7 +2,9 @@
 
 ``torch.fx`` traces the model with its parameter layers as leaves — ``nn.Linear``, ``nn.Embedding``,
 ``nn.Conv2d``, ``nn.LayerNorm`` and recognised attention blocks (``nn.MultiheadAttention``, or any
-module whose class name ends in ``Attention`` and that holds parameters) — and a shape pass on meta
+module whose class name ends in ``Attention`` and that holds parameters but no ``nn.Linear``: one
+built of Linear projections is traced through, its views and transposes mapping a split of the
+features onto the heads) — and a shape pass on meta
 tensors gives every activation's shape.  Every other call that makes a tensor (activations, dropout,
 residual adds, reshapes) becomes a ``follow`` layer; additions and subtractions of two tensors are
 marked linear (sums of parts are parts of the sum).  Calls that make no tensor (sizes, attribute
@@ -161,8 +163,9 @@ def _kind_of(m: Any) -> str | None:
     if isinstance(m, nn.LayerNorm):
         return "layernorm"
     if isinstance(m, nn.MultiheadAttention) or (type(m).__name__.endswith("Attention")
-                                                 and any(True for _ in m.parameters())):
-        return "attention"
+                                                 and any(True for _ in m.parameters())
+                                                 and not any(isinstance(c, nn.Linear) for c in m.modules())):
+        return "attention"  # (one made of Linear projections is traced through: Megatron splits those)
     return None
 
 
@@ -174,7 +177,10 @@ def _layers(module: Any, name: str, input_itemsize: int) -> LayerGraph:
     for node in module.graph.nodes:
         meta = node.meta.get("tensor_meta")
         shape = tuple(int(d) for d in meta.shape) if meta is not None and hasattr(meta, "shape") else None
-        sources = [layer for arg in node.all_input_nodes for layer in produced.get(arg.name, [])]
+        inputs = node.all_input_nodes
+        if _target_name(node) in RESHAPES | TRANSPOSES and inputs:  # the rest of their arguments are sizes
+            inputs = inputs[:1]
+        sources = [layer for arg in inputs for layer in produced.get(arg.name, [])]
         sources = list(dict.fromkeys(sources))  # (x, x, x) into attention: one input
         if node.op == "placeholder":
             layers.append(Layer(node.name, "input", (), shape or (1,)))
@@ -193,14 +199,85 @@ def _layers(module: Any, name: str, input_itemsize: int) -> LayerGraph:
             produced[node.name] = [layers[-1].name]
             dtype_bytes = max(p.element_size() for p in m.parameters()) if params else dtype_bytes
         elif shape is not None and sources:
-            linear = (node.target in LINEAR_CALLS) and len(sources) > 1
-            layers.append(Layer(node.name, "follow", tuple(sources), shape, attrs={"linear": True} if linear else {}))
+            attrs: dict[str, Any] = {"linear": True} if (node.target in LINEAR_CALLS) and len(sources) > 1 else {}
+            first = node.all_input_nodes[0].meta.get("tensor_meta") if node.all_input_nodes else None
+            if first is not None and hasattr(first, "shape"):
+                dims = _dim_map(node, tuple(int(d) for d in first.shape), shape)
+                if dims != list(range(len(shape))):
+                    attrs["dims"] = dims
+            layers.append(Layer(node.name, "follow", tuple(sources), shape, attrs=attrs))
             produced[node.name] = [node.name]
         else:
             produced[node.name] = sources  # no tensor of its own (a size, a constant): pass the wiring on
     if not layers or layers[-1].kind != "output" or not layers[-1].inputs:
         raise GraphError(f"{name}: the traced graph has no tensor output")
     return LayerGraph(layers, dtype_bytes, f"{name} (traced)")
+
+
+#: Calls that only move a tensor's dimensions (their first argument's) around.
+RESHAPES = {"view", "reshape", "flatten", "unflatten", "contiguous"}
+TRANSPOSES = {"transpose", "permute"}
+MATMULS = {"matmul", "bmm", "baddbmm", "einsum"}
+
+
+def _dim_map(node: Any, in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> list[int | None]:
+    """For each dimension of a parameter-free layer's (first) input, the output dimension a split of it
+    becomes (None: no split of that dimension survives as a split).  Reshapes keep a split of the
+    leading dimension of each group of dimensions they merge or divide; transposes move it; every
+    other call keeps dimensions where they are (elementwise, attention, activations)."""
+    import torch
+
+    target = _target_name(node)
+    if target in MATMULS:  # the last two dimensions are the product's own: only the batch-like ones split
+        return [d if d < len(in_shape) - 2 and len(in_shape) == len(out_shape) else None for d in range(len(in_shape))]
+    if node.op == "call_module" or target not in RESHAPES | TRANSPOSES:
+        flatten = node.op == "call_module" and type(node.graph.owning_module.get_submodule(node.target)) is \
+            torch.nn.Flatten
+        if not flatten:
+            same = len(in_shape) == len(out_shape)
+            return [d if same or (d < len(out_shape) and in_shape[d] == out_shape[d]) else None
+                    for d in range(len(in_shape))]
+    if target in TRANSPOSES:
+        ndim = len(in_shape)
+        if target == "transpose":
+            a, b = (int(x) % ndim for x in node.args[1:3])
+            order = list(range(ndim))
+            order[a], order[b] = order[b], order[a]
+        else:
+            raw = node.args[1:] if len(node.args) > 2 or not isinstance(node.args[1], (tuple, list)) else node.args[1]
+            order = [int(x) % ndim for x in raw]
+        return [order.index(d) for d in range(ndim)]
+    return reshape_map(in_shape, out_shape)
+
+
+def _target_name(node: Any) -> str:
+    """A call's name: the method's, or the function's (``torch.reshape`` → ``reshape``)."""
+    if node.op == "call_module":
+        return ""
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+
+
+def reshape_map(in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> list[int | None]:
+    """Dimensions of a reshape grouped where their products meet; a group's leading input dimension
+    maps to its leading output dimension (a contiguous block of one is a contiguous block of the
+    other), the rest map nowhere."""
+    out: list[int | None] = [None] * len(in_shape)
+    i = j = 0
+    while i < len(in_shape) and j < len(out_shape):
+        gi, gj = [i], [j]
+        pi, pj = in_shape[i], out_shape[j]
+        while pi != pj:
+            if pi < pj and gi[-1] + 1 < len(in_shape):
+                gi.append(gi[-1] + 1)
+                pi *= in_shape[gi[-1]]
+            elif pj < pi and gj[-1] + 1 < len(out_shape):
+                gj.append(gj[-1] + 1)
+                pj *= out_shape[gj[-1]]
+            else:
+                return out
+        out[i] = j
+        i, j = gi[-1] + 1, gj[-1] + 1
+    return out
 
 
 def _name(target: str) -> str:
