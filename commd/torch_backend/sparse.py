@@ -13,7 +13,9 @@ The daemon moves flat buffers only, so a sparse all-reduce is two all-gathers:
    the input tensor in place, as Gloo does.
 
 Both submissions happen inside the call, in program order with the group's other
-ops; only the second runs asynchronously.  Only ReduceOp.SUM is defined (as on Gloo).
+ops; only the second runs asynchronously, so even with ``async_op=True`` the call
+returns only once every rank has made it (or the op timed out).  CUDA tensors' entries
+travel through host memory.  Only ReduceOp.SUM is defined (as on Gloo).
 """
 
 from __future__ import annotations
