@@ -39,6 +39,7 @@ from commd.memory.budget import check_environment
 from commd.runtime import ConfigError, JobPaths, secret_from_environment
 from commd.torch_backend.profiling import profiled
 from commd.torch_backend.ring_ops import open_ring, ring_all_reduce
+from commd.torch_backend.sparse import all_reduce_sparse, is_sparse_call
 
 BACKEND_NAME = "commd"
 _STORE_PREFIX = "commd/"
@@ -75,6 +76,14 @@ def _reduce_op(op: Any) -> str:
         if op == torch_op:
             return name
     raise ValueError(f"reduce op {op} is not supported by the commd backend")
+
+
+def _reduce_op_name(op: Any) -> str:
+    """``op``'s commd name, or its torch name when commd has none (the sparse path reports it)."""
+    for torch_op, name in _REDUCE_OPS:
+        if op == torch_op:
+            return name
+    return str(op)
 
 
 class CommdWork(dist._Work):
@@ -273,6 +282,10 @@ class ProcessGroupCommd(dist.ProcessGroup):
     # ---- reductions ---------------------------------------------------
     @profiled("all_reduce")
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> CommdWork:
+        if is_sparse_call(tensors):  # sparse COO: gathered and summed (sparse.py), as on Gloo
+            op_name = _reduce_op_name(opts.reduceOp) if opts is not None else "sum"
+            handle = all_reduce_sparse(self._client, self._name, self.size(), tensors, op_name, self._kw)
+            return self._work(handle, tensors)
         op = _reduce_op(opts.reduceOp) if opts is not None else "sum"
         if self.ring is not None and len(tensors) == 1:
             handle = ring_all_reduce(self._client, self.ring, tensors[0], op, self._timeout, tensors)
@@ -284,6 +297,8 @@ class ProcessGroupCommd(dist.ProcessGroup):
 
     @profiled("all_reduce_coalesced")
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> CommdWork:
+        if is_sparse_call(tensors):
+            raise ValueError("all_reduce_coalesced takes dense tensors only; all_reduce sparse ones one by one")
         op = _reduce_op(opts.reduceOp) if opts is not None else "sum"
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
