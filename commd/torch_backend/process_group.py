@@ -129,9 +129,10 @@ class CommdWork(dist._Work):
         ``value()`` re-raises; to C++ (DDP's reducer waits on this future there) such a
         future looks successful.  A callback that raises marks the chained future as
         failed in C++ too, so every callback here reads its parent's value, which raises
-        the op's error.  Waiting on the future then raises a RuntimeError whose message
-        starts with the commd error's class and text (``MismatchError: ...``), as torch
-        reports any future's failure; ``wait()`` and ``exception()`` give the typed error.
+        the op's error.  Waiting on the future then raises a plain RuntimeError, as torch
+        reports any callback's failure ("Got the following error when running the callback:
+        MismatchError: ..."): torch keeps only the text.  ``wait()`` and ``exception()`` give the
+        typed error (a ``torch.distributed.DistBackendError``).
         """
         if self._future is None:
             futures = [h.get_future() for h in self._handles]
