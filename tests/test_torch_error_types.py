@@ -23,6 +23,7 @@ import textwrap
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -132,16 +133,21 @@ print("torch-first" if torch_before_commd_names else "torch-later", caught,
 """
 
 
-@pytest.mark.parametrize(("before", "after", "expected_start"), [
-    ("", "import commd, torch", "torch-later"),
-    ("import torch", "import commd", "torch-first"),
-    ("import torch.distributed", "", "torch-first"),
-    ("", "import torch", "torch-later"),
-], ids=["commd-then-torch", "torch-then-commd", "torch.distributed-then-errors", "errors-alone-then-torch"])
-def test_errors_become_torch_types_in_any_import_order(before: str, after: str, expected_start: str) -> None:
+@pytest.mark.parametrize(("before", "after", "expected_start", "autoload"), [
+    ("", "import commd, torch", "torch-later", "0"),
+    ("import torch", "import commd", "torch-first", "0"),
+    ("import torch.distributed", "", "torch-first", "0"),
+    ("", "import torch", "torch-later", "0"),
+    ("import torch", "", "torch-first", "1"),
+], ids=["commd-then-torch", "torch-then-commd", "torch.distributed-then-errors", "errors-alone-then-torch",
+        "torch-autoloads-commd"])
+def test_errors_become_torch_types_in_any_import_order(before: str, after: str, expected_start: str,
+                                                       autoload: str) -> None:
+    if autoload == "1" and not any(e.value.startswith("commd.") for e in entry_points(group="torch.backends")):
+        pytest.skip("commd is not installed (no torch.backends entry point)")
     code = textwrap.dedent(_IMPORT_ORDER_PROBE).format(before=before, after=after)
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0"), check=False)
+                          env=dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD=autoload), check=False)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == [expected_start, "PeerDiedError", "True"], proc.stdout
 

@@ -726,7 +726,7 @@ def register_backend() -> None:
     global _registered
     try:
         take_torch_bases(dist)
-    except TypeError as exc:  # a torch whose error types cannot be bases: commd's errors stay RuntimeErrors
+    except (TypeError, AttributeError) as exc:  # a torch whose error types cannot be bases (or lacks them)
         warnings.warn(f"commd: its errors cannot be torch.distributed's error types too: {exc}", RuntimeWarning,
                       stacklevel=2)
     if _registered or BACKEND_NAME.upper() in dist.Backend._plugins:
