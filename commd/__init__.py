@@ -3,7 +3,9 @@
 ``import commd`` registers the torch.distributed backend ``"commd"``: at once
 if torch is already imported, else as soon as it is.  Importing commd does not
 import torch itself, so the ``commd`` command and the daemon start fast; the
-client names below are loaded on first use.
+client names below are loaded on first use.  Once torch.distributed is loaded,
+commd's errors are its error types too (every one a ``DistBackendError``;
+``commd.client.errors``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from commd.client.errors import CommdError, CommTimeoutError, MismatchError, PeerDiedError  # noqa: E402
+from commd.client.errors import (  # noqa: E402
+    CommdError,
+    CommTimeoutError,
+    MismatchError,
+    PeerDiedError,
+    StoreError,
+)
 from commd.torch_backend.autoregister import register_when_torch_loads  # noqa: E402
 
 register_when_torch_loads()
@@ -57,5 +65,15 @@ def alltonext(send, recv, group=None, async_op=False):  # type: ignore[no-untype
     return run(send, recv, group, async_op)
 
 
-__all__ = ["Client", "CommTimeoutError", "CommdError", "MismatchError", "Options", "PeerDiedError", "alltonext",
-           "empty"]
+def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):  # type: ignore[no-untyped-def]
+    """torch's ``dist.monitored_barrier`` (Gloo only) for commd groups: a barrier that, after ``timeout``
+    (a timedelta or seconds; None: the group's op timeout), fails on every waiting rank naming the
+    first rank that did not arrive, or all of them with ``wait_all_ranks``.
+    See ``commd.torch_backend.monitored.monitored_barrier``."""
+    from commd.torch_backend.monitored import monitored_barrier as run
+
+    run(group, timeout, wait_all_ranks)
+
+
+__all__ = ["Client", "CommTimeoutError", "CommdError", "MismatchError", "Options", "PeerDiedError", "StoreError",
+           "alltonext", "empty", "monitored_barrier"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from commd.execution.workers import worker_key
+from commd.protocol import schema as s
 from commd.protocol.fabric import P2pMatch, P2pSend, Ready
 from commd.scheduler.config import LaneRule, SchedulerConfig, load_config, parse_config
 from commd.scheduler.coordinator import Coordinator, Outbox
@@ -276,6 +277,7 @@ def test_errors_name_the_op_kind_and_the_nodes() -> None:
     coord.expire(coord.pending[("t", 0)].first_at + 5, out)
     message = sent(out)[0][0]["m"]
     assert "allgather #0 on group 't'" in message and "nodes [1, 2] (beta, gamma)" in message, message
+    assert s.missing_ranks_in(message) == [1, 2], message  # what the client's CommTimeoutError.missing_ranks reads
     # a node dies while an all-reduce waits for it
     out = Outbox()
     coord.report(0, ready([entry(group="d", ranks=(0, 1, 2), pl=pl, mine=[0])]), out)

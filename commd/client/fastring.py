@@ -525,8 +525,8 @@ class ExchangeRing:
                         return  # the caller's own timeout: the op stays pending
                     missing = self._behind(seq, self._posted_at)
                     self._break(CommTimeoutError(
-                        f"allreduce #{seq} on group '{self.group}' timed out after {head.timeout:.1f}s "
-                        f"waiting for {self._describe(missing)} to submit it"))
+                        f"allreduce #{seq} on group '{self.group}' timed out: {self._describe(missing)} did not "
+                        f"submit it within the op timeout of {head.timeout:.1f}s"))
 
     def _describe(self, lines: list[int]) -> str:
         """Ring lines as the user knows them: group ranks, and the bridge as the other nodes."""

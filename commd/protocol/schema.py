@@ -137,6 +137,27 @@ E_LIMIT = "limit"
 #: The name of the inline-size limit in a ``LimitError`` (and in the daemon's ``limits_hit`` counters).
 INLINE_LIMIT = "inline_bytes"
 
+_MISSING_RANKS = re.compile(r"\(global ranks \[([0-9, ]*)\]\) did not submit it")
+
+
+def not_submitted(op: str, who: str, missing_global: list[int], timeout_s: float) -> str:
+    """The message of a collective that timed out waiting for ranks.
+
+    ``who``: the waited-for as the daemon knows them (group ranks, nodes).  The global ranks are
+    written so that ``missing_ranks_in`` reads them back (the client's CommTimeoutError
+    .missing_ranks), and the words match what torch's tests expect of a timeout (" timeout ")."""
+    return (f"{op} timed out: {who} (global ranks {sorted(missing_global)}) did not submit it "
+            f"within the op timeout of {timeout_s:.1f}s")
+
+
+def missing_ranks_in(message: str) -> list[int] | None:
+    """The global ranks a ``not_submitted`` message names, or None for any other message."""
+    found = _MISSING_RANKS.search(message)
+    if found is None:
+        return None
+    return [int(r) for r in found.group(1).split(",") if r.strip()]
+
+
 _SEGMENT_NAME = re.compile(r"^commd-[A-Za-z0-9_.-]{1,200}$")
 _GROUP_NAME = re.compile(r"^[A-Za-z0-9_.:/-]{1,256}$")
 

@@ -506,8 +506,8 @@ class Coordinator:
             first = next(iter(pending.entries.values()))
             self._fail(
                 pending, out, s.E_TIMEOUT,
-                f"{first.kind} #{pending.seq} on group '{pending.group}' timed out after {pending.timeout:.1f}s "
-                f"waiting for {self.nodes(missing)} (ranks {ranks} have not submitted it)",
+                s.not_submitted(f"{first.kind} #{pending.seq} on group '{pending.group}'", self.nodes(missing), ranks,
+                                pending.timeout),
             )
 
     # ---- stalls --------------------------------------------------------------

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from commd.core.ops import MatchError, ReadyOp, Submission
 from commd.observe.stats import Stats
+from commd.protocol import schema as s
 from commd.scheduler.agreement import find_mismatch
 
 
@@ -195,11 +196,8 @@ class LocalScheduler:
                     continue
                 missing = sorted(set(group.local) - set(waiting))
                 first = next(iter(waiting.values()))
-                message = (
-                    f"{first.kind} #{seq} on group '{group.name}' timed out after {timeout:.1f}s "
-                    f"waiting for group ranks {missing} (global ranks "
-                    f"{[group.ranks[r] for r in missing]}) to submit it"
-                )
+                message = s.not_submitted(f"{first.kind} #{seq} on group '{group.name}'", f"group ranks {missing}",
+                                          [group.ranks[r] for r in missing], timeout)
                 del group.pending[seq]
                 self._remember_failure(group, seq, message, "timeout")
                 expired.extend((sub, message) for sub in waiting.values())

@@ -21,6 +21,7 @@ import socket
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -32,7 +33,7 @@ from torch.futures import Future
 
 from commd.client import ops
 from commd.client.connection import Client
-from commd.client.errors import CommdError, ConnectError
+from commd.client.errors import CommdError, ConnectError, take_torch_bases
 from commd.client.handle import Handle
 from commd.client.spawn import ensure_daemon
 from commd.memory.budget import check_environment
@@ -40,6 +41,7 @@ from commd.runtime import ConfigError, JobPaths, secret_from_environment
 from commd.torch_backend.profiling import profiled
 from commd.torch_backend.ring_ops import open_ring, ring_all_reduce
 from commd.torch_backend.sparse import all_reduce_sparse, is_sparse_call
+from commd.torch_backend.store import read_from_ranks
 
 BACKEND_NAME = "commd"
 _STORE_PREFIX = "commd/"
@@ -136,9 +138,10 @@ class CommdWork(dist._Work):
         ``value()`` re-raises; to C++ (DDP's reducer waits on this future there) such a
         future looks successful.  A callback that raises marks the chained future as
         failed in C++ too, so every callback here reads its parent's value, which raises
-        the op's error.  Waiting on the future then raises a RuntimeError whose message
-        starts with the commd error's class and text (``MismatchError: ...``), as torch
-        reports any future's failure; ``wait()`` and ``exception()`` give the typed error.
+        the op's error.  Waiting on the future then raises a plain RuntimeError, as torch
+        reports any callback's failure ("Got the following error when running the callback:
+        MismatchError: ..."): torch keeps only the text.  ``wait()`` and ``exception()`` give the
+        typed error (a ``torch.distributed.DistBackendError``).
         """
         if self._future is None:
             futures = [h.get_future() for h in self._handles]
@@ -231,9 +234,12 @@ class ProcessGroupCommd(dist.ProcessGroup):
     def __init__(
         self, client: Client, name: str, rank: int, size: int, timeout: float | None, torch_name: str,
         lane: str | None = None, algo: str | Mapping[str, str] | None = None, compression: str | None = None,
+        global_ranks: list[int] | None = None,
     ) -> None:
-        """``timeout``: this group's op timeout in seconds, None for the client's (see ``op_timeout_s``)."""
+        """``timeout``: this group's op timeout in seconds, None for the client's (see ``op_timeout_s``).
+        ``global_ranks``: the job's rank of each group rank (None: the group is the whole job)."""
         super().__init__(rank, size)
+        self.global_ranks = list(range(size)) if global_ranks is None else list(global_ranks)
         self._client = client
         self._name = name
         self._torch_name = torch_name
@@ -261,6 +267,11 @@ class ProcessGroupCommd(dist.ProcessGroup):
     @property
     def commd_group(self) -> str:
         return self._name
+
+    @property
+    def op_timeout(self) -> float:
+        """Seconds this group's ops may wait for their ranks (the group's timeout, else the client's)."""
+        return self._timeout or self._client.op_timeout
 
     def _kw(self, collective: bool = True) -> dict[str, Any]:
         """Every daemon op's options; called just before it is submitted (``_to_daemon``)."""
@@ -517,6 +528,11 @@ class ProcessGroupCommd(dist.ProcessGroup):
     def barrier(self, opts: Any = None) -> CommdWork:
         return self._work(ops.barrier(self._client, **self._kw()), None)
 
+    def barrier_within(self, timeout: float) -> CommdWork:
+        """A barrier that fails after ``timeout`` seconds (not the group's), naming the ranks that did not arrive
+        (``monitored_barrier``)."""
+        return self._work(ops.barrier(self._client, **{**self._kw(), "timeout": timeout}), None)
+
     def shutdown(self) -> None:
         """Called by destroy_process_group; the process's client stays for other groups."""
         if self.ring is not None:
@@ -541,7 +557,7 @@ def _agree(store: dist.Store, rank: int, key: str, make: Any) -> str:
     full = _STORE_PREFIX + key
     if rank == 0:
         store.set(full, make())
-    return store.get(full).decode()
+    return read_from_ranks(store, lambda _: full, [0], f"the agreed value of {key!r}")[0].decode()
 
 
 def node_name() -> str:
@@ -551,7 +567,8 @@ def node_name() -> str:
 def _placement(store: dist.Store, rank: int, size: int, round_: int) -> list[str]:
     """Every rank's node name, through the store."""
     store.set(f"{_STORE_PREFIX}host.{round_}/{rank}", node_name())
-    return [store.get(f"{_STORE_PREFIX}host.{round_}/{r}").decode() for r in range(size)]
+    names = read_from_ranks(store, lambda r: f"{_STORE_PREFIX}host.{round_}/{r}", range(size), "their node name")
+    return [name.decode() for name in names]
 
 
 def _local_rank(nodes: list[str], rank: int) -> int:
@@ -586,7 +603,9 @@ def _check_fabric_secret(store: dist.Store, rank: int, size: int, round_: int) -
     except ConfigError as exc:
         problem = str(exc)
     store.set(f"{_STORE_PREFIX}secret_check.{round_}/{rank}", problem)
-    problems = {r: store.get(f"{_STORE_PREFIX}secret_check.{round_}/{r}").decode() for r in range(size)}
+    checks = read_from_ranks(store, lambda r: f"{_STORE_PREFIX}secret_check.{round_}/{r}", range(size),
+                             "whether they have the job's secret")
+    problems = {r: check.decode() for r, check in enumerate(checks)}
     bad = {r: p for r, p in problems.items() if p != "ok"}
     if bad:
         # Rank 0 usually hosts the store: it waits (briefly) until every rank has read the
@@ -697,7 +716,7 @@ def _create(dist_opts: Any, backend_opts: Any) -> ProcessGroupCommd:
     algo = backend_opts.algos if isinstance(backend_opts, Options) else None
     compression = backend_opts.compression if isinstance(backend_opts, Options) else None
     group = ProcessGroupCommd(client, name, rank, size, op_timeout_s(timeout), base, lane, algo,
-                              compression or compression_from_environment())
+                              compression or compression_from_environment(), global_ranks)
     # a group with a program runs its all-reduces through the coordinator (which releases the
     # program), never through a bridged ring, as a group with a lane does
     group.ring = open_ring(client, store, name, rank, size, global_ranks, op_timeout_s(timeout),
@@ -718,8 +737,13 @@ _registered = False
 
 
 def register_backend() -> None:
-    """Register "commd" with torch.distributed (idempotent)."""
+    """Register "commd" with torch.distributed (idempotent); commd's errors become torch's error types."""
     global _registered
+    try:
+        take_torch_bases(dist)
+    except (TypeError, AttributeError) as exc:  # a torch whose error types cannot be bases (or lacks them)
+        warnings.warn(f"commd: its errors cannot be torch.distributed's error types too: {exc}", RuntimeWarning,
+                      stacklevel=2)
     if _registered or BACKEND_NAME.upper() in dist.Backend._plugins:
         _registered = True
         return
@@ -746,20 +770,20 @@ def alltonext(send: torch.Tensor, recv: torch.Tensor, group: Any = None, async_o
         handle = ops.alltonext(current_client(), recv, send, group=group)
         work = CommdWork([handle], recv)
     else:
-        work = _commd_group(group).alltonext(recv, send)
+        work = commd_group(group, "alltonext").alltonext(recv, send)
     if async_op:
         return work
     work.wait()
     return None
 
 
-def _commd_group(group: Any) -> ProcessGroupCommd:
-    """The commd process group ``group`` is (None: the default group); ValueError if it is none.
-    (torch hands out the backend's own ProcessGroup object for a backend that makes one.)"""
+def commd_group(group: Any, what: str) -> ProcessGroupCommd:
+    """The commd process group ``group`` is (None: the default group); ValueError naming the op ``what``
+    if it is none.  (torch hands out the backend's own ProcessGroup object for a backend that makes one.)"""
     if group is None:
         if not dist.is_initialized():
             raise CommdError("no default process group: call dist.init_process_group('commd') first")
         group = dist.group.WORLD
     if isinstance(group, ProcessGroupCommd):
         return group
-    raise ValueError(f"alltonext runs on commd process groups only, not on {group!r}")
+    raise ValueError(f"{what} runs on commd process groups only, not on {group!r}")

@@ -32,6 +32,7 @@ from commd.kernels.dtypes import UnsupportedReduction, check_supported
 from commd.kernels.reduce import DTYPE_NAMES
 from commd.kernels.small import NUMPY_DTYPES
 from commd.protocol import fastring as fr
+from commd.torch_backend.store import read_from_ranks
 
 log = logging.getLogger("commd.torch")
 
@@ -61,7 +62,9 @@ def open_ring(client: Client, store: dist.Store, name: str, rank: int, size: int
         except CommdError as exc:
             log.warning("group %s: no exchange ring, small all-reduces go through the daemon: %s", name, exc)
     store.set(_STORE_KEY.format(name=name, rank=rank), "1" if ring is not None else "0")
-    if all(store.get(_STORE_KEY.format(name=name, rank=r)) == b"1" for r in range(size)):
+    got = read_from_ranks(store, lambda r: _STORE_KEY.format(name=name, rank=r), range(size),
+                          "whether they got the group's exchange ring")
+    if all(value == b"1" for value in got):
         assert ring is not None
         ring.on_diverged = lambda dtype, op, count: ops.all_reduce(
             client, torch.zeros(count, dtype=TORCH_DTYPES[dtype]), op, group=name, timeout=timeout)
