@@ -57,5 +57,15 @@ def alltonext(send, recv, group=None, async_op=False):  # type: ignore[no-untype
     return run(send, recv, group, async_op)
 
 
+def batch_isend_irecv(p2p_op_list):  # type: ignore[no-untyped-def]
+    """``dist.batch_isend_irecv`` whose ops reach the daemon as one message on a commd group (torch's
+    own sends them one by one there); one work for the batch.  See
+    ``commd.torch_backend.process_group.batch_isend_irecv``."""
+    from commd.torch_backend.process_group import batch_isend_irecv as run
+
+    return run(p2p_op_list)
+
+
 __all__ = ["Client", "CommTimeoutError", "CommdError", "MismatchError", "Options", "PeerDiedError", "alltonext",
+           "batch_isend_irecv",
            "empty"]
