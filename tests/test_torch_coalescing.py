@@ -24,9 +24,11 @@ import torch
 import torch.distributed as dist
 from test_torch_backend import spawn
 
+from commd.cli.status import format_status
 from commd.client import ops
 from commd.client.status import query_status
 from commd.client.writebacks import PendingWrites, span
+from commd.observe.metrics import DaemonCollector
 from commd.protocol import schema as s
 
 CPU = torch.device("cpu")
@@ -335,6 +337,12 @@ def test_a_batch_past_one_messages_limits_is_split(daemon: Any, connect: Callabl
         h.wait(30)
     status = query_status(daemon.paths)
     assert status["op_batches"] == {"batches": 4, "ops": count + 300}, status["op_batches"]
+    # ... as `commd status` and the Prometheus metrics show them (both read the status document)
+    assert f"op batches (ops submitted together): 4 holding {count + 300:,} ops" in format_status(status)
+    families = {m.name: m for m in DaemonCollector(lambda: {"status": status, "by_op": {}, "error_replies": {},
+                                                            "limits_hit": {}}).collect()}
+    assert [x.value for x in families["commd_op_batches"].samples if x.name.endswith("_total")] == [4]
+    assert [x.value for x in families["commd_batched_ops"].samples if x.name.endswith("_total")] == [count + 300]
 
 
 def test_waiting_on_a_held_op_sends_the_batch_so_far(daemon: Any, connect: Callable[..., Any]) -> None:
