@@ -389,3 +389,42 @@ def test_pending_writes_wait_only_where_bytes_overlap() -> None:
     assert writes.writers(buffer) == [high]
     high.done = True
     assert writes.writers(buffer) == [] and not writes
+
+
+# ---- across nodes ------------------------------------------------------------------
+def batch_across_nodes(ctx: Any) -> dict[str, Any]:
+    """One batch per rank: two all-reduces and a send to and a receive from every other rank
+    (receives first), on a job whose ranks sit on two nodes."""
+    client = ctx.connect()
+    rank, world = ctx.rank, ctx.world_size
+    floats = torch.full((300,), float(rank + 1))
+    ints = torch.arange(5, dtype=torch.int64) * (rank + 1)
+    peers = [p for p in range(world) if p != rank]
+    got = {p: torch.zeros(70, dtype=torch.float64) for p in peers}
+    before = client.op_messages
+    client.hold("world")
+    ops.all_reduce(client, floats)
+    for p in peers:
+        ops.recv(client, got[p], p)
+    ops.all_reduce(client, ints)
+    for p in peers:
+        ops.send(client, torch.full((70,), 100.0 * rank + p, dtype=torch.float64), p)
+    handles = client.release("world")
+    sent = client.op_messages - before
+    for handle in handles:
+        handle.wait(60)
+    total = sum(range(1, world + 1))
+    assert torch.equal(floats, torch.full((300,), float(total))), floats[:4]
+    assert torch.equal(ints, torch.arange(5, dtype=torch.int64) * total), ints
+    for p in peers:
+        assert torch.equal(got[p], torch.full((70,), 100.0 * p + rank, dtype=torch.float64)), (p, got[p][:4])
+    client.close()
+    return {"ops": len(handles), "messages": sent}
+
+
+@pytest.mark.timeout(240)
+def test_a_batch_across_nodes_runs_in_one_message(cluster: Any) -> None:
+    c = cluster(2, 2)
+    results = c.join(c.start_workers(batch_across_nodes), timeout=180)
+    assert results == {r: {"ops": 2 + 2 * 3, "messages": 1} for r in range(4)}, results
+    assert sum(c.status(i)["op_batches"]["batches"] for i in range(2)) == 4
