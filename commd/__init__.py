@@ -75,5 +75,14 @@ def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):  # type: 
     run(group, timeout, wait_all_ranks)
 
 
+def batch_isend_irecv(p2p_op_list):  # type: ignore[no-untyped-def]
+    """``dist.batch_isend_irecv`` whose ops reach the daemon as one message on a commd group (torch's
+    own sends them one by one there); one work for the batch.  See
+    ``commd.torch_backend.process_group.batch_isend_irecv``."""
+    from commd.torch_backend.process_group import batch_isend_irecv as run
+
+    return run(p2p_op_list)
+
+
 __all__ = ["Client", "CommTimeoutError", "CommdError", "MismatchError", "Options", "PeerDiedError", "StoreError",
-           "alltonext", "empty", "monitored_barrier"]
+           "alltonext", "batch_isend_irecv", "empty", "monitored_barrier"]

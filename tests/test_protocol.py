@@ -512,3 +512,91 @@ def test_cuda_references_are_validated_without_a_gpu() -> None:
     for raw, needle in bad:
         with pytest.raises(s.ProtocolError, match=needle):
             CudaRef(raw)
+
+
+# ---- op batches ------------------------------------------------------------------
+def _item(op_id: int, seq: int, **fields: Any) -> dict[str, Any]:
+    """One op of a batch on the raw client's group: a 4-element all-reduce in its segment."""
+    return {"t": s.OP, "id": op_id, "group": "raw", "seq": seq, "kind": "allreduce", "dtype": "float32",
+            "count": 4, "buf": {"seg": 0, "off": 64, "n": 16}, **fields}
+
+
+def _send_batch(raw_client: RawClient, message: dict[str, Any], replies: int) -> list[dict[str, Any]]:
+    raw_client.ops.send({"t": s.OPS, **message})
+    return [raw_client.ops.recv() for _ in range(replies)]
+
+
+def _raw_status(daemon: DaemonProcess) -> tuple[int, dict[str, int], int]:
+    """The raw group's next sequence number, the daemon's batch counters, the raw rank's pending ops."""
+    from commd.client.status import query_status
+
+    status = query_status(daemon.paths)
+    pending = next(c["pending_ops"] for c in status["clients"] if c["rank"] == RAW_RANK)
+    return status["groups"]["raw"]["next_seq"], status["op_batches"], pending
+
+
+def test_an_op_batch_runs_every_op_in_order(daemon: DaemonProcess, raw_client: RawClient) -> None:
+    """Three ops in one message: each answered under its own id, in order, with its own result; the
+    same three behind a bad fourth are all refused and leave no trace."""
+    seqs = [next(raw_client.seq) for _ in range(3)]
+    data = [np.arange(4, dtype=np.float32) * (i + 1) for i in range(3)]
+    items = [_item(100 + i, seq, buf={"data": data[i].tobytes()}) for i, seq in enumerate(seqs)]
+    to_itself = {"t": s.OP, "id": 103, "group": "raw", "kind": "send", "dtype": "float32", "count": 0, "peer": 0,
+                 "in": {"data": b""}}  # the raw group's only rank sends to itself
+    replies = _send_batch(raw_client, {"items": [*items, to_itself]}, 4)
+    assert all(r["t"] == s.ERROR and "item 3 of 4" in r["message"] for r in replies), replies
+    _, counted, pending = _raw_status(daemon)
+    assert counted == {"batches": 0, "ops": 0} and pending == 0, (counted, pending)
+
+    replies = _send_batch(raw_client, {"items": items[:3]}, 3)
+    assert [r["t"] for r in replies] == [s.DONE] * 3, replies
+    assert [r["id"] for r in replies] == [100, 101, 102], "replies out of the batch's order"
+    for reply, want in zip(replies, data, strict=True):
+        assert np.array_equal(np.frombuffer(reply["data"], dtype=np.float32), want), reply
+    next_seq, counted, pending = _raw_status(daemon)
+    assert (next_seq, counted, pending) == (seqs[-1] + 1, {"batches": 1, "ops": 3}, 0)
+
+
+def test_bad_op_batches_are_refused_whole(daemon: DaemonProcess, raw_client: RawClient, healthy: Healthy) -> None:
+    """A malformed batch, or one bad op in it, refuses the whole batch: every op's rank hears why,
+    naming the item; nothing of it is taken; the daemon serves everyone after."""
+    end = raw_client.segment_bytes
+    first, second = next(raw_client.seq), next(raw_client.seq)
+    good = [_item(200, first), _item(201, second)]
+    bad_buffer = _item(201, second, buf={"seg": 0, "off": end - 8, "n": 16})
+    table: list[tuple[str, dict[str, Any], int, str, tuple[str, ...]]] = [
+        ("items not a list", {"items": {"a": 1}}, 1, s.E_PROTOCOL, ("'items'",)),
+        ("no items", {"items": []}, 1, s.E_PROTOCOL, ("1 to", str(s.MAX_BATCH_OPS))),
+        ("too many items", {"items": [{}] * (s.MAX_BATCH_OPS + 1)}, 1, s.E_PROTOCOL, (str(s.MAX_BATCH_OPS + 1),)),
+        ("an item not a map", {"items": [good[0], 7]}, 1, s.E_PROTOCOL, ("item 1 must be a map",)),
+        ("a batch inside a batch", {"items": [good[0], {"t": s.OPS, "items": good}]}, 1, s.E_PROTOCOL,
+         ("item 1", "'op'")),
+        ("an item of another protocol version", {"items": [good[0], {**good[1], "v": 1}]}, 2, s.E_VERSION,
+         ("item 1",)),
+        ("an item out of its segment", {"items": [good[0], bad_buffer]}, 2, s.E_BOUNDS,
+         ("item 1 of 2", "outside", str(end))),
+        ("an item of an unknown group", {"items": [{**good[0], "group": "nope"}, good[1]]}, 2, s.E_PROTOCOL,
+         ("item 0 of 2", "nope")),
+        ("two items with one id", {"items": [good[0], {**good[1], "id": 200}]}, 2, s.E_PROTOCOL,
+         ("item 1 of 2", "already pending")),
+        ("an inline item over the inline limit", {"items": [good[0], {**good[1], "buf": {"inline": 4100}}]}, 2,
+         s.E_LIMIT, ("item 1 of 2", str(s.INLINE_MAX_BYTES))),
+    ]
+    before = _raw_status(daemon)
+    failures = []
+    for name, message, replies, code, words in table:
+        try:
+            for reply in _send_batch(raw_client, message, replies):
+                problem = expect_error(reply, code, "op batch refused", *words)
+                if problem:
+                    failures.append(f"{name}: {problem}")
+        except AssertionError as exc:
+            failures.append(f"{name}: {exc}")
+        if _raw_status(daemon) != before:
+            failures.append(f"{name}: the refused batch changed the daemon's state: {before} -> {_raw_status(daemon)}")
+        trouble = healthy.check(name)
+        if trouble:
+            failures.append(trouble)
+    assert not failures, "\n".join(failures)
+    replies = _send_batch(raw_client, {"items": good}, 2)  # the same ids and sequence numbers: all still free
+    assert [(r["t"], r["id"]) for r in replies] == [(s.DONE, 200), (s.DONE, 201)], replies

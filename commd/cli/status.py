@@ -188,6 +188,9 @@ def format_status(status: dict[str, Any]) -> str:
     if rings:  # all-reduces of local groups the ranks exchanged among themselves: never in the rows above
         out.append("exchange rings (all-reduces the ranks of a local group ran without the daemon): " + ", ".join(
             f"{name} {r.get('ops', 0):,}" for name, r in sorted(rings.items())))
+    batches = status.get("op_batches") or {}
+    if batches.get("batches"):  # coalesced ops that arrived together, one message each batch
+        out.append(f"op batches (ops submitted together): {batches['batches']:,} holding {batches.get('ops', 0):,} ops")
 
     latency = status.get("latency_us") or {}
     out.append("")

@@ -25,6 +25,7 @@ import msgpack
 import torch
 import zmq
 
+from commd.client.batch import HeldOps
 from commd.client.errors import (
     CommdError,
     CommTimeoutError,
@@ -40,6 +41,7 @@ from commd.client.registry import StorageRegistry, default_budget, first_sightin
 from commd.client.segments import register_fd, register_segment
 from commd.client.spawn import wait_for_secret
 from commd.client.trust import connect_op_channel, read_job_secret, verify_job_files
+from commd.client.writebacks import PendingWrites, Span, span
 from commd.kernels.reduce import DTYPE_NAMES, TORCH_DTYPES
 from commd.memory.arena import REGISTERED, Arena, Segment
 from commd.memory.budget import arena_bytes_setting, default_arena_bytes
@@ -53,8 +55,6 @@ log = logging.getLogger("commd.client")
 #: it gives up on an answer (the daemon normally reports the timeout itself).
 ANSWER_GRACE_S = 10.0
 RECEIVER_POLL_MS = 100
-#: Completed entries of the copy-back map are dropped when it grows beyond this.
-COPY_BACK_PURGE = 256
 OPS_BUFFER_BYTES = 4 << 20
 OPS_RECV_BYTES = s.MAX_MESSAGE_BYTES + (64 << 10)
 #: How long the daemon may take to map a new arena segment.
@@ -114,10 +114,13 @@ class Client:
         self._seq: dict[str, int] = {}
         self._groups: dict[str, list[int]] = {}
         self._pending: dict[int, Handle] = {}
-        # storage address -> the latest pending op that copies its result back there: an op
-        # that copies the same storage in must wait for it (program order, as in any backend)
-        self._copy_back: dict[int, Handle] = {}
-        self._copy_back_limit = COPY_BACK_PURGE
+        #: groups whose ops are held to leave together (``hold``/``release``): a coalesced batch each
+        self._held: dict[str, HeldOps] = {}
+        #: messages carrying ops sent on the op channel: one per op, or one per held batch
+        self.op_messages = 0
+        # the bytes pending ops copy their results back into: an op that copies those bytes in
+        # waits for them (program order, as in any backend)
+        self._copy_back = PendingWrites()
         self._pending_lock = threading.Lock()
         self._rx_lock = threading.Lock()
         self._in_flight = threading.Event()
@@ -247,6 +250,58 @@ class Client:
             self._check_usable()
             self._send_op(frame, time.monotonic() + self.op_timeout)
 
+    # ---- coalesced batches ------------------------------------------------
+    def hold(self, group: str) -> None:
+        """Hold ``group``'s ops from now on: each is checked, numbered and pending as usual, but leaves
+        with the others at ``release``, one op-channel message for them all (a coalesced batch).  Ops
+        still held from an earlier ``hold`` of the group are sent first."""
+        with self._send_lock:
+            self._check_usable()
+            if group not in self._seq:
+                raise RequestError(f"group {group!r} is not registered")
+            earlier = self._held.get(group)
+            if earlier is not None:
+                self._send_held(earlier)
+            self._held[group] = HeldOps()
+
+    def release(self, group: str) -> list[Handle]:
+        """Send ``group``'s held ops and stop holding them; the handles of every op held since ``hold``."""
+        with self._send_lock:
+            held = self._held.pop(group, None)
+            if held is None:
+                return []
+            self._send_held(held)
+            return held.handles
+
+    def holding(self, group: str) -> bool:
+        """Whether ``group``'s ops are being held for a batch."""
+        return group in self._held
+
+    def send_held(self) -> None:
+        """Send every held op now; the groups stay held.  Nothing this client waits on may stay
+        unsent, so whoever blocks on a reply calls this first."""
+        with self._send_lock:
+            for held in list(self._held.values()):
+                self._send_held(held)
+
+    def _send_held(self, held: HeldOps) -> None:
+        """One message with ``held``'s unsent ops (caller holds the send lock); ops that cannot be sent fail."""
+        taken = held.take()
+        if taken is None:
+            return
+        message, unsent = taken
+        try:
+            self._send_op(message, min(h.deadline for h in unsent))
+        except BaseException as exc:
+            error = exc if isinstance(exc, CommdError) else CommdError(f"not sent to the daemon: {exc!r}")
+            with self._pending_lock:
+                for handle in unsent:
+                    self._pending.pop(handle.op_id, None)
+            for handle in unsent:
+                handle.fail(type(error)(f"{handle.description}: {error}"))
+            raise
+        self.op_messages += 1
+
     def group_rank(self, group: str) -> int:
         return self._groups[group].index(self.rank)
 
@@ -265,6 +320,7 @@ class Client:
                 pass
         self._closed = True
         self._broken = self._broken or CommdError("commd client is closed")
+        self._held.clear()
         self._fail_all(CommdError("client closed while the op was pending"))
         if self._receiver is not None:
             self._receiver.join(timeout=2)
@@ -334,6 +390,8 @@ class Client:
     def wait_for(self, handle: Handle, timeout: float | None) -> None:
         """Block until ``handle`` completes or ``timeout`` passes, receiving replies meanwhile."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        if self._held and not handle.is_completed():
+            self.send_held()  # what we wait on may need an op still held here, ours or a peer's
         while not handle.is_completed():
             slice_s = RECEIVER_POLL_MS / 1000
             if deadline is not None:
@@ -353,7 +411,10 @@ class Client:
                 handle.block(min(slice_s, 0.001))
 
     def start_receiver(self) -> None:
-        """Run a background receiver so futures complete without anyone waiting."""
+        """Run a background receiver so futures complete without anyone waiting (and send the ops held
+        so far: a future may be waited on where this client cannot see it)."""
+        if self._held:
+            self.send_held()
         with self._send_lock:
             if self._receiver is None and not self._closed:
                 self._receiver = threading.Thread(target=self._receive_loop, name="commd-client-rx", daemon=True)
@@ -445,20 +506,18 @@ class Client:
             and self.arena.locate(tensor.data_ptr(), tensor.numel() * tensor.element_size()) is not None
         )
 
-    def _wait_copy_back(self, tensor: torch.Tensor, role: str, copied: list[int]) -> None:
-        """Before copying ``tensor`` in: let a pending op that will write it back finish first."""
-        storage = tensor.untyped_storage().data_ptr()
-        earlier = self._copy_back.get(storage)
-        if earlier is not None:
-            if not earlier.is_completed():
+    def _wait_copy_back(self, tensor: torch.Tensor, role: str, copied: list[Span],
+                        whole_storage: bool = False) -> None:
+        """Before copying ``tensor`` in: let pending ops that will write into its bytes (``whole_storage``:
+        anywhere in its storage) finish first; an output (``role`` not "in") is noted in ``copied``."""
+        if self._copy_back:
+            for earlier in self._copy_back.writers(tensor, whole_storage):
                 try:
                     earlier.wait(max(0.0, earlier.deadline - time.monotonic()))
                 except CommdError:
                     pass  # the earlier op reports its own failure; this one goes ahead
-            if self._copy_back.get(storage) is earlier:
-                del self._copy_back[storage]
         if role != "in":
-            copied.append(storage)
+            copied.append(span(tensor))
 
     def wait_group_idle(self, group: str) -> None:
         """Let every pending op of ``group`` finish first (their own failures report themselves).
@@ -482,11 +541,11 @@ class Client:
 
     def note_write_back(self, tensor: torch.Tensor, handle: Handle) -> None:
         """``handle`` (an op completed outside the op channel) writes ``tensor`` when it completes:
-        a later op that copies the same storage in waits for it (as for staged outputs)."""
-        self._copy_back[tensor.untyped_storage().data_ptr()] = handle
+        a later op that copies those bytes in waits for it (as for staged outputs)."""
+        self._copy_back.note(span(tensor), handle)
 
     def _plan(
-        self, tensor: torch.Tensor, role: str, finishers: list, keep: list, copied: list[int],
+        self, tensor: torch.Tensor, role: str, finishers: list, keep: list, copied: list[Span],
         registered: list[int] | None = None, may_register: bool = False,
     ) -> dict[str, Any]:
         """Reference for one buffer; queue its copy-out in ``finishers`` if staged.
@@ -512,7 +571,9 @@ class Client:
                 keep.append(tensor)  # its block must not be reused while the op is pending
                 return {"seg": segment.seg_id, "off": offset, "n": nbytes}
             if registered is not None and nbytes > s.INLINE_MAX_BYTES and self._registry is not None:
-                self._wait_copy_back(tensor, "in", copied)  # an earlier staged op's copy-out lands first
+                # earlier staged ops' copy-outs land first: into these bytes, or anywhere in the
+                # storage if the lookup may register it (that moves the whole storage)
+                self._wait_copy_back(tensor, "in", copied, whole_storage=may_register)
                 found = self._registry.lookup(tensor, may_register)
                 if found is not None:
                     keep.append(tensor)  # keeps the storage (and its registration) alive while pending
@@ -564,7 +625,7 @@ class Client:
                 message[key] = value
         finishers: list = []
         keep: list = []
-        copied: list[int] = []
+        copied: list[Span] = []
         registered: list[int] = []
         if buffers:
             for name, (tensor, role) in buffers.items():
@@ -579,11 +640,8 @@ class Client:
             self, op_id, kind, group, time.monotonic() + timeout + ANSWER_GRACE_S,
             finish=finish, result=result, keep=keep or None,
         )
-        if len(self._copy_back) > self._copy_back_limit:
-            self._copy_back = {k: h for k, h in self._copy_back.items() if not h.is_completed()}
-            self._copy_back_limit = max(COPY_BACK_PURGE, 2 * len(self._copy_back))
-        for storage in copied:
-            self._copy_back[storage] = handle
+        for where in copied:
+            self._copy_back.note(where, handle)
         with self._send_lock:
             if self._broken is not None or self._closed:
                 self._check_usable()
@@ -596,10 +654,17 @@ class Client:
             if self._registry is not None:
                 for seg_id in self._registry.due_unregisters(self._pending.__contains__):  # after the ops that used them
                     self._send_op(s.encode({"t": s.UNREGISTER, "seg": seg_id}), handle.deadline)
+            held = self._held.get(group) if self._held else None
             with self._pending_lock:
                 self._pending[op_id] = handle
             try:
-                self._send_op(frame, handle.deadline)
+                if held is None:
+                    self._send_op(frame, handle.deadline)
+                    self.op_messages += 1
+                else:
+                    if held.full_with(frame):
+                        self._send_held(held)
+                    held.add(frame, handle)
             except BaseException:
                 with self._pending_lock:
                     self._pending.pop(op_id, None)

@@ -112,7 +112,7 @@ class ControlIngress:
             msg = s.decode(frame)
             op_id = msg.get("id", -1) if isinstance(msg.get("id"), int) else -1
             kind = msg["t"]
-            if kind in (s.OP, "attach"):
+            if kind in (s.OP, s.OPS, "attach"):
                 raise s.ProtocolError(
                     f"{kind!r} messages travel on the op socket ({self.config.paths.ops_socket}, SEQPACKET), "
                     "not on the control socket"

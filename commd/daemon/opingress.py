@@ -13,6 +13,7 @@ import logging
 import os
 from typing import Any
 
+from commd.core.ops import Submission
 from commd.core.placement import GroupPlacement
 from commd.daemon.clients import BufferResolver, ClientRecord, ClientRegistry
 from commd.daemon.completion import Completions
@@ -74,6 +75,8 @@ class OpIngress:
                 self._attach_channel(channel, msg)
             elif msg["t"] == s.OP:
                 self._on_client_op(channel.client, msg)
+            elif msg["t"] == s.OPS:
+                self._on_client_batch(channel.client, msg)
             elif msg["t"] == s.UNREGISTER:
                 self.registered.unregister(channel.client, msg)
             elif msg["t"] == s.RINGOP:
@@ -159,7 +162,57 @@ class OpIngress:
             op_id = msg["id"] if type(msg.get("id")) is int else -1
             self.completions.reply(client, {"t": s.ERROR, "code": exc.code, "message": str(exc), "id": op_id})
 
+    def _on_client_batch(self, client: ClientRecord, msg: dict[str, Any]) -> None:
+        """Ops submitted together: every item is checked and admitted before any is routed, so a bad
+        item refuses the whole batch (each item's rank hears why) and nothing of it runs; the accepted
+        batch is routed in order, as ops sent one message each would be."""
+        subs: list[Submission] = []
+        admitted: list[int] = []
+        items: list[dict[str, Any]] = []
+        try:
+            items = s.op_batch_items(msg)
+            for item in items:
+                subs.append(self._check_op(client, item))
+            for sub in subs:
+                self.limits.admit(client.rank, client.pending, sub.op_id, sub.buffers)
+                admitted.append(sub.op_id)
+        except s.ProtocolError as exc:
+            for op_id in admitted:  # admitted before the refusal: not pending after all
+                client.pending.release(op_id)
+            at_fault = None if not items else len(subs) if len(subs) < len(items) else len(admitted)
+            self._refuse_batch(client, msg, exc, at_fault, len(items))
+            return
+        self.stats.op_batch(len(subs))
+        for sub in subs:
+            try:
+                self._route(client, sub)
+            except Exception as exc:  # this op fails alone; the batch's other ops go on
+                self.log_limit.log(logging.ERROR, ("internal", client.client_id), "internal errors routing ops",
+                                   "internal error routing an op of a batch", exc_info=True)
+                self.completions.fail_op([sub], s.E_INTERNAL, f"internal error: {exc}")
+
+    def _refuse_batch(self, client: ClientRecord, msg: dict[str, Any], exc: s.ProtocolError, index: int | None,
+                      size: int) -> None:
+        """An ERROR for every op of a refused batch, naming the item at fault (counted, logged once)."""
+        where = f"item {index} of {size}" if index is not None else "the batch itself"
+        message = f"op batch refused, none of its ops was taken: {where}: {exc}"
+        if isinstance(exc, s.LimitError):
+            self.limits.hit(exc.limit, client.rank, message)
+        self.stats.error(message)
+        self.log_limit.log(logging.WARNING, ("ops", client.client_id, exc.code),
+                           f"{exc.code} errors from rank {client.rank}", "op channel error from rank %d: %s",
+                           client.rank, message)
+        for op_id in s.op_batch_ids(msg) or [-1]:
+            self.stats.error_reply(exc.code)
+            self.completions.reply(client, {"t": s.ERROR, "code": exc.code, "message": message, "id": op_id})
+
     def _accept_op(self, client: ClientRecord, msg: dict[str, Any]) -> None:
+        sub = self._check_op(client, msg)
+        self.limits.admit(client.rank, client.pending, sub.op_id, sub.buffers)
+        self._route(client, sub)
+
+    def _check_op(self, client: ClientRecord, msg: dict[str, Any]) -> Submission:
+        """One op message as a submission, every field and buffer checked; changes no state."""
         if client.op_channel is None:
             raise s.ProtocolError("reply channel not attached")
         if self.state.closing:
@@ -172,12 +225,15 @@ class OpIngress:
         sub = parse_submission(msg, client.client_id, group_rank, len(group.ranks), self.config.op_timeout)
         self.buffers.check_bounds(client, sub)
         sub.timeout = self.limits.cap_timeout(client.rank, sub.timeout)
-        self.limits.admit(client.rank, client.pending, sub.op_id, sub.buffers)
+        return sub
+
+    def _route(self, client: ClientRecord, sub: Submission) -> None:
+        """An admitted op on its way: counted, then to ``OpRouter.route``."""
         self.registered.count(client, sub)
         self.stats.submitted(sub.group, sub.seq)
-        placement = self.placements.get(group_name)
+        placement = self.placements.get(sub.group)
         if placement is not None and placement.multi_node and self.state.member is not None:
-            self.state.member.bridges.daemon_op(group_name)  # a peer node's ring op may sit at its place
+            self.state.member.bridges.daemon_op(sub.group)  # a peer node's ring op may sit at its place
         self.router.route(sub, placement)
 
     def _on_ring_op(self, client: ClientRecord, msg: dict[str, Any]) -> None:

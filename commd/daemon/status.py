@@ -39,6 +39,7 @@ def status_document(config: DaemonConfig, state: NodeState, stats: Stats, schedu
             for c in sorted(clients, key=lambda c: c.rank)
         ],
         "bytes_by_path": dict(stats.bytes_by_path),
+        "op_batches": {"batches": stats.op_batches, "ops": stats.batched_ops},
         "max_registered_bytes": config.max_registered_bytes,
         "groups": {
             name: {

@@ -90,6 +90,11 @@ class DaemonCollector:
             limits.add_metric([name], count)
         yield limits
         yield from self._buffers(status)
+        batches = status.get("op_batches") or {}
+        yield CounterMetricFamily("commd_op_batches", "Batches of ops submitted together (one message each: "
+                                  "coalesced ops, batch_isend_irecv)", value=batches.get("batches", 0))
+        yield CounterMetricFamily("commd_batched_ops", "Ops that arrived in batches (also in commd_ops)",
+                                  value=batches.get("ops", 0))
         rings = CounterMetricFamily("commd_ring_allreduces", "All-reduces the ranks of a local group ran in its "
                                     "exchange ring, without the daemon (not in commd_ops)", labels=["group"])
         for name, ring in sorted((status.get("rings") or {}).items()):

@@ -74,6 +74,9 @@ class Stats:
     limits_hit: dict[str, int] = field(default_factory=dict)
     #: bytes of accepted ops' buffers by how they reached the daemon (``BUFFER_PATHS``), all clients
     bytes_by_path: dict[str, int] = field(default_factory=lambda: dict.fromkeys(BUFFER_PATHS, 0))
+    #: op batches accepted (``ops`` messages: coalesced ops submitted together) and the ops they held
+    op_batches: int = 0
+    batched_ops: int = 0
 
     def group_added(self, name: str, size: int) -> None:
         self.groups.setdefault(name, GroupStats(size))
@@ -85,6 +88,11 @@ class Stats:
         stats = self.groups.get(group)
         if stats is not None and seq >= stats.next_seq:
             stats.next_seq = seq + 1
+
+    def op_batch(self, ops: int) -> None:
+        """A batch of ``ops`` ops submitted together was accepted."""
+        self.op_batches += 1
+        self.batched_ops += ops
 
     def queued(self, group: str) -> None:
         if group in self.groups:

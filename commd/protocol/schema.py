@@ -26,6 +26,10 @@ INLINE_MAX_BYTES = 4096
 MAX_GROUP_SIZE = 1 << 16
 MAX_TENSORS_PER_OP = 1024
 MAX_NAME_LEN = 256
+#: The most ops one ``ops`` message carries; a client splits a longer batch into several messages.
+MAX_BATCH_OPS = 1024
+#: What an ``ops`` message adds to its items' bytes, at most: the map, "v", "t", "items", the array header.
+BATCH_OVERHEAD_BYTES = 32
 #: The longest op timeout anything accepts (a week); the daemon may cap it lower.
 MAX_OP_TIMEOUT_S = 7 * 24 * 3600
 #: The transports a fabric may have; an op's lane hint names one of them.
@@ -51,6 +55,11 @@ OP = "op"
 DONE = "done"
 #: Several op replies (DONE/ERROR) in one op-channel frame: {"t": "batch", "items": [reply, ...]}.
 BATCH = "batch"
+#: Several ops submitted together on the op channel (a coalesced batch): {"t": "ops", "items": [op, ...]},
+#: each item an ``op`` map.  The daemon checks every item before it takes any, so a bad item refuses the
+#: whole batch (an ERROR for each item's id naming the bad item); it then routes them in order, exactly
+#: as if they had come one message each (``encode_op_batch``, ``op_batch_items``).
+OPS = "ops"
 ERROR = "error"
 STATUS = "status"
 #: Turn the per-op trace on or off: {"t": "trace", "secret", "action": "start"|"stop", "path"}.
@@ -218,6 +227,40 @@ def decode(frame: bytes) -> dict[str, Any]:
     if not isinstance(message.get("t"), str):
         raise ProtocolError("field 't' (message type) must be a string")
     return message
+
+
+def encode_op_batch(items: list[bytes]) -> bytes:
+    """One ``ops`` message from already packed op maps (each packed once, by whoever submitted it)."""
+    if not 1 <= len(items) <= MAX_BATCH_OPS:
+        raise ValueError(f"an op batch holds 1 to {MAX_BATCH_OPS} ops, not {len(items)}")
+    packer = msgpack.Packer(use_bin_type=True)
+    head = b"".join((packer.pack_map_header(3), packer.pack("v"), packer.pack(PROTOCOL_VERSION), packer.pack("t"),
+                     packer.pack(OPS), packer.pack("items"), packer.pack_array_header(len(items))))
+    return head + b"".join(items)
+
+
+def op_batch_ids(msg: dict[str, Any]) -> list[int]:
+    """The integer ids of an ``ops`` message's items, as far as it has them (whom to tell it was refused)."""
+    items = msg.get("items")
+    if not isinstance(items, list):
+        return []
+    return [item["id"] for item in items[:MAX_BATCH_OPS] if isinstance(item, dict) and type(item.get("id")) is int]
+
+
+def op_batch_items(msg: dict[str, Any]) -> list[dict[str, Any]]:
+    """The op maps of an ``ops`` message: a list of 1 to MAX_BATCH_OPS maps, each an op (or ProtocolError)."""
+    items = field(msg, "items", list)
+    if not 1 <= len(items) <= MAX_BATCH_OPS:
+        raise ProtocolError(f"field 'items' of an op batch must hold 1 to {MAX_BATCH_OPS} ops, not {len(items)}")
+    for index, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise ProtocolError(f"op batch item {index} must be a map, got {type(item).__name__}")
+        if item.get("t", OP) != OP:
+            raise ProtocolError(f"op batch item {index} must be an {OP!r} message, not {item.get('t')!r}")
+        if item.get("v", PROTOCOL_VERSION) != PROTOCOL_VERSION:
+            raise ProtocolError(f"op batch item {index} has protocol version {item.get('v')!r}, "
+                                f"not {PROTOCOL_VERSION}", E_VERSION)
+    return items
 
 
 def field(msg: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:

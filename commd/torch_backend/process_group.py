@@ -16,13 +16,14 @@ completion, so the daemon only ever sees flat buffers.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import socket
 import threading
 import time
 import uuid
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -103,11 +104,22 @@ class CommdWork(dist._Work):
         return self._handles
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        limit = None
+        """Until every op has finished (each is bounded by its own timeout), then the first op's error
+        if any failed: nothing of the work still writes into the caller's tensors once this returns or
+        raises, unless ``timeout`` passes first (CommTimeoutError, the work still running)."""
+        deadline = None
         if timeout is not None and timeout != timedelta(0):
-            limit = timeout.total_seconds()
+            deadline = time.monotonic() + timeout.total_seconds()
+        first: CommdError | None = None
         for handle in self._handles:
-            handle.wait(limit)
+            try:
+                handle.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            except CommdError as exc:
+                if not handle.is_completed():
+                    raise  # the caller's timeout passed
+                first = first or exc
+        if first is not None:
+            raise first
         return True
 
     def is_completed(self) -> bool:
@@ -290,6 +302,38 @@ class ProcessGroupCommd(dist.ProcessGroup):
     def _work(self, handles: Handle | list[Handle], result: Any) -> CommdWork:
         return CommdWork(handles if isinstance(handles, list) else [handles], result)
 
+    # ---- coalescing ---------------------------------------------------------
+    def start_batch(self) -> None:
+        """From now on this group's ops leave together, as one message to the daemon, at ``end_batch``.
+
+        Each op still returns its own work; waiting on one before the end sends what the batch holds
+        so far (the client never blocks on an op it still holds).  A batch left open is sent first."""
+        self._client.hold(self._name)
+
+    def end_batch(self) -> CommdWork:
+        """Send the batch; one work covering each of its ops (its first error, every API)."""
+        return CommdWork(self._client.release(self._name), None)
+
+    def _start_coalescing(self, device: torch.device) -> None:
+        """torch's ``_coalescing_manager(group, device)`` (NCCL-style batching) begins: a batch."""
+        self.start_batch()
+
+    def _end_coalescing(self, device: torch.device) -> CommdWork:
+        """torch's ``_coalescing_manager(group, device)`` ends: the batch's one work."""
+        return self.end_batch()
+
+    @contextlib.contextmanager
+    def _one_message(self) -> Iterator[None]:
+        """Ops submitted inside leave as one message (they join a batch already open)."""
+        if self._client.holding(self._name):
+            yield
+            return
+        self.start_batch()
+        try:
+            yield
+        finally:
+            self.end_batch()
+
     # ---- reductions ---------------------------------------------------
     @profiled("all_reduce")
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> CommdWork:
@@ -298,7 +342,7 @@ class ProcessGroupCommd(dist.ProcessGroup):
             handle = all_reduce_sparse(self._client, self._name, self.size(), tensors, op_name, self._kw)
             return self._work(handle, tensors)
         op = _reduce_op(opts.reduceOp) if opts is not None else "sum"
-        if self.ring is not None and len(tensors) == 1:
+        if self.ring is not None and len(tensors) == 1 and not self._client.holding(self._name):
             handle = ring_all_reduce(self._client, self.ring, tensors[0], op, self._timeout, tensors)
             if handle is not None:
                 return CommdWork([handle], tensors)
@@ -316,14 +360,15 @@ class ProcessGroupCommd(dist.ProcessGroup):
             by_dtype.setdefault(t.dtype, []).append(t)
         handles = []
         self._to_daemon()
-        for group in by_dtype.values():
-            flat = _flatten(group)
-            handle = self._client.submit(
-                "allreduce", self._name, {"buf": (flat, "inout")}, flat.dtype,
-                after=lambda flat=flat, group=group: _unflatten_into(flat, group),
-                count=flat.numel(), op=op, timeout=self._timeout,
-            )
-            handles.append(handle)
+        with self._one_message():
+            for group in by_dtype.values():
+                flat = _flatten(group)
+                handle = self._client.submit(
+                    "allreduce", self._name, {"buf": (flat, "inout")}, flat.dtype,
+                    after=lambda flat=flat, group=group: _unflatten_into(flat, group),
+                    count=flat.numel(), op=op, timeout=self._timeout,
+                )
+                handles.append(handle)
         return self._work(handles, tensors)
 
     @profiled("reduce")
@@ -361,7 +406,8 @@ class ProcessGroupCommd(dist.ProcessGroup):
 
     @profiled("reduce_scatter_tensor_coalesced")
     def reduce_scatter_single_coalesced(self, outputs: list, inputs: list, opts: Any) -> CommdWork:
-        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+        with self._one_message():
+            works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
         return self._work([h for w in works for h in w.handles], outputs)
 
     # ---- data movement --------------------------------------------------
@@ -415,8 +461,9 @@ class ProcessGroupCommd(dist.ProcessGroup):
                 f"all_gather_coalesced needs {self.size()} output lists of {len(inputs)} tensors"
             )
         handles = []
-        for i, inp in enumerate(inputs):
-            handles += self.allgather([[per_rank[i] for per_rank in outputs]], [inp], opts).handles
+        with self._one_message():
+            for i, inp in enumerate(inputs):
+                handles += self.allgather([[per_rank[i] for per_rank in outputs]], [inp], opts).handles
         return self._work(handles, outputs)
 
     @profiled("all_gather_into_tensor")
@@ -440,8 +487,9 @@ class ProcessGroupCommd(dist.ProcessGroup):
     @profiled("all_gather_into_tensor_coalesced")
     def all_gather_single_coalesced(self, outputs: list, inputs: list, opts: Any = None) -> CommdWork:
         handles = []
-        for out, inp in zip(outputs, inputs, strict=True):
-            handles += self.all_gather_single(out, inp, opts).handles
+        with self._one_message():
+            for out, inp in zip(outputs, inputs, strict=True):
+                handles += self.all_gather_single(out, inp, opts).handles
         return self._work(handles, outputs)
 
     @profiled("gather")
@@ -787,3 +835,32 @@ def commd_group(group: Any, what: str) -> ProcessGroupCommd:
     if isinstance(group, ProcessGroupCommd):
         return group
     raise ValueError(f"{what} runs on commd process groups only, not on {group!r}")
+
+
+def batch_isend_irecv(p2p_op_list: list[dist.P2POp]) -> list[dist.Work]:
+    """``dist.batch_isend_irecv`` whose ops reach the daemon as one message on a commd group.
+
+    torch 2.13 batches only for groups whose type is exactly ``ProcessGroup`` (NCCL's way); a
+    commd group is a Python subclass of it, so torch's own function sends the ops one message
+    each (still correct: no op blocks another).  Here they run between ``start_batch`` and
+    ``end_batch`` and, as torch returns for NCCL, the result is a list of one work covering the
+    whole batch.  On any other group this is torch's own ``batch_isend_irecv``.
+    """
+    if not isinstance(p2p_op_list, list) or not p2p_op_list:
+        raise ValueError("batch_isend_irecv needs a non-empty list of torch.distributed.P2POp")
+    if not all(isinstance(op, dist.P2POp) for op in p2p_op_list):
+        raise ValueError("batch_isend_irecv: every item must be a torch.distributed.P2POp")
+    group = p2p_op_list[0].group
+    if any(op.group is not group for op in p2p_op_list):
+        raise ValueError("batch_isend_irecv: all ops need to use the same group")
+    pg = group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
+    if not isinstance(pg, ProcessGroupCommd):
+        return dist.batch_isend_irecv(p2p_op_list)
+    pg.start_batch()
+    try:
+        for op in p2p_op_list:
+            peer = {"group_dst": op.group_peer} if op.op is dist.isend else {"group_src": op.group_peer}
+            op.op(op.tensor, group=op.group, tag=op.tag, **peer)
+    finally:
+        work = pg.end_batch()
+    return [work]
