@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # plan_models: the benchmark's models
 
 
 def mlp() -> nn.Module:
@@ -60,47 +65,11 @@ def wide_mlp() -> nn.Module:
                          nn.GELU(), nn.Linear(2048, 512))
 
 
-class SelfAttention(nn.Module):
-    """Causal self-attention with separate q, k, v and output projections: Megatron splits it by heads as
-    three column layers and a row layer (sizes by -1, so each rank's view holds its own heads).  Made of
-    Linear layers, it is traced through: the planner sees its projections and its parameter-free ops."""
 
-    def __init__(self, hidden: int, heads: int) -> None:
-        super().__init__()
-        self.head_dim = hidden // heads
-        self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden) for _ in range(4))
+def split_gpt() -> nn.Module:
+    """A GPT whose attention projections are separate Linear layers, so DTensor can split it by heads
+    (benchmarks/plan_models.py's, small): traced through, Megatron makes q, k, v column layers and the
+    output projection their row partner."""
+    from plan_models import GPT
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q, k, v = (p(x).view(b, s, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
-        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o(y.transpose(1, 2).reshape(b, s, -1))
-
-
-class GPTBlock(nn.Module):
-    def __init__(self, hidden: int, heads: int) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
-        self.attn = SelfAttention(hidden, heads)
-        self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
-
-
-class SplitGPT(nn.Module):
-    """A GPT whose attention projections are separate Linear layers (so DTensor can split it by heads)."""
-
-    def __init__(self, vocab: int = 64, hidden: int = 16, heads: int = 4, blocks: int = 2) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, hidden)
-        self.blocks = nn.ModuleList(GPTBlock(hidden, heads) for _ in range(blocks))
-        self.ln_f = nn.LayerNorm(hidden)
-        self.head = nn.Linear(hidden, vocab, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
+    return GPT(vocab=64, hidden=16, heads=4, blocks=2)

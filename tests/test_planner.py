@@ -446,7 +446,7 @@ def test_a_split_follows_views_and_transposes_onto_the_heads() -> None:
     x = torch.arange(2 * 3 * 8).reshape(2, 3, 8)
     halves = x.chunk(2, dim=2)  # the features split in two: rank r's view holds heads 2r, 2r+1
     assert all(torch.equal(x.view(2, 3, 4, 2).chunk(2, dim=2)[r], h.reshape(2, 3, -1, 2)) for r, h in enumerate(halves))
-    graph = trace(planner_models.SplitGPT, (2, 8), "int64")
+    graph = trace(planner_models.split_gpt, (2, 8), "int64")
     by_name = {layer.name: layer for layer in graph.layers}
     assert by_name["view"].inputs == ("blocks_0_attn_q",) and by_name["view"].attrs["dims"] == [0, 1, 2]
     assert by_name["transpose"].attrs["dims"] == [0, 2, 1, 3]

@@ -226,9 +226,9 @@ def _split_gpt_rank(rank: int, made: dict[str, Any]) -> None:
     _init(rank, 2)
     mesh = init_device_mesh("cpu", (2,))
     tokens = [torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(s)) for s in range(STEPS)]
-    model = apply(_built("SplitGPT"), made, mesh)
+    model = apply(_built("split_gpt"), made, mesh)
     # (sums over split features and heads add in another order than one process's: 1e-4)
-    _assert_close(_train(model, tokens), _train(_built("SplitGPT"), tokens), _built("SplitGPT"), f"rank {rank}",
+    _assert_close(_train(model, tokens), _train(_built("split_gpt"), tokens), _built("split_gpt"), f"rank {rank}",
                   tolerance=1e-4)
     dist.destroy_process_group()
 
@@ -238,7 +238,7 @@ def test_megatron_splits_separate_projection_attention_by_heads_and_trains_like_
         backend_env: Path) -> None:
     """q, k, v column layers, their views, transposes and attention split by heads, the output projection
     their row partner; on 2 ranks of the commd backend it trains like one process."""
-    made = forced_plan("SplitGPT", (2,), (2, 8), dtype="int64")
+    made = forced_plan("split_gpt", (2,), (2, 8), dtype="int64")
     rows = {r["name"]: (r["strategy"][0], r["output"][0]) for r in made["layers"]}
     assert [rows[f"blocks_0_attn_{p}"][0] for p in "qkvo"] == ["col", "col", "col", "row"]
     assert rows["scaled_dot_product_attention"] == ("split1", "S(1)")  # (batch, heads, sequence, head_dim)
