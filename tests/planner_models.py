@@ -58,3 +58,11 @@ def wide_mlp() -> nn.Module:
     """4.2M parameters on (batch, 512) inputs: gradients dear to all-reduce over a slow link, activations cheap."""
     return nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512), nn.GELU(), nn.Linear(512, 2048),
                          nn.GELU(), nn.Linear(2048, 512))
+
+
+def vgg() -> nn.Module:
+    """VGG's shape, small: a convolution stack (few parameters, large activations) and a heavy fully connected
+    classifier (1.6M parameters, small activations) on (batch, 3, 16, 16) images — AutoDDL's mixed plans."""
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(16, 32, 3, padding=1),
+                         nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 4 * 4, 1024), nn.ReLU(),
+                         nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))

@@ -14,6 +14,16 @@ a 1-D layer whose strategy is ``dp``/``fsdp``), ``fsdp`` → ``fully_shard`` and
 The caller feeds the model its input in the plan's input layer's layouts (the local shard of a
 split batch or sequence, the whole tensor where it is ``B``) and gets the output in the layout the
 plan's output layer takes.  ``specs`` (no torch) decides everything; ``apply`` only carries it out.
+
+The step's gradients are those of one loss, whatever the plan mixes on a dimension: the loss each
+rank computes on its output where the output is whole (``B``: every rank computes the same one, as
+one process would on the whole batch), and the mean of the ranks' losses where the output is split
+by the batch (``S(0)``: DDP's convention).  Through DTensor every parameter gets the gradient of the
+ranks' losses summed (a whole output counted once: its gradient is replicated), a data-parallel
+layer once its ranks' gradients are summed; so data-parallel layers sum their gradients where the
+output is whole (FSDP2 averages by default) and every gradient is divided by the ranks of a
+dimension the output is batch-split on (FSDP2's average for data-parallel layers, a gradient hook
+for the others).  A plan of data-parallel layers only is therefore plain DDP/FSDP.
 """
 
 from __future__ import annotations
@@ -61,6 +71,9 @@ class LayerSpec:
     takes: str  # the layout the plan says it takes
     gives: str  # the layout of its output, after any conversion of a partial one
     data: str | None  # "dp", "fsdp" or None: its data-dimension strategy
+    #: what its parameters' gradients are divided by once summed over its data-parallel ranks: the ranks
+    #: of the dimensions the output is batch-split on (1: a whole output, the gradient of its one loss)
+    grad_divisor: int = 1
 
 
 def specs(plan: Mapping[str, Any], graph: LayerGraph | None = None) -> list[LayerSpec]:
@@ -68,6 +81,7 @@ def specs(plan: Mapping[str, Any], graph: LayerGraph | None = None) -> list[Laye
     rows = plan["layers"]
     ndim = len(plan["mesh"]["shape"])
     m = ndim - 1
+    divisor = gradient_divisor(plan, graph)
     inputs = {row["name"]: _inputs(row, graph) for row in rows}
     wants: dict[str, set[str]] = {}
     for row in rows:
@@ -116,8 +130,31 @@ def specs(plan: Mapping[str, Any], graph: LayerGraph | None = None) -> list[Laye
                 raise ApplyError(f"{where}: SequenceParallel takes and gives the sequence split {takes}; "
                                  f"its input arrives {arrives}")
         gives[name] = given
-        out.append(LayerSpec(name, kind, style, arrives, takes, given, data))
+        out.append(LayerSpec(name, kind, style, arrives, takes, given, data, divisor))
     return out
+
+
+def gradient_divisor(plan: Mapping[str, Any], graph: LayerGraph | None = None) -> int:
+    """The ranks of the mesh dimensions the model's output is split by the batch on (``S(0)``): the step's
+    loss is then the mean of those ranks' losses; 1 where the output is whole or split otherwise.  The
+    output is what the plan's output layers take, or (a layer list without one) what the layers nobody
+    consumes give; ApplyError where they differ (no one loss)."""
+    rows = plan["layers"]
+    ends = [row["input"] for row in rows if row["kind"] == "output"]
+    if not ends:
+        consumed = {src for row in rows for src in _inputs(row, graph)}
+        ends = [row["output"] for row in rows if row["name"] not in consumed]
+    divisors = set()
+    for layouts in ends:
+        divisor = 1
+        for size, layout in zip(plan["mesh"]["shape"], layouts, strict=True):
+            if split_dim(layout) == 0:
+                divisor *= size
+        divisors.add(divisor)
+    if len(divisors) > 1:
+        raise ApplyError(f"the model's outputs are split by the batch over different ranks ({sorted(divisors)}): "
+                         "their losses do not make one step")
+    return divisors.pop() if divisors else 1
 
 
 def _inputs(row: Mapping[str, Any], graph: LayerGraph | None) -> list[str]:
@@ -156,14 +193,29 @@ def apply(model: Any, plan: Mapping[str, Any], mesh: Any, graph: LayerGraph | No
         if style is not None:
             parallelize_module(modules[spec.name], model_mesh, style)
     for spec in layer_specs:
+        module = modules[spec.name]
         if spec.data == "fsdp":
-            fully_shard(modules[spec.name], mesh=data_mesh)
+            module = fully_shard(module, mesh=data_mesh)
         elif spec.data == "dp":
             from torch.distributed._composable.replicate_with_fsdp import replicate
 
-            replicate(modules[spec.name], mesh=data_mesh)
+            module = replicate(module, mesh=data_mesh)
+        if spec.data is not None:
+            if spec.grad_divisor != data_mesh.size():  # (FSDP2's default: the mean over its ranks)
+                module.set_gradient_divide_factor(float(spec.grad_divisor))
+                module.set_force_sum_reduction_for_comms(True)  # SUM, then the division (no PREMUL_SUM)
+        elif spec.grad_divisor > 1:
+            for param in module.parameters():
+                param.register_hook(_divided_by(spec.grad_divisor))
     check(model, plan, mesh, graph)
     return model
+
+
+def _divided_by(divisor: int) -> Any:
+    def hook(grad: Any) -> Any:
+        return grad / divisor
+
+    return hook
 
 
 def check(model: Any, plan: Mapping[str, Any], mesh: Any, graph: LayerGraph | None = None) -> None:
