@@ -305,8 +305,10 @@ def test_a_dp_by_tp_plan_applied_on_commd_trains_like_one_process(backend_env: P
 @pytest.mark.timeout(240)
 def test_a_mixed_cnn_plan_applied_on_commd_trains_like_one_process(backend_env: Path) -> None:
     """The planner's optimum (whole output: the data-parallel convolutions' gradients summed), its row-split
-    variant, and the optimum with its tail data parallel (output split by the batch: every gradient halved)."""
+    variant, the optimum with its convolutions fully sharded (summed by reduce-scatter), and with its tail
+    data parallel (output split by the batch: every gradient halved)."""
     shape = (CNN_BATCH, 3, 16, 16)
     plans = {name: forced_plan("vgg", (2,), shape, base="optimum", flops_per_s=rate) for name, rate in CNN_RATES.items()}
+    plans["fsdp-convolutions"] = forced_plan("vgg", (2,), shape, {"0": ("fsdp",), "3": ("fsdp",)}, base="optimum")
     plans["split-output"] = forced_plan("vgg", (2,), shape, SPLIT_OUTPUT, base="optimum")
     spawn(_mixed_rank, (plans,))

@@ -194,8 +194,10 @@ def apply(model: Any, plan: Mapping[str, Any], mesh: Any, graph: LayerGraph | No
             parallelize_module(modules[spec.name], model_mesh, style)
     for spec in layer_specs:
         module = modules[spec.name]
-        if spec.data == "fsdp":
-            module = fully_shard(module, mesh=data_mesh)
+        if spec.data == "fsdp":  # resharded after forward even as its own FSDP root (FSDP2 keeps a root's
+            # parameters gathered until backward): the plan prices, and its memory model assumes, ZeRO-3's
+            # all-gathers before forward and backward
+            module = fully_shard(module, mesh=data_mesh, reshard_after_forward=True)
         elif spec.data == "dp":
             from torch.distributed._composable.replicate_with_fsdp import replicate
 
