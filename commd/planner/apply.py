@@ -3,7 +3,9 @@
 On the model dimension (a 1-D mesh's only one, a 2-D mesh's ``tp``) each parameter layer's strategy
 becomes a ``parallelize_module`` style: ``col`` → ``ColwiseParallel``, ``row`` and an embedding's
 ``vocab`` → ``RowwiseParallel``, ``seq`` → ``SequenceParallel``, ``rep`` → none.  Layouts come from
-the plan: a layer's ``input_layouts`` are what its producer really gives, and a partial (``P``)
+the plan: a layer's ``input_layouts`` are what its producer really gives (a column layer after
+data-parallel ones: ``Shard(0)``, all-gathered forward and its partial gradient reduce-scattered
+backward, inside the style, as the plan prices it), and a partial (``P``)
 output is converted where it is made into the layout its consumers take (the plan's edges), so no
 partial tensor leaves a module.  A replicated layer whose input arrives in another layout gets a
 ``PrepareModuleInput`` to convert it; a parameter-free layer has no module to convert in, so a
@@ -15,15 +17,14 @@ The caller feeds the model its input in the plan's input layer's layouts (the lo
 split batch or sequence, the whole tensor where it is ``B``) and gets the output in the layout the
 plan's output layer takes.  ``specs`` (no torch) decides everything; ``apply`` only carries it out.
 
-The step's gradients are those of one loss, whatever the plan mixes on a dimension: the loss each
-rank computes on its output where the output is whole (``B``: every rank computes the same one, as
-one process would on the whole batch), and the mean of the ranks' losses where the output is split
-by the batch (``S(0)``: DDP's convention).  Through DTensor every parameter gets the gradient of the
-ranks' losses summed (a whole output counted once: its gradient is replicated), a data-parallel
-layer once its ranks' gradients are summed; so data-parallel layers sum their gradients where the
-output is whole (FSDP2 averages by default) and every gradient is divided by the ranks of a
-dimension the output is batch-split on (FSDP2's average for data-parallel layers, a gradient hook
-for the others).  A plan of data-parallel layers only is therefore plain DDP/FSDP.
+One loss, whatever the plan mixes on a dimension.  Where the output is whole (``B``) every rank
+computes the same loss, the whole batch's, as one process would; where it is split by the batch
+(``S(0)``) the step's loss is the mean of the ranks' losses on their parts (DDP's convention).
+Autograd through DTensor gives every parameter the gradient of the ranks' losses summed (a whole
+output's counted once), a data-parallel layer in per-rank parts; so a data-parallel layer sums its
+parts where the output is whole (FSDP2 would average them), and where the output is batch-split every
+gradient is divided by the ranks (FSDP2's own average for data-parallel layers, a gradient hook on the
+other layers' parameters).  A plan of data-parallel layers only is plain DDP/FSDP.
 """
 
 from __future__ import annotations
@@ -214,6 +215,8 @@ def apply(model: Any, plan: Mapping[str, Any], mesh: Any, graph: LayerGraph | No
 
 
 def _divided_by(divisor: int) -> Any:
+    """A parameter's gradient hook: the gradient divided by ``divisor``."""
+
     def hook(grad: Any) -> Any:
         return grad / divisor
 
