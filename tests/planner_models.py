@@ -65,6 +65,13 @@ def wide_mlp() -> nn.Module:
                          nn.GELU(), nn.Linear(2048, 512))
 
 
+def vgg() -> nn.Module:
+    """VGG's shape, small: a convolution stack (few parameters, large activations) and a heavy fully connected
+    classifier (1.6M parameters, small activations) on (batch, 3, 16, 16) images — AutoDDL's mixed plans."""
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(16, 32, 3, padding=1),
+                         nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 4 * 4, 1024), nn.ReLU(),
+                         nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+
 
 def split_gpt() -> nn.Module:
     """A GPT whose attention projections are separate Linear layers, so DTensor can split it by heads

@@ -202,6 +202,16 @@ def test_data_parallel_syncs_every_parameter_once_and_converts_nothing() -> None
     assert all(c["kind"] == "allreduce" for c in figures["collectives"]) and figures["conversions_s"] == 0
 
 
+def test_a_row_split_layer_synchronises_its_weights_share_and_its_whole_bias() -> None:
+    """Megatron on a 2x2 mesh's tp, DDP on dp: a rank holds half of each weight, all of a row layer's bias
+    (added after the reduction) and half of a column layer's (hand-derived bytes)."""
+    graph = examples.mlp(batch=8, width=16, depth=2)
+    priced = planner.price(graph, planner.Mesh((2, 2), 2), synthetic_costs(), planner.Options())
+    figures = planner.breakdown(priced, planner.megatron(graph, priced))
+    synced = sorted(c["bytes"] for c in figures["collectives"] if c["mesh_dim"] == 0 for _ in range(c["count"]))
+    assert synced == sorted([(16 * 16 // 2 + 16 // 2) * 4, (16 * 16 // 2 + 16) * 4])  # fc0 column, fc1 row
+
+
 def test_the_plan_is_never_predicted_slower_than_its_baselines_and_survives_a_round_trip(tmp_path: Path) -> None:
     for graph in (examples.mlp(64, 1024, 4), examples.cnn(32), examples.gpt(4, 64, 128, 4, 2, 1000)):
         for mesh in (planner.Mesh((4,), 2), planner.Mesh((2, 2), 2)):

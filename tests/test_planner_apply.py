@@ -2,7 +2,8 @@
 
 Plans come from ``plan.plan()`` on a traced model with the Megatron baseline's choice (and a
 sequence-parallel LayerNorm, or FSDP on a 2-D mesh's data dimension, forced among the planner's own
-candidates).  The reference is the same model trained in one process without parallelism; the
+candidates), or are the planner's own optimum (a VGG-like CNN: data-parallel convolutions, a Megatron
+classifier).  The reference is the same model trained in one process without parallelism; the
 placement check must refuse a model whose parameters the plan does not describe.
 """
 
@@ -22,23 +23,31 @@ from test_planner import synthetic_costs
 from test_torch_backend import spawn
 
 from commd.planner import plan as planner
-from commd.planner.apply import ApplyError, apply, check, specs
+from commd.planner.apply import ApplyError, apply, check, gradient_divisor, specs
 from commd.planner.trace import trace
 
 STEPS = 2
 
 
+#: The VGG-like model's batch in the plans below, and the compute rates (FLOP/s) at which the planner's
+#: optimum is mixed: data-parallel convolutions, then the classifier's column/row pair and its last layer
+#: replicated (2e10), or the last layer row-split too (2e9).
+CNN_BATCH = 8
+CNN_RATES = {"mixed": 2e10, "mixed-row-row": 2e9}
+
+
 def forced_plan(factory: str, shape: tuple[int, ...], input_shape: tuple[int, ...],
                 overrides: dict[str, tuple[str, ...]] | None = None, dtype: str = "float32",
-                appliable_only: bool = True) -> dict[str, Any]:
-    """plan.json for a traced model with Megatron's choice, some layers' strategies (one name per mesh
-    dimension) overridden (``appliable_only=False``: strategies apply cannot set up are offered too)."""
+                appliable_only: bool = True, base: str = "megatron", flops_per_s: float = 2e10) -> dict[str, Any]:
+    """plan.json for a traced model with Megatron's choice (``base="optimum"``: the planner's own, what
+    `commd plan` writes), some layers' strategies (one name per mesh dimension) overridden (``appliable_only=False``:
+    strategies apply cannot set up are offered too)."""
     graph = trace(getattr(planner_models, factory), input_shape, dtype)
-    mesh, costs = planner.Mesh(shape, math.prod(shape)), synthetic_costs()
-    opts = planner.Options(appliable_only=appliable_only)
+    mesh, costs = planner.Mesh(shape, math.prod(shape)), synthetic_costs(flops_per_s=flops_per_s)
+    opts = planner.Options(appliable_only=appliable_only, search="both" if base == "optimum" else "descent")
     made = planner.plan(graph, mesh, costs, opts)
     priced = planner.price(graph, mesh, costs, opts)
-    choice = planner.megatron(graph, priced)
+    choice = planner.megatron(graph, priced) if base == "megatron" else planner.solve(priced, "descent", graph)[0].choice
     assert choice is not None
     for name, names in (overrides or {}).items():
         i = graph.index[name]
@@ -95,6 +104,54 @@ def test_the_planners_own_plans_use_only_what_apply_can_set_up() -> None:
             specs(made)
 
 
+def _strategies(made: dict[str, Any]) -> dict[str, str]:
+    return {row["name"]: row["strategy"][0] for row in made["layers"] if row["kind"] not in ("follow", "input")}
+
+
+def test_the_planners_optimum_for_a_vgg_like_cnn_is_data_parallel_convolutions_and_a_megatron_classifier() -> None:
+    """AutoDDL's VGG plans: the convolutions (few parameters, large activations) data parallel, the
+    classifier (1.6M parameters, small activations) split; the batch-split activation all-gathered into
+    the first column layer, its partial gradient reduce-scattered back (the plan's own collectives,
+    against the model's sizes)."""
+    input_shape = (CNN_BATCH, 3, 16, 16)
+    made = forced_plan("vgg", (2,), input_shape, base="optimum")
+    assert made["search"]["descent_gap"] <= 1e-9  # descent's plan (what `commd plan` writes) is the exact optimum
+    assert _strategies(made) == {"0": "dp", "3": "dp", "7": "col", "9": "row", "11": "rep", "output": "rep"}
+    assert made["predicted"]["step_s"] < min(b["step_s"] for b in made["baselines"].values())
+    got = {s.name: (s.style, s.data, s.arrives, s.gives, s.grad_divisor) for s in specs(made)}
+    assert got == {"0": (None, "dp", "S(0)", "S(0)", 1), "3": (None, "dp", "S(0)", "S(0)", 1),
+                   "7": ("col", None, "S(0)", "S(1)", 1), "9": ("row", None, "S(1)", "B", 1),
+                   "11": (None, None, "B", "B", 1)}
+    flat, hidden = CNN_BATCH * 32 * 4 * 4 * 4, CNN_BATCH * 1024 * 4  # bytes of the activations
+    conv_params = [(16 * 3 * 9 + 16) * 4, (32 * 16 * 9 + 32) * 4]
+    want = sorted([("allgather", flat), ("reduce_scatter", flat), ("allreduce", hidden)]
+                  + [("allreduce", b) for b in conv_params])
+    assert sorted((c["kind"], c["bytes"]) for c in made["predicted"]["collectives"] for _ in range(c["count"])) == want
+    row_row = forced_plan("vgg", (2,), input_shape, base="optimum", flops_per_s=CNN_RATES["mixed-row-row"])
+    assert row_row["search"]["descent_gap"] <= 1e-9
+    # (a tie: 9 column-split instead costs the same all-gather and reduce-scatter, of its input instead)
+    assert _strategies(row_row) == {"0": "dp", "3": "dp", "7": "col", "9": "row", "11": "row", "output": "rep"}
+    assert {s.name: s.gives for s in specs(row_row)}["9"] == "S(1)"  # its sum reduce-scattered into row 11
+
+
+def test_the_step_is_one_loss_a_batch_split_output_averages_the_ranks_losses() -> None:
+    """A whole output: data-parallel gradients summed (divisor 1); an output split by the batch: every
+    gradient divided by the ranks (DDP's mean), which for a data-parallel-only plan is FSDP2's default."""
+    input_shape = (CNN_BATCH, 3, 16, 16)
+    assert gradient_divisor(forced_plan("vgg", (2,), input_shape, base="optimum")) == 1
+    split_out = forced_plan("vgg", (2,), input_shape, SPLIT_OUTPUT, base="optimum")
+    assert gradient_divisor(split_out) == 2 and {s.grad_divisor for s in specs(split_out)} == {2}
+    assert {s.name: s.gives for s in specs(split_out)}["9"] == "S(0)"  # the row layer's sum reduce-scattered
+    assert gradient_divisor(forced_plan("mlp", (2, 2), (8, 32))) == 2  # dp x tp: the batch split over dp
+    # a layer list without an output layer: what the last layer gives
+    for made, want in ((forced_plan("vgg", (2,), input_shape, base="optimum"), 1), (split_out, 2)):
+        assert gradient_divisor({**made, "layers": [r for r in made["layers"] if r["kind"] != "output"]}) == want
+    (out,) = [r for r in split_out["layers"] if r["kind"] == "output"]
+    two = {**split_out, "layers": [*split_out["layers"], {**out, "name": "output2", "input": ["B"]}]}
+    with pytest.raises(ApplyError, match=r"outputs are split by the batch over different ranks \(\[1, 2\]\)"):
+        specs(two)
+
+
 def test_a_plan_without_edges_needs_its_graph() -> None:
     made = forced_plan("mlp", (2,), (8, 32))
     for row in made["layers"]:
@@ -118,11 +175,14 @@ def _built(factory: str) -> torch.nn.Module:
     return getattr(planner_models, factory)()
 
 
-def _train(model: torch.nn.Module, batches: list[torch.Tensor], scale: float = 1.0) -> list[torch.Tensor]:
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+def _train(model: torch.nn.Module, batches: list[torch.Tensor], scale: float = 1.0,
+           mean: bool = False) -> list[torch.Tensor]:
+    """``mean``: the mean loss, at a learning rate that moves every parameter as far as the sum's does."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=5.0 if mean else 0.05)
     for x in batches:
         optimizer.zero_grad()
-        (model(x).pow(2).sum() * scale).backward()
+        y = model(x).pow(2)
+        ((y.mean() if mean else y.sum()) * scale).backward()
         optimizer.step()
     return [p.full_tensor().detach() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
 
@@ -133,6 +193,11 @@ def _assert_close(got: list[torch.Tensor], want: list[torch.Tensor], untrained: 
         torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance, msg=lambda m, i=i: f"{what}: param {i}: {m}")
     assert not all(torch.equal(a, b.detach()) for a, b in zip(got, untrained.parameters(), strict=True)), (
         "training changed nothing: the comparison would prove nothing")
+
+
+#: The optimum's classifier tail made data parallel, so the output is split by the batch (a plan the planner
+#: prices but does not choose here: the row-split tail is cheaper).
+SPLIT_OUTPUT = {"_10": ("dp",), "11": ("dp",), "output": ("dp",)}
 
 
 #: Per model, the layer a tampered plan claims replicated (its layouts still fit), its kind and where
@@ -179,6 +244,24 @@ def _data_parallel_rank(rank: int, made: dict[str, Any]) -> None:
     dist.destroy_process_group()
 
 
+def _mixed_rank(rank: int, plans: dict[str, dict[str, Any]]) -> None:
+    """Data-parallel convolutions and a Megatron classifier on one dimension: each rank is fed its half of
+    the batch and takes the mean loss of its output (the whole batch's where the output is whole, its
+    half's where the output is split by the batch): one process's mean loss on the whole batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _init(rank, 2)
+    mesh = init_device_mesh("cpu", (2,))
+    batches = [torch.randn((CNN_BATCH, 3, 16, 16), generator=torch.Generator().manual_seed(s)) for s in range(STEPS)]
+    want = _train(_built("vgg"), batches, mean=True)
+    for name, made in plans.items():
+        model = apply(_built("vgg"), made, mesh)
+        got = _train(model, [x.chunk(2)[rank] for x in batches], mean=True)
+        _assert_close(got, want, _built("vgg"), f"{name} rank {rank}")
+        check(model, made, mesh)
+    dist.destroy_process_group()
+
+
 def _two_d_rank(rank: int, plans: dict[str, dict[str, Any]]) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -220,6 +303,16 @@ def test_a_dp_by_tp_plan_applied_on_commd_trains_like_one_process(backend_env: P
     spawn(_two_d_rank, (plans,), timeout=240, nprocs=4)
 
 
+@pytest.mark.timeout(240)
+def test_a_mixed_cnn_plan_applied_on_commd_trains_like_one_process(backend_env: Path) -> None:
+    """The planner's optimum (whole output: the data-parallel convolutions' gradients summed), its row-split
+    variant, the optimum with its convolutions fully sharded (summed by reduce-scatter), and with its tail
+    data parallel (output split by the batch: every gradient halved)."""
+    shape = (CNN_BATCH, 3, 16, 16)
+    plans = {name: forced_plan("vgg", (2,), shape, base="optimum", flops_per_s=rate) for name, rate in CNN_RATES.items()}
+    plans["fsdp-convolutions"] = forced_plan("vgg", (2,), shape, {"0": ("fsdp",), "3": ("fsdp",)}, base="optimum")
+    plans["split-output"] = forced_plan("vgg", (2,), shape, SPLIT_OUTPUT, base="optimum")
+    spawn(_mixed_rank, (plans,))
 def _split_gpt_rank(rank: int, made: dict[str, Any]) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 

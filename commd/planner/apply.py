@@ -3,7 +3,9 @@
 On the model dimension (a 1-D mesh's only one, a 2-D mesh's ``tp``) each parameter layer's strategy
 becomes a ``parallelize_module`` style: ``col`` → ``ColwiseParallel``, ``row`` and an embedding's
 ``vocab`` → ``RowwiseParallel``, ``seq`` → ``SequenceParallel``, ``rep`` → none.  Layouts come from
-the plan: a layer's ``input_layouts`` are what its producer really gives, and a partial (``P``)
+the plan: a layer's ``input_layouts`` are what its producer really gives (a column layer after
+data-parallel ones: ``Shard(0)``, all-gathered forward and its partial gradient reduce-scattered
+backward, inside the style, as the plan prices it), and a partial (``P``)
 output is converted where it is made into the layout its consumers take (the plan's edges), so no
 partial tensor leaves a module.  A replicated layer whose input arrives in another layout gets a
 ``PrepareModuleInput`` to convert it; a parameter-free layer has no module to convert in, so a
@@ -14,6 +16,15 @@ a 1-D layer whose strategy is ``dp``/``fsdp``), ``fsdp`` → ``fully_shard`` and
 The caller feeds the model its input in the plan's input layer's layouts (the local shard of a
 split batch or sequence, the whole tensor where it is ``B``) and gets the output in the layout the
 plan's output layer takes.  ``specs`` (no torch) decides everything; ``apply`` only carries it out.
+
+One loss, whatever the plan mixes on a dimension.  Where the output is whole (``B``) every rank
+computes the same loss, the whole batch's, as one process would; where it is split by the batch
+(``S(0)``) the step's loss is the mean of the ranks' losses on their parts (DDP's convention).
+Autograd through DTensor gives every parameter the gradient of the ranks' losses summed (a whole
+output's counted once), a data-parallel layer in per-rank parts; so a data-parallel layer sums its
+parts where the output is whole (FSDP2 would average them), and where the output is batch-split every
+gradient is divided by the ranks (FSDP2's own average for data-parallel layers, a gradient hook on the
+other layers' parameters).  A plan of data-parallel layers only is plain DDP/FSDP.
 """
 
 from __future__ import annotations
@@ -61,6 +72,9 @@ class LayerSpec:
     takes: str  # the layout the plan says it takes
     gives: str  # the layout of its output, after any conversion of a partial one
     data: str | None  # "dp", "fsdp" or None: its data-dimension strategy
+    #: what its parameters' gradients are divided by once summed over its data-parallel ranks: the ranks
+    #: of the dimensions the output is batch-split on (1: a whole output, the gradient of its one loss)
+    grad_divisor: int = 1
 
 
 def specs(plan: Mapping[str, Any], graph: LayerGraph | None = None) -> list[LayerSpec]:
@@ -68,6 +82,7 @@ def specs(plan: Mapping[str, Any], graph: LayerGraph | None = None) -> list[Laye
     rows = plan["layers"]
     ndim = len(plan["mesh"]["shape"])
     m = ndim - 1
+    divisor = gradient_divisor(plan, graph)
     inputs = {row["name"]: _inputs(row, graph) for row in rows}
     wants: dict[str, set[str]] = {}
     for row in rows:
@@ -116,8 +131,31 @@ def specs(plan: Mapping[str, Any], graph: LayerGraph | None = None) -> list[Laye
                 raise ApplyError(f"{where}: SequenceParallel takes and gives the sequence split {takes}; "
                                  f"its input arrives {arrives}")
         gives[name] = given
-        out.append(LayerSpec(name, kind, style, arrives, takes, given, data))
+        out.append(LayerSpec(name, kind, style, arrives, takes, given, data, divisor))
     return out
+
+
+def gradient_divisor(plan: Mapping[str, Any], graph: LayerGraph | None = None) -> int:
+    """The ranks of the mesh dimensions the model's output is split by the batch on (``S(0)``): the step's
+    loss is then the mean of those ranks' losses; 1 where the output is whole or split otherwise.  The
+    output is what the plan's output layers take, or (a layer list without one) what the layers nobody
+    consumes give; ApplyError where they differ (no one loss)."""
+    rows = plan["layers"]
+    ends = [row["input"] for row in rows if row["kind"] == "output"]
+    if not ends:
+        consumed = {src for row in rows for src in _inputs(row, graph)}
+        ends = [row["output"] for row in rows if row["name"] not in consumed]
+    divisors = set()
+    for layouts in ends:
+        divisor = 1
+        for size, layout in zip(plan["mesh"]["shape"], layouts, strict=True):
+            if split_dim(layout) == 0:
+                divisor *= size
+        divisors.add(divisor)
+    if len(divisors) > 1:
+        raise ApplyError(f"the model's outputs are split by the batch over different ranks ({sorted(divisors)}): "
+                         "their losses do not make one step")
+    return divisors.pop() if divisors else 1
 
 
 def _inputs(row: Mapping[str, Any], graph: LayerGraph | None) -> list[str]:
@@ -156,14 +194,33 @@ def apply(model: Any, plan: Mapping[str, Any], mesh: Any, graph: LayerGraph | No
         if style is not None:
             parallelize_module(modules[spec.name], model_mesh, style)
     for spec in layer_specs:
-        if spec.data == "fsdp":
-            fully_shard(modules[spec.name], mesh=data_mesh)
+        module = modules[spec.name]
+        if spec.data == "fsdp":  # resharded after forward even as its own FSDP root (FSDP2 keeps a root's
+            # parameters gathered until backward): the plan prices, and its memory model assumes, ZeRO-3's
+            # all-gathers before forward and backward
+            module = fully_shard(module, mesh=data_mesh, reshard_after_forward=True)
         elif spec.data == "dp":
             from torch.distributed._composable.replicate_with_fsdp import replicate
 
-            replicate(modules[spec.name], mesh=data_mesh)
+            module = replicate(module, mesh=data_mesh)
+        if spec.data is not None:
+            if spec.grad_divisor != data_mesh.size():  # (FSDP2's default: the mean over its ranks)
+                module.set_gradient_divide_factor(float(spec.grad_divisor))
+                module.set_force_sum_reduction_for_comms(True)  # SUM, then the division (no PREMUL_SUM)
+        elif spec.grad_divisor > 1:
+            for param in module.parameters():
+                param.register_hook(_divided_by(spec.grad_divisor))
     check(model, plan, mesh, graph)
     return model
+
+
+def _divided_by(divisor: int) -> Any:
+    """A parameter's gradient hook: the gradient divided by ``divisor``."""
+
+    def hook(grad: Any) -> Any:
+        return grad / divisor
+
+    return hook
 
 
 def check(model: Any, plan: Mapping[str, Any], mesh: Any, graph: LayerGraph | None = None) -> None:

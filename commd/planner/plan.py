@@ -149,8 +149,7 @@ def price(graph: LayerGraph, mesh: Mesh, costs: CollectiveCosts, opts: Options) 
             colls = []
             for d, s in enumerate(combo):
                 if s.sync != SYNC_NONE and dims[d].size > 1:  # (one rank: nothing to synchronise)
-                    others = math.prod(x.param_share for e, x in enumerate(combo) if e != d)
-                    nbytes = int(graph.param_bytes(i) * others)
+                    nbytes = _held_param_bytes(graph, i, [x for e, x in enumerate(combo) if e != d])
                     colls += [(kind, b, d, 1) for kind, b in sync_collectives(s.sync, nbytes)]
             sync = sum(costs.seconds(k, b, dims[d].nodes, dims[d].size) + opts.sync_overhead_s.get(k, 0.0)
                        for k, b, d, _ in colls)
@@ -185,6 +184,19 @@ def price(graph: LayerGraph, mesh: Mesh, costs: CollectiveCosts, opts: Options) 
         else:
             edges[key], edge_colls[key] = matrix, lists
     return Priced(search.Problem(node_costs, edges), options, node_parts, edge_colls, node_colls)
+
+
+def _held_param_bytes(graph: LayerGraph, i: int, strategies: list[Strategy]) -> int:
+    """The bytes of layer ``i``'s parameters one rank holds under ``strategies`` (on the other mesh
+    dimensions): their share, but a row-split linear layer's bias whole (Megatron adds it once the
+    partial sums are reduced, so every rank holds all of it)."""
+    layer, whole = graph.layers[i], graph.param_bytes(i)
+    share = math.prod(s.param_share for s in strategies)
+    fan_in, fan_out = layer.attrs.get("in_features"), layer.attrs.get("out_features")
+    if layer.kind != "linear" or not fan_in or not fan_out or all(s.name != "row" for s in strategies):
+        return int(whole * share)
+    bias = max(0, layer.params - fan_in * fan_out) * graph.dtype_bytes
+    return int((whole - bias) * share + bias * math.prod(s.param_share for s in strategies if s.name != "row"))
 
 
 def _compute_seconds(name: str, flops: float, costs: CollectiveCosts, opts: Options, share: float) -> float:
