@@ -10,6 +10,7 @@ placement check must refuse a model whose parameters the plan does not describe.
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import os
 from pathlib import Path
@@ -90,14 +91,17 @@ def test_strategies_dtensor_cannot_express_are_refused_naming_the_layer() -> Non
 
 
 def test_the_planners_own_plans_use_only_what_apply_can_set_up() -> None:
-    """By default the planner offers no attention heads, convolution splits or partial residual streams:
-    the optimum and both baselines of every model family are plans ``specs`` accepts."""
+    """By default the planner offers no attention heads, convolution splits, partial residual streams or
+    conversions where no DTensor style converts (between parameter-free layers, out of a data-parallel
+    layer): the optimum and both baselines of every model family are plans ``specs`` accepts, at
+    compute rates that make the optimum data parallel, mixed or split."""
     for factory, shape, dtype in (("TinyGPT", (2, 16), "int64"), ("cnn", (4, 3, 16, 16), "float32"),
-                                  ("mlp", (8, 32), "float32")):
+                                  ("mlp", (8, 32), "float32"), ("vgg", (8, 3, 16, 16), "float32"),
+                                  ("split_gpt", (4, 8), "int64")):
         graph = trace(getattr(planner_models, factory), shape, dtype)
-        for mesh in (planner.Mesh((2,), 2), planner.Mesh((2, 2), 2)):
-            made = planner.plan(graph, mesh, synthetic_costs(), planner.Options())
-            priced = planner.price(graph, mesh, synthetic_costs(), planner.Options())
+        for mesh, rate in itertools.product((planner.Mesh((2,), 2), planner.Mesh((2, 2), 2)), (2e8, 2e10, 2e12)):
+            made = planner.plan(graph, mesh, synthetic_costs(flops_per_s=rate), planner.Options())
+            priced = planner.price(graph, mesh, synthetic_costs(flops_per_s=rate), planner.Options())
             for choice in (planner.megatron(graph, priced), planner.data_parallel(graph, priced)):
                 assert choice is not None
                 specs({**made, "layers": planner.layer_rows(graph, priced, choice)})

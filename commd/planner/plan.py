@@ -30,7 +30,7 @@ import numpy as np
 from commd.planner import search
 from commd.planner.costs import CollectiveCosts
 from commd.planner.files import check_header, read_json
-from commd.planner.graph import LayerGraph
+from commd.planner.graph import WITH_PARAMS, LayerGraph
 from commd.planner.layouts import (
     SYNC_NONE,
     B,
@@ -44,6 +44,14 @@ from commd.planner.layouts import (
 
 PLAN_FORMAT = "commd-plan"
 PLAN_VERSION = 1
+#: ``apply`` converts a layout only where a DTensor style can: in the output of a layer with one of
+#: these strategies, or in the input of a layer with one of these (a replicated layer's
+#: PrepareModuleInput); replicate/fully_shard and parameter-free layers convert nothing.  An edge
+#: that needs a conversion elsewhere is priced NOT_APPLIABLE_S: no plan takes it while one without it
+#: exists (every layer can keep the layout it is given).
+STYLED = ("col", "row", "vocab")  # (SequenceParallel takes and gives the sequence split only)
+TAKES_ANY = (*STYLED, "rep")
+NOT_APPLIABLE_S = 1e6
 SEARCHES = ("descent", "exact", "both")
 #: Adjacent layers descent changes at once (two missed the optimum on random models: search.py).
 DESCENT_WINDOW = 3
@@ -172,7 +180,15 @@ def price(graph: LayerGraph, mesh: Mesh, costs: CollectiveCosts, opts: Options) 
         matrix = np.zeros((ku, kv))
         lists: list[list[tuple[str, int, int, int]]] = []
         backward = graph.layers[u].kind != "input"  # (no gradient flows into the batch)
+        converts_out = graph.layers[u].kind in WITH_PARAMS
+        converts_in = graph.layers[v].kind in WITH_PARAMS
         for s, t in itertools.product(range(ku), range(kv)):
+            if opts.appliable_only and not all(
+                    a.out == b.inp or (converts_out and a.name in STYLED) or (converts_in and b.name in TAKES_ANY)
+                    for a, b in zip(options[u][s], options[v][t], strict=True)):
+                matrix[s, t] = NOT_APPLIABLE_S
+                lists.append([])
+                continue
             colls = _edge_collectives(options[u][s], options[v][t], nbytes, mesh, backward)
             matrix[s, t] = sum(costs.seconds(k, b, dims[d].nodes, dims[d].size) + opts.convert_overhead_s.get(k, 0.0)
                                for k, b, d, _ in colls)
