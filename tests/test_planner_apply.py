@@ -48,7 +48,8 @@ def forced_plan(factory: str, shape: tuple[int, ...], input_shape: tuple[int, ..
     opts = planner.Options(appliable_only=appliable_only, search="both" if base == "optimum" else "descent")
     made = planner.plan(graph, mesh, costs, opts)
     priced = planner.price(graph, mesh, costs, opts)
-    choice = planner.megatron(graph, priced) if base == "megatron" else planner.solve(priced, "descent", graph)[0].choice
+    choice = (planner.megatron(graph, priced) if base == "megatron" else planner.data_parallel(graph, priced)
+              if base == "data_parallel" else planner.solve(priced, "descent", graph)[0].choice)
     assert choice is not None
     for name, names in (overrides or {}).items():
         i = graph.index[name]
@@ -340,3 +341,33 @@ def test_megatron_splits_separate_projection_attention_by_heads_and_trains_like_
     assert [rows[f"blocks_0_attn_{p}"][0] for p in "qkvo"] == ["col", "col", "col", "row"]
     assert rows["scaled_dot_product_attention"] == ("split1", "S(1)")  # (batch, heads, sequence, head_dim)
     spawn(_split_gpt_rank, (made,))
+
+
+def _both_dims_rank(rank: int, plans: dict[str, dict[str, Any]]) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _init(rank, 4)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mine = 2 * mesh["dp"].get_local_rank() + mesh["tp"].get_local_rank()  # the batch split dp-major
+    batch = [torch.randn(2, 32, generator=torch.Generator().manual_seed(4 * s + q)) for s in range(STEPS)
+             for q in range(4)]
+    # the output is split by the batch over all four ranks: the step's loss is their mean
+    want = _train(_built("mlp"), [torch.cat(batch[4 * s:4 * s + 4]) for s in range(STEPS)], scale=0.25)
+    for name, made in plans.items():
+        got = _train(apply(_built("mlp"), made, mesh), batch[mine::4])
+        _assert_close(got, want, _built("mlp"), f"{name} rank {rank}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(240)
+def test_data_parallel_on_both_dimensions_of_a_2x2_mesh_trains_like_one_process(backend_env: Path) -> None:
+    """Data parallel on dp and on tp: every rank a quarter of the batch and gradients synchronised over
+    all four ranks — replicate or fully_shard on one flat mesh, or FSDP2's hybrid (replicated over dp,
+    sharded over tp) — not only over dp, where the tp pairs' replicas would drift apart."""
+    plans = {"replicate": forced_plan("mlp", (2, 2), (8, 32), base="data_parallel"),
+             "fully_shard": forced_plan("mlp", (2, 2), (8, 32), {n: ("fsdp", "fsdp") for n in ("0", "2", "4")},
+                                        base="data_parallel"),
+             "hybrid": forced_plan("mlp", (2, 2), (8, 32), {n: ("dp", "fsdp") for n in ("0", "2", "4")},
+                                   base="data_parallel")}
+    assert {(s.data, s.model_data) for s in specs(plans["hybrid"])} == {("dp", "fsdp")}
+    spawn(_both_dims_rank, (plans,), timeout=240, nprocs=4)

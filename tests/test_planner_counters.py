@@ -37,6 +37,12 @@ CASES = {
     "2x2": ("mlp", (2, 2), (512, 32), {}, "megatron"),  # dp x tp: FSDP2's replicate on dp, Megatron on tp
     "2x2-fsdp": ("sp_mlp", (2, 2), (8, 64, 8), {"0": ("fsdp", "col"), "2": ("fsdp", "row"), "3": ("fsdp", "rep"),
                                                 "4": ("fsdp", "col"), "6": ("fsdp", "row")}, "megatron"),
+    # data parallel on both dimensions: one group of all four ranks (replicate, and fully_shard), and
+    # FSDP2's hybrid (replicated over dp, sharded over tp)
+    "2x2-data-parallel": ("mlp", (2, 2), (512, 32), {}, "data_parallel"),
+    "2x2-fsdp-everywhere": ("sp_mlp", (2, 2), (8, 64, 8), {n: ("fsdp", "fsdp") for n in ("0", "2", "3", "4", "6")},
+                            "data_parallel"),  # (sp_mlp: every parameter splits in four without padding)
+    "2x2-hybrid": ("mlp", (2, 2), (512, 32), {n: ("dp", "fsdp") for n in ("0", "2", "4")}, "data_parallel"),
     "mixed-cnn": ("vgg", (2,), (64, 3, 16, 16), {}, "optimum"),
     "mixed-cnn-fsdp": ("vgg", (2,), (64, 3, 16, 16), {"0": ("fsdp",), "3": ("fsdp",)}, "optimum"),
     "mixed-cnn-split-output": ("vgg", (2,), (64, 3, 16, 16), {"_10": ("dp",), "11": ("dp",), "output": ("dp",)},
@@ -51,7 +57,8 @@ def forced(factory: str, shape: tuple[int, ...], input_shape: tuple[int, ...],
     graph = trace(getattr(planner_models, factory), input_shape)
     mesh, costs, opts = planner.Mesh(shape, 2), synthetic_costs(), planner.Options()  # (2 ranks a node)
     priced = planner.price(graph, mesh, costs, opts)
-    choice = planner.megatron(graph, priced) if base == "megatron" else planner.solve(priced, "descent", graph)[0].choice
+    choice = (planner.megatron(graph, priced) if base == "megatron" else planner.data_parallel(graph, priced)
+              if base == "data_parallel" else planner.solve(priced, "descent", graph)[0].choice)
     assert choice is not None
     for name, names in overrides.items():
         i = graph.index[name]
@@ -136,7 +143,7 @@ def test_the_collectives_a_plan_predicts_are_what_the_daemon_counts_over_a_step(
         world *= size
     want: collections.Counter[str] = collections.Counter()
     for c in predicted:  # the plan's collectives are one group's; the daemon counts every group of the dim
-        want[c["kind"]] += c["bytes"] * c["count"] * world // shape[c["mesh_dim"]]
+        want[c["kind"]] += c["bytes"] * c["count"] * world // (shape[c["mesh_dim"]] if c["mesh_dim"] < len(shape) else world)
     got = collections.Counter(counted["bytes"])
     got["barrier"] = 0  # the two barriers around the step
     got = collections.Counter({k: v for k, v in got.items() if v})

@@ -75,6 +75,9 @@ class LayerSpec:
     #: what its parameters' gradients are divided by once summed over its data-parallel ranks: the ranks
     #: of the dimensions the output is batch-split on (1: a whole output, the gradient of its one loss)
     grad_divisor: int = 1
+    #: on a 2-D mesh, its model-dimension strategy when that is data parallel too ("dp" or "fsdp"): its
+    #: batch is split over both dimensions, so its gradients are synchronised over all the mesh's ranks
+    model_data: str | None = None
 
 
 def specs(plan: Mapping[str, Any], graph: LayerGraph | None = None) -> list[LayerSpec]:
@@ -131,7 +134,8 @@ def specs(plan: Mapping[str, Any], graph: LayerGraph | None = None) -> list[Laye
                 raise ApplyError(f"{where}: SequenceParallel takes and gives the sequence split {takes}; "
                                  f"its input arrives {arrives}")
         gives[name] = given
-        out.append(LayerSpec(name, kind, style, arrives, takes, given, data, divisor))
+        model_data = strategy if ndim == 2 and strategy in DATA else None
+        out.append(LayerSpec(name, kind, style, arrives, takes, given, data, divisor, model_data))
     return out
 
 
@@ -169,6 +173,10 @@ def _inputs(row: Mapping[str, Any], graph: LayerGraph | None) -> list[str]:
 def expected_placements(spec: LayerSpec, param: str, dims: list[str]) -> dict[str, str]:
     """A parameter's placement per mesh dimension name, after ``apply`` (dims absent: a plain tensor there)."""
     want: dict[str, str] = {}
+    if spec.model_data is not None:  # data parallel over both dimensions (see data_mesh)
+        if spec.data == spec.model_data:
+            return {FLAT: "S(0)" if spec.data == "fsdp" else B}
+        return {dims[0]: "S(0)" if spec.data == "fsdp" else B, dims[1]: "S(0)" if spec.model_data == "fsdp" else B}
     if spec.data is not None:
         want[dims[0]] = "S(0)" if spec.data == "fsdp" else B
     if spec.style is not None:
@@ -193,9 +201,12 @@ def apply(model: Any, plan: Mapping[str, Any], mesh: Any, graph: LayerGraph | No
         style = _style(spec)
         if style is not None:
             parallelize_module(modules[spec.name], model_mesh, style)
+    meshes: dict[str, Any] = {}
     for spec in layer_specs:
         module = modules[spec.name]
-        if spec.data == "fsdp":  # resharded after forward even as its own FSDP root (FSDP2 keeps a root's
+        if spec.model_data is not None:  # data parallel over both dimensions: synchronised over all ranks
+            _data_parallel_everywhere(module, spec, mesh, meshes)
+        elif spec.data == "fsdp":  # resharded after forward even as its own FSDP root (FSDP2 keeps a root's
             # parameters gathered until backward): the plan prices, and its memory model assumes, ZeRO-3's
             # all-gathers before forward and backward
             module = fully_shard(module, mesh=data_mesh, reshard_after_forward=True)
@@ -203,7 +214,11 @@ def apply(model: Any, plan: Mapping[str, Any], mesh: Any, graph: LayerGraph | No
             from torch.distributed._composable.replicate_with_fsdp import replicate
 
             module = replicate(module, mesh=data_mesh)
-        if spec.data is not None:
+        if spec.model_data is not None:
+            if spec.grad_divisor != mesh.size():
+                module.set_gradient_divide_factor(float(spec.grad_divisor))
+                module.set_force_sum_reduction_for_comms(True)
+        elif spec.data is not None:
             if spec.grad_divisor != data_mesh.size():  # (FSDP2's default: the mean over its ranks)
                 module.set_gradient_divide_factor(float(spec.grad_divisor))
                 module.set_force_sum_reduction_for_comms(True)  # SUM, then the division (no PREMUL_SUM)
@@ -212,6 +227,35 @@ def apply(model: Any, plan: Mapping[str, Any], mesh: Any, graph: LayerGraph | No
                 param.register_hook(_divided_by(spec.grad_divisor))
     check(model, plan, mesh, graph)
     return model
+
+
+#: The name of the 1-D mesh over all ranks of a 2-D mesh, for layers data parallel on both dimensions.
+FLAT = "dp_tp"
+
+
+def _data_parallel_everywhere(module: Any, spec: LayerSpec, mesh: Any, meshes: dict[str, Any]) -> None:
+    """A layer data parallel on both dimensions of a 2-D mesh: ``dp`` on both, ``replicate`` over all
+    ranks; ``fsdp`` on both, ``fully_shard`` over all ranks (one flat mesh); one of each, FSDP2's hybrid
+    (replicated over the ``dp`` dimension and sharded over the ``fsdp`` one, the mesh ordered so)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    key = FLAT if spec.data == spec.model_data else ("dp_first" if spec.data == "dp" else "tp_first")
+    if key not in meshes:  # (every rank applies the same plan: the meshes' groups are made in one order)
+        if key == FLAT:
+            meshes[key] = DeviceMesh(mesh.device_type, mesh.mesh.flatten(), mesh_dim_names=(FLAT,))
+        elif key == "dp_first":
+            meshes[key] = mesh
+        else:
+            names = tuple(reversed(mesh.mesh_dim_names))
+            meshes[key] = DeviceMesh(mesh.device_type, mesh.mesh.t().contiguous(), mesh_dim_names=names)
+    target = meshes[key]
+    if spec.data == spec.model_data == "dp":
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        replicate(module, mesh=target)
+    else:
+        fully_shard(module, mesh=target, reshard_after_forward=True)
 
 
 def _divided_by(divisor: int) -> Any:

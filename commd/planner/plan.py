@@ -147,6 +147,8 @@ def price(graph: LayerGraph, mesh: Mesh, costs: CollectiveCosts, opts: Options) 
     ndim_in = [len(graph.layers[graph.index[x.inputs[0]]].out_shape) if x.inputs else len(x.out_shape)
                for x in graph.layers]
     options, node_costs, node_parts, node_colls = [], [], [], []
+    # the groups a collective may run on: each dimension's, and (index len(dims)) all the mesh's ranks
+    groups = [*dims, MeshDim(mesh.world, "all", max(1, mesh.world // mesh.nproc_per_node), "all")]
     for i, layer in enumerate(graph.layers):
         per_dim = [candidates(layer, ndim_in[i], d.size, d.role) for d in dims]
         combos, costs_here, parts_here, colls_here = [], [], [], []
@@ -155,11 +157,16 @@ def price(graph: LayerGraph, mesh: Mesh, costs: CollectiveCosts, opts: Options) 
                 continue
             compute = _compute_seconds(layer.name, layer.flops, costs, opts, math.prod(s.compute_share for s in combo))
             colls = []
-            for d, s in enumerate(combo):
-                if s.sync != SYNC_NONE and dims[d].size > 1:  # (one rank: nothing to synchronise)
-                    nbytes = _held_param_bytes(graph, i, [x for e, x in enumerate(combo) if e != d])
-                    colls += [(kind, b, d, 1) for kind, b in sync_collectives(s.sync, nbytes)]
-            sync = sum(costs.seconds(k, b, dims[d].nodes, dims[d].size) + opts.sync_overhead_s.get(k, 0.0)
+            syncs = {s.sync for s in combo}
+            if len(combo) == 2 and len(syncs) == 1 and SYNC_NONE not in syncs:
+                # data parallel on both dimensions alike: one group of all the mesh's ranks (apply's flat mesh)
+                colls = [(kind, b, len(dims), 1) for kind, b in sync_collectives(syncs.pop(), graph.param_bytes(i))]
+            else:
+                for d, s in enumerate(combo):
+                    if s.sync != SYNC_NONE and dims[d].size > 1:  # (one rank: nothing to synchronise)
+                        nbytes = _held_param_bytes(graph, i, [x for e, x in enumerate(combo) if e != d])
+                        colls += [(kind, b, d, 1) for kind, b in sync_collectives(s.sync, nbytes)]
+            sync = sum(costs.seconds(k, b, groups[d].nodes, groups[d].size) + opts.sync_overhead_s.get(k, 0.0)
                        for k, b, d, _ in colls)
             if opts.mem_bytes is not None and _memory(graph, i, combo, mesh.shape, opts.optimizer_states) > opts.mem_bytes:
                 continue
@@ -364,7 +371,9 @@ def solve(priced: Priced, how: str, graph: LayerGraph | None = None) -> tuple[se
 
 
 def breakdown(priced: Priced, choice: list[int]) -> dict[str, Any]:
-    """The predicted step: compute, conversions and sync seconds, and the collectives per step."""
+    """The predicted step: compute, conversions and sync seconds, and the collectives per step (each one
+    group's: ``mesh_dim`` d < the mesh's dimensions is a group of that dimension, d = their number the
+    group of all the mesh's ranks)."""
     compute = sum(priced.node_parts[v][s]["compute_s"] for v, s in enumerate(choice))
     sync = sum(priced.node_parts[v][s]["sync_s"] for v, s in enumerate(choice))
     conversions = sum(float(m[choice[u], choice[v]]) for (u, v), m in priced.problem.edges.items())
