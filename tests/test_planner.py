@@ -393,22 +393,27 @@ def test_fixed_part_of_a_layer_from_its_time_on_the_whole_batch_and_on_a_share()
 
 
 def job_measurement(graph: LayerGraph, probe_s: float) -> dict:
+    """A job measurement as ``measure.job_compute`` writes it: probes of 64 KiB and 4 MiB per rank."""
+    sizes = {"allreduce": (65536, 4194304), "allgather": (262144, 16777216), "reduce_scatter": (65536, 4194304)}
     return {"layers": {x.name: [1e-4, 1e-3] for x in graph.layers}, "world": 4, "hosts": 2, "nproc_per_node": 2,
             "rate": "1gbit", "delay_ms": 0.2, "input": [64, 32],
-            "probe_bytes": {"allreduce": 65536, "allgather": 262144, "reduce_scatter": 65536},
-            "collectives": {path: dict.fromkeys(("allreduce", "allgather", "reduce_scatter"), probe_s)
+            "collectives": {path: {kind: [[b, probe_s] for b in sizes[kind]] for kind in sizes}
                             for path in ("plain", "functional")}}
 
 
 def test_torch_path_overheads_are_what_the_job_measured_beyond_the_costs() -> None:
+    """A line through what each probe took beyond the costs' price: never below zero, nor falling."""
     from commd.planner.measure import torch_path_overheads
 
     costs = synthetic_costs()
     job = job_measurement(examples.mlp(64, 32, 2), 0.05)
-    job["collectives"]["plain"]["allreduce"] = 0.0  # faster than the costs say: no negative overhead
+    job["collectives"]["plain"]["allreduce"] = [[65536, 0.0], [4194304, 0.0]]  # faster than priced: none
+    price = costs.seconds("allgather", 262144, 2, 4), costs.seconds("allgather", 16777216, 2, 4)
+    job["collectives"]["functional"]["allgather"] = [[262144, price[0] + 0.001], [16777216, price[1] + 0.011]]
     convert, sync = torch_path_overheads(job, costs)
-    assert convert["allgather"] == pytest.approx(0.05 - costs.seconds("allgather", 262144, 2, 4))
-    assert sync["allreduce"] == 0.0 and sync["reduce_scatter"] > 0
+    a, b = convert["allgather"]
+    assert a + b * 262144 == pytest.approx(0.001) and a + b * 16777216 == pytest.approx(0.011)
+    assert sync["allreduce"] == [0.0, 0.0] and sync["reduce_scatter"][0] > 0
 
 
 def test_a_job_measurement_prices_compute_and_conversions(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

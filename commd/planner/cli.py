@@ -152,7 +152,7 @@ def _job_compute(args: argparse.Namespace, mesh: planner.Mesh) -> dict:
         except (OSError, ValueError) as exc:
             raise planner.PlanError(f"--compute-from {args.compute_from}: {exc}") from None
         job = raw.get("compute", {}).get("job") if isinstance(raw, dict) and "layers" in raw and "mesh" in raw else raw
-        if not isinstance(job, dict) or not {"layers", "collectives", "probe_bytes", "world", "hosts"} <= set(job):
+        if not isinstance(job, dict) or not {"layers", "collectives", "world", "hosts"} <= set(job):
             raise planner.PlanError(f"--compute-from {args.compute_from}: no job measurement in it (written by "
                                     "--compute job: a plan.json or --compute-out)")
         if job["world"] != mesh.world:

@@ -167,15 +167,20 @@ def job_compute(factory: dict[str, Any], hosts: int, nproc_per_node: int, rate: 
     return result
 
 
-def torch_path_overheads(job: dict[str, Any], costs: Any) -> tuple[dict[str, float], dict[str, float]]:
-    """(conversion, sync) seconds per collective kind that the torch path adds to the measured price:
-    a probe's time inside the job minus what ``costs`` say the same collective costs on the same
-    group (never below zero)."""
+def torch_path_overheads(job: dict[str, Any], costs: Any) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """(conversion, sync) per collective kind: [a, b] of the seconds a + b * bytes that the torch path adds
+    to the measured price — the probes' times inside the job minus what ``costs`` say the same
+    collectives cost on the same group (never below zero), as a line through the probe sizes."""
     nodes, world = int(job["hosts"]), int(job["world"])
-    out: list[dict[str, float]] = []
+    out: list[dict[str, list[float]]] = []
     for path in ("functional", "plain"):
-        out.append({kind: max(0.0, seconds - costs.seconds(kind, int(job["probe_bytes"][kind]), nodes, world))
-                    for kind, seconds in job["collectives"][path].items()})
+        lines = {}
+        for kind, points in job["collectives"][path].items():
+            extra = sorted((int(b), max(0.0, t - costs.seconds(kind, int(b), nodes, world))) for b, t in points)
+            (b0, e0), (b1, e1) = extra[0], extra[-1]
+            slope = max(0.0, (e1 - e0) / (b1 - b0)) if b1 > b0 else 0.0
+            lines[kind] = [max(0.0, e0 - slope * b0), slope]
+        out.append(lines)
     return out[0], out[1]
 
 

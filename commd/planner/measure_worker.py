@@ -53,17 +53,18 @@ def batches(shape: tuple[int, ...], dtype: str, count: int, rank: int, seed: int
 
 
 #: Bytes of the collectives ``layer_job`` times the torch path with (a layout conversion's size).
-PROBE_BYTES = 64 * 1024
-PROBE_REPEATS = 11
+#: Per-rank bytes of the collectives ``layer_job`` times the torch path with — a layout conversion's
+#: size, and a gradient's (above the size at which a fresh tensor is registered, not staged) — and how
+#: many times each (the first is not counted).
+PROBES = ((64 * 1024, 11), (4 * 1024 * 1024, 5))
 
 
 def layer_job(cfg: dict[str, Any]) -> dict[str, Any] | None:
     """Per layer (fixed, whole) training seconds (``trace.measure`` on the whole batch and on one
-    rank's share of it, every rank at once; the median over ranks) and, per collective kind, the
-    seconds a ``PROBE_BYTES`` collective on all ranks takes through ``torch.distributed`` directly
+    rank's share of it, every rank at once; the median over ranks) and, per collective kind and
+    ``PROBES`` size, the seconds a collective on all ranks takes through ``torch.distributed`` directly
     (``plain``: FSDP2's gradient sync) and through functional collectives (``functional``: DTensor's
     conversions).  Rank 0's return value; None on the others."""
-    import torch
     import torch.distributed as dist
     import torch.distributed._functional_collectives as fc
 
@@ -80,9 +81,30 @@ def layer_job(cfg: dict[str, Any]) -> dict[str, Any] | None:
     layers = fixed_and_whole(whole, part, share_shape[0] / shape[0])
 
     group = dist.group.WORLD
-    n = PROBE_BYTES // 4
+    collectives: dict[str, dict[str, list[list[float]]]] = {}
+    for nbytes, repeats in PROBES:
+        for path, kind, table_bytes, seconds in _probes(dist, fc, group, world, nbytes // 4, repeats):
+            collectives.setdefault(path, {}).setdefault(kind, []).append([table_bytes, seconds])
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, {"layers": layers, "collectives": collectives})
+    if rank != 0:
+        return None
+    return {"layers": {name: [statistics.median(g["layers"][name][0] for g in gathered),
+                              statistics.median(g["layers"][name][1] for g in gathered)] for name in layers},
+            "collectives": {path: {kind: [[point[0], statistics.median(g["collectives"][path][kind][i][1]
+                                                                         for g in gathered)]
+                                          for i, point in enumerate(points)]
+                                   for kind, points in kinds.items()} for path, kinds in collectives.items()},
+            "world": world, "threads": threads, "input": list(shape), "share_input": list(share_shape)}
+
+
+def _probes(dist: Any, fc: Any, group: Any, world: int, n: int, repeats: int) -> list[tuple[str, str, int, float]]:
+    """(path, kind, bytes as the tuning table counts them, median seconds) of each probe collective of
+    ``n`` float32 per rank, every call on fresh tensors (as the gradients FSDP2 syncs and the
+    activations DTensor converts are); what making the inputs costs is taken off."""
+    import torch
+
     rs_n = max(1, n // world) * world
-    # every call on fresh tensors, as the gradients FSDP2 syncs and the activations DTensor converts are
     calls: dict[str, dict[str, Any]] = {
         "plain": {"allreduce": lambda: dist.all_reduce(torch.randn(n)),
                   "allgather": lambda: dist.all_gather_into_tensor(torch.empty(n * world), torch.randn(n)),
@@ -92,32 +114,22 @@ def layer_job(cfg: dict[str, Any]) -> dict[str, Any] | None:
                        "reduce_scatter": lambda: fc.wait_tensor(
                            fc.reduce_scatter_tensor(torch.randn(rs_n), "sum", 0, group))},
     }
-    collectives: dict[str, dict[str, float]] = {}
+    table_bytes = {"allreduce": n * 4, "allgather": n * world * 4, "reduce_scatter": rs_n * 4}
+    began = time.perf_counter()
+    for _ in range(repeats):
+        torch.randn(n * world)
+    making = (time.perf_counter() - began) / repeats
+    out = []
     for path, kinds in calls.items():
         for kind, call in kinds.items():
             times = []
-            for _ in range(PROBE_REPEATS):
+            for _ in range(repeats):
                 dist.barrier()
                 began = time.perf_counter()
                 call()
                 times.append(time.perf_counter() - began)
-            collectives.setdefault(path, {})[kind] = statistics.median(times[1:])
-    began = time.perf_counter()  # what making a probe's inputs costs, taken off each probe
-    for _ in range(PROBE_REPEATS):
-        torch.randn(n * world)
-    making = (time.perf_counter() - began) / PROBE_REPEATS
-    collectives = {path: {kind: max(0.0, t - making) for kind, t in kinds.items()} for path, kinds in collectives.items()}
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, {"layers": layers, "collectives": collectives})
-    if rank != 0:
-        return None
-    return {"layers": {name: [statistics.median(g["layers"][name][0] for g in gathered),
-                              statistics.median(g["layers"][name][1] for g in gathered)] for name in layers},
-            "collectives": {path: {kind: statistics.median(g["collectives"][path][kind] for g in gathered)
-                                   for kind in kinds} for path, kinds in collectives.items()},
-            "probe_bytes": {"allreduce": PROBE_BYTES, "allgather": PROBE_BYTES * world,
-                            "reduce_scatter": rs_n * 4},
-            "world": world, "threads": threads, "input": list(shape), "share_input": list(share_shape)}
+            out.append((path, kind, table_bytes[kind], max(0.0, statistics.median(times[1:]) - making)))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

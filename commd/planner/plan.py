@@ -117,11 +117,12 @@ class Options:
     layer_seconds: dict[str, float] = field(default_factory=dict)
     #: the part of a layer's measured seconds that does not shrink with its share (absent: none)
     layer_fixed_seconds: dict[str, float] = field(default_factory=dict)
-    #: per collective kind, seconds a layout conversion's collective takes beyond its measured price:
-    #: the torch path DTensor takes (functional collectives), measured inside the launched job
-    convert_overhead_s: dict[str, float] = field(default_factory=dict)
+    #: per collective kind, [a, b]: a + b * bytes seconds a layout conversion's collective takes beyond its
+    #: measured price — the torch path DTensor takes (functional collectives, fresh tensors), measured
+    #: inside the launched job
+    convert_overhead_s: dict[str, list[float]] = field(default_factory=dict)
     #: the same for the gradient sync's collectives (FSDP2's direct calls)
-    sync_overhead_s: dict[str, float] = field(default_factory=dict)
+    sync_overhead_s: dict[str, list[float]] = field(default_factory=dict)
     compute_source: str = ""  # where the measured times come from, for plan.json
     mem_bytes: float | None = None  # per rank
     optimizer_states: int = 2  # extra parameter-sized tensors (Adam: 2, SGD with momentum: 1)
@@ -166,7 +167,7 @@ def price(graph: LayerGraph, mesh: Mesh, costs: CollectiveCosts, opts: Options) 
                     if s.sync != SYNC_NONE and dims[d].size > 1:  # (one rank: nothing to synchronise)
                         nbytes = _held_param_bytes(graph, i, [x for e, x in enumerate(combo) if e != d])
                         colls += [(kind, b, d, 1) for kind, b in sync_collectives(s.sync, nbytes)]
-            sync = sum(costs.seconds(k, b, groups[d].nodes, groups[d].size) + opts.sync_overhead_s.get(k, 0.0)
+            sync = sum(costs.seconds(k, b, groups[d].nodes, groups[d].size) + _extra(opts.sync_overhead_s, k, b)
                        for k, b, d, _ in colls)
             if opts.mem_bytes is not None and _memory(graph, i, combo, mesh.shape, opts.optimizer_states) > opts.mem_bytes:
                 continue
@@ -197,7 +198,7 @@ def price(graph: LayerGraph, mesh: Mesh, costs: CollectiveCosts, opts: Options) 
                 lists.append([])
                 continue
             colls = _edge_collectives(options[u][s], options[v][t], nbytes, mesh, backward)
-            matrix[s, t] = sum(costs.seconds(k, b, dims[d].nodes, dims[d].size) + opts.convert_overhead_s.get(k, 0.0)
+            matrix[s, t] = sum(costs.seconds(k, b, dims[d].nodes, dims[d].size) + _extra(opts.convert_overhead_s, k, b)
                                for k, b, d, _ in colls)
             lists.append(colls)
         key = (u, v)
@@ -220,6 +221,11 @@ def _held_param_bytes(graph: LayerGraph, i: int, strategies: list[Strategy]) -> 
         return int(whole * share)
     bias = max(0, layer.params - fan_in * fan_out) * graph.dtype_bytes
     return int((whole - bias) * share + bias * math.prod(s.param_share for s in strategies if s.name != "row"))
+
+
+def _extra(overheads: dict[str, list[float]], kind: str, nbytes: int) -> float:
+    a, b = overheads.get(kind, (0.0, 0.0))
+    return a + b * nbytes
 
 
 def _compute_seconds(name: str, flops: float, costs: CollectiveCosts, opts: Options, share: float) -> float:
