@@ -467,3 +467,16 @@ def test_a_split_follows_views_and_transposes_onto_the_heads() -> None:
     assert by_name["transpose"].attrs["dims"] == [0, 2, 1, 3]
     assert len(by_name["scaled_dot_product_attention"].inputs) == 3
     assert "blocks_0_attn" not in by_name  # (made of Linear layers: traced through, not one attention leaf)
+
+
+def test_groups_of_one_dimension_that_cross_a_node_link_together_share_it() -> None:
+    """On 2 nodes x 2 ranks, both dp groups of a 2x2 mesh send over every node's link at once: a dp
+    collective is priced as the measured curve for twice its bytes; one group of all ranks, or a group
+    inside a node, is priced as measured."""
+    costs = synthetic_costs()
+    dp, tp = planner.Mesh((2, 2), 2).dims()
+    (world,) = planner.Mesh((4,), 2).dims()
+    assert (dp.nodes, dp.sharing, tp.nodes, tp.sharing, world.sharing) == (2, 2, 1, 1, 1)
+    assert dp.seconds(costs, "allreduce", 1 << 20) == costs.seconds("allreduce", 2 << 20, 2, 2)
+    assert tp.seconds(costs, "allreduce", 1 << 20) == costs.seconds("allreduce", 1 << 20, 1, 2)
+    assert planner.Mesh((2, 2), 1).dims()[0].sharing == 1  # (one rank a node: each dp group its own links)

@@ -69,6 +69,14 @@ class MeshDim:
     role: str  # "any" (1-D), "data" or "model" (2-D)
     nodes: int  # nodes one of its groups spans
     name: str
+    #: how many of its groups cross each node's link at once (its groups run together: on a 2x2 mesh of
+    #: 2 ranks a node, both dp groups send over every node's link); 1 for groups inside a node
+    sharing: int = 1
+
+    def seconds(self, costs: CollectiveCosts, kind: str, nbytes: int) -> float:
+        """One of its groups' collective, priced as the measured curve of its node and rank counts for the
+        bytes every group sharing a link puts on it (the curves were measured one group at a time)."""
+        return costs.seconds(kind, nbytes * self.sharing, self.nodes, self.size)
 
 
 @dataclass(frozen=True)
@@ -95,7 +103,9 @@ class Mesh:
             stride = math.prod(self.shape[d + 1:])
             nodes = len({(i * stride) // self.nproc_per_node for i in range(size)})
             role = "any" if len(self.shape) == 1 else ("data" if d == 0 else "model")
-            out.append(MeshDim(size, role, nodes, "dp" if role == "data" else ("tp" if role == "model" else "world")))
+            sharing = max(1, self.nproc_per_node * nodes // size) if nodes > 1 else 1
+            out.append(MeshDim(size, role, nodes, "dp" if role == "data" else ("tp" if role == "model" else "world"),
+                               sharing))
         return out
 
     def describe(self) -> str:
@@ -167,7 +177,7 @@ def price(graph: LayerGraph, mesh: Mesh, costs: CollectiveCosts, opts: Options) 
                     if s.sync != SYNC_NONE and dims[d].size > 1:  # (one rank: nothing to synchronise)
                         nbytes = _held_param_bytes(graph, i, [x for e, x in enumerate(combo) if e != d])
                         colls += [(kind, b, d, 1) for kind, b in sync_collectives(s.sync, nbytes)]
-            sync = sum(costs.seconds(k, b, groups[d].nodes, groups[d].size) + _extra(opts.sync_overhead_s, k, b)
+            sync = sum(groups[d].seconds(costs, k, b) + _extra(opts.sync_overhead_s, k, b)
                        for k, b, d, _ in colls)
             if opts.mem_bytes is not None and _memory(graph, i, combo, mesh.shape, opts.optimizer_states) > opts.mem_bytes:
                 continue
@@ -198,7 +208,7 @@ def price(graph: LayerGraph, mesh: Mesh, costs: CollectiveCosts, opts: Options) 
                 lists.append([])
                 continue
             colls = _edge_collectives(options[u][s], options[v][t], nbytes, mesh, backward)
-            matrix[s, t] = sum(costs.seconds(k, b, dims[d].nodes, dims[d].size) + _extra(opts.convert_overhead_s, k, b)
+            matrix[s, t] = sum(dims[d].seconds(costs, k, b) + _extra(opts.convert_overhead_s, k, b)
                                for k, b, d, _ in colls)
             lists.append(colls)
         key = (u, v)
