@@ -26,10 +26,19 @@ any test runs, points the suite's module-level ``BACKEND`` and
 ``os.environ["BACKEND"]`` (which test bodies and ``init_process_group`` read at
 run time) at the backend under test, in the worker and in every rank process.
 With ``--backend gloo`` both modes are the same run, so one Gloo baseline
-(``gloo_baseline.json``) serves both.  A few Gloo tests cannot pass under
-another name whatever the backend does; ``GLOO_GATE_DIFFERENCES`` lists them
-with the reason, and the run reports them as ``excluded`` (not run) or
-``xfailed`` (run, failed for exactly that reason) rather than as failures.
+(``gloo_baseline.json``) serves both.  A rank checks that its default group
+runs on the backend under test before each test body, so no test can pass by
+running on Gloo instead.  ``GLOO_GATE_DIFFERENCES`` lists the Gloo tests that
+need more than the gates, with the reason:
+
+* tests whose *body* branches on the name (``if BACKEND == "gloo"``: build a
+  CPU model) run with the suite's ``BACKEND`` reading "gloo" during the body
+  only -- the group still runs on the backend under test, as the check above
+  makes sure -- or, with ``--name-bound exclude``, are reported ``excluded``;
+* tests that fail whatever the backend does (torch refuses
+  ``dist.monitored_barrier`` for any backend but Gloo) are reported
+  ``xfailed`` when they fail for exactly that reason, and as failures
+  otherwise.
 
 How it is put together (and why):
 
@@ -68,7 +77,7 @@ import sys
 import tempfile
 import time
 import types
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -98,7 +107,8 @@ MESSAGE_LIMIT = 4000
 
 # Curated "fast" subset: regexes matched (``re.fullmatch``) against test method
 # names.  Covers the core collectives, p2p, barrier, subgroups and basic DDP
-# on CPU: 33 tests, 30 of which spawn two ranks (~3-4 s apiece on 2 cores).
+# on CPU: 37 tests; with --gates gloo 34 spawn two ranks (~4-5 s apiece on 2
+# cores for commd), with --gates own 27 (the Gloo-only ones are skipped).
 # Notes on coverage (torch 2.13 suite, WORLD_SIZE=2):
 # * CPU all_to_all / all_to_all_single are tested only for MPI, and
 #   reduce_scatter only for NCCL on CUDA; the CPU all_to_all names are kept
@@ -160,9 +170,9 @@ FAST_PATTERNS: tuple[str, ...] = (
 
 # "gated" subset: tests the suite runs only when BACKEND is "gloo" that a
 # plugin is expected to pass under ``--gates gloo`` (barrier timeout, sparse
-# all_reduce, coalesced all_reduce, batched isend/irecv), plus one excluded
-# known difference (costs nothing).  Small enough for ``make test``: 5 tests
-# spawn ranks.  The xfailed monitored_barrier test is in the fast subset.
+# all_reduce, coalesced all_reduce, batched isend/irecv, and DDP no_sync whose
+# body branches on the name).  Small enough for ``make test``: 6 tests.  The
+# xfailed monitored_barrier test is in the fast subset.
 GATED_PATTERNS: tuple[str, ...] = (
     r"test_barrier_timeout_full_group",
     r"test_sparse_all_reduce_sum",
@@ -179,11 +189,13 @@ SUBSETS: dict[str, tuple[str, ...] | None] = {
 
 @dataclass(frozen=True)
 class KnownDifference:
-    """A Gloo test that cannot pass under another backend name, and why.
+    """A Gloo test that needs more than Gloo's gates under another backend, and why.
 
-    ``action`` is "exclude" (not run: the test cannot run under another name)
-    or "xfail" (run; reported as ``xfailed`` only if the failure message
-    matches ``failure``, so any other failure still counts as one).
+    ``action``: "gloo_body" (the body branches on the backend's name: it runs
+    with the suite's ``BACKEND`` reading "gloo", or is excluded with
+    ``--name-bound exclude``) or "xfail" (run; reported as ``xfailed`` only if
+    the failure message matches ``failure``, so any other failure still counts
+    as one).
     """
 
     pattern: str
@@ -196,9 +208,16 @@ class KnownDifference:
 GLOO_GATE_DIFFERENCES: tuple[KnownDifference, ...] = (
     KnownDifference(
         r"test_accumulate_gradients_no_sync.*",
-        "exclude",
+        "gloo_body",
         "cannot run under another name: the test body builds its model only when "
         "BACKEND is gloo, mpi or nccl (not the backend's to fix)",
+    ),
+    KnownDifference(
+        r"test_monitored_barrier_gloo_rank_0_timeout",
+        "xfail",
+        "calls the group's monitored_barrier with a 0 s timeout: Gloo's rank 0 times out at "
+        "once, commd.monitored_barrier refuses timeouts under 1 ms",
+        failure=r"ValueError: monitored_barrier: timeout 0\.0s must lie in",
     ),
     KnownDifference(
         r"test_monitored_barrier_gloo.*",
@@ -217,7 +236,7 @@ def known_differences(backend: str, gates: str) -> tuple[KnownDifference, ...]:
 
 
 def find_difference(name: str, differences: tuple[KnownDifference, ...]) -> KnownDifference | None:
-    """The known difference whose pattern matches test ``name``, if any."""
+    """The first known difference whose pattern matches test ``name``, if any."""
     for difference in differences:
         if re.fullmatch(difference.pattern, name):
             return difference
@@ -334,13 +353,23 @@ def _build_suite_class(suite: types.ModuleType) -> type:
             """In a rank: check the group runs on the backend under test, then run the test.
 
             The check runs as part of the test method so that a mismatch
-            reaches the parent through the suite's own error pipe.
+            reaches the parent through the suite's own error pipe.  A body
+            that branches on the backend's name (``gloo_body``) sees "gloo".
             """
             test = getattr(self, test_name)
+            backend = os.environ["BACKEND"]
+            difference = find_difference(
+                test_name, known_differences(backend, os.environ.get(_ENV_GATES, "own"))
+            )
+            body_name = "gloo" if difference is not None and difference.action == "gloo_body" else backend
 
             def on_backend_under_test() -> None:
                 _check_rank_backend()
-                test()
+                suite.BACKEND = body_name
+                try:
+                    test()
+                finally:
+                    suite.BACKEND = backend
 
             setattr(self, test_name, on_backend_under_test)
             super().run_test(test_name, parent_pipe)
@@ -502,6 +531,8 @@ class SuiteResult:
     # Skipped by a decorator evaluated when the suite was imported (typically
     # a backend-name check), as opposed to a skip decided inside the ranks.
     static_skip: bool = False
+    # How the test ran, when not plainly (e.g. its body saw the name "gloo").
+    note: str = ""
 
 
 def _result_from_event(event: dict[str, Any]) -> SuiteResult:
@@ -512,6 +543,9 @@ def _result_from_event(event: dict[str, Any]) -> SuiteResult:
         message=event["message"],
         static_skip=bool(event.get("static_skip", False)),
     )
+
+
+GLOO_BODY_NOTE = "body saw BACKEND='gloo' (it branches on the name); the group ran on the backend under test"
 
 
 class RunnerError(RuntimeError):
@@ -658,12 +692,12 @@ class Orchestrator:
     def run(self, names: list[str]) -> None:
         """Run ``names``, restarting the worker whenever it hangs or dies.
 
-        Tests that cannot run under this backend's name are recorded as
-        ``excluded`` with the reason instead of being run.
+        With ``--name-bound exclude``, tests whose body branches on the
+        backend's name are recorded as ``excluded`` with the reason instead.
         """
         for name in names:
             difference = find_difference(name, self.differences)
-            if difference is not None and difference.action == "exclude":
+            if difference is not None and difference.action == "gloo_body" and self.args.name_bound == "exclude":
                 self._record(name, SuiteResult("excluded", 0.0, difference.reason))
         remaining = [n for n in names if n not in self.results]
         while remaining:
@@ -679,8 +713,13 @@ class Orchestrator:
 
     def _record(self, name: str, result: SuiteResult) -> None:
         result = expect_known_failure(name, result, self.differences)
+        difference = find_difference(name, self.differences)
+        if difference is not None and difference.action == "gloo_body" and result.outcome != "excluded":
+            result = replace(result, note=GLOO_BODY_NOTE)
         self.results[name] = result
         line = f"{result.outcome.upper():8s} {name} ({result.duration_s:.1f}s)"
+        if result.note:
+            line += f"  [{result.note}]"
         if result.outcome == "failed":
             line += f"  -- {_headline(result.message)[:160]}"
         elif result.outcome in ("excluded", "xfailed"):
@@ -785,12 +824,7 @@ def expect_known_failure(
         or not re.search(difference.failure, result.message)
     ):
         return result
-    return SuiteResult(
-        "xfailed",
-        result.duration_s,
-        f"{difference.reason}\n{result.message}",
-        result.static_skip,
-    )
+    return replace(result, outcome="xfailed", message=f"{difference.reason}\n{result.message}")
 
 
 def select_tests(names: list[str], subset: str) -> list[str]:
@@ -894,6 +928,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="module to import to register a plugin backend (default: the backend name "
         "for non-builtin backends)",
     )
+    parser.add_argument(
+        "--name-bound",
+        choices=("gloo-body", "exclude"),
+        default="gloo-body",
+        help="with --gates gloo, tests whose body branches on the backend's name: run them with "
+        "the body reading 'gloo' (the group stays on the backend under test), or exclude them",
+    )
     parser.add_argument("--keep-logs", action="store_true", help="keep worker logs even if all tests pass")
     # Internal: worker mode.
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -968,6 +1009,10 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.monotonic() - started
 
     counts = counts_of(orch.results)
+    as_gloo = sorted(n for n, r in orch.results.items() if r.note == GLOO_BODY_NOTE)
+    if as_gloo:
+        print(f"\n{len(as_gloo)} tests ran with their body reading BACKEND='gloo' on {args.backend}: "
+              + ", ".join(as_gloo))
     comparison: Comparison | None = None
     if args.compare is not None:
         comparison = compare_with_baseline(orch.results, args.compare)
@@ -990,6 +1035,7 @@ def main(argv: list[str] | None = None) -> int:
             "backend": args.backend,
             "subset": args.subset,
             "gates": args.gates,
+            "name_bound": args.name_bound,
             "k": args.k,
             "world_size": WORLD_SIZE,
             "torch_version": _torch_version(),

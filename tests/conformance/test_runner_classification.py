@@ -23,6 +23,11 @@ TORCH_REFUSAL = (
     'E   File "distributed_c10d.py", line 5419, in monitored_barrier\n'
     "E ValueError: monitored_barrier is only implemented for GLOO backend.\n"
 )
+# What commd.monitored_barrier raises for test_monitored_barrier_gloo_rank_0_timeout's 0 s timeout.
+COMMD_ZERO_TIMEOUT = (
+    "E RuntimeError: Process 0 exited with error code 10 and exception:\n"
+    "E ValueError: monitored_barrier: timeout 0.0s must lie in [0.001, 604800] seconds\n"
+)
 OTHER_FAILURE = (
     "E RuntimeError: Process 1 exited with error code 10 and exception:\n"
     "E AssertionError: Tensor-likes are not close!\n"
@@ -64,9 +69,9 @@ def test_known_differences_apply_only_to_another_backend_under_gloo_gates() -> N
     assert runner.known_differences("gloo", "gloo") == ()
 
 
-def test_name_bound_tests_are_excluded_and_never_run(tmp_path: Path) -> None:
+def test_name_bound_tests_are_excluded_and_never_run_on_request(tmp_path: Path) -> None:
     """An all-excluded selection records the reason and starts no worker."""
-    args = runner._parse_args(["--backend", "commd", "--gates", "gloo"])
+    args = runner._parse_args(["--backend", "commd", "--gates", "gloo", "--name-bound", "exclude"])
     orch = runner.Orchestrator(args, tmp_path)
     names = [
         "test_accumulate_gradients_no_sync",
@@ -76,6 +81,15 @@ def test_name_bound_tests_are_excluded_and_never_run(tmp_path: Path) -> None:
     assert [orch.results[n].outcome for n in names] == ["excluded", "excluded"]
     assert "cannot run under another name" in orch.results[names[0]].message
     assert not list(tmp_path.glob("worker*")), "a worker was started for excluded tests"
+
+
+def test_name_bound_results_say_the_body_saw_gloo(tmp_path: Path) -> None:
+    args = runner._parse_args(["--backend", "commd", "--gates", "gloo"])
+    orch = runner.Orchestrator(args, tmp_path)
+    orch._record("test_accumulate_gradients_no_sync_grad_is_view", SuiteResult("passed", 6.0))
+    orch._record("test_barrier", SuiteResult("passed", 4.0))
+    assert orch.results["test_accumulate_gradients_no_sync_grad_is_view"].note == runner.GLOO_BODY_NOTE
+    assert orch.results["test_barrier"].note == ""
 
 
 def test_monitored_barrier_failure_is_xfailed_only_for_torchs_refusal() -> None:
@@ -93,6 +107,11 @@ def test_monitored_barrier_failure_is_xfailed_only_for_torchs_refusal() -> None:
         "test_barrier", SuiteResult("failed", 3.0, TORCH_REFUSAL), _differences()
     )
     assert unrelated.outcome == "failed"
+    zero = "test_monitored_barrier_gloo_rank_0_timeout"
+    assert runner.expect_known_failure(
+        zero, SuiteResult("failed", 3.0, COMMD_ZERO_TIMEOUT), _differences()).outcome == "xfailed"
+    assert runner.expect_known_failure(
+        zero, SuiteResult("failed", 3.0, TORCH_REFUSAL), _differences()).outcome == "failed"
     under_own_gates = runner.expect_known_failure(
         name, SuiteResult("failed", 3.0, TORCH_REFUSAL), runner.known_differences("commd", "own")
     )
