@@ -53,11 +53,9 @@ def test_gated_subset_is_the_gloo_only_tests() -> None:
         "test_sparse_all_reduce_sum_cuda",
     ]
     assert runner.select_tests(names, "gated") == [
-        "test_accumulate_gradients_no_sync",
         "test_all_reduce_coalesced_sum",
         "test_barrier_timeout_full_group",
         "test_batch_isend_irecv_gloo",
-        "test_batch_isend_irecv_gloo_tags",
         "test_sparse_all_reduce_sum",
     ]
     assert runner.select_tests(names, "full") == names
