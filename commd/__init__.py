@@ -69,8 +69,8 @@ def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):  # type: 
     """torch's ``dist.monitored_barrier`` (Gloo only) for commd groups: a barrier that, after ``timeout``
     (a timedelta or seconds; None: the group's op timeout), fails on every waiting rank naming the
     first rank that did not arrive, or all of them with ``wait_all_ranks``.
-    See ``commd.torch_backend.monitored.monitored_barrier``."""
-    from commd.torch_backend.monitored import monitored_barrier as run
+    See ``commd.torch_backend.process_group.monitored_barrier``."""
+    from commd.torch_backend.process_group import monitored_barrier as run
 
     run(group, timeout, wait_all_ranks)
 

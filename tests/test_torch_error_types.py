@@ -312,6 +312,15 @@ def _monitored(rank: int, backend: str, away: list[int], wait_all_ranks: bool) -
     return observe(lambda: dist.monitored_barrier(timeout=timeout, wait_all_ranks=wait_all_ranks))
 
 
+def _group_monitored(rank: int, backend: str, away: list[int]) -> dict[str, Any]:
+    """torch's test_monitored_barrier_gloo_rank_0_timeout calls the group's own method, not dist's."""
+    _init(backend)
+    group = dist.new_group(ranks=list(range(dist.get_world_size())))
+    if rank in away:
+        return _stay_away()
+    return observe(lambda: group.monitored_barrier(timedelta(seconds=1)))
+
+
 def _monitored_then_sum(rank: int) -> dict[str, Any]:
     """Everyone arrives: the barrier passes, and the group's next op agrees (the barrier kept it in step)."""
     _init("commd")
@@ -423,6 +432,16 @@ def test_monitored_barrier_names_the_ranks_that_stay_away_as_gloo_does(
         assert seen["caught_by"] == "DistBackendError" and seen["type"] == "CommTimeoutError", (rank, seen)
         assert seen["torch_types"] == {"DistBackendError", "TimeoutError"}, (rank, seen)
         assert 0.9 <= seen["elapsed"] < 11, (rank, seen)
+
+
+def test_a_groups_own_monitored_barrier_names_the_missing_rank_as_gloos_does(backend_env: Path) -> None:
+    """``ProcessGroup.monitored_barrier`` (which torch does not refuse) on a commd group is commd's."""
+    gloo = run_ranks(_group_monitored, 2, [0], "gloo", [1])[0]
+    ours = run_ranks(_group_monitored, 2, [0], "commd", [1])[0]
+    expected = "[Rank 0]: Rank 1 failed to pass monitoredBarrier in 1000 ms"
+    assert gloo["raised"] and gloo["message"].splitlines()[0] == expected, gloo
+    assert ours.get("raised") and ours["message"].splitlines()[0] == expected, ours
+    assert ours["type"] == "CommTimeoutError" and ours["caught_by"] == "DistBackendError", ours
 
 
 def test_monitored_barrier_passes_when_every_rank_arrives(backend_env: Path) -> None:

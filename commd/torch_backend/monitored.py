@@ -6,23 +6,27 @@ knows which ranks have not submitted an op: a barrier with the monitor's timeout
 fails on every waiting rank with a CommTimeoutError whose ``missing_ranks`` are those
 ranks, which this turns into torch's message ("[Rank 0]: Rank 1 failed to pass
 monitoredBarrier in 1000 ms"), on every waiting rank rather than on rank 0 alone.
+
+The public ``monitored_barrier(group, ...)`` and the group's own method
+(``ProcessGroupCommd.monitored_barrier``) live in process_group.py; this module
+never imports it at run time, so that it can import this one.
 """
 
 from __future__ import annotations
 
-import warnings
 from datetime import timedelta
-from typing import Any
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from commd.client.errors import CommTimeoutError
 from commd.protocol.schema import MAX_OP_TIMEOUT_S
-from commd.torch_backend.process_group import ProcessGroupCommd, commd_group
+
+if TYPE_CHECKING:
+    from commd.torch_backend.process_group import ProcessGroupCommd
 
 
-def monitored_barrier(group: Any = None, timeout: timedelta | float | None = None, wait_all_ranks: bool = False) -> None:
-    """Wait until every rank of ``group`` (None: the default group) calls this; torch's
+def monitored_barrier_on(pg: ProcessGroupCommd, timeout: timedelta | float | None = None,
+                         wait_all_ranks: bool = False) -> None:
+    """Wait until every rank of the commd group ``pg`` calls this; torch's
     ``dist.monitored_barrier`` for commd groups.
 
     ``timeout``: a timedelta (or seconds), None for the group's op timeout.  When it passes
@@ -30,11 +34,6 @@ def monitored_barrier(group: Any = None, timeout: timedelta | float | None = Non
     ``torch.distributed.DistBackendError`` and a ``TimeoutError``) naming the first group rank
     that did not arrive, or all of them with ``wait_all_ranks``, as torch words it.  A rank
     that died instead raises the PeerDiedError naming it at once."""
-    if group is dist.GroupMember.NON_GROUP_MEMBER:
-        warnings.warn(f"Running monitored_barrier on global rank {dist.get_rank()} which does not belong to the given "
-                      "group.", stacklevel=2)
-        return
-    pg = commd_group(group, "commd's monitored_barrier")
     seconds = _seconds(timeout, pg)
     try:
         pg.barrier_within(seconds).wait()

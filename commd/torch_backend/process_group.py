@@ -39,6 +39,7 @@ from commd.client.handle import Handle
 from commd.client.spawn import ensure_daemon
 from commd.memory.budget import check_environment
 from commd.runtime import ConfigError, JobPaths, secret_from_environment
+from commd.torch_backend.monitored import monitored_barrier_on
 from commd.torch_backend.profiling import profiled
 from commd.torch_backend.ring_ops import open_ring, ring_all_reduce
 from commd.torch_backend.sparse import all_reduce_sparse, is_sparse_call
@@ -581,6 +582,14 @@ class ProcessGroupCommd(dist.ProcessGroup):
         (``monitored_barrier``)."""
         return self._work(ops.barrier(self._client, **{**self._kw(), "timeout": timeout}), None)
 
+    def monitored_barrier(self, timeout: timedelta | float | None = None, wait_all_ranks: bool = False) -> None:
+        """torch's ``ProcessGroup.monitored_barrier`` for this group: ``commd.monitored_barrier``.
+
+        torch's C++ method looks for a C++ backend for CPU, which a Python group has not, and
+        fails with "No backend type associated with device type cpu"; Gloo's groups answer it.
+        """
+        monitored_barrier_on(self, timeout, wait_all_ranks)
+
     def shutdown(self) -> None:
         """Called by destroy_process_group; the process's client stays for other groups."""
         if self.ring is not None:
@@ -803,6 +812,19 @@ def register_backend() -> None:
 def autoload() -> None:
     """Entry point for torch's backend autoloading (the `torch.backends` group)."""
     register_backend()
+
+
+def monitored_barrier(group: Any = None, timeout: timedelta | float | None = None, wait_all_ranks: bool = False) -> None:
+    """``commd.monitored_barrier``: torch's ``dist.monitored_barrier`` (Gloo only) for commd groups.
+
+    ``group``: None (the default group) or a commd process group; see
+    ``monitored.monitored_barrier_on`` for ``timeout`` and ``wait_all_ranks``.  A rank outside
+    ``group`` warns and returns, as torch's does."""
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        warnings.warn(f"Running monitored_barrier on global rank {dist.get_rank()} which does not belong to the given "
+                      "group.", stacklevel=2)
+        return
+    commd_group(group, "commd's monitored_barrier").monitored_barrier(timeout, wait_all_ranks)
 
 
 def alltonext(send: torch.Tensor, recv: torch.Tensor, group: Any = None, async_op: bool = False) -> CommdWork | None:

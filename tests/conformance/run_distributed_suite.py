@@ -14,6 +14,31 @@ Usage::
         --json out.json
     python tests/conformance/run_distributed_suite.py --backend commd --subset fast \
         --compare tests/conformance/gloo_baseline.json
+    python tests/conformance/run_distributed_suite.py --backend commd --gates gloo \
+        --subset full --compare tests/conformance/gloo_baseline.json
+
+Gates.  The suite decides many skips at import time from the backend's *name*
+(``BACKEND != "gloo"``), so a plugin backend is never asked most of what Gloo
+is asked.  ``--gates own`` (the default) evaluates those gates for the backend
+under test, as PyTorch's CI would.  ``--gates gloo`` imports the suite with
+``BACKEND=gloo`` -- every test Gloo may run is collected -- and then, before
+any test runs, points the suite's module-level ``BACKEND`` and
+``os.environ["BACKEND"]`` (which test bodies and ``init_process_group`` read at
+run time) at the backend under test, in the worker and in every rank process.
+With ``--backend gloo`` both modes are the same run, so one Gloo baseline
+(``gloo_baseline.json``) serves both.  A rank checks that its default group
+runs on the backend under test before each test body, so no test can pass by
+running on Gloo instead.  ``GLOO_GATE_DIFFERENCES`` lists the Gloo tests that
+need more than the gates, with the reason:
+
+* tests whose *body* branches on the name (``if BACKEND == "gloo"``: build a
+  CPU model) run with the suite's ``BACKEND`` reading "gloo" during the body
+  only -- the group still runs on the backend under test, as the check above
+  makes sure -- or, with ``--name-bound exclude``, are reported ``excluded``;
+* tests that fail whatever the backend does (torch refuses
+  ``dist.monitored_barrier`` for any backend but Gloo) are reported
+  ``xfailed`` when they fail for exactly that reason, and as failures
+  otherwise.
 
 How it is put together (and why):
 
@@ -52,7 +77,7 @@ import sys
 import tempfile
 import time
 import types
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -64,6 +89,11 @@ WORLD_SIZE = 2
 # by inheritance, the rank processes the suite spawns).
 _ENV_WORKER = "COMMD_CONFORMANCE_WORKER"
 _ENV_PLUGIN_MODULE = "COMMD_CONFORMANCE_PLUGIN_MODULE"
+_ENV_GATES = "COMMD_CONFORMANCE_GATES"
+SUITE_MODULE = "torch.testing._internal.distributed.distributed_test"
+# --gates: "own" evaluates the suite's import-time gates for the backend under
+# test; "gloo" evaluates them as for Gloo (see the module docstring).
+GATE_CHOICES = ("own", "gloo")
 
 # Extra seconds on top of the suite's own join timeout before pytest-timeout
 # fires (spawning two ranks, traceback collection and tearDown need time), and
@@ -77,15 +107,18 @@ MESSAGE_LIMIT = 4000
 
 # Curated "fast" subset: regexes matched (``re.fullmatch``) against test method
 # names.  Covers the core collectives, p2p, barrier, subgroups and basic DDP
-# on CPU: 33 tests, 30 of which spawn two ranks (~3-4 s apiece on 2 cores).
+# on CPU: 37 tests; with --gates gloo 34 spawn two ranks (~4-5 s apiece on 2
+# cores for commd), with --gates own 27 (the Gloo-only ones are skipped).
 # Notes on coverage (torch 2.13 suite, WORLD_SIZE=2):
 # * CPU all_to_all / all_to_all_single are tested only for MPI, and
 #   reduce_scatter only for NCCL on CUDA; the CPU all_to_all names are kept
 #   so that the gap shows up as skipped (decorator skips spawn nothing).
 # * The *_group variants need WORLD_SIZE >= 8; subgroups are exercised via the
 #   *_full_group tests (dist.new_group()) and the object-collective subgroup test.
-# * test_batch_isend_irecv_gloo* and test_all_reduce_coalesced_* are gated on
-#   BACKEND == "gloo" by the suite itself: they run for gloo, skip for plugins.
+# * test_batch_isend_irecv_gloo*, test_all_reduce_coalesced_*, the barrier
+#   timeout tests and test_sparse_all_reduce_sum are gated on BACKEND == "gloo"
+#   by the suite itself: they run for gloo, and for a plugin only with
+#   ``--gates gloo`` (skipped with ``--gates own``).
 FAST_PATTERNS: tuple[str, ...] = (
     # Backend name plumbing, rank/size, group creation and destruction.
     r"test_get_backend",
@@ -124,10 +157,89 @@ FAST_PATTERNS: tuple[str, ...] = (
     # Barrier.
     r"test_barrier",
     r"test_barrier_full_group",
+    r"test_barrier_timeout_full_group",
+    # Sparse COO all_reduce (gated on gloo).
+    r"test_sparse_all_reduce_sum",
+    # Known differences under --gates gloo (see GLOO_GATE_DIFFERENCES).
+    r"test_monitored_barrier_gloo",
+    r"test_accumulate_gradients_no_sync",
     # Basic DistributedDataParallel on CPU (logging_data checks getBackendName()).
     r"test_DistributedDataParallelCPU",
     r"test_ddp_logging_data_cpu",
 )
+
+# "gated" subset: one test of each kind the suite runs only when BACKEND is
+# "gloo" and a plugin is expected to pass under ``--gates gloo``: barrier
+# timeout, sparse all_reduce, coalesced all_reduce, batched isend/irecv.
+# Small enough for ``make test`` (4 tests, 30-90 s on a loaded 2-core
+# machine); the fast subset adds the known differences.
+GATED_PATTERNS: tuple[str, ...] = (
+    r"test_barrier_timeout_full_group",
+    r"test_sparse_all_reduce_sum",
+    r"test_all_reduce_coalesced_sum",
+    r"test_batch_isend_irecv_gloo",
+)
+SUBSETS: dict[str, tuple[str, ...] | None] = {
+    "full": None,
+    "fast": FAST_PATTERNS,
+    "gated": GATED_PATTERNS,
+}
+
+
+@dataclass(frozen=True)
+class KnownDifference:
+    """A Gloo test that needs more than Gloo's gates under another backend, and why.
+
+    ``action``: "gloo_body" (the body branches on the backend's name: it runs
+    with the suite's ``BACKEND`` reading "gloo", or is excluded with
+    ``--name-bound exclude``) or "xfail" (run; reported as ``xfailed`` only if
+    the failure message matches ``failure``, so any other failure still counts
+    as one).
+    """
+
+    pattern: str
+    action: str
+    reason: str
+    failure: str = ""
+
+
+# Apply with --gates gloo to any backend other than gloo.
+GLOO_GATE_DIFFERENCES: tuple[KnownDifference, ...] = (
+    KnownDifference(
+        r"test_accumulate_gradients_no_sync.*",
+        "gloo_body",
+        "cannot run under another name: the test body builds its model only when "
+        "BACKEND is gloo, mpi or nccl (not the backend's to fix)",
+    ),
+    KnownDifference(
+        r"test_monitored_barrier_gloo_rank_0_timeout",
+        "xfail",
+        "calls the group's monitored_barrier with a 0 s timeout: Gloo's rank 0 times out at "
+        "once, commd.monitored_barrier refuses timeouts under 1 ms",
+        failure=r"ValueError: monitored_barrier: timeout 0\.0s must lie in",
+    ),
+    KnownDifference(
+        r"test_monitored_barrier_gloo.*",
+        "xfail",
+        "torch refuses monitored_barrier for non-Gloo backends; use commd.monitored_barrier",
+        failure=r"monitored_barrier is only implemented for GLOO backend",
+    ),
+)
+
+
+def known_differences(backend: str, gates: str) -> tuple[KnownDifference, ...]:
+    """The known differences that apply to this backend under these gates."""
+    if gates == "gloo" and backend != "gloo":
+        return GLOO_GATE_DIFFERENCES
+    return ()
+
+
+def find_difference(name: str, differences: tuple[KnownDifference, ...]) -> KnownDifference | None:
+    """The first known difference whose pattern matches test ``name``, if any."""
+    for difference in differences:
+        if re.fullmatch(difference.pattern, name):
+            return difference
+    return None
 
 
 # --------------------------------------------------------------------------
@@ -182,12 +294,52 @@ def _prepare_backend(backend: str, plugin_module: str | None) -> list[str]:
     return added
 
 
-def _build_suite_class() -> type:
+def _import_suite(backend: str, gates: str) -> types.ModuleType:
+    """Import the suite with its import-time gates evaluated for ``gates``.
+
+    With ``gates="gloo"`` the skip decorators see ``BACKEND == "gloo"``; then
+    the module's ``BACKEND`` and ``os.environ["BACKEND"]`` -- read at run time
+    by ``TestDistBackend._run`` (``init_process_group``), by test bodies
+    (``test_get_backend``, the object collectives, ``skip_if_small_worldsize``)
+    -- are pointed back at ``backend``.  Rank processes inherit the restored
+    environment and run this again when they import this module.
+    """
+    gate_name = backend if gates == "own" else gates
+    os.environ["BACKEND"] = gate_name
+    try:
+        suite = importlib.import_module(SUITE_MODULE)
+    finally:
+        os.environ["BACKEND"] = backend
+    if suite.BACKEND not in (gate_name, backend):
+        raise RuntimeError(
+            f"{SUITE_MODULE} was imported before the runner set BACKEND "
+            f"(it saw {suite.BACKEND!r}); its gates are not those asked for"
+        )
+    suite.BACKEND = backend
+    return suite
+
+
+def _check_rank_backend() -> None:
+    """Fail unless the rank's default group runs on the backend under test.
+
+    With ``--gates gloo`` the suite was imported as for Gloo; this guards
+    against a test silently running on Gloo instead of the plugin.
+    """
+    import torch.distributed as dist
+
+    expected = os.environ["BACKEND"]
+    actual = dist.get_backend() if dist.is_initialized() else None
+    if actual != expected:
+        raise AssertionError(
+            f"conformance runner: this rank's default group runs on backend {actual!r}, "
+            f"not on {expected!r} under test"
+        )
+
+
+def _build_suite_class(suite: types.ModuleType) -> type:
     """Define the spawn-driven test class exactly as test_distributed_spawn does."""
-    from torch.testing._internal.distributed.distributed_test import (
-        DistributedTest,
-        TestDistBackend,
-    )
+    DistributedTest = suite.DistributedTest
+    TestDistBackend = suite.TestDistBackend
 
     class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
         """One test method per suite test; every test spawns WORLD_SIZE ranks."""
@@ -195,6 +347,31 @@ def _build_suite_class() -> type:
         def setUp(self) -> None:
             super().setUp()
             self._spawn_processes()
+
+        def run_test(self, test_name: str, parent_pipe: Any) -> None:
+            """In a rank: check the group runs on the backend under test, then run the test.
+
+            The check runs as part of the test method so that a mismatch
+            reaches the parent through the suite's own error pipe.  A body
+            that branches on the backend's name (``gloo_body``) sees "gloo".
+            """
+            test = getattr(self, test_name)
+            backend = os.environ["BACKEND"]
+            difference = find_difference(
+                test_name, known_differences(backend, os.environ.get(_ENV_GATES, "own"))
+            )
+            body_name = "gloo" if difference is not None and difference.action == "gloo_body" else backend
+
+            def on_backend_under_test() -> None:
+                _check_rank_backend()
+                suite.BACKEND = body_name
+                try:
+                    test()
+                finally:
+                    suite.BACKEND = backend
+
+            setattr(self, test_name, on_backend_under_test)
+            super().run_test(test_name, parent_pipe)
 
     # Rank processes locate the class by qualified name when unpickling.
     TestDistBackendWithSpawn.__qualname__ = TestDistBackendWithSpawn.__name__
@@ -206,7 +383,9 @@ if os.environ.get(_ENV_WORKER) == "1":
     # Runs in the worker (as imported by pytest) and in every rank process.
     _ensure_expecttest()
     _FEATURES_ADDED = _prepare_backend(os.environ["BACKEND"], os.environ.get(_ENV_PLUGIN_MODULE))
-    TestDistBackendWithSpawn = _build_suite_class()
+    TestDistBackendWithSpawn = _build_suite_class(
+        _import_suite(os.environ["BACKEND"], os.environ.get(_ENV_GATES, "own"))
+    )
 
 
 # --------------------------------------------------------------------------
@@ -351,6 +530,8 @@ class SuiteResult:
     # Skipped by a decorator evaluated when the suite was imported (typically
     # a backend-name check), as opposed to a skip decided inside the ranks.
     static_skip: bool = False
+    # How the test ran, when not plainly (e.g. its body saw the name "gloo").
+    note: str = ""
 
 
 def _result_from_event(event: dict[str, Any]) -> SuiteResult:
@@ -361,6 +542,9 @@ def _result_from_event(event: dict[str, Any]) -> SuiteResult:
         message=event["message"],
         static_skip=bool(event.get("static_skip", False)),
     )
+
+
+GLOO_BODY_NOTE = "body saw BACKEND='gloo' (it branches on the name); the group ran on the backend under test"
 
 
 class RunnerError(RuntimeError):
@@ -384,6 +568,7 @@ def _worker_env(args: argparse.Namespace, temp_root: Path) -> dict[str, str]:
         {
             _ENV_WORKER: "1",
             "BACKEND": args.backend,
+            _ENV_GATES: args.gates,
             "WORLD_SIZE": str(WORLD_SIZE),
             # setUp() replaces TEMP_DIR/INIT_METHOD per test; the initial values
             # matter for import-time checks (a file:// INIT_METHOD enables
@@ -443,6 +628,7 @@ class Orchestrator:
         self._worker_no = 0
         self._proc: subprocess.Popen[bytes] | None = None
         self.features_added: list[str] = []
+        self.differences = known_differences(args.backend, args.gates)
 
     def kill_worker(self) -> None:
         """Kill the running worker (if any) with all its rank processes."""
@@ -503,7 +689,15 @@ class Orchestrator:
         raise RunnerError(f"collection failed (rc={proc.returncode}):\n{tail}")
 
     def run(self, names: list[str]) -> None:
-        """Run ``names``, restarting the worker whenever it hangs or dies."""
+        """Run ``names``, restarting the worker whenever it hangs or dies.
+
+        With ``--name-bound exclude``, tests whose body branches on the
+        backend's name are recorded as ``excluded`` with the reason instead.
+        """
+        for name in names:
+            difference = find_difference(name, self.differences)
+            if difference is not None and difference.action == "gloo_body" and self.args.name_bound == "exclude":
+                self._record(name, SuiteResult("excluded", 0.0, difference.reason))
         remaining = [n for n in names if n not in self.results]
         while remaining:
             progressed = self._run_batch(remaining)
@@ -517,10 +711,18 @@ class Orchestrator:
                 raise RunnerError("worker made no progress; see logs in " + str(self.temp_root))
 
     def _record(self, name: str, result: SuiteResult) -> None:
+        result = expect_known_failure(name, result, self.differences)
+        difference = find_difference(name, self.differences)
+        if difference is not None and difference.action == "gloo_body" and result.outcome != "excluded":
+            result = replace(result, note=GLOO_BODY_NOTE)
         self.results[name] = result
         line = f"{result.outcome.upper():8s} {name} ({result.duration_s:.1f}s)"
+        if result.note:
+            line += f"  [{result.note}]"
         if result.outcome == "failed":
             line += f"  -- {_headline(result.message)[:160]}"
+        elif result.outcome in ("excluded", "xfailed"):
+            line += f"  -- {result.message.splitlines()[0][:200]}"
         print(line, flush=True)
 
     def _run_batch(self, names: list[str]) -> bool:
@@ -609,17 +811,36 @@ def _headline(message: str) -> str:
     return exc_lines[0]
 
 
+def expect_known_failure(
+    name: str, result: SuiteResult, differences: tuple[KnownDifference, ...]
+) -> SuiteResult:
+    """Turn a failure into ``xfailed`` when it fails for its known reason only."""
+    difference = find_difference(name, differences)
+    if (
+        result.outcome != "failed"
+        or difference is None
+        or difference.action != "xfail"
+        or not re.search(difference.failure, result.message)
+    ):
+        return result
+    return replace(result, outcome="xfailed", message=f"{difference.reason}\n{result.message}")
+
+
 def select_tests(names: list[str], subset: str) -> list[str]:
     """Apply the --subset filter to collected names, keeping suite order."""
-    if subset == "full":
+    patterns = SUBSETS[subset]
+    if patterns is None:
         return names
-    patterns = [re.compile(p) for p in FAST_PATTERNS]
-    return [n for n in names if any(p.fullmatch(n) for p in patterns)]
+    compiled = [re.compile(p) for p in patterns]
+    return [n for n in names if any(p.fullmatch(n) for p in compiled)]
+
+
+OUTCOMES = ("passed", "failed", "skipped", "excluded", "xfailed")
 
 
 def counts_of(results: dict[str, SuiteResult]) -> dict[str, int]:
-    """passed/failed/skipped totals."""
-    counts = {"passed": 0, "failed": 0, "skipped": 0}
+    """Totals per outcome (``excluded``/``xfailed``: known differences)."""
+    counts = dict.fromkeys(OUTCOMES, 0)
     for result in results.values():
         counts[result.outcome] = counts.get(result.outcome, 0) + 1
     return counts
@@ -631,6 +852,7 @@ class Comparison:
 
     regressions: list[str]  # failed, or skipped inside the ranks
     gated: list[str]  # skipped by an import-time backend check (e.g. BACKEND != "gloo")
+    known: list[str]  # excluded or xfailed: a known difference, with its reason
     not_run: list[str]  # outside this run's selection (--subset / -k)
 
 
@@ -640,13 +862,17 @@ def compare_with_baseline(results: dict[str, SuiteResult], baseline_path: Path) 
     passing = baseline.get("passed_tests")
     if passing is None:
         passing = [n for n, r in baseline.get("tests", {}).items() if r["outcome"] == "passed"]
-    comparison = Comparison([], [], [])
+    comparison = Comparison([], [], [], [])
     for name in passing:
         result = results.get(name)
         if result is None:
             comparison.not_run.append(name)
             continue
         if result.outcome == "passed":
+            continue
+        if result.outcome in ("excluded", "xfailed"):
+            reason = result.message.splitlines()[0]
+            comparison.known.append(f"{result.outcome.upper():8s} {name}  -- {reason}")
             continue
         line = f"{result.outcome.upper():8s} {name}  -- {_headline(result.message)[:200]}"
         if result.static_skip:
@@ -671,7 +897,20 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         description="Run torch's DistributedTest suite (WORLD_SIZE=2) against a backend."
     )
     parser.add_argument("--backend", required=True, help="gloo, commd, or another plugin")
-    parser.add_argument("--subset", choices=("fast", "full"), default="full")
+    parser.add_argument(
+        "--subset",
+        choices=tuple(SUBSETS),
+        default="full",
+        help="full: every collected test; fast: core collectives, p2p, barrier, subgroups, "
+        "basic DDP; gated: the tests the suite runs only for gloo (use with --gates gloo)",
+    )
+    parser.add_argument(
+        "--gates",
+        choices=GATE_CHOICES,
+        default="own",
+        help="own: the suite's import-time backend-name gates see this backend; gloo: they "
+        "see gloo (every test Gloo may run is collected) while the tests run on this backend",
+    )
     parser.add_argument("-k", metavar="EXPR", default=None, help="pytest -k expression on test names")
     parser.add_argument("--json", type=Path, default=None, help="write per-test results here")
     parser.add_argument(
@@ -687,6 +926,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="module to import to register a plugin backend (default: the backend name "
         "for non-builtin backends)",
+    )
+    parser.add_argument(
+        "--name-bound",
+        choices=("gloo-body", "exclude"),
+        default="gloo-body",
+        help="with --gates gloo, tests whose body branches on the backend's name: run them with "
+        "the body reading 'gloo' (the group stays on the backend under test), or exclude them",
     )
     parser.add_argument("--keep-logs", action="store_true", help="keep worker logs even if all tests pass")
     # Internal: worker mode.
@@ -723,7 +969,8 @@ def main(argv: list[str] | None = None) -> int:
     """Orchestrate a run.
 
     Exit status 0 only if no test failed and, with --compare, every
-    baseline-passing test in the selection passed or was gated by the suite.
+    baseline-passing test in the selection passed, was gated by the suite, or
+    is a known difference (excluded or xfailed, with its reason).
     """
     args = _parse_args(argv)
     if args.worker:
@@ -746,7 +993,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         print(
             f"Running {len(names)} tests of torch {_torch_version()} DistributedTest "
-            f"with backend={args.backend} world_size={WORLD_SIZE} subset={args.subset}",
+            f"with backend={args.backend} world_size={WORLD_SIZE} subset={args.subset} "
+            f"gates={args.gates}",
             flush=True,
         )
         orch.run(names)
@@ -760,6 +1008,10 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.monotonic() - started
 
     counts = counts_of(orch.results)
+    as_gloo = sorted(n for n, r in orch.results.items() if r.note == GLOO_BODY_NOTE)
+    if as_gloo:
+        print(f"\n{len(as_gloo)} tests ran with their body reading BACKEND='gloo' on {args.backend}: "
+              + ", ".join(as_gloo))
     comparison: Comparison | None = None
     if args.compare is not None:
         comparison = compare_with_baseline(orch.results, args.compare)
@@ -768,9 +1020,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {line}")
         for line in comparison.gated:
             print(f"  {line}  [gated by the suite on backend name]")
+        for line in comparison.known:
+            print(f"  {line}")
         print(
             f"  {len(comparison.regressions)} failed or skipped at run time, "
             f"{len(comparison.gated)} skipped by import-time backend checks, "
+            f"{len(comparison.known)} known differences, "
             f"{len(comparison.not_run)} not in this selection"
         )
 
@@ -778,6 +1033,8 @@ def main(argv: list[str] | None = None) -> int:
         payload: dict[str, Any] = {
             "backend": args.backend,
             "subset": args.subset,
+            "gates": args.gates,
+            "name_bound": args.name_bound,
             "k": args.k,
             "world_size": WORLD_SIZE,
             "torch_version": _torch_version(),
@@ -804,7 +1061,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         shutil.rmtree(temp_root, ignore_errors=True)
     print(f"wall time {wall:.1f}s")
-    print(f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped")
+    print(", ".join(f"{counts[outcome]} {outcome}" for outcome in OUTCOMES))
     return 1 if failed else 0
 
 
