@@ -193,13 +193,40 @@ def test_megatron_on_an_mlp_issues_one_all_reduce_per_column_row_pair_forward() 
     assert got == [{"kind": "allreduce", "bytes": 8 * 16 * 4, "mesh_dim": 0, "count": 1}]
 
 
-def test_data_parallel_syncs_every_parameter_once_and_converts_nothing() -> None:
+def test_data_parallel_syncs_every_parameter_once_in_ddp_buckets_and_converts_nothing() -> None:
+    """Plain DDP: the gradients from the last layer back, a bucket closed once it holds its cap (the first
+    one's smaller), one all-reduce per bucket, every parameter in exactly one."""
     graph = examples.mlp(batch=8, width=16, depth=3)
-    priced = planner.price(graph, planner.Mesh((4,), 2), synthetic_costs(), planner.Options())
-    figures = planner.breakdown(priced, planner.data_parallel(graph, priced))
-    synced = sorted(c["bytes"] for c in figures["collectives"] for _ in range(c["count"]))
-    assert synced == sorted(graph.param_bytes(i) for i, layer in enumerate(graph.layers) if layer.params)
-    assert all(c["kind"] == "allreduce" for c in figures["collectives"]) and figures["conversions_s"] == 0
+    layers = [graph.param_bytes(i) for i, layer in enumerate(graph.layers) if layer.params]
+    assert layers == [1088, 1088, 1088]
+    for first, cap, want in ((1 << 20, 25 << 20, [3264]), (1000, 2000, [1088, 2176]), (1, 1, [1088] * 3),
+                             (2000, 1, [2176, 1088])):
+        opts = planner.Options(ddp_first_bucket_bytes=first, ddp_bucket_bytes=cap)
+        priced = planner.price(graph, planner.Mesh((4,), 2), synthetic_costs(), opts)
+        figures = planner.breakdown(priced, planner.data_parallel(graph, priced))
+        assert figures["ddp_buckets"] == want, (first, cap)
+        synced = [c["bytes"] for c in figures["collectives"] for _ in range(c["count"])]
+        assert sorted(synced) == sorted(want) and all(c["kind"] == "allreduce" for c in figures["collectives"])
+        assert figures["conversions_s"] == 0
+        costs = synthetic_costs()
+        assert figures["sync_s"] == pytest.approx(sum(costs.seconds("allreduce", b, 2, 4) for b in want))
+
+
+def test_plain_ddp_becomes_the_plan_where_its_buckets_beat_the_search_that_priced_a_layer_at_a_time() -> None:
+    graph = examples.mlp(batch=64, width=64, depth=8)
+    mesh, costs = planner.Mesh((4,), 2), synthetic_costs(flops_per_s=1e9)
+    priced = planner.price(graph, mesh, costs, planner.Options())
+    searched = planner.solve(priced, "exact", graph)[0].choice
+    dp = planner.data_parallel(graph, priced)
+    assert searched != dp  # priced a layer's all-reduce at a time, data parallel loses ...
+    assert planner.breakdown(priced, dp)["step_s"] < planner.breakdown(priced, searched)["step_s"]  # ... as DDP not
+    assert "ddp_buckets" not in planner.breakdown(priced, searched)
+    made = planner.plan(graph, mesh, costs, planner.Options(search="exact"))
+    assert made["search"]["ddp_baseline_chosen"] is True
+    assert [r["strategy"] for r in made["layers"]] == made["baselines"]["data_parallel"]["strategy"]
+    assert made["ddp_buckets"] == made["predicted"]["ddp_buckets"] == [sum(graph.param_bytes(i) for i in
+                                                                          range(len(graph.layers)))]
+    assert made["predicted"]["step_s"] == made["baselines"]["data_parallel"]["step_s"]
 
 
 def test_a_row_split_layer_synchronises_its_weights_share_and_its_whole_bias() -> None:

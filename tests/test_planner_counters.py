@@ -37,9 +37,10 @@ CASES = {
     "2x2": ("mlp", (2, 2), (512, 32), {}, "megatron"),  # dp x tp: FSDP2's replicate on dp, Megatron on tp
     "2x2-fsdp": ("sp_mlp", (2, 2), (8, 64, 8), {"0": ("fsdp", "col"), "2": ("fsdp", "row"), "3": ("fsdp", "rep"),
                                                 "4": ("fsdp", "col"), "6": ("fsdp", "row")}, "megatron"),
-    # data parallel on both dimensions: one group of all four ranks (replicate, and fully_shard), and
+    # data parallel on both dimensions: plain DDP over all four ranks (its buckets), fully_shard over them, and
     # FSDP2's hybrid (replicated over dp, sharded over tp)
-    "2x2-data-parallel": ("mlp", (2, 2), (512, 32), {}, "data_parallel"),
+    "2x2-data-parallel": ("mlp", (2, 2), (512, 32), {}, "data_parallel"),  # plain DDP over all 4: one bucket
+    "2x2-data-parallel-buckets": ("mlp", (2, 2), (512, 32), {}, "data_parallel"),  # two (BUCKET_CAPS)
     "2x2-fsdp-everywhere": ("sp_mlp", (2, 2), (8, 64, 8), {n: ("fsdp", "fsdp") for n in ("0", "2", "3", "4", "6")},
                             "data_parallel"),  # (sp_mlp: every parameter splits in four without padding)
     "2x2-hybrid": ("mlp", (2, 2), (512, 32), {n: ("dp", "fsdp") for n in ("0", "2", "4")}, "data_parallel"),
@@ -49,13 +50,20 @@ CASES = {
                                "optimum"),
 }
 
+#: DDP's bucket caps (first, others) where a case sets them: the mlp's gradients (2600, 16640 and 8448
+#: bytes from the last layer back) in two buckets, 19240 and 8448 bytes.
+BUCKET_CAPS = {"2x2-data-parallel-buckets": (4000, 10000)}
+
 
 def forced(factory: str, shape: tuple[int, ...], input_shape: tuple[int, ...],
-           overrides: dict[str, tuple[str, ...]], base: str = "megatron") -> tuple[dict[str, Any], list[dict[str, Any]]]:
+           overrides: dict[str, tuple[str, ...]], base: str = "megatron",
+           bucket_caps: tuple[int, int] | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """plan.json with Megatron's choice or the planner's optimum (some layers overridden), and the
     collectives it predicts per step."""
     graph = trace(getattr(planner_models, factory), input_shape)
-    mesh, costs, opts = planner.Mesh(shape, 2), synthetic_costs(), planner.Options()  # (2 ranks a node)
+    opts = planner.Options() if bucket_caps is None else planner.Options(ddp_first_bucket_bytes=bucket_caps[0],
+                                                                         ddp_bucket_bytes=bucket_caps[1])
+    mesh, costs = planner.Mesh(shape, 2), synthetic_costs()  # (2 ranks a node)
     priced = planner.price(graph, mesh, costs, opts)
     choice = (planner.megatron(graph, priced) if base == "megatron" else planner.data_parallel(graph, priced)
               if base == "data_parallel" else planner.solve(priced, "descent", graph)[0].choice)
@@ -65,7 +73,11 @@ def forced(factory: str, shape: tuple[int, ...], input_shape: tuple[int, ...],
         choice[i] = next(k for k, combo in enumerate(priced.options[i]) if tuple(s.name for s in combo) == names)
     made = planner.plan(graph, mesh, costs, opts)
     made["layers"] = planner.layer_rows(graph, priced, choice)
-    return made, planner.breakdown(priced, choice)["collectives"]
+    figures = planner.breakdown(priced, choice)
+    made.pop("ddp_buckets", None)
+    if "ddp_buckets" in figures:  # plain DDP: apply makes the buckets the plan names
+        made["ddp_buckets"] = figures["ddp_buckets"]
+    return made, figures["collectives"]
 
 
 def _reading() -> dict[str, Any]:
@@ -112,7 +124,8 @@ def _rank(rank: int, made: dict[str, Any], factory: str, input_shape: tuple[int,
         model(x).pow(2).sum().backward()
         optimizer.step()
 
-    step()  # the first step's one-off collectives (DTensor's set-up) are not the plan's
+    step()  # the first steps' one-off collectives (DTensor's set-up; DDP's bucket rebuild, in the second
+    step()  # step's forward) are not the plan's
     dist.barrier()
     before = _reading() if rank == 0 else None
     dist.barrier()
@@ -131,7 +144,9 @@ def test_the_collectives_a_plan_predicts_are_what_the_daemon_counts_over_a_step(
     import torch.multiprocessing as tmp
 
     factory, shape, input_shape, overrides, base = CASES[case]
-    made, predicted = forced(factory, shape, input_shape, overrides, base)
+    made, predicted = forced(factory, shape, input_shape, overrides, base, BUCKET_CAPS.get(case))
+    if case.startswith("2x2-data-parallel"):
+        assert made["ddp_buckets"] == ([19240, 8448] if case in BUCKET_CAPS else [27688]), made["ddp_buckets"]
     if factory == "vgg":  # the optimum is mixed at this batch: data-parallel convolutions, a split classifier
         assert {row["name"]: row["strategy"][0] for row in made["layers"] if row["kind"] in ("conv2d", "linear")} \
             == {"0": overrides.get("0", ("dp",))[0], "3": overrides.get("3", ("dp",))[0], "7": "col", "9": "row", "11": overrides.get("11", ("rep",))[0]}, made["layers"]
@@ -150,7 +165,8 @@ def test_the_collectives_a_plan_predicts_are_what_the_daemon_counts_over_a_step(
     assert set(got) == set(want), (counted, predicted)
     for kind, nbytes in want.items():  # exact: no layer here pads (every split dimension divides evenly)
         assert got[kind] == nbytes, (kind, got[kind], nbytes, counted, predicted)
-    if factory == "vgg":  # FSDP2 reduces a module's gradients in one collective: the ops are the plan's too
+    if factory == "vgg" or "ddp_buckets" in made:  # FSDP2 reduces a module's gradients in one collective,
+        # DDP a bucket's: the ops are the plan's too
         ops: collections.Counter[str] = collections.Counter()
         for c in predicted:
             ops[c["kind"]] += c["count"]

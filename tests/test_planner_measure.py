@@ -70,6 +70,22 @@ def test_settings_skip_a_null_baseline_and_the_summary_names_the_fastest(tmp_pat
     assert measure.interleaved(["a", "b"], 2) == [(0, "a"), (0, "b"), (1, "b"), (1, "a")]
 
 
+def test_a_baseline_with_the_plans_own_layers_is_the_same_setting_run_once(tmp_path: Path) -> None:
+    made = planner.load(_plan(tmp_path))
+    made["layers"] = made["baselines"]["data_parallel"]["layers"]
+    made["baselines"]["megatron"]["layers"] = made["layers"]
+    got, _ = measure.settings(made)
+    assert [got[n]["same_as"] for n in got] == [None, "plan", "plan"]
+    runs: dict[str, list[dict[str, Any]]] = {"plan": [{"median_s": 0.004}]}
+    runs.update(data_parallel=runs["plan"], megatron=runs["plan"])  # what measure() hands summary
+    result = measure.summary(got, runs)
+    assert {row["measured_step_s"] for row in result["settings"].values()} == {0.004}
+    assert result["settings"]["data_parallel"]["same_as"] == "plan"
+    assert "the same layers as plan: run once" in measure.table(result)
+    made["baselines"]["megatron"] = planner.load(_plan(tmp_path))["baselines"]["megatron"]
+    assert measure.settings(made)[0]["megatron"]["same_as"] is None  # different layers: its own job
+
+
 def test_each_rank_gets_the_share_of_the_batch_its_input_layer_splits(tmp_path: Path) -> None:
     made = planner.load(_plan(tmp_path))
     dp = dict(made, layers=made["baselines"]["data_parallel"]["layers"])

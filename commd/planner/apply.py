@@ -24,7 +24,9 @@ Autograd through DTensor gives every parameter the gradient of the ranks' losses
 output's counted once), a data-parallel layer in per-rank parts; so a data-parallel layer sums its
 parts where the output is whole (FSDP2 would average them), and where the output is batch-split every
 gradient is divided by the ranks (FSDP2's own average for data-parallel layers, a gradient hook on the
-other layers' parameters).  A plan of data-parallel layers only is plain DDP/FSDP.
+other layers' parameters).  A plan of data-parallel layers only (``dp`` on every mesh dimension of
+every parameter layer) is plain DDP over all the mesh's ranks: ``apply`` returns the model wrapped in
+``DistributedDataParallel``, its buckets the plan's ``ddp_buckets`` (the planner prices those).
 """
 
 from __future__ import annotations
@@ -192,6 +194,8 @@ def apply(model: Any, plan: Mapping[str, Any], mesh: Any, graph: LayerGraph | No
 
     layer_specs = specs(plan, graph)
     dims = _check_mesh(plan, mesh)
+    if plain_ddp(layer_specs, len(dims), mesh.size()):
+        return _ddp(model, plan, mesh, graph)
     model_mesh, data_mesh = (mesh, mesh) if len(dims) == 1 else (mesh["tp"], mesh["dp"])
     modules = modules_by_layer(model)
     for spec in layer_specs:
@@ -233,6 +237,36 @@ def apply(model: Any, plan: Mapping[str, Any], mesh: Any, graph: LayerGraph | No
 FLAT = "dp_tp"
 
 
+def plain_ddp(layer_specs: list[LayerSpec], ndim: int, ranks: int) -> bool:
+    """Every parameter layer data parallel (``dp``) on each of the mesh's ``ndim`` dimensions, the loss
+    the mean over all ``ranks`` (DDP's average): the plan is plain DDP."""
+    return bool(layer_specs) and all(
+        spec.style is None and spec.data == "dp" and spec.model_data == ("dp" if ndim == 2 else None)
+        and spec.grad_divisor == ranks for spec in layer_specs)
+
+
+def _ddp(model: Any, plan: Mapping[str, Any], mesh: Any, graph: LayerGraph | None) -> Any:
+    """``model`` wrapped in DDP over all the mesh's ranks, in the plan's ``ddp_buckets`` (torch's own
+    bucketing where the plan names none); ApplyError when those do not hold the model's gradients."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.nn.parallel import DistributedDataParallel
+
+    check(model, plan, mesh, graph)  # (plain tensors everywhere)
+    buckets = plan.get("ddp_buckets")
+    options: dict[str, Any] = {}
+    if buckets is not None:
+        if not isinstance(buckets, list) or not buckets or not all(
+                isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in buckets):
+            raise ApplyError(f"ddp_buckets: a list of positive byte counts, not {buckets!r}")
+        grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        if sum(buckets) != grads:
+            raise ApplyError(f"ddp_buckets hold {sum(buckets)} bytes but the model's gradients are {grads} bytes: "
+                             "the plan was made for another model")
+        options["bucket_cap_mb_list"] = [b / 2**20 for b in buckets]  # (exact: a power of two divides)
+    flat = mesh if mesh.ndim == 1 else DeviceMesh(mesh.device_type, mesh.mesh.flatten(), mesh_dim_names=(FLAT,))
+    return DistributedDataParallel(model, process_group=flat.get_group(), **options)
+
+
 def _data_parallel_everywhere(module: Any, spec: LayerSpec, mesh: Any, meshes: dict[str, Any]) -> None:
     """A layer data parallel on both dimensions of a 2-D mesh: ``dp`` on both, ``replicate`` over all
     ranks; ``fsdp`` on both, ``fully_shard`` over all ranks (one flat mesh); one of each, FSDP2's hybrid
@@ -270,14 +304,20 @@ def _divided_by(divisor: int) -> Any:
 def check(model: Any, plan: Mapping[str, Any], mesh: Any, graph: LayerGraph | None = None) -> None:
     """Every parameter of the plan's layers placed as its strategy implies: a DTensor with those
     placements, or a plain tensor where the plan replicates it; ApplyError naming the first that is not."""
+    from torch.nn.parallel import DistributedDataParallel
+
     dims = _check_mesh(plan, mesh)
+    if isinstance(model, DistributedDataParallel):
+        model = model.module
+    layer_specs = specs(plan, graph)
+    ddp = plain_ddp(layer_specs, len(dims), mesh.size())
     modules = modules_by_layer(model)
-    for spec in specs(plan, graph):
+    for spec in layer_specs:
         module = modules.get(spec.name)
         if module is None:
             raise ApplyError(f"layer {spec.name!r}: the model has no module of that name")
         for pname, param in module.named_parameters():
-            want = expected_placements(spec, pname.rsplit(".", 1)[-1], dims)
+            want = {} if ddp else expected_placements(spec, pname.rsplit(".", 1)[-1], dims)
             got = placements(param, dims)
             if got != want:
                 raise ApplyError(f"layer {spec.name!r} ({spec.kind}, {spec.style or 'replicated'}"

@@ -5,7 +5,9 @@ Each setting (the plan, its ``data_parallel`` and ``megatron`` baselines) is one
 ``--rate``/``--delay-ms``), each rank building the model with the plan's ``model_factory``, applying
 the setting's layers and timing SGD steps (see measure_worker for how).  Settings are interleaved over
 ``--repeats`` so a drift in the machine's load touches them all; a setting's figure is the median of
-its runs' medians.  Only plans of traced models (``MODULE:FACTORY``) can be measured: a layer list or
+its runs' medians.  A baseline whose layers are the plan's own (the plan *is* data parallel) is the
+same job, so it is run once and its figures shown for both: two runs of one setting differ only by the
+machine's noise, which would read as one being faster.  Only plans of traced models (``MODULE:FACTORY``) can be measured: a layer list or
 an example has no model to run.  The daemons run without a tuning table unless ``COMMD_TUNING`` says
 otherwise, so every setting sees the same lanes.
 """
@@ -49,15 +51,19 @@ def check(plan: dict[str, Any], hosts: int, nproc_per_node: int) -> None:
 
 
 def settings(plan: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], list[str]]:
-    """(name → (predicted figures, plan with that setting's layers), names skipped with why)."""
-    out = {"plan": {"predicted": plan["predicted"], "plan": plan}}
+    """(name → (predicted figures, plan with that setting's layers, the earlier setting with the very same
+    layers or None), names skipped with why)."""
+    out: dict[str, dict[str, Any]] = {"plan": {"predicted": plan["predicted"], "plan": plan, "same_as": None}}
     skipped = []
     for name in SETTINGS[1:]:
         base = (plan.get("baselines") or {}).get(name)
         if base is None:
             skipped.append(f"{name}: the plan has no such baseline (null: it does not fit or does not apply)")
             continue
-        out[name] = {"predicted": base, "plan": dict(plan, layers=base["layers"])}
+        same = next((earlier for earlier, row in out.items() if row["plan"]["layers"] == base["layers"]), None)
+        setting = {k: v for k, v in plan.items() if k != "ddp_buckets"}  # (the plan's own DDP buckets)
+        setting.update(layers=base["layers"], **({"ddp_buckets": base["ddp_buckets"]} if "ddp_buckets" in base else {}))
+        out[name] = {"predicted": base, "plan": setting, "same_as": same}
     return out, skipped
 
 
@@ -74,7 +80,7 @@ def summary(plan_settings: dict[str, dict[str, Any]], runs: dict[str, list[dict[
         measured = statistics.median(r["median_s"] for r in runs[name])
         rows[name] = {"predicted_step_s": predicted, "measured_step_s": measured,
                       "measured_over_predicted": measured / predicted if predicted > 0 else None,
-                      "runs_median_s": [r["median_s"] for r in runs[name]]}
+                      "runs_median_s": [r["median_s"] for r in runs[name]], "same_as": setting.get("same_as")}
     fastest = min(rows, key=lambda n: rows[n]["measured_step_s"])
     return {"settings": rows, "fastest": fastest}
 
@@ -84,8 +90,9 @@ def table(result: dict[str, Any]) -> str:
     lines = [f"{'setting':<16} {'predicted ms':>13} {'measured ms':>12} {'meas/pred':>10}"]
     for name, row in result["settings"].items():
         ratio = row["measured_over_predicted"]
+        same = f"  (the same layers as {row['same_as']}: run once)" if row.get("same_as") else ""
         lines.append(f"{name:<16} {row['predicted_step_s'] * 1e3:13.3f} {row['measured_step_s'] * 1e3:12.3f} "
-                     f"{(f'{ratio:.2f}x' if ratio is not None else '-'):>10}")
+                     f"{(f'{ratio:.2f}x' if ratio is not None else '-'):>10}{same}")
     lines.append(f"fastest measured: {result['fastest']}")
     lines.extend(f"skipped {s}" for s in result.get("skipped", []))
     return "\n".join(lines)
@@ -200,10 +207,14 @@ def measure(plan: dict[str, Any], hosts: int, nproc_per_node: int, rate: str | N
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in plan_settings}
     with tempfile.TemporaryDirectory(prefix="commd-plan-measure-") as tmp, \
             SimulatedHosts(hosts, delay_ms=delay_ms, rate=rate) as sim:
-        for rep, name in interleaved(list(plan_settings), repeats):
+        distinct = [name for name, setting in plan_settings.items() if setting["same_as"] is None]
+        for rep, name in interleaved(distinct, repeats):
             print(f"[{rep + 1}/{repeats}] {name} ...", file=log, flush=True)
             cfg = dict(base, plan=plan_settings[name]["plan"])
             runs[name].append(run_job(sim, cfg, Path(tmp), f"{name}-{rep}", nproc_per_node, timeout))
+    for name, setting in plan_settings.items():
+        if setting["same_as"] is not None:
+            runs[name] = runs[setting["same_as"]]
     result = summary(plan_settings, runs)
     result.update(skipped=skipped, runs=runs,
                   config={"hosts": hosts, "nproc_per_node": nproc_per_node, "rate": rate, "delay_ms": delay_ms,

@@ -10,6 +10,14 @@ across nodes cost what they were measured to cost.  ``plan()`` solves it (``sear
 prices two baselines the same way: data parallel everywhere, and Megatron (linear layers in
 column/row pairs, attention split by heads, embeddings by vocabulary, the rest replicated).
 
+A plan of data-parallel layers only (every parameter layer ``dp`` on every mesh dimension) is plain
+DDP over all the mesh's ranks (``apply``), so it is priced as DDP synchronises: the gradients in
+buckets (``ddp_buckets``: filled in the order backward makes them, the first closed from
+``ddp_first_bucket_bytes``, the others from ``ddp_bucket_bytes``, torch's defaults), one all-reduce
+each, and plan.json names the buckets so ``apply`` makes exactly those.  A layer at a time (the
+search's unit) prices each layer's own all-reduce, more than DDP's buckets cost, so the data-parallel
+baseline priced as DDP becomes the plan when it is cheaper than what the search found.
+
 The model adds times: it does not overlap communication with compute (DDP overlaps its
 all-reduces with the backward pass), so a prediction is an upper bound where overlap is large.
 """
@@ -139,6 +147,9 @@ class Options:
     search: str = "descent"
     #: only strategies ``apply`` can set up through DTensor (False: price every strategy)
     appliable_only: bool = True
+    #: DDP's bucket caps (torch's defaults: 1 MiB for the first bucket, the last layers' gradients, 25 MiB after)
+    ddp_first_bucket_bytes: int = 1 << 20
+    ddp_bucket_bytes: int = 25 << 20
 
 
 @dataclass
@@ -150,6 +161,16 @@ class Priced:
     node_parts: list[list[dict[str, float]]]  # per layer, per candidate: compute, sync seconds
     collectives: dict[tuple[int, int], list[list[tuple[str, int, int, int]]]]  # per edge: [s*kv+t] -> list
     node_collectives: list[list[list[tuple[str, int, int, int]]]]  # per layer, per candidate
+    #: plain DDP's gradient sync: its buckets' bytes, their all-reduces and what they cost (see the module)
+    ddp: DdpSync | None = None
+
+
+@dataclass
+class DdpSync:
+    buckets: list[int]
+    collectives: list[tuple[str, int, int, int]]
+    seconds: float
+    param_layers: list[int]  # the layers with parameters, whose sync the buckets replace
 
 
 def price(graph: LayerGraph, mesh: Mesh, costs: CollectiveCosts, opts: Options) -> Priced:
@@ -217,7 +238,45 @@ def price(graph: LayerGraph, mesh: Mesh, costs: CollectiveCosts, opts: Options) 
             edge_colls[key] = [a + b for a, b in zip(edge_colls[key], lists, strict=True)]
         else:
             edges[key], edge_colls[key] = matrix, lists
-    return Priced(search.Problem(node_costs, edges), options, node_parts, edge_colls, node_colls)
+    all_ranks = 0 if len(dims) == 1 else len(dims)  # (a 1-D mesh's one dimension is all its ranks)
+    ddp = _ddp_sync(graph, mesh, costs, opts, groups[all_ranks], all_ranks)
+    return Priced(search.Problem(node_costs, edges), options, node_parts, edge_colls, node_colls, ddp)
+
+
+def ddp_buckets(graph: LayerGraph, first_bytes: int, bucket_bytes: int) -> list[int]:
+    """The bytes of DDP's gradient buckets, in the order it fills them: the layers' parameters from the
+    last layer back (the order backward makes their gradients), a bucket closed once it holds at least
+    its cap (``first_bytes`` for the first, ``bucket_bytes`` after); a layer is never split."""
+    out, size = [], 0
+    for i in reversed(range(len(graph.layers))):
+        nbytes = graph.param_bytes(i)
+        if not nbytes:
+            continue
+        size += nbytes
+        if size >= (first_bytes if not out else bucket_bytes):
+            out.append(size)
+            size = 0
+    if size:
+        out.append(size)
+    return out
+
+
+def _ddp_sync(graph: LayerGraph, mesh: Mesh, costs: CollectiveCosts, opts: Options, group: MeshDim,
+              mesh_dim: int) -> DdpSync | None:
+    """Plain DDP's gradient sync over all the mesh's ranks (None: one rank, or no parameters)."""
+    buckets = ddp_buckets(graph, opts.ddp_first_bucket_bytes, opts.ddp_bucket_bytes)
+    if mesh.world < 2 or not buckets:
+        return None
+    colls = [("allreduce", b, mesh_dim, 1) for b in buckets]
+    seconds = sum(group.seconds(costs, "allreduce", b) + _extra(opts.sync_overhead_s, "allreduce", b) for b in buckets)
+    return DdpSync(buckets, colls, seconds, [i for i in range(len(graph.layers)) if graph.param_bytes(i)])
+
+
+def plain_ddp(priced: Priced, choice: list[int]) -> bool:
+    """Whether ``choice`` is data parallel on every mesh dimension in every layer with parameters
+    (``apply`` makes it plain DDP over all ranks, synchronised in ``priced.ddp``'s buckets)."""
+    return priced.ddp is not None and all(
+        all(s.name == "dp" for s in priced.options[i][choice[i]]) for i in priced.ddp.param_layers)
 
 
 def _held_param_bytes(graph: LayerGraph, i: int, strategies: list[Strategy]) -> int:
@@ -390,20 +449,29 @@ def breakdown(priced: Priced, choice: list[int]) -> dict[str, Any]:
     """The predicted step: compute, conversions and sync seconds, and the collectives per step (each one
     group's: ``mesh_dim`` d < the mesh's dimensions is a group of that dimension, d = their number the
     group of all the mesh's ranks)."""
+    ddp = priced.ddp if plain_ddp(priced, choice) else None
     compute = sum(priced.node_parts[v][s]["compute_s"] for v, s in enumerate(choice))
-    sync = sum(priced.node_parts[v][s]["sync_s"] for v, s in enumerate(choice))
     conversions = sum(float(m[choice[u], choice[v]]) for (u, v), m in priced.problem.edges.items())
     counter: Counter[tuple[str, int, int]] = Counter()
+    if ddp is not None:  # DDP's buckets instead of each layer's own all-reduce
+        sync = ddp.seconds
+        for kind, nbytes, d, _ in ddp.collectives:
+            counter[(kind, nbytes, d)] += 1
+    else:
+        sync = sum(priced.node_parts[v][s]["sync_s"] for v, s in enumerate(choice))
     for v, s in enumerate(choice):
-        for kind, nbytes, d, _ in priced.node_collectives[v][s]:
+        for kind, nbytes, d, _ in ([] if ddp is not None else priced.node_collectives[v][s]):
             counter[(kind, nbytes, d)] += 1
     for (u, v), lists in priced.collectives.items():
         kv = len(priced.options[v])
         for kind, nbytes, d, _ in lists[choice[u] * kv + choice[v]]:
             counter[(kind, nbytes, d)] += 1
     colls = [{"kind": k, "bytes": b, "mesh_dim": d, "count": n} for (k, b, d), n in sorted(counter.items())]
-    return {"step_s": compute + sync + conversions, "compute_s": compute, "conversions_s": conversions,
-            "sync_s": sync, "collectives": colls}
+    out = {"step_s": compute + sync + conversions, "compute_s": compute, "conversions_s": conversions,
+           "sync_s": sync, "collectives": colls}
+    if ddp is not None:
+        out["ddp_buckets"] = list(ddp.buckets)
+    return out
 
 
 def layer_rows(graph: LayerGraph, priced: Priced, choice: list[int]) -> list[dict[str, Any]]:
@@ -422,8 +490,14 @@ def plan(graph: LayerGraph, mesh: Mesh, costs: CollectiveCosts, opts: Options, t
     """The plan as plan.json holds it."""
     priced = price(graph, mesh, costs, opts)
     best, notes = solve(priced, opts.search, graph)
+    choice = best.choice
+    dp = data_parallel(graph, priced)
+    if dp is not None and dp != choice and breakdown(priced, dp)["step_s"] < breakdown(priced, choice)["step_s"]:
+        choice = dp  # plain DDP's buckets cost less than a layer's all-reduce at a time (see the module)
+        notes["ddp_baseline_chosen"] = True
     dims = mesh.dims()
-    layers = layer_rows(graph, priced, best.choice)
+    layers = layer_rows(graph, priced, choice)
+    predicted = breakdown(priced, choice)
     baselines = {}
     for name, pick in (("data_parallel", data_parallel), ("megatron", megatron)):
         choice = pick(graph, priced)
@@ -436,7 +510,8 @@ def plan(graph: LayerGraph, mesh: Mesh, costs: CollectiveCosts, opts: Options, t
             "table_id": table_id, "costs": costs.source, "model": graph.source, "search": notes,
             "compute": {"source": opts.compute_source or opts.compute, "convert_overhead_s": opts.convert_overhead_s,
                         "sync_overhead_s": opts.sync_overhead_s},
-            "layers": layers, "predicted": breakdown(priced, best.choice), "baselines": baselines}
+            "layers": layers, "predicted": predicted, "baselines": baselines,
+            **({"ddp_buckets": predicted["ddp_buckets"]} if "ddp_buckets" in predicted else {})}
 
 
 def save(plan_json: dict[str, Any], path: Path) -> None:
