@@ -443,6 +443,39 @@ def test_torch_path_overheads_are_what_the_job_measured_beyond_the_costs() -> No
     assert sync["allreduce"] == [0.0, 0.0] and sync["reduce_scatter"][0] > 0
 
 
+def test_overheads_probed_on_one_nodes_ranks_price_the_groups_inside_a_node() -> None:
+    """A job with several nodes of several ranks also probes a node's group: its lines (``KIND@node``) are
+    taken beyond the one-node price and charged to collectives inside a node, the others' to the rest."""
+    from commd.planner.measure import torch_path_overheads
+
+    costs = synthetic_costs()
+    job = job_measurement(examples.mlp(64, 32, 2), 0.05)
+    node_price = costs.seconds("allreduce", 65536, 1, 2), costs.seconds("allreduce", 4194304, 1, 2)
+    job["node_collectives"] = {"plain": {"allreduce": [[65536, 0.0], [4194304, 0.0]]},
+                               "functional": {"allreduce": [[65536, node_price[0] + 0.002],
+                                                            [4194304, node_price[1] + 0.004]]}}
+    job["node_ranks"] = 2
+    convert, sync = torch_path_overheads(job, costs)
+    a, b = convert["allreduce@node"]
+    assert a + b * 65536 == pytest.approx(0.002) and a + b * 4194304 == pytest.approx(0.004)
+    assert sync["allreduce@node"] == [0.0, 0.0] and "allreduce" in convert  # (all ranks' lines kept)
+
+    graph = examples.mlp(batch=64, width=256, depth=4)
+    mesh = planner.Mesh((2, 2), 2)  # dp across the nodes, tp inside them: Megatron converts on tp only
+
+    def conversions(lines: dict[str, list[float]]) -> tuple[float, int]:
+        priced = planner.price(graph, mesh, costs, planner.Options(convert_overhead_s=lines))
+        figures = planner.breakdown(priced, planner.megatron(graph, priced))
+        inside = sum(c["count"] for c in figures["collectives"] if c["mesh_dim"] == 1 and c["kind"] == "allreduce")
+        return figures["conversions_s"], inside
+
+    base, inside = conversions({})
+    assert inside > 0
+    assert conversions({"allreduce@node": [1.0, 0.0]})[0] == pytest.approx(base + inside)
+    assert conversions({"allreduce": [1.0, 0.0]})[0] == pytest.approx(base + inside)  # no node line: the kind's
+    assert conversions({"allreduce": [7.0, 0.0], "allreduce@node": [1.0, 0.0]})[0] == pytest.approx(base + inside)
+
+
 def test_a_job_measurement_prices_compute_and_conversions(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """--compute-from reuses a job measurement: every layer's compute and every collective's overhead
     come from it (a huge probe time makes every conversion dearer than data parallel), and a file

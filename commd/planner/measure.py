@@ -29,6 +29,8 @@ from typing import Any
 
 from commd.planner.plan import PlanError
 
+#: The key suffix of an overhead line measured on a group of one node's ranks (see torch_path_overheads).
+NODE_SUFFIX = "@node"
 #: The settings measured, in order: the plan itself, then its baselines (by plan.json's keys).
 SETTINGS = ("plan", "data_parallel", "megatron")
 WORKER = "commd.planner.measure_worker"
@@ -164,7 +166,8 @@ def job_compute(factory: dict[str, Any], hosts: int, nproc_per_node: int, rate: 
     if hosts < 1 or nproc_per_node < 1:
         raise PlanError("--hosts and --nproc-per-node must be positive")
     _simulated_hosts_ready(delay_ms, rate)
-    cfg = dict(_base_config(factory, hosts * nproc_per_node), mode="layers", repeats=repeats)
+    cfg = dict(_base_config(factory, hosts * nproc_per_node), mode="layers", repeats=repeats,
+               nproc_per_node=nproc_per_node)
     print(f"timing layers and collectives inside a job on {hosts} simulated hosts x {nproc_per_node} ranks ...",
           file=log, flush=True)
     with tempfile.TemporaryDirectory(prefix="commd-plan-compute-") as tmp, \
@@ -177,17 +180,22 @@ def job_compute(factory: dict[str, Any], hosts: int, nproc_per_node: int, rate: 
 def torch_path_overheads(job: dict[str, Any], costs: Any) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """(conversion, sync) per collective kind: [a, b] of the seconds a + b * bytes that the torch path adds
     to the measured price — the probes' times inside the job minus what ``costs`` say the same
-    collectives cost on the same group (never below zero), as a line through the probe sizes."""
+    collectives cost on the same group (never below zero), as a line through the probe sizes.  Keyed by
+    the kind for the group of all ranks, and ``KIND@node`` for a group of one node's ranks where the job
+    probed one (``plan._extra`` picks by the group)."""
     nodes, world = int(job["hosts"]), int(job["world"])
-    out: list[dict[str, list[float]]] = []
-    for path in ("functional", "plain"):
-        lines = {}
-        for kind, points in job["collectives"][path].items():
-            extra = sorted((int(b), max(0.0, t - costs.seconds(kind, int(b), nodes, world))) for b, t in points)
-            (b0, e0), (b1, e1) = extra[0], extra[-1]
-            slope = max(0.0, (e1 - e0) / (b1 - b0)) if b1 > b0 else 0.0
-            lines[kind] = [max(0.0, e0 - slope * b0), slope]
-        out.append(lines)
+    scopes = [("collectives", "", nodes, world)]
+    if "node_collectives" in job:
+        scopes.append(("node_collectives", NODE_SUFFIX, 1, int(job["node_ranks"])))
+    out: list[dict[str, list[float]]] = [{}, {}]
+    for key, suffix, group_nodes, size in scopes:
+        for lines, path in zip(out, ("functional", "plain"), strict=True):
+            for kind, points in job[key][path].items():
+                extra = sorted((int(b), max(0.0, t - costs.seconds(kind, int(b), group_nodes, size)))
+                               for b, t in points)
+                (b0, e0), (b1, e1) = extra[0], extra[-1]
+                slope = max(0.0, (e1 - e0) / (b1 - b0)) if b1 > b0 else 0.0
+                lines[kind + suffix] = [max(0.0, e0 - slope * b0), slope]
     return out[0], out[1]
 
 

@@ -62,9 +62,11 @@ PROBES = ((64 * 1024, 11), (4 * 1024 * 1024, 5))
 def layer_job(cfg: dict[str, Any]) -> dict[str, Any] | None:
     """Per layer (fixed, whole) training seconds (``trace.measure`` on the whole batch and on one
     rank's share of it, every rank at once; the median over ranks) and, per collective kind and
-    ``PROBES`` size, the seconds a collective on all ranks takes through ``torch.distributed`` directly
-    (``plain``: FSDP2's gradient sync) and through functional collectives (``functional``: DTensor's
-    conversions).  Rank 0's return value; None on the others."""
+    ``PROBES`` size, the seconds a collective on all ranks (``collectives``) and, with several nodes of
+    several ranks, on the ranks of one node (``node_collectives``: where a 2-D mesh's ``tp`` converts)
+    takes through ``torch.distributed`` directly (``plain``: FSDP2's gradient sync) and through
+    functional collectives (``functional``: DTensor's conversions).  Rank 0's return value; None on the
+    others."""
     import torch.distributed as dist
     import torch.distributed._functional_collectives as fc
 
@@ -80,35 +82,46 @@ def layer_job(cfg: dict[str, Any]) -> dict[str, Any] | None:
     part = measure(factory, share_shape, cfg["input_dtype"], repeats, threads)
     layers = fixed_and_whole(whole, part, share_shape[0] / shape[0])
 
-    group = dist.group.WORLD
-    collectives: dict[str, dict[str, list[list[float]]]] = {}
-    for nbytes, repeats in PROBES:
-        for path, kind, table_bytes, seconds in _probes(dist, fc, group, world, nbytes // 4, repeats):
-            collectives.setdefault(path, {}).setdefault(kind, []).append([table_bytes, seconds])
+    nproc = int(cfg.get("nproc_per_node", world))
+    scopes = {"collectives": (dist.group.WORLD, world)}
+    if 1 < nproc < world and world % nproc == 0:  # the conversions of a dimension inside a node run on these
+        node_groups = [dist.new_group(list(range(n * nproc, (n + 1) * nproc))) for n in range(world // nproc)]
+        scopes["node_collectives"] = (node_groups[rank // nproc], nproc)
+    probed: dict[str, dict[str, dict[str, list[list[float]]]]] = {}
+    for key, (group, size) in scopes.items():
+        collectives = probed.setdefault(key, {})
+        for nbytes, repeats in PROBES:
+            for path, kind, table_bytes, seconds in _probes(dist, fc, group, size, nbytes // 4, repeats):
+                collectives.setdefault(path, {}).setdefault(kind, []).append([table_bytes, seconds])
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, {"layers": layers, "collectives": collectives})
+    dist.all_gather_object(gathered, {"layers": layers, **probed})
     if rank != 0:
         return None
-    return {"layers": {name: [statistics.median(g["layers"][name][0] for g in gathered),
-                              statistics.median(g["layers"][name][1] for g in gathered)] for name in layers},
-            "collectives": {path: {kind: [[point[0], statistics.median(g["collectives"][path][kind][i][1]
-                                                                         for g in gathered)]
-                                          for i, point in enumerate(points)]
-                                   for kind, points in kinds.items()} for path, kinds in collectives.items()},
-            "world": world, "threads": threads, "input": list(shape), "share_input": list(share_shape)}
+    out: dict[str, Any] = {
+        "layers": {name: [statistics.median(g["layers"][name][0] for g in gathered),
+                          statistics.median(g["layers"][name][1] for g in gathered)] for name in layers},
+        "world": world, "threads": threads, "input": list(shape), "share_input": list(share_shape)}
+    for key, collectives in probed.items():
+        out[key] = {path: {kind: [[point[0], statistics.median(g[key][path][kind][i][1] for g in gathered)]
+                                  for i, point in enumerate(points)]
+                           for kind, points in kinds.items()} for path, kinds in collectives.items()}
+    if "node_collectives" in out:
+        out["node_ranks"] = nproc
+    return out
 
 
 def _probes(dist: Any, fc: Any, group: Any, world: int, n: int, repeats: int) -> list[tuple[str, str, int, float]]:
     """(path, kind, bytes as the tuning table counts them, median seconds) of each probe collective of
-    ``n`` float32 per rank, every call on fresh tensors (as the gradients FSDP2 syncs and the
-    activations DTensor converts are); what making the inputs costs is taken off."""
+    ``n`` float32 per rank on ``group`` (``world`` ranks), every call on fresh tensors (as the gradients
+    FSDP2 syncs and the activations DTensor converts are); what making the inputs costs is taken off."""
     import torch
 
     rs_n = max(1, n // world) * world
     calls: dict[str, dict[str, Any]] = {
-        "plain": {"allreduce": lambda: dist.all_reduce(torch.randn(n)),
-                  "allgather": lambda: dist.all_gather_into_tensor(torch.empty(n * world), torch.randn(n)),
-                  "reduce_scatter": lambda: dist.reduce_scatter_tensor(torch.empty(rs_n // world), torch.randn(rs_n))},
+        "plain": {"allreduce": lambda: dist.all_reduce(torch.randn(n), group=group),
+                  "allgather": lambda: dist.all_gather_into_tensor(torch.empty(n * world), torch.randn(n), group=group),
+                  "reduce_scatter": lambda: dist.reduce_scatter_tensor(torch.empty(rs_n // world), torch.randn(rs_n),
+                                                                       group=group)},
         "functional": {"allreduce": lambda: fc.wait_tensor(fc.all_reduce(torch.randn(n), "sum", group)),
                        "allgather": lambda: fc.wait_tensor(fc.all_gather_tensor(torch.randn(n), 0, group)),
                        "reduce_scatter": lambda: fc.wait_tensor(
@@ -117,7 +130,7 @@ def _probes(dist: Any, fc: Any, group: Any, world: int, n: int, repeats: int) ->
     table_bytes = {"allreduce": n * 4, "allgather": n * world * 4, "reduce_scatter": rs_n * 4}
     began = time.perf_counter()
     for _ in range(repeats):
-        torch.randn(n * world)
+        torch.randn(n)  # (every call makes one input of n, or rs_n <= n, values; its output buffer is empty)
     making = (time.perf_counter() - began) / repeats
     out = []
     for path, kinds in calls.items():
