@@ -476,6 +476,32 @@ def test_overheads_probed_on_one_nodes_ranks_price_the_groups_inside_a_node() ->
     assert conversions({"allreduce": [7.0, 0.0], "allreduce@node": [1.0, 0.0]})[0] == pytest.approx(base + inside)
 
 
+def test_each_wrapped_layer_is_charged_its_wrappers_own_cost_and_plain_ddp_none() -> None:
+    """Megatron on 2x2: every column and row layer is charged its DTensor style's cost and FSDP2's
+    replicate on dp; data parallel everywhere is plain DDP, which wraps no layer."""
+    from commd.planner.layouts import candidates
+
+    graph = examples.mlp(batch=64, width=256, depth=4)
+    mesh, costs = planner.Mesh((2, 2), 2), synthetic_costs()
+    lines = {"col": 1.0, "row": 10.0, "replicate": 100.0, "fully_shard": 1000.0}
+    bare = planner.price(graph, mesh, costs, planner.Options())
+    wrapped = planner.price(graph, mesh, costs, planner.Options(wrapper_overhead_s=lines))
+    choice = planner.megatron(graph, bare)
+    styles = [bare.options[i][c][1].name for i, c in enumerate(choice) if graph.layers[i].kind == "linear"]
+    assert sorted(styles) == ["col", "col", "row", "row"]
+    extra = planner.breakdown(wrapped, choice)["compute_s"] - planner.breakdown(bare, choice)["compute_s"]
+    assert extra == pytest.approx(2 * 1.0 + 2 * 10.0 + 4 * 100.0)
+    dp = planner.data_parallel(graph, bare)
+    assert planner.breakdown(wrapped, dp)["compute_s"] == planner.breakdown(bare, dp)["compute_s"]  # plain DDP
+    linear = graph.layers[1]
+    by_names = {tuple(s.name for s in combo): combo for combo in (
+        (a, b) for a in candidates(linear, 2, 2, "data") for b in candidates(linear, 2, 2, "model"))}
+    assert planner.wrappers("linear", by_names[("fsdp", "col")]) == ["col", "fully_shard"]
+    assert planner.wrappers("linear", by_names[("dp", "dp")]) == ["replicate"]
+    assert planner.wrappers("linear", by_names[("dp", "fsdp")]) == ["fully_shard"]
+    assert planner.wrappers("follow", by_names[("dp", "col")]) == []
+
+
 def test_a_job_measurement_prices_compute_and_conversions(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """--compute-from reuses a job measurement: every layer's compute and every collective's overhead
     come from it (a huge probe time makes every conversion dearer than data parallel), and a file

@@ -126,3 +126,38 @@ def test_measure_runs_every_setting_on_simulated_hosts(tmp_path: Path, monkeypat
         assert len(run["step_s"]) == 4 and run["world"] == 4
     assert data["runs"]["data_parallel"][0]["local_input"] == [2, 32]  # each rank its share of the batch
     assert data["runs"]["megatron"][0]["local_input"] == [8, 32]
+
+
+@pytest.mark.timeout(240)
+def test_the_compute_job_times_layers_probes_and_wrappers_on_simulated_hosts(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--compute job`` on 2 simulated hosts x 2 ranks: every layer's times, the probes on all ranks and
+    on one node's, every wrapper's own cost; the overhead lines priced from them, the node's apart."""
+    if os.geteuid() != 0:
+        pytest.skip("simulated hosts need root (network namespaces)")
+    from commd.sim.hosts import netns_unavailable
+
+    reason = netns_unavailable()
+    if reason:
+        pytest.skip(reason)
+    from commd.planner.measure_worker import PROBES, WRAPPERS
+    from commd.planner.trace import load_factory, trace
+
+    monkeypatch.setenv("COMMD_RUNTIME_DIR", str(tmp_path))
+    factory = {"factory": "planner_models:mlp", "input": [8, 32], "input_dtype": "float32"}
+    job = measure.job_compute(factory, 2, 2, repeats=2)
+    graph = trace(load_factory("planner_models:mlp"), (8, 32), "float32", "planner_models:mlp")
+    assert set(job["layers"]) == {x.name for x in graph.layers}
+    assert all(0 <= fixed <= whole for fixed, whole in job["layers"].values())
+    assert job["world"] == 4 and job["hosts"] == 2 and job["node_ranks"] == 2
+    for key in ("collectives", "node_collectives"):
+        for path in ("plain", "functional"):
+            assert set(job[key][path]) == {"allreduce", "allgather", "reduce_scatter"}, (key, path)
+            assert all(len(points) == len(PROBES) and all(t >= 0 for _, t in points)
+                       for points in job[key][path].values()), (key, path)
+    assert set(job["wrappers"]) == set(WRAPPERS) and all(v >= 0 for v in job["wrappers"].values())
+    from commd.planner.costs import CollectiveCosts
+
+    convert, sync = measure.torch_path_overheads(job, CollectiveCosts.load(write_costs(tmp_path / "costs.json")))
+    for lines in (convert, sync):
+        assert {"allreduce", "allreduce@node"} <= set(lines) and all(a >= 0 and b >= 0 for a, b in lines.values())

@@ -184,6 +184,7 @@ def _use_job(opts: planner.Options, job: dict, costs: CollectiveCosts) -> None:
     opts.layer_seconds = {name: float(v[1]) for name, v in job["layers"].items()}
     opts.layer_fixed_seconds = {name: float(v[0]) for name, v in job["layers"].items()}
     opts.convert_overhead_s, opts.sync_overhead_s = measure.torch_path_overheads(job, costs)
+    opts.wrapper_overhead_s = {name: float(v) for name, v in job.get("wrappers", {}).items()}
 
 
 def _measure(args: argparse.Namespace) -> int:

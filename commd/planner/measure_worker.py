@@ -65,8 +65,8 @@ def layer_job(cfg: dict[str, Any]) -> dict[str, Any] | None:
     ``PROBES`` size, the seconds a collective on all ranks (``collectives``) and, with several nodes of
     several ranks, on the ranks of one node (``node_collectives``: where a 2-D mesh's ``tp`` converts)
     takes through ``torch.distributed`` directly (``plain``: FSDP2's gradient sync) and through
-    functional collectives (``functional``: DTensor's conversions).  Rank 0's return value; None on the
-    others."""
+    functional collectives (``functional``: DTensor's conversions), and what each wrapper ``apply`` puts
+    on a layer costs of its own (``wrappers``).  Rank 0's return value; None on the others."""
     import torch.distributed as dist
     import torch.distributed._functional_collectives as fc
 
@@ -93,8 +93,9 @@ def layer_job(cfg: dict[str, Any]) -> dict[str, Any] | None:
         for nbytes, repeats in PROBES:
             for path, kind, table_bytes, seconds in _probes(dist, fc, group, size, nbytes // 4, repeats):
                 collectives.setdefault(path, {}).setdefault(kind, []).append([table_bytes, seconds])
+    wrappers = _wrapper_overheads(dist, fc, world, nproc if "node_collectives" in scopes else world, repeats * 2 + 1)
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, {"layers": layers, **probed})
+    dist.all_gather_object(gathered, {"layers": layers, "wrappers": wrappers, **probed})
     if rank != 0:
         return None
     out: dict[str, Any] = {
@@ -107,6 +108,67 @@ def layer_job(cfg: dict[str, Any]) -> dict[str, Any] | None:
                            for kind, points in kinds.items()} for path, kinds in collectives.items()}
     if "node_collectives" in out:
         out["node_ranks"] = nproc
+    out["wrappers"] = {name: statistics.median(g["wrappers"][name] for g in gathered) for name in wrappers}
+    return out
+
+
+#: The wrappers ``apply`` puts on a layer whose own cost the job measures (``_wrapper_overheads``).
+WRAPPERS = ("replicate", "fully_shard", "col", "row")
+
+
+def _wrapper_overheads(dist: Any, fc: Any, world: int, tp: int, repeats: int) -> dict[str, float]:
+    """Per wrapper ``apply`` puts on a layer — FSDP2's ``replicate`` and ``fully_shard`` over all ranks,
+    DTensor's ``ColwiseParallel`` and ``RowwiseParallel`` over ``tp`` ranks (one node's, where the job has
+    several nodes) — the seconds a training step of a tiny linear layer takes beyond the same layer
+    unwrapped and beyond the tiny collectives the wrapper issues (timed here too): the Python of its
+    hooks, of DTensor's dispatch and of its optimizer step, which the plan charges per wrapped layer."""
+    import torch
+    from torch import nn
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    width = 16
+    flat = DeviceMesh("cpu", list(range(world)))
+    mesh2 = DeviceMesh("cpu", torch.arange(world).view(world // tp, tp), mesh_dim_names=("dp", "tp"))
+    node = mesh2["tp"]
+
+    def timed(step: Any) -> float:
+        times = []
+        for i in range(repeats + 2):
+            dist.barrier()
+            began = time.perf_counter()
+            step()
+            if i >= 2:
+                times.append(time.perf_counter() - began)
+        return statistics.median(times)
+
+    def training(model: Any, x: Any) -> Any:
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+        def step() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            model(x).sum().backward()
+            optimizer.step()
+        return step
+
+    x = torch.randn(8, width)
+    plain = timed(training(nn.Linear(width, width), x))
+    world_group, node_group = flat.get_group(), node.get_group()
+    tiny = {"plain": timed(lambda: dist.all_reduce(torch.randn(width * width), group=world_group)),
+            "node": timed(lambda: fc.wait_tensor(fc.all_reduce(torch.randn(8 * width), "sum", node_group)))}
+    made = {"replicate": (lambda m: replicate(m, mesh=flat), x, tiny["plain"]),
+            "fully_shard": (lambda m: fully_shard(m, mesh=flat, reshard_after_forward=True), x, 3 * tiny["plain"]),
+            "col": (lambda m: parallelize_module(m, node, ColwiseParallel()), x, tiny["node"]),
+            "row": (lambda m: parallelize_module(m, node, RowwiseParallel()), torch.randn(8, width // tp),
+                    tiny["node"])}
+    out = {}
+    for name in WRAPPERS:
+        wrap, given, collectives = made[name]
+        model = nn.Linear(width, width)
+        wrap(model)
+        out[name] = max(0.0, timed(training(model, given)) - plain - collectives)
     return out
 
 

@@ -141,6 +141,9 @@ class Options:
     convert_overhead_s: dict[str, list[float]] = field(default_factory=dict)
     #: the same for the gradient sync's collectives (FSDP2's direct calls)
     sync_overhead_s: dict[str, list[float]] = field(default_factory=dict)
+    #: per wrapper ``apply`` puts on a layer (``replicate``, ``fully_shard``, ``col``, ``row``: FSDP2's and
+    #: DTensor's), the seconds a step of a wrapped layer takes of its own (hooks, dispatch), measured in the job
+    wrapper_overhead_s: dict[str, float] = field(default_factory=dict)
     compute_source: str = ""  # where the measured times come from, for plan.json
     mem_bytes: float | None = None  # per rank
     optimizer_states: int = 2  # extra parameter-sized tensors (Adam: 2, SGD with momentum: 1)
@@ -202,9 +205,10 @@ def price(graph: LayerGraph, mesh: Mesh, costs: CollectiveCosts, opts: Options) 
                        for k, b, d, _ in colls)
             if opts.mem_bytes is not None and _memory(graph, i, combo, mesh.shape, opts.optimizer_states) > opts.mem_bytes:
                 continue
+            wrap = sum(opts.wrapper_overhead_s.get(w, 0.0) for w in wrappers(layer.kind, combo))
             combos.append(combo)
-            costs_here.append(compute + sync)
-            parts_here.append({"compute_s": compute, "sync_s": sync})
+            costs_here.append(compute + sync + wrap)
+            parts_here.append({"compute_s": compute, "sync_s": sync, "wrappers_s": wrap})
             colls_here.append(colls)
         if not combos:
             raise PlanError(f"layer {layer.name!r}: no strategy fits in {opts.mem_bytes / 2**30:.2f} GiB per rank")
@@ -241,6 +245,24 @@ def price(graph: LayerGraph, mesh: Mesh, costs: CollectiveCosts, opts: Options) 
     all_ranks = 0 if len(dims) == 1 else len(dims)  # (a 1-D mesh's one dimension is all its ranks)
     ddp = _ddp_sync(graph, mesh, costs, opts, groups[all_ranks], all_ranks)
     return Priced(search.Problem(node_costs, edges), options, node_parts, edge_colls, node_colls, ddp)
+
+
+#: The DTensor style ``apply`` gives a layer for its model-dimension strategy (linear and embedding layers).
+STYLE_WRAPPERS = {"col": "col", "row": "row", "vocab": "row"}
+
+
+def wrappers(kind: str, combo: tuple[Strategy, ...]) -> list[str]:
+    """The wrappers ``apply`` puts on a layer of ``kind`` with ``combo`` (see Options.wrapper_overhead_s):
+    a DTensor style on the model dimension, FSDP2's ``replicate``/``fully_shard`` for data parallel (one,
+    over all ranks, where both dimensions of a 2-D mesh are data parallel)."""
+    if kind not in WITH_PARAMS:
+        return []
+    names = [s.name for s in combo]
+    out = [STYLE_WRAPPERS[names[-1]]] if kind in ("linear", "embedding") and names[-1] in STYLE_WRAPPERS else []
+    data = [n for n in names if n in ("dp", "fsdp")]
+    if data:
+        out.append("replicate" if all(n == "dp" for n in data) else "fully_shard")
+    return out
 
 
 def ddp_buckets(graph: LayerGraph, first_bytes: int, bucket_bytes: int) -> list[int]:
@@ -453,7 +475,9 @@ def breakdown(priced: Priced, choice: list[int]) -> dict[str, Any]:
     group's: ``mesh_dim`` d < the mesh's dimensions is a group of that dimension, d = their number the
     group of all the mesh's ranks)."""
     ddp = priced.ddp if plain_ddp(priced, choice) else None
-    compute = sum(priced.node_parts[v][s]["compute_s"] for v, s in enumerate(choice))
+    compute = sum(priced.node_parts[v][s]["compute_s"] + (0.0 if ddp is not None else  # (DDP wraps no layer)
+                                                           priced.node_parts[v][s].get("wrappers_s", 0.0))
+                  for v, s in enumerate(choice))
     conversions = sum(float(m[choice[u], choice[v]]) for (u, v), m in priced.problem.edges.items())
     counter: Counter[tuple[str, int, int]] = Counter()
     if ddp is not None:  # DDP's buckets instead of each layer's own all-reduce
@@ -512,7 +536,7 @@ def plan(graph: LayerGraph, mesh: Mesh, costs: CollectiveCosts, opts: Options, t
                      "dims": [{"name": d.name, "size": d.size, "nodes": d.nodes} for d in dims]},
             "table_id": table_id, "costs": costs.source, "model": graph.source, "search": notes,
             "compute": {"source": opts.compute_source or opts.compute, "convert_overhead_s": opts.convert_overhead_s,
-                        "sync_overhead_s": opts.sync_overhead_s},
+                        "sync_overhead_s": opts.sync_overhead_s, "wrapper_overhead_s": opts.wrapper_overhead_s},
             "layers": layers, "predicted": predicted, "baselines": baselines,
             **({"ddp_buckets": predicted["ddp_buckets"]} if "ddp_buckets" in predicted else {})}
 
