@@ -242,10 +242,21 @@ def test_a_row_split_layer_synchronises_its_weights_share_and_its_whole_bias() -
 def test_the_plan_is_never_predicted_slower_than_its_baselines_and_survives_a_round_trip(tmp_path: Path) -> None:
     for graph in (examples.mlp(64, 1024, 4), examples.cnn(32), examples.gpt(4, 64, 128, 4, 2, 1000)):
         for mesh in (planner.Mesh((4,), 2), planner.Mesh((2, 2), 2)):
-            made = planner.plan(graph, mesh, synthetic_costs(), planner.Options(search="both"), table_id="t")
+            made = planner.plan(graph, mesh, synthetic_costs(), planner.Options(search="both", min_gain=0.0),
+                                table_id="t")
             for name, baseline in made["baselines"].items():
                 assert baseline is not None, name
                 assert made["predicted"]["step_s"] <= baseline["step_s"] * (1 + 1e-9), (graph.source, mesh, name)
+            # with a margin: the search's plan only where it is predicted >= 10% faster than data parallel
+            kept = planner.plan(graph, mesh, synthetic_costs(), planner.Options(search="both", min_gain=0.1))
+            dp = kept["baselines"]["data_parallel"]
+            if made["predicted"]["step_s"] > 0.9 * dp["step_s"]:
+                assert [r["strategy"] for r in kept["layers"]] == dp["strategy"], (graph.source, mesh)
+                assert kept["predicted"]["step_s"] == dp["step_s"]
+                assert made["layers"] == dp["layers"] or kept["search"]["below_min_gain"]["searched_strategy"] == \
+                    [r["strategy"] for r in made["layers"]]
+            else:
+                assert kept["layers"] == made["layers"], (graph.source, mesh)
             path = tmp_path / "plan.json"
             planner.save(made, path)
             assert planner.load(path) == json.loads(json.dumps(made))
@@ -307,6 +318,8 @@ def test_commd_plan_writes_a_plan_it_can_show(tmp_path: Path, capsys: pytest.Cap
     (["--mesh", "4", "--costs", "COSTS"], "give the model"),
     (["--example", "gpt", "--mesh", "3", "--nproc-per-node", "2", "--costs", "COSTS"], "do not fill nodes"),
     (["--example", "gpt", "--mesh", "2", "--costs", "COSTS", "--mem-gb", "0.00001"], "no strategy fits"),
+    (["--example", "gpt", "--mesh", "2", "--costs", "COSTS", "--min-gain", "1"], "--min-gain must be a fraction"),
+    (["--example", "gpt", "--mesh", "2", "--costs", "COSTS", "--min-gain", "-0.1"], "--min-gain must be a fraction"),
 ])
 def test_commd_plan_refuses_bad_input_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str],
                                                error: str) -> None:

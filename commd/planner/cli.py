@@ -74,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--search", choices=planner.SEARCHES, default="descent",
                    help="descent (default), exact, or both (fails when descent is >1%% worse than exact)")
     p.add_argument("--mem-gb", type=float, help="memory per rank: strategies that do not fit are left out")
+    p.add_argument("--min-gain", type=float, default=planner.Options.min_gain,
+                   help="plain data parallel stays the plan unless the search's is predicted at least this fraction "
+                        "faster (default %(default)s: the predictions' error on the benchmark)")
     p.add_argument("--optimizer-states", type=int, default=2,
                    help="parameter-sized optimizer tensors (Adam 2, SGD+momentum 1, SGD 0; default 2)")
     p.add_argument("--gpu", action="store_true", help="a GPU mesh: S(i)->S(j) conversions as all-to-alls")
@@ -106,9 +109,11 @@ def run(args: argparse.Namespace) -> int:
         costs, table_id = _costs(args)
         if args.mem_gb is not None and args.mem_gb <= 0:
             raise planner.PlanError("--mem-gb must be positive")
+        if not 0 <= args.min_gain < 1:
+            raise planner.PlanError(f"--min-gain must be a fraction in [0, 1), not {args.min_gain}")
         if args.optimizer_states < 0:
             raise planner.PlanError("--optimizer-states must not be negative")
-        opts = planner.Options(search=args.search, optimizer_states=args.optimizer_states,
+        opts = planner.Options(search=args.search, optimizer_states=args.optimizer_states, min_gain=args.min_gain,
                                mem_bytes=args.mem_gb * 2**30 if args.mem_gb else None)
         compute = args.compute or ("flops" if not args.target else "job" if args.hosts or args.compute_from
                                    else "measured")
