@@ -2,7 +2,7 @@
 
 For every link (``--links``, default ``1gbit/0.2,200mbit/1``: rate / one-way delay in ms) the script
 tunes a table (`commd tune`), and for every model of ``benchmarks/plan_models.py`` (``--models``) it
-plans on the ``--mesh`` (default 2x2: dp across the hosts, tp inside them) with that table, compute and
+plans on each ``--mesh`` (default 2x2 — dp across the hosts, tp inside them — and 4) with that table, compute and
 the torch path's overheads measured inside a job on the same shaped hosts (`--compute job`), then
 measures the plan and both baselines (`commd plan --measure`: median step, slowest rank, after a
 warm-up).  Groups inside a host are priced from one `commd plan calibrate`.  It prints per model and
@@ -63,7 +63,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default=",".join(INPUTS), help=f"comma-separated, of {', '.join(INPUTS)}")
     p.add_argument("--links", default="1gbit/0.2,200mbit/1", help="comma-separated RATE/DELAY_MS")
-    p.add_argument("--mesh", default="2x2")
+    p.add_argument("--mesh", default="2x2,4", help="comma-separated meshes (2x2: dp across the hosts, tp inside)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=1)
@@ -90,20 +90,25 @@ def main() -> int:
                                          "allreduce,allgather", "--lanes", "auto", "--algorithms", "native",
                                          "--time-per-size", "0.5", "--out", str(out / f"table-{tag}.json")])
     results: dict[str, dict[str, Any]] = {}
-    for model in models:
-        shape, dtype = INPUTS[model]
-        for tag, shaping in links:
-            plan_file, job_file, measured = (out / f"{model}-{tag}.json", out / f"{model}-{tag}-job.json",
-                                             out / f"{model}-{tag}-measured.json")
-            once(plan_file, ["plan", f"plan_models:{model}", "--input", shape, "--input-dtype", dtype, "--mesh",
-                             args.mesh, "--nproc-per-node", "2", "--hosts", "2", *shaping, "--table",
-                             str(out / f"table-{tag}.json"), "--costs", str(out / "local.json"), "--compute-out",
-                             str(job_file), "-o", str(plan_file)])
-            once(measured, ["plan", "--measure", str(plan_file), "--hosts", "2", "--nproc-per-node", "2", *shaping,
-                            "--steps", str(args.steps), "--warmup", str(args.warmup), "--repeats", str(args.repeats),
-                            "--json", str(measured)])
-            results[f"{model} {tag}"] = {"model": model, "link": tag, "plan": json.loads(plan_file.read_text()),
-                                         "measured": json.loads(measured.read_text())}
+    for mesh in [m for m in args.mesh.split(",") if m]:
+        suffix = "" if mesh == "2x2" else f"-mesh{mesh}"  # (the 2x2 files keep their names)
+        for model in models:
+            shape, dtype = INPUTS[model]
+            for tag, shaping in links:
+                job_file = out / f"{model}-{tag}-job.json"  # (the layers' times do not depend on the mesh)
+                plan_file, measured = out / f"{model}-{tag}{suffix}.json", out / f"{model}-{tag}{suffix}-measured.json"
+                compute = (["--compute-from", str(job_file)] if job_file.exists()
+                           else ["--compute-out", str(job_file)])
+                once(plan_file, ["plan", f"plan_models:{model}", "--input", shape, "--input-dtype", dtype, "--mesh",
+                                 mesh, "--nproc-per-node", "2", "--hosts", "2", *shaping, "--table",
+                                 str(out / f"table-{tag}.json"), "--costs", str(out / "local.json"), *compute,
+                                 "-o", str(plan_file)])
+                once(measured, ["plan", "--measure", str(plan_file), "--hosts", "2", "--nproc-per-node", "2",
+                                *shaping, "--steps", str(args.steps), "--warmup", str(args.warmup), "--repeats",
+                                str(args.repeats), "--json", str(measured)])
+                results[f"{model} {mesh} {tag}"] = {"model": f"{model} {mesh}", "link": tag,
+                                                    "plan": json.loads(plan_file.read_text()),
+                                                    "measured": json.loads(measured.read_text())}
     report(results, [t for t, _ in links])
     print(f"\nload average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after; {time.time() - began:.0f} s; "
           f"files in {out}")
@@ -111,7 +116,7 @@ def main() -> int:
 
 
 def report(results: dict[str, dict[str, Any]], links: list[str]) -> None:
-    print(f"\n{'model':<11} {'link':<15} {'setting':<14} {'pred ms':>9} {'meas ms':>9} {'meas/pred':>9}  strategy")
+    print(f"\n{'model, mesh':<15} {'link':<15} {'setting':<14} {'pred ms':>9} {'meas ms':>9} {'meas/pred':>9}  strategy")
     within = slower = gains = dp_ok = counted = exercised = 0
     checks: list[str] = []
     for key, r in results.items():
@@ -128,7 +133,7 @@ def report(results: dict[str, dict[str, Any]], links: list[str]) -> None:
                 counted += 1
                 within += not ok
                 what = "" if name != "plan" else summary(r["plan"])
-            print(f"{r['model']:<11} {r['link']:<15} {name:<14} {row['predicted_step_s'] * 1e3:9.1f} "
+            print(f"{r['model']:<15} {r['link']:<15} {name:<14} {row['predicted_step_s'] * 1e3:9.1f} "
                   f"{row['measured_step_s'] * 1e3:9.1f} {ratio:8.2f}x{'' if ok else '!'} {what}")
         best = min(rows[n]["measured_step_s"] for n in SETTINGS[1:] if n in rows)
         if rows["plan"]["measured_step_s"] > 1.05 * best:
