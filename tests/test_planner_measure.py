@@ -128,6 +128,7 @@ def test_measure_runs_every_setting_on_simulated_hosts(tmp_path: Path, monkeypat
     assert data["runs"]["megatron"][0]["local_input"] == [8, 32]
 
 
+@pytest.mark.slow  # (15 s; `make test` stays under 15 minutes: `make test-all` runs it, as does the benchmark)
 @pytest.mark.timeout(240)
 def test_the_compute_job_times_layers_probes_and_wrappers_on_simulated_hosts(tmp_path: Path,
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
