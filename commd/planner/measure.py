@@ -7,8 +7,8 @@ the setting's layers and timing SGD steps (see measure_worker for how).  Setting
 ``--repeats`` so a drift in the machine's load touches them all; a setting's figure is the median of
 its runs' medians.  A baseline whose layers are the plan's own (the plan *is* data parallel) is the
 same job, so it is run once and its figures shown for both: two runs of one setting differ only by the
-machine's noise, which would read as one being faster.  Only plans of traced models (``MODULE:FACTORY``) can be measured: a layer list or
-an example has no model to run.  The daemons run without a tuning table unless ``COMMD_TUNING`` says
+machine's noise, which would read as one being faster.  Only plans of traced models
+(``MODULE:FACTORY``) can be measured: a layer list or an example has no model to run.  The daemons run without a tuning table unless ``COMMD_TUNING`` says
 otherwise, so every setting sees the same lanes.
 """
 

@@ -90,8 +90,8 @@ def layer_job(cfg: dict[str, Any]) -> dict[str, Any] | None:
     probed: dict[str, dict[str, dict[str, list[list[float]]]]] = {}
     for key, (group, size) in scopes.items():
         collectives = probed.setdefault(key, {})
-        for nbytes, repeats in PROBES:
-            for path, kind, table_bytes, seconds in _probes(dist, fc, group, size, nbytes // 4, repeats):
+        for nbytes, calls in PROBES:
+            for path, kind, table_bytes, seconds in _probes(dist, fc, group, size, nbytes // 4, calls):
                 collectives.setdefault(path, {}).setdefault(kind, []).append([table_bytes, seconds])
     wrappers = _wrapper_overheads(dist, fc, world, nproc if "node_collectives" in scopes else world, repeats * 2 + 1)
     gathered: list[Any] = [None] * world
