@@ -356,15 +356,26 @@ def _both_dims_rank(rank: int, plans: dict[str, dict[str, Any]]) -> None:
     for name, made in plans.items():
         got = _train(apply(_built("mlp"), made, mesh), batch[mine::4])
         _assert_close(got, want, _built("mlp"), f"{name} rank {rank}")
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = apply(_built("mlp"), plans["ddp"], mesh)
+    assert isinstance(ddp, DistributedDataParallel) and ddp.process_group.size() == 4
+    check(ddp, plans["ddp"], mesh)
+    grads = sum(p.numel() * p.element_size() for p in _built("mlp").parameters())
+    for buckets, error in (([grads - 4], rf"hold {grads - 4} bytes but the model's gradients are {grads} bytes"),
+                           ([grads, 0], "a list of positive byte counts"), ("25", "a list of positive byte counts")):
+        with pytest.raises(ApplyError, match=error):  # every rank refuses before any collective: none hangs
+            apply(_built("mlp"), {**plans["ddp"], "ddp_buckets": buckets}, mesh)
     dist.destroy_process_group()
 
 
 @pytest.mark.timeout(240)
 def test_data_parallel_on_both_dimensions_of_a_2x2_mesh_trains_like_one_process(backend_env: Path) -> None:
     """Data parallel on dp and on tp: every rank a quarter of the batch and gradients synchronised over
-    all four ranks — replicate or fully_shard on one flat mesh, or FSDP2's hybrid (replicated over dp,
-    sharded over tp) — not only over dp, where the tp pairs' replicas would drift apart."""
-    plans = {"replicate": forced_plan("mlp", (2, 2), (8, 32), base="data_parallel"),
+    all four ranks — plain DDP over them (bad ``ddp_buckets`` refused on every rank), fully_shard on one
+    flat mesh, or FSDP2's hybrid (replicated over dp, sharded over tp) — not only over dp, where the tp
+    pairs' replicas would drift apart."""
+    plans = {"ddp": forced_plan("mlp", (2, 2), (8, 32), base="data_parallel"),
              "fully_shard": forced_plan("mlp", (2, 2), (8, 32), {n: ("fsdp", "fsdp") for n in ("0", "2", "4")},
                                         base="data_parallel"),
              "hybrid": forced_plan("mlp", (2, 2), (8, 32), {n: ("dp", "fsdp") for n in ("0", "2", "4")},
