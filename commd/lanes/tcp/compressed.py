@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -107,10 +108,11 @@ def _ring_pass(tp: Transport, nxt: int, prv: int, send: np.ndarray, keep: np.nda
     """One pass of blocks round a ring: ``send`` coded once to ``nxt`` (``keep``, this node's copy of
     it, rounded as receivers decode it), and the blocks ``arriving`` from ``prv`` in that order, each
     decoded here and forwarded coded, but the last (``nxt`` owns it)."""
-    _send_coded(tp, nxt, _pieces(send, codec), _pieces(keep, codec), codec, counts)
+    outbox = _Outbox(tp, nxt)  # this node's own pieces reach nxt before any chunk it forwards there
+    _send_coded(tp, nxt, _pieces(send, codec), _pieces(keep, codec), codec, counts, then=outbox.release)
     receiver = _Receiver(tp, prv, [_Chunk(piece, nxt if j < len(arriving) - 1 else None)
                                    for j, block in enumerate(arriving) for piece in _pieces(block, codec)],
-                         codec, False, counts)
+                         codec, False, counts, outbox)
     receiver.start()
     tp.wait()
     receiver.decode_pending()
@@ -132,15 +134,38 @@ def _cut(arr: np.ndarray, step: int) -> list[np.ndarray]:
 SEND_AHEAD = 2
 
 
+class _Outbox:
+    """Chunks forwarded to ``nxt`` held until ``release``: ``_send_coded`` posts a node's own pieces
+    lazily (each when one before it has left), so a chunk forwarded the moment it arrives would
+    otherwise land on the wire between them, where ``nxt`` expects the next own piece."""
+
+    def __init__(self, tp: Transport, nxt: int) -> None:
+        self.tp, self.nxt, self.open, self.held = tp, nxt, False, []
+
+    def post(self, *views: memoryview) -> None:
+        if self.open:
+            for view in views:
+                self.tp.post_send(self.nxt, view)
+        else:
+            self.held.append(views)
+
+    def release(self) -> None:
+        self.open = True
+        held, self.held = self.held, []
+        for views in held:
+            self.post(*views)
+
+
 def _send_coded(tp: Transport, nxt: int, pieces: list[np.ndarray], copies: list[np.ndarray] | None, codec: Codec,
-                counts: ChainCounts) -> None:
+                counts: ChainCounts, then: Callable[[], None] | None = None) -> None:
     """Code each piece once and post it to ``nxt`` (frame, payload); ``copies``: this node's own copy
     of each piece, rounded as receivers decode it when the codec is lossy (None: left exact).
 
     The first ``SEND_AHEAD`` pieces are coded now; each later one when a payload before it has left
     (from the transport's completion, inside ``wait``), so the coding of piece k overlaps the link
     draining the pieces already in the socket's buffer instead of all coding preceding all sending.
-    (The posted memoryviews keep the coded bytes alive until the transport has sent them.)"""
+    (The posted memoryviews keep the coded bytes alive until the transport has sent them.)  ``then``
+    runs once the last piece is posted."""
     room = [codec.max_encoded(piece.nbytes) for piece in pieces]
     starts = np.concatenate([[0], np.cumsum(room)]).astype(int)
     area = np.empty(int(starts[-1]), np.uint8)
@@ -165,7 +190,11 @@ def _send_coded(tp: Transport, nxt: int, pieces: list[np.ndarray], copies: list[
             if copies[k] is not piece:
                 copies[k][:] = piece
             codec.round_in_place(copies[k])  # (the coded bytes are sent, not the piece: free to change)
+        if k == len(pieces) - 1 and then is not None:
+            then()
 
+    if not pieces and then is not None:
+        then()
     for _ in range(SEND_AHEAD):
         post_next()
 
@@ -182,8 +211,9 @@ class _Receiver:
     """The chunks a node receives from ``prv``, in order: each forwarded, then decoded one chunk late."""
 
     def __init__(self, tp: Transport, prv: int, chunks: list[_Chunk], codec: Codec, per_hop: bool,
-                 counts: ChainCounts) -> None:
+                 counts: ChainCounts, outbox: _Outbox | None = None) -> None:
         self.tp, self.prv, self.chunks, self.codec, self.per_hop, self.counts = tp, prv, chunks, codec, per_hop, counts
+        self.outbox = outbox  # forwards to its node go through it (after this node's own pieces)
         room = [codec.max_encoded(c.dst.nbytes) for c in chunks]
         self.starts = np.concatenate([[0], np.cumsum(room)]).astype(int)
         self.area = np.empty(int(self.starts[-1]), np.uint8)  # each chunk's coded bytes, alive until forwarded
@@ -232,7 +262,9 @@ class _Receiver:
                 self.lengths[k] = self.codec.encode(self.chunks[k].dst, self._slot(k, self.starts[k + 1] - self.starts[k]))
                 self.counts.codec_seconds += time.perf_counter() - began
                 self.frames[k][:] = FRAME.pack(self.codec.wire_id, 0, self.lengths[k])
-            if forward is not None:
+            if forward is not None and self.outbox is not None and forward == self.outbox.nxt:
+                self.outbox.post(memoryview(self.frames[k]), memoryview(self._slot(k)))
+            elif forward is not None:
                 self.tp.post_send(forward, memoryview(self.frames[k]))
                 self.tp.post_send(forward, memoryview(self._slot(k)))
             if k + 1 < len(self.chunks):
