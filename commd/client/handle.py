@@ -57,10 +57,15 @@ class Handle:
 
     # ---- completion (called by the Client that received the op's reply) ----
     def complete(self, reply: dict[str, Any]) -> None:
-        """The op succeeded: copy the result out (``finish``) and wake every waiter."""
+        """The op succeeded: copy the result out (``finish``) and wake every waiter.
+
+        Done or failed, the handle lets go of its staging buffers (``keep``, and the copy-out that
+        reads them): a completed handle can outlive its op by far (``PendingWrites`` holds hundreds),
+        and each staging block it kept would make the arena grow by fresh segments."""
+        finish, self._finish = self._finish, None
         try:
-            if self._finish is not None:
-                self._finish(reply)
+            if finish is not None:
+                finish(reply)
         except Exception as exc:  # a failed copy-out is the op's failure
             self.fail(CommdError(f"{self.description}: copying the result out failed: {exc}"))
             return
@@ -70,6 +75,7 @@ class Handle:
 
     def fail(self, error: CommdError) -> None:
         """The op failed with ``error``: wake every waiter, who raises it."""
+        self._finish = None
         self._keep = None
         self._settle(error)
 
