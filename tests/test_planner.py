@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 
@@ -430,6 +431,45 @@ def test_fixed_part_of_a_layer_from_its_time_on_the_whole_batch_and_on_a_share()
     fixed, whole = got["a"]
     assert whole == 10.0 and fixed + (whole - fixed) * 0.25 == pytest.approx(4.0)
     assert got["b"] == (8.0, 8.0) and got["c"] == (0.0, 8.0)
+
+
+def test_layers_timed_alone_are_scaled_to_add_up_to_a_whole_training_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``measure_in_step`` keeps the layers' proportions and makes their sum the step's time, and the
+    step it times is a real SGD step of the whole model: every forward pass counted, the weights moved."""
+    import torch
+
+    from commd.planner import trace
+
+    monkeypatch.setattr(trace, "measure", lambda *a, **k: {"a": 1.0, "b": 3.0, "out": 0.0})
+    monkeypatch.setattr(trace, "step_seconds", lambda *a, **k: 6.0)
+    layers, factor = trace.measure_in_step(lambda: None, (2, 4))
+    assert factor == 1.5 and layers == {"a": 1.5, "b": 4.5, "out": 0.0}
+    monkeypatch.undo()
+
+    calls, built = [], []
+
+    def factory() -> torch.nn.Module:
+        model = torch.nn.Linear(4, 3)
+        model.register_forward_hook(lambda *_: calls.append(1))
+        built.append((model, model.weight.detach().clone()))
+        return model
+
+    assert trace.step_seconds(factory, (2, 4), repeats=2, threads=1) > 0
+    (model, before), = built
+    assert len(calls) == 2 * 2 + 3 and not torch.equal(model.weight.detach(), before)
+
+
+def test_a_measured_step_ends_when_the_slowest_rank_finishes_it() -> None:
+    """Step times from the job's end times (the largest over ranks): ranks taking turns being slow do
+    not make every step read as a slow turn."""
+    from commd.planner.measure_worker import step_times
+
+    fast_slow, slow_fast = [0.03, 0.10, 0.13, 0.20], [0.07, 0.10, 0.17, 0.20]
+    job = [max(a, b) for a, b in zip(fast_slow, slow_fast, strict=True)]
+    assert step_times(job) == pytest.approx([0.07, 0.03, 0.07, 0.03])
+    assert sum(step_times(job)) == pytest.approx(0.20)  # the job's steps add up to its time, 50 ms a step
+    durations = [max(a, b) for a, b in zip(step_times(fast_slow), step_times(slow_fast), strict=True)]
+    assert statistics.median(step_times(job)) == pytest.approx(0.05) and min(durations) == pytest.approx(0.07)
 
 
 def job_measurement(graph: LayerGraph, probe_s: float) -> dict:

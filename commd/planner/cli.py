@@ -125,8 +125,8 @@ def run(args: argparse.Namespace) -> int:
 
             threads = max(1, (os.cpu_count() or 1) // mesh.nproc_per_node)
             opts.compute, opts.compute_source = "measured", "measured here"
-            opts.layer_seconds = trace.measure(trace.load_factory(args.target), _shape(args.input),
-                                               args.input_dtype, threads=threads)
+            opts.layer_seconds, _ = trace.measure_in_step(trace.load_factory(args.target), _shape(args.input),
+                                                          args.input_dtype, threads=threads)
         elif compute == "job":
             job = _job_compute(args, mesh)
             _use_job(opts, job, costs)

@@ -8,11 +8,15 @@ below the planner it touches.  The config names the model factory, the global ba
 With ``"mode": "layers"`` in the config a job instead times what the planner prices compute and the
 torch path with (``layer_job``): every rank at once, so each sees the load it will train under.
 
-Timing: all ranks pass one ``dist.barrier()`` after the warm-up steps, then run the timed steps back
-to back with no barrier among them; each rank times every step (forward, backward, SGD step) from the
-end of its previous one, and a step's time is the slowest rank's (an all-reduce of the times after the
-last step).  A step's collectives hold the ranks together, so no barrier is needed inside; a plan
-without collectives (replicated) is timed as its ranks run it, independently.
+Timing: all ranks pass one ``dist.barrier()`` after the warm-up steps, then run the timed steps
+(``trace.sgd_step``: forward, backward, SGD step) back to back with no barrier among them.  Each rank
+notes when it finishes each step, counted from its exit from the barrier; the job has finished a step
+when its slowest rank has (the largest of those times, an all-reduce after the last step), and a
+step's time is the time from the job finishing the step before.  The largest of the ranks' own step
+durations would read high where ranks are loosely coupled: they take turns being slow (one rank of a
+plan with one all-reduce a step took 27 and 78 ms on alternate steps of a 51 ms period), and the
+largest duration of every step is a slow turn.  A plan without collectives (replicated) is timed as
+its ranks run it, independently.
 """
 
 from __future__ import annotations
@@ -60,8 +64,9 @@ PROBES = ((64 * 1024, 11), (4 * 1024 * 1024, 5))
 
 
 def layer_job(cfg: dict[str, Any]) -> dict[str, Any] | None:
-    """Per layer (fixed, whole) training seconds (``trace.measure`` on the whole batch and on one
-    rank's share of it, every rank at once; the median over ranks) and, per collective kind and
+    """Per layer (fixed, whole) training seconds (``trace.measure_in_step`` on the whole batch and on
+    one rank's share of it, every rank at once; the median over ranks; ``in_step``: the factors the
+    layers' own times were scaled by to add up to a whole step's) and, per collective kind and
     ``PROBES`` size, the seconds a collective on all ranks (``collectives``) and, with several nodes of
     several ranks, on the ranks of one node (``node_collectives``: where a 2-D mesh's ``tp`` converts)
     takes through ``torch.distributed`` directly (``plain``: FSDP2's gradient sync) and through
@@ -70,16 +75,16 @@ def layer_job(cfg: dict[str, Any]) -> dict[str, Any] | None:
     import torch.distributed as dist
     import torch.distributed._functional_collectives as fc
 
-    from commd.planner.trace import fixed_and_whole, load_factory, measure
+    from commd.planner.trace import fixed_and_whole, load_factory, measure_in_step
 
     world, rank = dist.get_world_size(), dist.get_rank()
     factory, shape = load_factory(cfg["factory"]), tuple(cfg["input"])
     share_shape = (max(1, shape[0] // world), *shape[1:])
     threads, repeats = int(cfg.get("threads", 1)), int(cfg.get("repeats", 5))
     dist.barrier()
-    whole = measure(factory, shape, cfg["input_dtype"], repeats, threads)
+    whole, whole_factor = measure_in_step(factory, shape, cfg["input_dtype"], repeats, threads)
     dist.barrier()
-    part = measure(factory, share_shape, cfg["input_dtype"], repeats, threads)
+    part, part_factor = measure_in_step(factory, share_shape, cfg["input_dtype"], repeats, threads)
     layers = fixed_and_whole(whole, part, share_shape[0] / shape[0])
 
     nproc = int(cfg.get("nproc_per_node", world))
@@ -95,13 +100,15 @@ def layer_job(cfg: dict[str, Any]) -> dict[str, Any] | None:
                 collectives.setdefault(path, {}).setdefault(kind, []).append([table_bytes, seconds])
     wrappers = _wrapper_overheads(dist, fc, world, nproc if "node_collectives" in scopes else world, repeats * 2 + 1)
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, {"layers": layers, "wrappers": wrappers, **probed})
+    dist.all_gather_object(gathered, {"layers": layers, "wrappers": wrappers, "in_step": [whole_factor, part_factor],
+                                      **probed})
     if rank != 0:
         return None
     out: dict[str, Any] = {
         "layers": {name: [statistics.median(g["layers"][name][0] for g in gathered),
                           statistics.median(g["layers"][name][1] for g in gathered)] for name in layers},
-        "world": world, "threads": threads, "input": list(shape), "share_input": list(share_shape)}
+        "world": world, "threads": threads, "input": list(shape), "share_input": list(share_shape),
+        "in_step": [statistics.median(g["in_step"][i] for g in gathered) for i in range(2)]}
     for key, collectives in probed.items():
         out[key] = {path: {kind: [[point[0], statistics.median(g[key][path][kind][i][1] for g in gathered)]
                                   for i, point in enumerate(points)]
@@ -207,6 +214,11 @@ def _probes(dist: Any, fc: Any, group: Any, world: int, n: int, repeats: int) ->
     return out
 
 
+def step_times(ends: list[float]) -> list[float]:
+    """Each step's seconds from the times its end and the steps before it were reached (from 0)."""
+    return [end - before for before, end in zip([0.0, *ends], ends, strict=False)]
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
@@ -214,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import commd  # noqa: F401 - registers the "commd" backend
     from commd.planner.apply import apply
-    from commd.planner.trace import load_factory
+    from commd.planner.trace import load_factory, sgd_step
 
     cfg = json.loads(Path((argv or sys.argv[1:])[0]).read_text())
     for entry in reversed(cfg.get("sys_path", [])):  # where the caller imports the model factory from
@@ -242,26 +254,19 @@ def main(argv: list[str] | None = None) -> int:
     warmup, steps = int(cfg["warmup"]), int(cfg["steps"])
     inputs = batches(local_shape(plan, cfg["input"]), cfg["input_dtype"], warmup + steps, rank, cfg.get("seed", 0))
 
-    def step(x: Any) -> None:
-        optimizer.zero_grad(set_to_none=True)
-        model(x).float().pow(2).mean().backward()
-        optimizer.step()
-
     for x in inputs[:warmup]:
-        step(x)
+        sgd_step(model, optimizer, x)
     dist.barrier()
-    times = []
-    last = time.perf_counter()
+    began = time.perf_counter()
+    ends = []
     for x in inputs[warmup:]:
-        step(x)
-        now = time.perf_counter()
-        times.append(now - last)
-        last = now
-    slowest = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        sgd_step(model, optimizer, x)
+        ends.append(time.perf_counter() - began)
+    job_ends = torch.tensor(ends, dtype=torch.float64)
+    dist.all_reduce(job_ends, op=dist.ReduceOp.MAX)
     if rank == 0:
-        per_step = slowest.tolist()
-        out = {"median_s": statistics.median(per_step), "step_s": per_step, "rank0_step_s": times,
+        per_step = step_times(job_ends.tolist())
+        out = {"median_s": statistics.median(per_step), "step_s": per_step, "rank0_step_s": step_times(ends),
                "world": dist.get_world_size(), "local_input": list(inputs[0].shape), "threads": torch.get_num_threads()}
         Path(cfg["out"]).write_text(json.dumps(out))
     dist.barrier()

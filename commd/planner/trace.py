@@ -85,9 +85,7 @@ def measure(factory: Callable[[], Any], input_shape: tuple[int, ...], input_dtyp
         torch.set_num_threads(threads)
     try:
         module = _traced(factory())
-        dtype = getattr(torch, input_dtype)
-        example = (torch.randint(0, 2, input_shape, dtype=dtype) if not dtype.is_floating_point
-                   else torch.randn(input_shape, dtype=dtype))
+        example = _example(input_shape, input_dtype)
         times: dict[str, list[float]] = {}
         names = {node.name: (_name(node.target) if node.op == "call_module" and _kind_of(module.get_submodule(node.target))
                              else node.name) for node in module.graph.nodes}
@@ -125,6 +123,63 @@ def measure(factory: Callable[[], Any], input_shape: tuple[int, ...], input_dtyp
     finally:
         torch.set_num_threads(saved)
     return {name: statistics.median(t[1:]) for name, t in times.items()}  # (the first run warms up)
+
+
+def sgd_step(model: Any, optimizer: Any, x: Any) -> None:
+    """One training step as ``commd plan --measure`` runs it and ``step_seconds`` times it: the loss is the
+    mean square of the output (any model, no labels), the update plain SGD."""
+    optimizer.zero_grad(set_to_none=True)
+    model(x).float().pow(2).mean().backward()
+    optimizer.step()
+
+
+def step_seconds(factory: Callable[[], Any], input_shape: tuple[int, ...], input_dtype: str = "float32",
+                 repeats: int = 5, threads: int | None = None) -> float:
+    """Median seconds of a whole training step (``sgd_step``) of the model ``factory()`` builds, on one
+    process: what its layers, timed one at a time by ``measure``, really cost together."""
+    import statistics
+    import time
+
+    import torch
+
+    saved = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        model = factory()
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
+        example = _example(input_shape, input_dtype)
+        times = []
+        for _ in range(2 * repeats + 3):
+            began = time.perf_counter()
+            sgd_step(model, optimizer, example)
+            times.append(time.perf_counter() - began)
+    finally:
+        torch.set_num_threads(saved)
+    return statistics.median(times[2:])  # (the first two warm up)
+
+
+def measure_in_step(factory: Callable[[], Any], input_shape: tuple[int, ...], input_dtype: str = "float32",
+                    repeats: int = 5, threads: int | None = None) -> tuple[dict[str, float], float]:
+    """(per layer seconds, the factor they were scaled by): ``measure``'s times scaled so that they add up
+    to ``step_seconds``.  A layer timed alone runs with its weights and activations still in the cache
+    from its own forward pass; in a step, the other layers' passes evict them between its forward and
+    its backward, and the step adds the loss, the autograd engine and the optimizer.  On 4 ranks sharing
+    2 cores the layers of a 4-layer MLP, timed alone, added up to 2/3 of its step."""
+    layers = measure(factory, input_shape, input_dtype, repeats, threads)
+    step = step_seconds(factory, input_shape, input_dtype, repeats, threads)
+    total = sum(layers.values())
+    factor = step / total if total > 0 else 1.0
+    return {name: seconds * factor for name, seconds in layers.items()}, factor
+
+
+def _example(input_shape: tuple[int, ...], input_dtype: str) -> Any:
+    """A random input of the model: token ids 0 or 1 for integer dtypes."""
+    import torch
+
+    dtype = getattr(torch, input_dtype)
+    return (torch.randint(0, 2, input_shape, dtype=dtype) if not dtype.is_floating_point
+            else torch.randn(input_shape, dtype=dtype))
 
 
 def fixed_and_whole(whole: dict[str, float], part: dict[str, float], share: float) -> dict[str, tuple[float, float]]:
