@@ -11,6 +11,7 @@ import gc
 import logging
 import os
 import urllib.request
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -214,18 +215,21 @@ def test_fresh_tensors_every_step_stay_staged(daemon: DaemonProcess, pair: list[
     assert [r["registered_segments"] for r in client_rows(daemon)] == [0, 0]
 
 
-def test_staging_blocks_return_to_the_arena_when_their_op_completes(daemon: DaemonProcess, pair: list[Any]) -> None:
+def test_a_completed_staged_op_holds_neither_its_staging_block_nor_the_users_tensor(daemon: DaemonProcess, pair: list[Any]) -> None:
     """A fresh 1 MiB tensor every step, staged: its block is free again once the op completes, though
-    the client remembers the completed op (where it wrote) for hundreds of storages, so the arena never
-    grows: 100 steps in the first segment, none of it in use between steps."""
+    the client remembers where pending ops write for hundreds of storages, so the arena never grows
+    (100 steps in the first segment, none of it in use between steps), and the tensor itself dies
+    when the user drops it."""
     first = [c.arena.total_bytes() for c in pair]
     for step in range(100):
         fresh = [torch.empty(1 << 18) for _ in pair]
         fill(fresh, step)
         all_reduce_checked(pair, fresh, f"step {step}")
+        dropped = [weakref.ref(t) for t in fresh]
         del fresh
         in_use = [c.arena.bytes_in_use() for c in pair]
         assert in_use == [0, 0], f"step {step}: {in_use} bytes of staging still held after the ops completed"
+        assert [ref() for ref in dropped] == [None, None], f"step {step}: a dropped tensor is still alive"
     assert [c.arena.total_bytes() for c in pair] == first
     assert status(daemon)["bytes_by_path"]["staged"] == 100 * 2 * (1 << 20)
 

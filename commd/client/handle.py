@@ -23,7 +23,7 @@ class Handle:
 
     __slots__ = (
         "client", "op_id", "kind", "group", "deadline", "_done", "_event", "_error", "_finish",
-        "_result", "_future", "_keep", "src",
+        "_result", "_future", "_keep", "src", "__weakref__",
     )
 
     def __init__(
