@@ -4,7 +4,7 @@ For every link (``--links``, default ``1gbit/0.2,200mbit/1``: rate / one-way del
 tunes a table (`commd tune`), and for every model of ``benchmarks/plan_models.py`` (``--models``) it
 plans on each ``--mesh`` (default 2x2 — dp across the hosts, tp inside them — and 4) with that table, compute and
 the torch path's overheads measured inside a job on the same shaped hosts (`--compute job`), then
-measures the plan and both baselines (`commd plan --measure`: median step, slowest rank, after a
+measures the plan and both baselines (`commd plan --measure`: median step, ended by the slowest rank, after a
 warm-up).  Groups inside a host are priced from one `commd plan calibrate`.  It prints per model and
 link predicted and measured steps, their ratio, and the issue's targets:
 
