@@ -128,6 +128,18 @@ def test_measure_runs_every_setting_on_simulated_hosts(tmp_path: Path, monkeypat
     assert data["runs"]["megatron"][0]["local_input"] == [8, 32]
 
 
+def test_a_probe_inside_a_step_is_what_the_collective_adds_to_a_loop_of_compute() -> None:
+    """Per round, the loop with the collective minus the loop of compute alone; the median round; less
+    the cost of making the input; never below zero."""
+    from commd.planner.measure_worker import under_compute
+
+    # rounds: 9-4=5, 10-4=6, 30-5=25 (an outlier round) -> the median 6, less 1 to make the input
+    assert under_compute([9.0, 10.0, 30.0], [4.0, 4.0, 5.0], 1.0) == pytest.approx(5.0)
+    assert under_compute([4.0, 4.1, 3.9], [4.0, 4.0, 4.0], 0.5) == 0.0
+    with pytest.raises(ValueError):
+        under_compute([1.0, 2.0], [1.0], 0.0)  # (rounds are paired)
+
+
 @pytest.mark.slow  # (15 s; `make test` stays under 15 minutes: `make test-all` runs it, as does the benchmark)
 @pytest.mark.timeout(240)
 def test_the_compute_job_times_layers_probes_and_wrappers_on_simulated_hosts(tmp_path: Path,
@@ -157,6 +169,7 @@ def test_the_compute_job_times_layers_probes_and_wrappers_on_simulated_hosts(tmp
             assert all(len(points) == len(PROBES) and all(t >= 0 for _, t in points)
                        for points in job[key][path].values()), (key, path)
     assert set(job["wrappers"]) == set(WRAPPERS) and all(v >= 0 for v in job["wrappers"].values())
+    assert job["probe_compute"]["matmul_side"] >= 16 and job["probe_compute"]["seconds"] > 0
     from commd.planner.costs import CollectiveCosts
 
     convert, sync = measure.torch_path_overheads(job, CollectiveCosts.load(write_costs(tmp_path / "costs.json")))
