@@ -71,7 +71,7 @@ def layer_job(cfg: dict[str, Any]) -> dict[str, Any] | None:
     several ranks, on the ranks of one node (``node_collectives``: where a 2-D mesh's ``tp`` converts)
     takes through ``torch.distributed`` directly (``plain``: FSDP2's gradient sync) and through
     functional collectives (``functional``: DTensor's conversions), each between products of matrices
-    sized like one of the model's layers on a share (``probe_compute``: see ``_probes``), and what each
+    sized like the model's mean layer on a share (``probe_compute``: see ``_probes``), and what each
     wrapper ``apply`` puts on a layer costs of its own (``wrappers``).  Rank 0's return value; None on
     the others."""
     import torch.distributed as dist
@@ -192,7 +192,9 @@ PROBE_ROUNDS = 3
 
 def _compute_chunk(dist: Any, target_s: float) -> tuple[Any, int]:
     """(a callable, its side) — a product of two square matrices, every rank the same size (rank 0's
-    choice), sized to take about ``target_s`` (within ``CHUNK_BOUNDS_S``) with every rank running it."""
+    choice), sized to take about ``target_s`` (within ``CHUNK_BOUNDS_S``) with every rank running it:
+    ``layer_job`` asks for its mean layer's training seconds on a share, the compute a step runs between
+    two conversions when every layer converts."""
     import torch
 
     target_s = min(max(target_s, CHUNK_BOUNDS_S[0]), CHUNK_BOUNDS_S[1])
