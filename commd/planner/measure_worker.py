@@ -26,6 +26,8 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -212,18 +214,25 @@ def _compute_chunk(dist: Any, target_s: float) -> tuple[Any, int]:
     return (lambda: torch.mm(a, b)), side
 
 
-def _job_seconds(dist: Any, body: Any, calls: int) -> float:
-    """Seconds per call of ``calls`` runs of ``body`` on every rank at once, from a barrier until the
-    slowest rank is done (as a step ends when its slowest rank does)."""
+def job_ends(dist: Any, runs: Iterable[Callable[[], Any]]) -> tuple[list[float], list[float]]:
+    """(the job's, this rank's) time at the end of each of ``runs``, every rank running its own back to
+    back, counted from its exit from one barrier: the job has ended a run when its slowest rank has."""
     import torch
 
     dist.barrier()
     began = time.perf_counter()
-    for _ in range(calls):
-        body()
-    elapsed = torch.tensor([time.perf_counter() - began], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed.item()) / calls
+    ends = []
+    for run in runs:
+        run()
+        ends.append(time.perf_counter() - began)
+    slowest = torch.tensor(ends, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.tolist(), ends
+
+
+def _job_seconds(dist: Any, body: Callable[[], Any], calls: int) -> float:
+    """Seconds per call of ``calls`` runs of ``body`` on every rank at once (``job_ends``)."""
+    return job_ends(dist, [body] * calls)[0][-1] / calls
 
 
 def under_compute(with_calls: list[float], compute_only: list[float], making: float) -> float:
@@ -314,16 +323,9 @@ def main(argv: list[str] | None = None) -> int:
 
     for x in inputs[:warmup]:
         sgd_step(model, optimizer, x)
-    dist.barrier()
-    began = time.perf_counter()
-    ends = []
-    for x in inputs[warmup:]:
-        sgd_step(model, optimizer, x)
-        ends.append(time.perf_counter() - began)
-    job_ends = torch.tensor(ends, dtype=torch.float64)
-    dist.all_reduce(job_ends, op=dist.ReduceOp.MAX)
+    slowest, ends = job_ends(dist, [partial(sgd_step, model, optimizer, x) for x in inputs[warmup:]])
     if rank == 0:
-        per_step = step_times(job_ends.tolist())
+        per_step = step_times(slowest)
         out = {"median_s": statistics.median(per_step), "step_s": per_step, "rank0_step_s": step_times(ends),
                "world": dist.get_world_size(), "local_input": list(inputs[0].shape), "threads": torch.get_num_threads()}
         Path(cfg["out"]).write_text(json.dumps(out))
