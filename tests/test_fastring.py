@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -188,6 +189,19 @@ def test_a_dead_rank_fails_the_waiting_op_before_its_timeout(daemon: Any, connec
     assert time.monotonic() - start < 10
 
 
+def test_close_fails_pending_ops_and_stops_the_progress_thread(daemon: Any, connect: Callable[..., Any]) -> None:
+    """A progress thread left running at interpreter exit is stopped inside torch's C++ calls, which
+    aborts the process: ``close`` must return only once the thread has left."""
+    rings = _rings([connect(r, 2) for r in range(2)])
+    pending = rings[0].all_reduce(np.ones(2, np.float32).view(np.uint8), "float32", "sum", None)  # rank 1 never joins
+    rings[0].start_receiver()
+    thread = next(t for t in threading.enumerate() if t.name == "commd-ring")
+    rings[0].close()
+    assert not thread.is_alive(), "the ring's progress thread outlived close()"
+    with pytest.raises(CommdError, match="commd client is closed"):
+        pending.wait(1)
+
+
 def test_the_daemon_gives_rings_only_to_members_of_local_groups(
     daemon: Any, connect: Callable[..., Any]
 ) -> None:
@@ -287,6 +301,37 @@ def ring_rank_main(rank: int) -> None:
 @pytest.mark.timeout(120)
 def test_torch_backend_takes_the_ring_for_small_all_reduces(backend_env: Any) -> None:
     spawn(ring_rank_main, ())
+
+
+def exit_without_destroy_rank_main(rank: int, out_dir: str) -> None:
+    """Futures on the ring (DDP's path), then the process ends without destroy_process_group: its exit
+    hooks run as at interpreter exit, then the threads still alive are written down."""
+    import atexit
+    import os
+
+    import commd  # noqa: F401 - registers the backend
+
+    dist.init_process_group("commd", init_method="env://", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=30))
+    x = torch.full((4,), float(rank + 1))
+    work = dist.all_reduce(x, async_op=True)
+    assert isinstance(work.handles[0], RingHandle), "a tiny all-reduce did not take the ring"
+    assert work.get_future().wait()[0].tolist() == [3.0] * 4
+    assert "commd-ring" in [t.name for t in threading.enumerate()], "the future did not start the ring's thread"
+    dist.barrier()
+    atexit._run_exitfuncs()  # what the interpreter runs before it stops the daemon threads
+    Path(out_dir, f"threads{rank}").write_text(
+        " ".join(sorted(t.name for t in threading.enumerate() if t is not threading.main_thread())))
+    os._exit(0)
+
+
+@pytest.mark.timeout(120)
+def test_ranks_that_exit_without_destroying_the_group_leave_no_ring_thread(backend_env: Any, tmp_path: Path) -> None:
+    """commd closes the rings at exit (joining their threads) before Python stops daemon threads."""
+    spawn(exit_without_destroy_rank_main, (str(tmp_path),))
+    for rank in range(WORLD):
+        alive = (tmp_path / f"threads{rank}").read_text().split()
+        assert "commd-ring" not in alive, f"rank {rank}: threads alive at exit: {alive}"
 
 
 def fallback_rank_main(rank: int) -> None:

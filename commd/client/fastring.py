@@ -27,6 +27,7 @@ read after it; ``futex.Fence`` where a store must be seen before a later load);
 
 from __future__ import annotations
 
+import atexit
 import collections
 import ctypes
 import logging
@@ -34,6 +35,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -69,6 +71,16 @@ _OP_CODE = {name: i for i, name in enumerate(fr.REDUCE_OPS)}
 #: What a bridged ring tells its daemon when this rank leaves it, by the error's type.
 _ERROR_CODES = {MismatchError: "mismatch", CommTimeoutError: "timeout", PeerDiedError: "peer_died",
                 DaemonDiedError: "peer_died"}
+#: How long ``close`` waits for the progress thread to leave (it wakes at once, at most ``SLICE_S``).
+CLOSE_JOIN_S = 2.0
+#: Rings not closed yet: closed at interpreter exit, before daemon threads are stopped (``close``).
+_OPEN_RINGS: weakref.WeakSet[ExchangeRing] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_rings() -> None:
+    for ring in list(_OPEN_RINGS):
+        ring.close()
 
 
 def available() -> bool:
@@ -226,6 +238,7 @@ class ExchangeRing:
         self._wanted = threading.Event()
         self._next_check = 0.0  # when the missing ranks' and the daemon's processes are checked next
         self.closed = False
+        _OPEN_RINGS.add(self)
 
     # ---- publishing -----------------------------------------------------
     def _ring_bell(self) -> None:
@@ -642,7 +655,16 @@ class ExchangeRing:
                         self._break(CommdError(f"group {self.group!r}: the exchange ring failed: {exc!r}"))
 
     def close(self) -> None:
+        """Fail what is pending and stop the progress thread (joined, bounded by ``CLOSE_JOIN_S``).
+
+        A daemon thread still running at interpreter exit is stopped by Python where it next takes
+        the GIL; inside one of torch's C++ calls that aborts the process ("terminate called without
+        an active exception") after the training finished."""
         with self._lock:
             self.closed = True
             self._break(CommdError("commd client is closed"), tell=False)
         self._wanted.set()
+        thread = self._progress_thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(CLOSE_JOIN_S)
+        _OPEN_RINGS.discard(self)
