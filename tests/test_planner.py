@@ -12,6 +12,7 @@ import math
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -529,6 +530,41 @@ def test_overheads_probed_on_one_nodes_ranks_price_the_groups_inside_a_node() ->
     assert conversions({"allreduce": [7.0, 0.0], "allreduce@node": [1.0, 0.0]})[0] == pytest.approx(base + inside)
 
 
+def test_overheads_probed_on_one_rank_of_each_node_price_a_2x2_meshs_dp_sync() -> None:
+    """The job's groups of one rank per node, side by side (a 2-D mesh's dp groups): their line
+    (``KIND@cross``) is taken beyond the price of their collectives side by side, and charged
+    to the dp dimension's gradient sync, not to DDP's over all ranks."""
+    from commd.planner.measure import torch_path_overheads
+
+    costs = synthetic_costs()
+    job = job_measurement(examples.mlp(64, 32, 2), 0.05)
+    job["node_ranks"] = 2
+    side_by_side = costs.side_by_side("allreduce", 65536, 2, 2, 2), costs.side_by_side("allreduce", 4194304, 2, 2, 2)
+    job["cross_collectives"] = {"plain": {"allreduce": [[65536, side_by_side[0] + 0.003],
+                                                        [4194304, side_by_side[1] + 0.005]]},
+                                "functional": {"allreduce": [[65536, 0.0], [4194304, 0.0]]}}
+    convert, sync = torch_path_overheads(job, costs)
+    a, b = sync["allreduce@cross"]
+    assert a + b * 65536 == pytest.approx(0.003) and a + b * 4194304 == pytest.approx(0.005)
+    assert convert["allreduce@cross"] == [0.0, 0.0]
+
+    graph = examples.mlp(batch=64, width=256, depth=4)
+    mesh = planner.Mesh((2, 2), 2)  # Megatron syncs its gradients on dp, one rank of each node
+
+    def sync_of(pick: Any, lines: dict[str, list[float]], dim: int) -> tuple[float, int]:
+        priced = planner.price(graph, mesh, costs, planner.Options(sync_overhead_s=lines))
+        figures = planner.breakdown(priced, pick(graph, priced))
+        return figures["sync_s"], sum(c["count"] for c in figures["collectives"] if c["mesh_dim"] == dim)
+
+    base, calls = sync_of(planner.megatron, {}, 0)
+    assert calls > 0
+    assert sync_of(planner.megatron, {"allreduce@cross": [1.0, 0.0]}, 0)[0] == pytest.approx(base + calls)
+    assert sync_of(planner.megatron, {"allreduce": [7.0, 0.0], "allreduce@cross": [1.0, 0.0]}, 0)[0] == \
+        pytest.approx(base + calls)
+    ddp, buckets = sync_of(planner.data_parallel, {}, 2)  # DDP: over all ranks (the mesh's dimension 2)
+    assert buckets > 0 and sync_of(planner.data_parallel, {"allreduce@cross": [1.0, 0.0]}, 2)[0] == pytest.approx(ddp)
+
+
 def test_each_wrapped_layer_is_charged_its_wrappers_own_cost_and_plain_ddp_none() -> None:
     """Megatron on 2x2: every column and row layer is charged its DTensor style's cost and FSDP2's
     replicate on dp; data parallel everywhere is plain DDP, which wraps no layer."""
@@ -609,13 +645,22 @@ def test_a_split_follows_views_and_transposes_onto_the_heads() -> None:
 
 
 def test_groups_of_one_dimension_that_cross_a_node_link_together_share_it() -> None:
-    """On 2 nodes x 2 ranks, both dp groups of a 2x2 mesh send over every node's link at once: a dp
-    collective is priced as the measured curve for twice its bytes; one group of all ranks, or a group
-    inside a node, is priced as measured."""
+    """On 2 nodes x 2 ranks, both dp groups of a 2x2 mesh send over every node's link at once, through
+    the same daemons: all-reduces up to the fusion threshold run fused, priced as the measured curve for
+    their summed bytes; larger ones, and every all-gather, run one after the other, priced as twice one
+    group's.  One group of all ranks, or a group inside a node, is priced as measured."""
+    from commd.planner.costs import FUSION_THRESHOLD
+    from commd.scheduler.config import SchedulerConfig
+
+    assert FUSION_THRESHOLD == SchedulerConfig().fusion_threshold_bytes  # (the daemons' own default)
     costs = synthetic_costs()
     dp, tp = planner.Mesh((2, 2), 2).dims()
     (world,) = planner.Mesh((4,), 2).dims()
     assert (dp.nodes, dp.sharing, tp.nodes, tp.sharing, world.sharing) == (2, 2, 1, 1, 1)
-    assert dp.seconds(costs, "allreduce", 1 << 20) == costs.seconds("allreduce", 2 << 20, 2, 2)
+    small, large = FUSION_THRESHOLD, FUSION_THRESHOLD + 1
+    assert dp.seconds(costs, "allreduce", small) == costs.seconds("allreduce", 2 * small, 2, 2)
+    assert dp.seconds(costs, "allreduce", large) == 2 * costs.seconds("allreduce", large, 2, 2)
+    assert dp.seconds(costs, "allgather", small) == 2 * costs.seconds("allgather", small, 2, 2)
     assert tp.seconds(costs, "allreduce", 1 << 20) == costs.seconds("allreduce", 1 << 20, 1, 2)
+    assert world.seconds(costs, "allreduce", 1 << 20) == costs.seconds("allreduce", 1 << 20, 2, 4)
     assert planner.Mesh((2, 2), 1).dims()[0].sharing == 1  # (one rank a node: each dp group its own links)

@@ -31,6 +31,7 @@ from commd.planner.plan import PlanError
 
 #: The key suffix of an overhead line measured on a group of one node's ranks (see torch_path_overheads).
 NODE_SUFFIX = "@node"
+CROSS_SUFFIX = "@cross"
 #: The settings measured, in order: the plan itself, then its baselines (by plan.json's keys).
 SETTINGS = ("plan", "data_parallel", "megatron")
 WORKER = "commd.planner.measure_worker"
@@ -182,16 +183,20 @@ def torch_path_overheads(job: dict[str, Any], costs: Any) -> tuple[dict[str, lis
     to the measured price — the probes' times inside the job minus what ``costs`` say the same
     collectives cost on the same group (never below zero), as a line through the probe sizes.  Keyed by
     the kind for the group of all ranks, and ``KIND@node`` for a group of one node's ranks where the job
-    probed one (``plan._extra`` picks by the group)."""
+    probed one, and ``KIND@cross`` for one rank of each node, as many such groups side by side as a node
+    has ranks (priced as ``CollectiveCosts.side_by_side``, as ``plan.MeshDim.seconds`` prices them;
+    ``plan._extra`` picks by the group)."""
     nodes, world = int(job["hosts"]), int(job["world"])
-    scopes = [("collectives", "", nodes, world)]
+    scopes = [("collectives", "", nodes, world, 1)]
     if "node_collectives" in job:
-        scopes.append(("node_collectives", NODE_SUFFIX, 1, int(job["node_ranks"])))
+        scopes.append(("node_collectives", NODE_SUFFIX, 1, int(job["node_ranks"]), 1))
+    if "cross_collectives" in job:
+        scopes.append(("cross_collectives", CROSS_SUFFIX, nodes, nodes, int(job["node_ranks"])))
     out: list[dict[str, list[float]]] = [{}, {}]
-    for key, suffix, group_nodes, size in scopes:
+    for key, suffix, group_nodes, size, sharing in scopes:
         for lines, path in zip(out, ("functional", "plain"), strict=True):
             for kind, points in job[key][path].items():
-                extra = sorted((int(b), max(0.0, t - costs.seconds(kind, int(b), group_nodes, size)))
+                extra = sorted((int(b), max(0.0, t - costs.side_by_side(kind, int(b), group_nodes, size, sharing)))
                                for b, t in points)
                 (b0, e0), (b1, e1) = extra[0], extra[-1]
                 slope = max(0.0, (e1 - e0) / (b1 - b0)) if b1 > b0 else 0.0

@@ -69,13 +69,14 @@ def layer_job(cfg: dict[str, Any]) -> dict[str, Any] | None:
     """Per layer (fixed, whole) training seconds (``trace.measure_in_step`` on the whole batch and on
     one rank's share of it, every rank at once; the median over ranks; ``in_step``: the factors the
     layers' own times were scaled by to add up to a whole step's) and, per collective kind and
-    ``PROBES`` size, the seconds a collective on all ranks (``collectives``) and, with several nodes of
-    several ranks, on the ranks of one node (``node_collectives``: where a 2-D mesh's ``tp`` converts)
-    takes through ``torch.distributed`` directly (``plain``: FSDP2's gradient sync) and through
-    functional collectives (``functional``: DTensor's conversions), each between products of matrices
-    sized like the model's mean layer on a share (``probe_compute``: see ``_probes``), and what each
-    wrapper ``apply`` puts on a layer costs of its own (``wrappers``).  Rank 0's return value; None on
-    the others."""
+    ``PROBES`` size, the seconds a collective takes on all ranks (``collectives``) and, with several
+    nodes of several ranks, on the ranks of one node (``node_collectives``: where a 2-D mesh's ``tp``
+    converts) and on one rank of each node, a node's ranks each in such a group at once
+    (``cross_collectives``: where a 2-D mesh's ``dp`` syncs) — through ``torch.distributed`` directly
+    (``plain``: FSDP2's gradient sync) and through functional collectives (``functional``: DTensor's
+    conversions), each between products of matrices sized like the model's mean layer on a share (``probe_compute``: see ``_probes``), and what each
+    wrapper ``apply`` puts on a layer costs of its own (``wrappers``; ``wrapper_collectives``: the tiny
+    collectives taken out of it).  Rank 0's return value; None on the others."""
     import torch.distributed as dist
     import torch.distributed._functional_collectives as fc
 
@@ -96,6 +97,10 @@ def layer_job(cfg: dict[str, Any]) -> dict[str, Any] | None:
     if 1 < nproc < world and world % nproc == 0:  # the conversions of a dimension inside a node run on these
         node_groups = [dist.new_group(list(range(n * nproc, (n + 1) * nproc))) for n in range(world // nproc)]
         scopes["node_collectives"] = (node_groups[rank // nproc], nproc)
+        # one rank of each node, every node's ranks in a group of their own at once: a 2-D mesh's dp groups
+        # (FSDP2's gradient sync runs on them), whose collectives share each node's link
+        cross_groups = [dist.new_group(list(range(r, world, nproc))) for r in range(nproc)]
+        scopes["cross_collectives"] = (cross_groups[rank % nproc], world // nproc)
     chunk, side = _compute_chunk(dist, sum(part.values()) / max(1, len(part)))
     probed: dict[str, dict[str, dict[str, list[list[float]]]]] = {}
     for key, (group, size) in scopes.items():
@@ -103,7 +108,8 @@ def layer_job(cfg: dict[str, Any]) -> dict[str, Any] | None:
         for nbytes, calls in PROBES:
             for path, kind, table_bytes, seconds in _probes(dist, fc, group, size, nbytes // 4, calls, chunk):
                 collectives.setdefault(path, {}).setdefault(kind, []).append([table_bytes, seconds])
-    wrappers = _wrapper_overheads(dist, fc, world, nproc if "node_collectives" in scopes else world, repeats * 2 + 1)
+    wrappers, wrapper_collectives = _wrapper_overheads(dist, fc, world, nproc if "node_collectives" in scopes else world,
+                                                       repeats * 2 + 1)
     gathered: list[Any] = [None] * world
     chunk_s = _job_seconds(dist, chunk, 5)
     dist.all_gather_object(gathered, {"layers": layers, "wrappers": wrappers, "in_step": [whole_factor, part_factor],
@@ -123,30 +129,37 @@ def layer_job(cfg: dict[str, Any]) -> dict[str, Any] | None:
     if "node_collectives" in out:
         out["node_ranks"] = nproc
     out["wrappers"] = {name: statistics.median(g["wrappers"][name] for g in gathered) for name in wrappers}
+    out["wrapper_collectives"] = wrapper_collectives
     return out
 
 
 #: The wrappers ``apply`` puts on a layer whose own cost the job measures (``_wrapper_overheads``).
 WRAPPERS = ("replicate", "fully_shard", "col", "row")
+#: Rounds of the wrappers' timing; each wrapper's cost is their median.
+WRAPPER_ROUNDS = 3
 
 
-def _wrapper_overheads(dist: Any, fc: Any, world: int, tp: int, repeats: int) -> dict[str, float]:
-    """Per wrapper ``apply`` puts on a layer — FSDP2's ``replicate`` and ``fully_shard`` over all ranks,
-    DTensor's ``ColwiseParallel`` and ``RowwiseParallel`` over ``tp`` ranks (one node's, where the job has
-    several nodes) — the seconds a training step of a tiny linear layer takes beyond the same layer
-    unwrapped and beyond the tiny collectives the wrapper issues (timed here too): the Python of its
-    hooks, of DTensor's dispatch and of its optimizer step, which the plan charges per wrapped layer."""
+def _wrapper_overheads(dist: Any, fc: Any, world: int, tp: int,
+                       repeats: int) -> tuple[dict[str, float], dict[str, int]]:
+    """Per wrapper ``apply`` puts on a layer — FSDP2's ``replicate`` and ``fully_shard``, DTensor's
+    ``ColwiseParallel`` and ``RowwiseParallel`` — the seconds a training step of a tiny linear layer takes
+    beyond the same layer unwrapped and beyond the tiny collectives the wrapper issues (timed here too):
+    the Python of its hooks, of DTensor's dispatch and of its optimizer step, which the plan charges per
+    wrapped layer; and per wrapper the collectives that step issued.  Every wrapper runs on ``tp`` ranks
+    (one node's, where the job has several nodes, every node at once): a tiny collective across nodes
+    varies by more than the wrapper's own cost, which is the same on any group.  The median over
+    ``WRAPPER_ROUNDS`` rounds, each timing the plain layer, the tiny collectives and the wrappers anew."""
     import torch
     from torch import nn
     from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.debug import CommDebugMode
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     width = 16
-    flat = DeviceMesh("cpu", list(range(world)))
-    mesh2 = DeviceMesh("cpu", torch.arange(world).view(world // tp, tp), mesh_dim_names=("dp", "tp"))
-    node = mesh2["tp"]
+    node = DeviceMesh("cpu", torch.arange(world).view(world // tp, tp), mesh_dim_names=("dp", "tp"))["tp"]
+    node_group = node.get_group()
 
     def timed(step: Any) -> float:
         times = []
@@ -168,22 +181,36 @@ def _wrapper_overheads(dist: Any, fc: Any, world: int, tp: int, repeats: int) ->
         return step
 
     x = torch.randn(8, width)
-    plain = timed(training(nn.Linear(width, width), x))
-    world_group, node_group = flat.get_group(), node.get_group()
-    tiny = {"plain": timed(lambda: dist.all_reduce(torch.randn(width * width), group=world_group)),
-            "node": timed(lambda: fc.wait_tensor(fc.all_reduce(torch.randn(8 * width), "sum", node_group)))}
-    made = {"replicate": (lambda m: replicate(m, mesh=flat), x, tiny["plain"]),
-            "fully_shard": (lambda m: fully_shard(m, mesh=flat, reshard_after_forward=True), x, 3 * tiny["plain"]),
-            "col": (lambda m: parallelize_module(m, node, ColwiseParallel()), x, tiny["node"]),
-            "row": (lambda m: parallelize_module(m, node, RowwiseParallel()), torch.randn(8, width // tp),
-                    tiny["node"])}
-    out = {}
+    # (wrap, input, the tiny collectives one step issues: FSDP2's through torch.distributed, counted here —
+    # replicate's all-reduce; fully_shard's all-gather in the forward and the backward and reduce-scatter —,
+    # DTensor's counted as it runs: RowwiseParallel all-reduces its output, ColwiseParallel on an input that
+    # needs no gradient issues none)
+    made = {"replicate": (lambda m: replicate(m, mesh=node), x, 1),
+            "fully_shard": (lambda m: fully_shard(m, mesh=node, reshard_after_forward=True), x, 3),
+            "col": (lambda m: parallelize_module(m, node, ColwiseParallel()), x, None),
+            "row": (lambda m: parallelize_module(m, node, RowwiseParallel()), torch.randn(8, width // tp), None)}
+    steps, counts = {}, {}
     for name in WRAPPERS:
-        wrap, given, collectives = made[name]
+        wrap, given, issued = made[name]
         model = nn.Linear(width, width)
         wrap(model)
-        out[name] = max(0.0, timed(training(model, given)) - plain - collectives)
-    return out
+        steps[name] = training(model, given)
+        if issued is None:
+            with CommDebugMode() as mode:
+                steps[name]()
+            issued = mode.get_total_counts()
+        counts[name] = issued
+    plain_step = training(nn.Linear(width, width), x)
+    tiny_calls = {"plain": lambda: dist.all_reduce(torch.randn(width * width), group=node_group),
+                  "functional": lambda: fc.wait_tensor(fc.all_reduce(torch.randn(8 * width), "sum", node_group))}
+    rounds: dict[str, list[float]] = {name: [] for name in WRAPPERS}
+    for _ in range(WRAPPER_ROUNDS):
+        plain = timed(plain_step)
+        tiny = {path: timed(call) for path, call in tiny_calls.items()}
+        for name in WRAPPERS:
+            one = tiny["functional"] if name in ("col", "row") else tiny["plain"]
+            rounds[name].append(timed(steps[name]) - plain - counts[name] * one)
+    return {name: max(0.0, statistics.median(r)) for name, r in rounds.items()}, counts
 
 
 #: Bounds of the seconds of the matrix product every rank runs before each probe call (``_compute_chunk``).

@@ -82,9 +82,9 @@ class MeshDim:
     sharing: int = 1
 
     def seconds(self, costs: CollectiveCosts, kind: str, nbytes: int) -> float:
-        """One of its groups' collective, priced as the measured curve of its node and rank counts for the
-        bytes every group sharing a link puts on it (the curves were measured one group at a time)."""
-        return costs.seconds(kind, nbytes * self.sharing, self.nodes, self.size)
+        """One of its groups' collective, its groups all at once (the curves were measured one group at a
+        time): ``CollectiveCosts.side_by_side``."""
+        return costs.side_by_side(kind, nbytes, self.nodes, self.size, self.sharing)
 
 
 @dataclass(frozen=True)
@@ -205,7 +205,7 @@ def price(graph: LayerGraph, mesh: Mesh, costs: CollectiveCosts, opts: Options) 
                     if s.sync != SYNC_NONE and dims[d].size > 1:  # (one rank: nothing to synchronise)
                         nbytes = _held_param_bytes(graph, i, [x for e, x in enumerate(combo) if e != d])
                         colls += [(kind, b, d, 1) for kind, b in sync_collectives(s.sync, nbytes)]
-            sync = sum(groups[d].seconds(costs, k, b) + _extra(opts.sync_overhead_s, k, b, groups[d].nodes)
+            sync = sum(groups[d].seconds(costs, k, b) + _extra(opts.sync_overhead_s, k, b, groups[d])
                        for k, b, d, _ in colls)
             if opts.mem_bytes is not None and _memory(graph, i, combo, mesh.shape, opts.optimizer_states) > opts.mem_bytes:
                 continue
@@ -237,7 +237,7 @@ def price(graph: LayerGraph, mesh: Mesh, costs: CollectiveCosts, opts: Options) 
                 lists.append([])
                 continue
             colls = _edge_collectives(options[u][s], options[v][t], nbytes, mesh, backward)
-            matrix[s, t] = sum(dims[d].seconds(costs, k, b) + _extra(opts.convert_overhead_s, k, b, dims[d].nodes)
+            matrix[s, t] = sum(dims[d].seconds(costs, k, b) + _extra(opts.convert_overhead_s, k, b, dims[d])
                                for k, b, d, _ in colls)
             lists.append(colls)
         key = (u, v)
@@ -294,7 +294,7 @@ def _ddp_sync(graph: LayerGraph, mesh: Mesh, costs: CollectiveCosts, opts: Optio
     if mesh.world < 2 or not buckets:
         return None
     colls = [("allreduce", b, mesh_dim, 1) for b in buckets]
-    seconds = sum(group.seconds(costs, "allreduce", b) + _extra(opts.sync_overhead_s, "allreduce", b, group.nodes)
+    seconds = sum(group.seconds(costs, "allreduce", b) + _extra(opts.sync_overhead_s, "allreduce", b, group)
                   for b in buckets)
     return DdpSync(buckets, colls, seconds, [i for i in range(len(graph.layers)) if graph.param_bytes(i)])
 
@@ -319,10 +319,13 @@ def _held_param_bytes(graph: LayerGraph, i: int, strategies: list[Strategy]) -> 
     return int((whole - bias) * share + bias * math.prod(s.param_share for s in strategies if s.name != "row"))
 
 
-def _extra(overheads: dict[str, list[float]], kind: str, nbytes: int, nodes: int) -> float:
-    """What the torch path adds to a collective's price: the line measured on a group of one node's ranks
-    (``KIND@node``) for a group inside a node where the job probed one, else the kind's (all ranks)."""
-    a, b = overheads.get(f"{kind}@node" if nodes == 1 else kind) or overheads.get(kind) or (0.0, 0.0)
+def _extra(overheads: dict[str, list[float]], kind: str, nbytes: int, dim: MeshDim) -> float:
+    """What the torch path adds to a collective's price on one of ``dim``'s groups: the line the job
+    probed on groups like them where it did — one node's ranks (``KIND@node``), or one rank of each node
+    with the others' groups side by side (``KIND@cross``: a 2-D mesh's dp groups) — else the kind's, probed
+    on all ranks."""
+    scope = "@node" if dim.nodes == 1 else ("@cross" if dim.sharing > 1 and dim.nodes == dim.size else "")
+    a, b = overheads.get(kind + scope) or overheads.get(kind) or (0.0, 0.0)
     return a + b * nbytes
 
 
