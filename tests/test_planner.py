@@ -231,6 +231,21 @@ def test_plain_ddp_becomes_the_plan_where_its_buckets_beat_the_search_that_price
     assert made["predicted"]["step_s"] == made["baselines"]["data_parallel"]["step_s"]
 
 
+def test_megatron_stays_the_plan_where_the_search_gains_less_than_the_margin_over_it() -> None:
+    """The margin holds against the faster baseline, Megatron as well as data parallel: a choice predicted
+    4% faster than Megatron is inside the predictions' error, so Megatron is the plan and the search's
+    choice is kept aside in plan.json."""
+    graph, mesh = examples.cnn(32), planner.Mesh((2, 2), 2)
+    free = planner.plan(graph, mesh, synthetic_costs(), planner.Options(min_gain=0.0))
+    megatron, dp = free["baselines"]["megatron"], free["baselines"]["data_parallel"]
+    assert 0.9 * megatron["step_s"] < free["predicted"]["step_s"] < megatron["step_s"] < dp["step_s"]
+    kept = planner.plan(graph, mesh, synthetic_costs(), planner.Options(min_gain=0.1))
+    assert [r["strategy"] for r in kept["layers"]] == megatron["strategy"]
+    assert kept["predicted"]["step_s"] == megatron["step_s"]
+    aside = kept["search"]["below_min_gain"]
+    assert aside["baseline"] == "megatron" and aside["searched_strategy"] == [r["strategy"] for r in free["layers"]]
+
+
 def test_a_row_split_layer_synchronises_its_weights_share_and_its_whole_bias() -> None:
     """Megatron on a 2x2 mesh's tp, DDP on dp: a rank holds half of each weight, all of a row layer's bias
     (added after the reduction) and half of a column layer's (hand-derived bytes)."""
@@ -249,13 +264,13 @@ def test_the_plan_is_never_predicted_slower_than_its_baselines_and_survives_a_ro
             for name, baseline in made["baselines"].items():
                 assert baseline is not None, name
                 assert made["predicted"]["step_s"] <= baseline["step_s"] * (1 + 1e-9), (graph.source, mesh, name)
-            # with a margin: the search's plan only where it is predicted >= 10% faster than data parallel
+            # with a margin: the search's plan only where it is predicted >= 10% faster than the faster baseline
             kept = planner.plan(graph, mesh, synthetic_costs(), planner.Options(search="both", min_gain=0.1))
-            dp = kept["baselines"]["data_parallel"]
-            if made["predicted"]["step_s"] > 0.9 * dp["step_s"]:
-                assert [r["strategy"] for r in kept["layers"]] == dp["strategy"], (graph.source, mesh)
-                assert kept["predicted"]["step_s"] == dp["step_s"]
-                assert made["layers"] == dp["layers"] or kept["search"]["below_min_gain"]["searched_strategy"] == \
+            best = min(kept["baselines"].values(), key=lambda b: b["step_s"])
+            if made["predicted"]["step_s"] > 0.9 * best["step_s"]:
+                assert [r["strategy"] for r in kept["layers"]] == best["strategy"], (graph.source, mesh)
+                assert kept["predicted"]["step_s"] == best["step_s"]
+                assert made["layers"] == best["layers"] or kept["search"]["below_min_gain"]["searched_strategy"] == \
                     [r["strategy"] for r in made["layers"]]
             else:
                 assert kept["layers"] == made["layers"], (graph.source, mesh)

@@ -75,8 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="descent (default), exact, or both (fails when descent is >1%% worse than exact)")
     p.add_argument("--mem-gb", type=float, help="memory per rank: strategies that do not fit are left out")
     p.add_argument("--min-gain", type=float, default=planner.Options.min_gain,
-                   help="plain data parallel stays the plan unless the search's is predicted at least this fraction "
-                        "faster (default %(default)s: the predictions' error on the benchmark)")
+                   help="the faster baseline (plain data parallel or Megatron) stays the plan unless the search's is "
+                        "predicted at least this fraction faster (default %(default)s: the predictions' error on the "
+                        "benchmark)")
     p.add_argument("--optimizer-states", type=int, default=2,
                    help="parameter-sized optimizer tensors (Adam 2, SGD+momentum 1, SGD 0; default 2)")
     p.add_argument("--gpu", action="store_true", help="a GPU mesh: S(i)->S(j) conversions as all-to-alls")

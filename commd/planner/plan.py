@@ -150,9 +150,9 @@ class Options:
     search: str = "descent"
     #: only strategies ``apply`` can set up through DTensor (False: price every strategy)
     appliable_only: bool = True
-    #: plain data parallel (DDP) stays the plan unless the search's is predicted at least this fraction faster:
-    #: a smaller predicted gain is inside the predictions' error (benchmarks/planner.py: within 25%, most
-    #: within 15%), and DDP is what a user falls back on
+    #: the faster baseline (plain DDP or Megatron) stays the plan unless the search's is predicted at least this
+    #: fraction faster: a smaller predicted gain is inside the predictions' error (benchmarks/planner.py: within
+    #: 25%, most within 15%), and the baselines are what a user falls back on
     min_gain: float = 0.10
     #: DDP's bucket caps (torch's defaults: 1 MiB for the first bucket, the last layers' gradients, 25 MiB after)
     ddp_first_bucket_bytes: int = 1 << 20
@@ -526,16 +526,22 @@ def plan(graph: LayerGraph, mesh: Mesh, costs: CollectiveCosts, opts: Options, t
     best, notes = solve(priced, opts.search, graph)
     choice = best.choice
     dp = data_parallel(graph, priced)
-    if dp is not None and dp != choice:
-        searched, baseline = breakdown(priced, choice)["step_s"], breakdown(priced, dp)["step_s"]
-        if baseline < searched:
-            choice = dp  # plain DDP's buckets cost less than a layer's all-reduce at a time (see the module)
-            notes["ddp_baseline_chosen"] = True
-        elif searched > (1 - opts.min_gain) * baseline:  # too small a gain to trust: DDP stays
-            notes["below_min_gain"] = {"min_gain": opts.min_gain, "searched_step_s": searched,
+    searched = breakdown(priced, choice)["step_s"]
+    if dp is not None and dp != choice and breakdown(priced, dp)["step_s"] < searched:
+        choice = dp  # plain DDP's buckets cost less than a layer's all-reduce at a time (see the module)
+        notes["ddp_baseline_chosen"] = True
+    # the best-known baseline stays unless the search's choice is predicted at least min_gain faster: a
+    # smaller gain is inside the predictions' error
+    known = [(breakdown(priced, c)["step_s"], name, c) for name, c in (("data_parallel", dp),
+                                                                      ("megatron", megatron(graph, priced)))
+             if c is not None]
+    if known and "ddp_baseline_chosen" not in notes:
+        baseline, name, kept = min(known, key=lambda k: k[0])
+        if kept != choice and searched > (1 - opts.min_gain) * baseline:
+            notes["below_min_gain"] = {"min_gain": opts.min_gain, "searched_step_s": searched, "baseline": name,
                                        "searched_strategy": [[s.name for s in priced.options[i][c]]
                                                              for i, c in enumerate(choice)]}
-            choice = dp
+            choice = kept
     dims = mesh.dims()
     layers = layer_rows(graph, priced, choice)
     predicted = breakdown(priced, choice)
