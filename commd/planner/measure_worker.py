@@ -74,9 +74,10 @@ def layer_job(cfg: dict[str, Any]) -> dict[str, Any] | None:
     converts) and on one rank of each node, a node's ranks each in such a group at once
     (``cross_collectives``: where a 2-D mesh's ``dp`` syncs) — through ``torch.distributed`` directly
     (``plain``: FSDP2's gradient sync) and through functional collectives (``functional``: DTensor's
-    conversions), each between products of matrices sized like the model's mean layer on a share (``probe_compute``: see ``_probes``), and what each
-    wrapper ``apply`` puts on a layer costs of its own (``wrappers``; ``wrapper_collectives``: the tiny
-    collectives taken out of it).  Rank 0's return value; None on the others."""
+    conversions), each between products of matrices sized like the model's mean layer on a share
+    (``probe_compute``: see ``_probes``), and what each wrapper ``apply`` puts on a layer costs of its own
+    (``wrappers``; ``wrapper_collectives``: the tiny collectives taken out of it).  Rank 0's return value;
+    None on the others."""
     import torch.distributed as dist
     import torch.distributed._functional_collectives as fc
 
@@ -146,8 +147,8 @@ def _wrapper_overheads(dist: Any, fc: Any, world: int, tp: int,
     beyond the same layer unwrapped and beyond the tiny collectives the wrapper issues (timed here too):
     the Python of its hooks, of DTensor's dispatch and of its optimizer step, which the plan charges per
     wrapped layer; and per wrapper the collectives that step issued.  Every wrapper runs on ``tp`` ranks
-    (one node's, where the job has several nodes, every node at once): a tiny collective across nodes
-    varies by more than the wrapper's own cost, which is the same on any group.  The median over
+    (one node's, where the job has several nodes, every node at once): a tiny collective across nodes,
+    taken off the step, varied by more than the wrapper's own cost from job to job.  The median over
     ``WRAPPER_ROUNDS`` rounds, each timing the plain layer, the tiny collectives and the wrappers anew."""
     import torch
     from torch import nn
