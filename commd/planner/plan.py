@@ -520,37 +520,38 @@ def layer_rows(graph: LayerGraph, priced: Priced, choice: list[int]) -> list[dic
     return rows
 
 
+def _strategy_names(priced: Priced, choice: list[int]) -> list[list[str]]:
+    """Each layer's strategy names per mesh dimension, as plan.json writes them."""
+    return [[s.name for s in priced.options[i][c]] for i, c in enumerate(choice)]
+
+
 def plan(graph: LayerGraph, mesh: Mesh, costs: CollectiveCosts, opts: Options, table_id: str = "") -> dict[str, Any]:
     """The plan as plan.json holds it."""
     priced = price(graph, mesh, costs, opts)
     best, notes = solve(priced, opts.search, graph)
     choice = best.choice
-    dp = data_parallel(graph, priced)
+    picks = {"data_parallel": data_parallel(graph, priced), "megatron": megatron(graph, priced)}
+    figures = {name: breakdown(priced, pick) for name, pick in picks.items() if pick is not None}
     searched = breakdown(priced, choice)["step_s"]
-    if dp is not None and dp != choice and breakdown(priced, dp)["step_s"] < searched:
+    dp = picks["data_parallel"]
+    if dp is not None and dp != choice and figures["data_parallel"]["step_s"] < searched:
         choice = dp  # plain DDP's buckets cost less than a layer's all-reduce at a time (see the module)
         notes["ddp_baseline_chosen"] = True
-    # the best-known baseline stays unless the search's choice is predicted at least min_gain faster: a
-    # smaller gain is inside the predictions' error
-    known = [(breakdown(priced, c)["step_s"], name, c) for name, c in (("data_parallel", dp),
-                                                                      ("megatron", megatron(graph, priced)))
-             if c is not None]
-    if known and "ddp_baseline_chosen" not in notes:
-        baseline, name, kept = min(known, key=lambda k: k[0])
-        if kept != choice and searched > (1 - opts.min_gain) * baseline:
+    elif figures:
+        # the faster baseline stays unless the search's choice is predicted at least min_gain faster: a
+        # smaller gain is inside the predictions' error
+        name = min(figures, key=lambda n: figures[n]["step_s"])
+        if picks[name] != choice and searched > (1 - opts.min_gain) * figures[name]["step_s"]:
             notes["below_min_gain"] = {"min_gain": opts.min_gain, "searched_step_s": searched, "baseline": name,
-                                       "searched_strategy": [[s.name for s in priced.options[i][c]]
-                                                             for i, c in enumerate(choice)]}
-            choice = kept
+                                       "searched_strategy": _strategy_names(priced, choice)}
+            choice = picks[name]
     dims = mesh.dims()
     layers = layer_rows(graph, priced, choice)
     predicted = breakdown(priced, choice)
-    baselines = {}
-    for name, pick in (("data_parallel", data_parallel), ("megatron", megatron)):
-        choice = pick(graph, priced)
-        baselines[name] = None if choice is None else {
-            **breakdown(priced, choice), "strategy": [[s.name for s in priced.options[i][c]] for i, c in enumerate(choice)],
-            "layers": layer_rows(graph, priced, choice)}  # (what apply needs to set the baseline up)
+    baselines = {name: None if pick is None else {
+        **figures[name], "strategy": _strategy_names(priced, pick),
+        "layers": layer_rows(graph, priced, pick)}  # (what apply needs to set the baseline up)
+        for name, pick in picks.items()}
     return {"format": PLAN_FORMAT, "version": PLAN_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "mesh": {"shape": list(mesh.shape), "nproc_per_node": mesh.nproc_per_node, "gpu": mesh.gpu,
                      "dims": [{"name": d.name, "size": d.size, "nodes": d.nodes} for d in dims]},
