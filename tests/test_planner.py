@@ -606,6 +606,49 @@ def test_each_wrapped_layer_is_charged_its_wrappers_own_cost_and_plain_ddp_none(
     assert planner.wrappers("follow", by_names[("dp", "col")]) == []
 
 
+def test_replicate_is_charged_what_the_job_measured_beyond_its_priced_all_reduce() -> None:
+    """The job's wrapped-step times per group become points beyond the all-reduce's price on those groups
+    and its sync line (never below zero); a layer FSDP2 replicates on a 2x2 mesh's dp groups is charged the
+    cross curve at its gradient's bytes, a layer replicated over all ranks the world curve, and a group
+    with no curve (or a wrapper without one) the tiny-layer figure."""
+    from commd.planner.measure import replicate_curves
+
+    costs = synthetic_costs()
+    job = job_measurement(examples.mlp(64, 32, 2), 0.05)
+    job["node_ranks"] = 2
+    cross = [costs.side_by_side("allreduce", n, 2, 2, 2) for n in (1000, 100000)]
+    world = [costs.side_by_side("allreduce", n, 2, 4, 1) for n in (1000, 100000)]
+    job["replicate_steps"] = {"cross": [[100000, cross[1] + 0.004 + 0.0005], [1000, cross[0] + 0.001 + 0.0005]],
+                              "world": [[1000, world[0] + 0.002], [100000, world[1] - 0.001]]}
+    curves = replicate_curves(job, costs, {"allreduce@cross": [0.0005, 0.0], "allreduce": [0.0, 0.0]})
+    assert set(curves) == {"replicate@cross", "replicate"}
+    assert [n for n, _ in curves["replicate@cross"]] == [1000, 100000]  # (sorted by bytes)
+    assert [t for _, t in curves["replicate@cross"]] == pytest.approx([0.001, 0.004])
+    assert [t for _, t in curves["replicate"]] == pytest.approx([0.002, 0.0])  # (below the price: none)
+
+    graph = examples.mlp(batch=64, width=256, depth=4)
+    mesh = planner.Mesh((2, 2), 2)
+    flat = {"replicate": 0.5, "col": 0.25, "row": 0.125}
+
+    def wrappers_of(pick: Any, curves: dict[str, list[list[float]]]) -> tuple[float, list[int]]:
+        priced = planner.price(graph, mesh, costs, planner.Options(wrapper_overhead_s=flat, wrapper_curves_s=curves))
+        choice = pick(graph, priced)
+        synced = [sum(b for _, b, _, _ in priced.node_collectives[i][c]) for i, c in enumerate(choice)]
+        return sum(priced.node_parts[i][c]["wrappers_s"] for i, c in enumerate(choice)), [b for b in synced if b]
+
+    curve = [[1000, 0.001], [100000, 0.004]]
+    styles = 2 * 0.25 + 2 * 0.125  # (Megatron's two column and two row layers)
+    charged, synced = wrappers_of(planner.megatron, {"replicate@cross": curve})
+    assert len(synced) == 4 and charged == pytest.approx(styles + sum(np.interp(b, [1000, 100000], [0.001, 0.004])
+                                                                      for b in synced))
+    assert wrappers_of(planner.megatron, {"replicate@node": curve})[0] == pytest.approx(styles + 4 * 0.5)
+    assert wrappers_of(planner.megatron, {})[0] == pytest.approx(styles + 4 * 0.5)
+    # data parallel on both dimensions: replicate over all ranks (the world curve; beyond it, its last point)
+    everywhere = lambda graph, priced: planner.data_parallel(graph, priced)  # noqa: E731
+    charged, synced = wrappers_of(everywhere, {"replicate": [[10, 0.003], [20, 0.007]]})
+    assert len(synced) == 4 and charged == pytest.approx(4 * 0.007)
+
+
 def test_a_job_measurement_prices_compute_and_conversions(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """--compute-from reuses a job measurement: every layer's compute and every collective's overhead
     come from it (a huge probe time makes every conversion dearer than data parallel), and a file

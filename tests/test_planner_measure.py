@@ -153,7 +153,7 @@ def test_the_compute_job_times_layers_probes_and_wrappers_on_simulated_hosts(tmp
     reason = netns_unavailable()
     if reason:
         pytest.skip(reason)
-    from commd.planner.measure_worker import PROBES, WRAPPERS
+    from commd.planner.measure_worker import PROBES, REPLICATE_WIDTHS, WRAPPERS
     from commd.planner.trace import load_factory, trace
 
     monkeypatch.setenv("COMMD_RUNTIME_DIR", str(tmp_path))
@@ -173,6 +173,11 @@ def test_the_compute_job_times_layers_probes_and_wrappers_on_simulated_hosts(tmp
     # layer (its input needs no gradient) issues none, so none of the tiny all-reduce's time comes off its cost
     assert {name: job["wrapper_collectives"][name] for name in ("col", "row")} == {"col": 0, "row": 1}
     assert job["probe_compute"]["matmul_side"] >= 16 and job["probe_compute"]["seconds"] > 0
+    # FSDP2's replicate timed at a layer's sizes on every kind of group a plan may sync on
+    assert set(job["replicate_steps"]) == {"world", "node", "cross"}
+    for points in job["replicate_steps"].values():
+        assert [n for n, _ in points] == [(w * w + w) * 4 for w in REPLICATE_WIDTHS]
+        assert all(t >= 0 for _, t in points)
     from commd.planner.costs import CollectiveCosts
 
     convert, sync = measure.torch_path_overheads(job, CollectiveCosts.load(write_costs(tmp_path / "costs.json")))

@@ -191,6 +191,7 @@ def _use_job(opts: planner.Options, job: dict, costs: CollectiveCosts) -> None:
     opts.layer_fixed_seconds = {name: float(v[0]) for name, v in job["layers"].items()}
     opts.convert_overhead_s, opts.sync_overhead_s = measure.torch_path_overheads(job, costs)
     opts.wrapper_overhead_s = {name: float(v) for name, v in job.get("wrappers", {}).items()}
+    opts.wrapper_curves_s = measure.replicate_curves(job, costs, opts.sync_overhead_s)
 
 
 def _measure(args: argparse.Namespace) -> int:

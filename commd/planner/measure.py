@@ -196,12 +196,45 @@ def torch_path_overheads(job: dict[str, Any], costs: Any) -> tuple[dict[str, lis
     for key, suffix, group_nodes, size, sharing in scopes:
         for lines, path in zip(out, ("functional", "plain"), strict=True):
             for kind, points in job[key][path].items():
-                extra = sorted((int(b), max(0.0, t - costs.side_by_side(kind, int(b), group_nodes, size, sharing)))
-                               for b, t in points)
-                (b0, e0), (b1, e1) = extra[0], extra[-1]
-                slope = max(0.0, (e1 - e0) / (b1 - b0)) if b1 > b0 else 0.0
-                lines[kind + suffix] = [max(0.0, e0 - slope * b0), slope]
+                lines[kind + suffix] = line_through(
+                    [(int(b), t - costs.side_by_side(kind, int(b), group_nodes, size, sharing)) for b, t in points])
     return out[0], out[1]
+
+
+def line_through(points: list[tuple[int, float]]) -> list[float]:
+    """[a, b] of the line a + b * bytes through the smallest and the largest of ``points`` (bytes, seconds),
+    neither below zero."""
+    ordered = sorted((b, max(0.0, t)) for b, t in points)
+    (b0, e0), (b1, e1) = ordered[0], ordered[-1]
+    slope = max(0.0, (e1 - e0) / (b1 - b0)) if b1 > b0 else 0.0
+    return [max(0.0, e0 - slope * b0), slope]
+
+
+#: A job's ``replicate_steps`` groups, and the suffix of the overhead lines priced on groups like them.
+REPLICATE_SCOPES = {"world": "", "node": NODE_SUFFIX, "cross": CROSS_SUFFIX}
+
+
+def replicate_curves(job: dict[str, Any], costs: Any,
+                     sync_overhead: dict[str, list[float]]) -> dict[str, list[list[float]]]:
+    """Per kind of group (``replicate`` for all ranks, ``replicate@node``, ``replicate@cross``), points
+    [bytes, seconds] of what FSDP2's ``replicate`` adds to a layer's step for a gradient of that many bytes
+    beyond what the plan charges for its all-reduce: the job's ``replicate_steps`` less the all-reduce's
+    price on those groups (``CollectiveCosts.side_by_side``) and its ``sync_overhead`` line, never below
+    zero.  Points, not a line: measured, the addition was largest at a mid-sized gradient and none at
+    1 MiB, where the table's price is already above the wrapped step's."""
+    nodes, world = int(job["hosts"]), int(job["world"])
+    node_ranks = int(job.get("node_ranks", world))
+    groups = {"world": (nodes, world, 1), "node": (1, node_ranks, 1), "cross": (nodes, nodes, node_ranks)}
+    out = {}
+    for scope, points in job.get("replicate_steps", {}).items():
+        if scope not in REPLICATE_SCOPES or not points:
+            continue
+        suffix, (group_nodes, size, sharing) = REPLICATE_SCOPES[scope], groups[scope]
+        a, b = sync_overhead.get("allreduce" + suffix) or sync_overhead.get("allreduce") or (0.0, 0.0)
+        out["replicate" + suffix] = sorted(
+            [int(n), max(0.0, t - costs.side_by_side("allreduce", int(n), group_nodes, size, sharing) - (a + b * int(n)))]
+            for n, t in points)
+    return out
 
 
 def measure(plan: dict[str, Any], hosts: int, nproc_per_node: int, rate: str | None = None,

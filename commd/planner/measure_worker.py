@@ -76,7 +76,8 @@ def layer_job(cfg: dict[str, Any]) -> dict[str, Any] | None:
     (``plain``: FSDP2's gradient sync) and through functional collectives (``functional``: DTensor's
     conversions), each between products of matrices sized like the model's mean layer on a share
     (``probe_compute``: see ``_probes``), and what each wrapper ``apply`` puts on a layer costs of its own
-    (``wrappers``; ``wrapper_collectives``: the tiny collectives taken out of it).  Rank 0's return value;
+    (``wrappers``; ``wrapper_collectives``: the tiny collectives taken out of it), and FSDP2's ``replicate``
+    at a layer's sizes on each kind of group it may run on (``replicate_steps``).  Rank 0's return value;
     None on the others."""
     import torch.distributed as dist
     import torch.distributed._functional_collectives as fc
@@ -111,10 +112,12 @@ def layer_job(cfg: dict[str, Any]) -> dict[str, Any] | None:
                 collectives.setdefault(path, {}).setdefault(kind, []).append([table_bytes, seconds])
     wrappers, wrapper_collectives = _wrapper_overheads(dist, fc, world, nproc if "node_collectives" in scopes else world,
                                                        repeats * 2 + 1)
+    replicate_steps = _replicate_steps(dist, world, nproc if "node_collectives" in scopes else world, repeats * 2 + 1,
+                                       chunk)
     gathered: list[Any] = [None] * world
     chunk_s = _job_seconds(dist, chunk, 5)
     dist.all_gather_object(gathered, {"layers": layers, "wrappers": wrappers, "in_step": [whole_factor, part_factor],
-                                      "chunk_s": chunk_s, **probed})
+                                      "chunk_s": chunk_s, "replicate_steps": replicate_steps, **probed})
     if rank != 0:
         return None
     out: dict[str, Any] = {
@@ -131,6 +134,9 @@ def layer_job(cfg: dict[str, Any]) -> dict[str, Any] | None:
         out["node_ranks"] = nproc
     out["wrappers"] = {name: statistics.median(g["wrappers"][name] for g in gathered) for name in wrappers}
     out["wrapper_collectives"] = wrapper_collectives
+    out["replicate_steps"] = {scope: [[point[0], statistics.median(g["replicate_steps"][scope][i][1] for g in gathered)]
+                                      for i, point in enumerate(points)]
+                              for scope, points in replicate_steps.items()}
     return out
 
 
@@ -163,24 +169,9 @@ def _wrapper_overheads(dist: Any, fc: Any, world: int, tp: int,
     node_group = node.get_group()
 
     def timed(step: Any) -> float:
-        times = []
-        for i in range(repeats + 2):
-            dist.barrier()
-            began = time.perf_counter()
-            step()
-            if i >= 2:
-                times.append(time.perf_counter() - began)
-        return statistics.median(times)
+        return _step_seconds(dist, step, repeats)
 
-    def training(model: Any, x: Any) -> Any:
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-
-        def step() -> None:
-            optimizer.zero_grad(set_to_none=True)
-            model(x).sum().backward()
-            optimizer.step()
-        return step
-
+    training = _training_step
     x = torch.randn(8, width)
     # (wrap, input, the tiny collectives one step issues: FSDP2's through torch.distributed, counted here —
     # replicate's all-reduce; fully_shard's all-gather in the forward and the backward and reduce-scatter —,
@@ -212,6 +203,83 @@ def _wrapper_overheads(dist: Any, fc: Any, world: int, tp: int,
             one = tiny["functional"] if name in ("col", "row") else tiny["plain"]
             rounds[name].append(timed(steps[name]) - plain - counts[name] * one)
     return {name: max(0.0, statistics.median(r)) for name, r in rounds.items()}, counts
+
+
+#: Widths of the square linear layers ``_replicate_steps`` times FSDP2's ``replicate`` on: gradients of about
+#: 1 KiB, 64 KiB and 1 MiB (a layer's, from a tiny one to the model's), and the rows of their input.
+REPLICATE_WIDTHS = (16, 128, 512)
+REPLICATE_ROWS = 64
+
+
+def _replicate_steps(dist: Any, world: int, tp: int, repeats: int, chunk: Callable[[], Any]) -> dict[str, list[list[float]]]:
+    """Per group FSDP2's ``replicate`` may synchronise a layer on — all ranks (``world``), one node's
+    (``node``: ``tp`` consecutive ranks, every node at once) and one rank of each node (``cross``, a node's
+    ranks each in such a group at once: a 2-D mesh's dp groups) — and per ``REPLICATE_WIDTHS`` layer,
+    [its gradient's bytes, the seconds a training step of the layer wrapped in ``replicate`` takes beyond
+    the same step unwrapped]: its all-reduce of the gradient with what FSDP2 does around it (copies into
+    and out of a flat buffer, the division, its hooks).  Measured at a layer's size because that
+    machinery grows with the bytes and with the group: on 2 simulated hosts x 2 ranks at 1 Gbit/s,
+    beyond the same all-reduce timed alone, it took 0.9 ms (1 KiB) to 3.6 ms (1 MiB) inside a node and
+    1.3 ms to 6.5 ms on the cross groups, where the tiny wrapper timing had charged about 1 ms for every
+    size.  The median over ``WRAPPER_ROUNDS`` rounds, each timing the unwrapped and wrapped steps anew."""
+    import torch
+    from torch import nn
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.device_mesh import DeviceMesh
+
+    meshes = {"world": DeviceMesh("cpu", torch.arange(world))}
+    if 1 < tp < world:
+        grid = DeviceMesh("cpu", torch.arange(world).view(world // tp, tp), mesh_dim_names=("cross", "node"))
+        meshes.update(node=grid["node"], cross=grid["cross"])
+    out: dict[str, list[list[float]]] = {scope: [] for scope in meshes}
+    for width in REPLICATE_WIDTHS:
+        x = torch.randn(REPLICATE_ROWS, width)
+        plain = _after(chunk, _training_step(nn.Linear(width, width), x))
+        wrapped = {}
+        for scope, mesh in meshes.items():
+            layer = nn.Linear(width, width)
+            replicate(layer, mesh=mesh)
+            wrapped[scope] = _after(chunk, _training_step(layer, x))
+        rounds: dict[str, list[float]] = {scope: [] for scope in meshes}
+        for _ in range(WRAPPER_ROUNDS):
+            alone = _step_seconds(dist, plain, repeats)
+            for scope, step in wrapped.items():
+                rounds[scope].append(_step_seconds(dist, step, repeats) - alone)
+        for scope, seconds in rounds.items():
+            out[scope].append([(width * width + width) * 4, max(0.0, statistics.median(seconds))])
+    return out
+
+
+def _after(first: Callable[[], Any], then: Callable[[], None]) -> Callable[[], None]:
+    def both() -> None:
+        first()
+        then()
+    return both
+
+
+def _training_step(model: Any, x: Any) -> Callable[[], None]:
+    """One SGD training step of ``model`` on ``x`` (the sum as the loss)."""
+    import torch
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+        optimizer.step()
+    return step
+
+
+def _step_seconds(dist: Any, step: Callable[[], None], repeats: int) -> float:
+    """The median seconds of ``step`` over ``repeats`` calls after two, every rank leaving a barrier before each."""
+    times = []
+    for i in range(repeats + 2):
+        dist.barrier()
+        began = time.perf_counter()
+        step()
+        if i >= 2:
+            times.append(time.perf_counter() - began)
+    return statistics.median(times)
 
 
 #: Bounds of the seconds of the matrix product every rank runs before each probe call (``_compute_chunk``).

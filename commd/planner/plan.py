@@ -144,6 +144,11 @@ class Options:
     #: per wrapper ``apply`` puts on a layer (``replicate``, ``fully_shard``, ``col``, ``row``: FSDP2's and
     #: DTensor's), the seconds a step of a wrapped layer takes of its own (hooks, dispatch), measured in the job
     wrapper_overhead_s: dict[str, float] = field(default_factory=dict)
+    #: per wrapper and kind of group it synchronises on (``replicate``, ``replicate@node``,
+    #: ``replicate@cross``: ``_scope``), points [bytes, seconds]: what it adds to a layer whose gradient sync is
+    #: that many bytes beyond the sync's price (between points: interpolated; beyond: the nearest), measured
+    #: at a layer's sizes in the job; where present, it replaces the wrapper's tiny-layer figure
+    wrapper_curves_s: dict[str, list[list[float]]] = field(default_factory=dict)
     compute_source: str = ""  # where the measured times come from, for plan.json
     mem_bytes: float | None = None  # per rank
     optimizer_states: int = 2  # extra parameter-sized tensors (Adam: 2, SGD with momentum: 1)
@@ -209,7 +214,7 @@ def price(graph: LayerGraph, mesh: Mesh, costs: CollectiveCosts, opts: Options) 
                        for k, b, d, _ in colls)
             if opts.mem_bytes is not None and _memory(graph, i, combo, mesh.shape, opts.optimizer_states) > opts.mem_bytes:
                 continue
-            wrap = sum(opts.wrapper_overhead_s.get(w, 0.0) for w in wrappers(layer.kind, combo))
+            wrap = sum(_wrapper_seconds(opts, w, colls, groups) for w in wrappers(layer.kind, combo))
             combos.append(combo)
             costs_here.append(compute + sync + wrap)
             parts_here.append({"compute_s": compute, "sync_s": sync, "wrappers_s": wrap})
@@ -269,6 +274,18 @@ def wrappers(kind: str, combo: tuple[Strategy, ...]) -> list[str]:
     return out
 
 
+def _wrapper_seconds(opts: Options, name: str, colls: list[tuple[str, int, int, int]], groups: list[MeshDim]) -> float:
+    """What wrapper ``name`` costs a layer of its own: its curve for the group the layer's gradient sync
+    (``colls``) runs on, at the sync's bytes, where the job measured one; else its tiny-layer figure."""
+    dims = {d for _, _, d, _ in colls}
+    if len(dims) == 1:
+        (d,) = dims
+        curve = opts.wrapper_curves_s.get(name + _scope(groups[d]))
+        if curve:
+            return float(np.interp(sum(b for _, b, _, _ in colls), [x for x, _ in curve], [y for _, y in curve]))
+    return opts.wrapper_overhead_s.get(name, 0.0)
+
+
 def ddp_buckets(graph: LayerGraph, first_bytes: int, bucket_bytes: int) -> list[int]:
     """The bytes of DDP's gradient buckets, in the order it fills them: the layers' parameters from the
     last layer back (the order backward makes their gradients), a bucket closed once it holds at least
@@ -324,9 +341,14 @@ def _extra(overheads: dict[str, list[float]], kind: str, nbytes: int, dim: MeshD
     probed on groups like them where it did — one node's ranks (``KIND@node``), or one rank of each node
     with the others' groups side by side (``KIND@cross``: a 2-D mesh's dp groups) — else the kind's, probed
     on all ranks."""
-    scope = "@node" if dim.nodes == 1 else ("@cross" if dim.sharing > 1 and dim.nodes == dim.size else "")
-    a, b = overheads.get(kind + scope) or overheads.get(kind) or (0.0, 0.0)
+    a, b = overheads.get(kind + _scope(dim)) or overheads.get(kind) or (0.0, 0.0)
     return a + b * nbytes
+
+
+def _scope(dim: MeshDim) -> str:
+    """The suffix of the measured lines for groups like ``dim``'s: ``@node`` (one node's ranks), ``@cross``
+    (one rank of each node, the other ranks' groups side by side), or none (the groups of all ranks)."""
+    return "@node" if dim.nodes == 1 else ("@cross" if dim.sharing > 1 and dim.nodes == dim.size else "")
 
 
 def _compute_seconds(name: str, flops: float, costs: CollectiveCosts, opts: Options, share: float) -> float:
@@ -557,7 +579,8 @@ def plan(graph: LayerGraph, mesh: Mesh, costs: CollectiveCosts, opts: Options, t
                      "dims": [{"name": d.name, "size": d.size, "nodes": d.nodes} for d in dims]},
             "table_id": table_id, "costs": costs.source, "model": graph.source, "search": notes,
             "compute": {"source": opts.compute_source or opts.compute, "convert_overhead_s": opts.convert_overhead_s,
-                        "sync_overhead_s": opts.sync_overhead_s, "wrapper_overhead_s": opts.wrapper_overhead_s},
+                        "sync_overhead_s": opts.sync_overhead_s, "wrapper_overhead_s": opts.wrapper_overhead_s,
+                        "wrapper_curves_s": opts.wrapper_curves_s},
             "layers": layers, "predicted": predicted, "baselines": baselines,
             **({"ddp_buckets": predicted["ddp_buckets"]} if "ddp_buckets" in predicted else {})}
 
