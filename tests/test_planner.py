@@ -626,6 +626,13 @@ def test_replicate_is_charged_what_the_job_measured_beyond_its_priced_all_reduce
     assert [t for _, t in curves["replicate@cross"]] == pytest.approx([0.001, 0.004])
     assert [t for _, t in curves["replicate"]] == pytest.approx([0.002, 0.0])  # (below the price: none)
 
+    assert replicate_curves({**job, "replicate_steps": {}}, costs, {}) == {}  # (a job from before: none)
+    for bad, named in (({"cross": [[1000, "slow"]]}, "'cross'"), ({"cross": [[0, 0.1]]}, "'cross'"),
+                       ({"cross": [[1000, -1.0]]}, "'cross'"), ({"rack": []}, "'rack'"), ([[1000, 0.1]], "mapping"),
+                       ({"world": {"1000": 0.1}}, "'world'"), ({"node": [[1000.5, 0.1]]}, "'node'")):
+        with pytest.raises(planner.PlanError, match=named):
+            replicate_curves({**job, "replicate_steps": bad}, costs, {})
+
     graph = examples.mlp(batch=64, width=256, depth=4)
     mesh = planner.Mesh((2, 2), 2)
     flat = {"replicate": 0.5, "col": 0.25, "row": 0.125}

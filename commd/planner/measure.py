@@ -226,14 +226,35 @@ def replicate_curves(job: dict[str, Any], costs: Any,
     node_ranks = int(job.get("node_ranks", world))
     groups = {"world": (nodes, world, 1), "node": (1, node_ranks, 1), "cross": (nodes, nodes, node_ranks)}
     out = {}
-    for scope, points in job.get("replicate_steps", {}).items():
-        if scope not in REPLICATE_SCOPES or not points:
+    steps = job.get("replicate_steps", {})
+    if not isinstance(steps, dict):
+        raise PlanError(f"the job measurement's replicate_steps is {type(steps).__name__}, not a mapping of groups")
+    for scope, points in steps.items():
+        if scope not in REPLICATE_SCOPES:
+            raise PlanError(f"the job measurement's replicate_steps has group {scope!r}: not one of "
+                            f"{', '.join(REPLICATE_SCOPES)}")
+        points = _byte_points(points, f"replicate_steps[{scope!r}]")
+        if not points:
             continue
         suffix, (group_nodes, size, sharing) = REPLICATE_SCOPES[scope], groups[scope]
         a, b = sync_overhead.get("allreduce" + suffix) or sync_overhead.get("allreduce") or (0.0, 0.0)
         out["replicate" + suffix] = sorted(
-            [int(n), max(0.0, t - costs.side_by_side("allreduce", int(n), group_nodes, size, sharing) - (a + b * int(n)))]
+            [n, max(0.0, t - costs.side_by_side("allreduce", n, group_nodes, size, sharing) - (a + b * n))]
             for n, t in points)
+    return out
+
+
+def _byte_points(value: Any, where: str) -> list[tuple[int, float]]:
+    """``value`` as points (bytes >= 1, seconds >= 0 and finite); PlanError naming ``where`` if it is not."""
+    if not isinstance(value, list):
+        raise PlanError(f"the job measurement's {where} is {type(value).__name__}, not a list of [bytes, seconds]")
+    out = []
+    for point in value:
+        ok = (isinstance(point, list | tuple) and len(point) == 2 and all(
+            isinstance(x, int | float) and not isinstance(x, bool) for x in point))
+        if not ok or point[0] < 1 or point[0] != int(point[0]) or not 0 <= point[1] < math.inf:
+            raise PlanError(f"the job measurement's {where} has {point!r}: not [bytes >= 1, seconds >= 0]")
+        out.append((int(point[0]), float(point[1])))
     return out
 
 
