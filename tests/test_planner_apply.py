@@ -40,12 +40,13 @@ CNN_RATES = {"mixed": 2e10, "mixed-row-row": 2e9}
 def forced_plan(factory: str, shape: tuple[int, ...], input_shape: tuple[int, ...],
                 overrides: dict[str, tuple[str, ...]] | None = None, dtype: str = "float32",
                 appliable_only: bool = True, base: str = "megatron", flops_per_s: float = 2e10) -> dict[str, Any]:
-    """plan.json for a traced model with Megatron's choice (``base="optimum"``: the planner's own, what
-    `commd plan` writes), some layers' strategies (one name per mesh dimension) overridden (``appliable_only=False``:
+    """plan.json for a traced model with Megatron's choice (``base="optimum"``: the search's own, what
+    `commd plan --min-gain 0` writes), some layers' strategies (one name per mesh dimension) overridden (``appliable_only=False``:
     strategies apply cannot set up are offered too)."""
     graph = trace(getattr(planner_models, factory), input_shape, dtype)
     mesh, costs = planner.Mesh(shape, math.prod(shape)), synthetic_costs(flops_per_s=flops_per_s)
-    opts = planner.Options(appliable_only=appliable_only, search="both" if base == "optimum" else "descent")
+    opts = planner.Options(appliable_only=appliable_only, search="both" if base == "optimum" else "descent",
+                           min_gain=0.0)
     made = planner.plan(graph, mesh, costs, opts)
     priced = planner.price(graph, mesh, costs, opts)
     choice = (planner.megatron(graph, priced) if base == "megatron" else planner.data_parallel(graph, priced)
