@@ -9,6 +9,7 @@ small process-level helpers the command line and the tests share live here
 
 from __future__ import annotations
 
+import atexit
 import errno
 import fcntl
 import hmac
@@ -23,6 +24,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 JOB_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 DEFAULT_JOB = "default"
@@ -56,6 +58,30 @@ SECRET_FILE_ENV = "COMMD_SECRET_FILE"
 #: A job secret given by the user must be at least this long (a shorter one is guessable).
 MIN_SECRET_CHARS = 16
 MAX_SECRET_BYTES = 4096
+
+
+class ClosedAtExit:
+    """Objects whose ``close()`` must run at interpreter exit, before module teardown and before Python
+    stops daemon threads: a torch group destroyed during finalisation, or a thread stopped inside
+    torch's C++, aborts the process ("terminate called without an active exception").  Held weakly.
+    Registered with ``atexit`` when made, so make one at a module's import: exit hooks run in the
+    reverse order of registration, and this keeps each module's place in that order."""
+
+    def __init__(self) -> None:
+        import weakref
+
+        self._open: weakref.WeakSet[Any] = weakref.WeakSet()
+        atexit.register(self.close_all)
+
+    def add(self, obj: Any) -> None:
+        self._open.add(obj)
+
+    def discard(self, obj: Any) -> None:
+        self._open.discard(obj)
+
+    def close_all(self) -> None:
+        for obj in list(self._open):
+            obj.close()
 
 
 class ConfigError(ValueError):

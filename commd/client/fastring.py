@@ -27,7 +27,6 @@ read after it; ``futex.Fence`` where a store must be seen before a later load);
 
 from __future__ import annotations
 
-import atexit
 import collections
 import ctypes
 import logging
@@ -35,7 +34,6 @@ import os
 import socket
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -58,7 +56,7 @@ from commd.memory.arena import Segment
 from commd.protocol import fastring as fr
 from commd.protocol import schema as s
 from commd.protocol.fdpass import close_all, recv_with_fds
-from commd.runtime import env_int, pid_alive
+from commd.runtime import ClosedAtExit, env_int, pid_alive
 
 log = logging.getLogger("commd.client")
 
@@ -74,13 +72,7 @@ _ERROR_CODES = {MismatchError: "mismatch", CommTimeoutError: "timeout", PeerDied
 #: How long ``close`` waits for the progress thread to leave (it wakes at once, at most ``SLICE_S``).
 CLOSE_JOIN_S = 2.0
 #: Rings not closed yet: closed at interpreter exit, before daemon threads are stopped (``close``).
-_OPEN_RINGS: weakref.WeakSet[ExchangeRing] = weakref.WeakSet()
-
-
-@atexit.register
-def _close_open_rings() -> None:
-    for ring in list(_OPEN_RINGS):
-        ring.close()
+_OPEN_RINGS = ClosedAtExit()
 
 
 def available() -> bool:

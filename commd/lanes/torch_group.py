@@ -15,10 +15,8 @@ the backend really runs, and how to wait for a Work.
 
 from __future__ import annotations
 
-import atexit
 import threading
 import time
-import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -41,6 +39,7 @@ from commd.lanes.base import (
     refusal,
     refuse_program,
 )
+from commd.runtime import ClosedAtExit
 
 # torch.distributed does not re-export AllgatherOptions (the other *Options it does).
 _AllgatherOptions = torch._C._distributed_c10d.AllgatherOptions
@@ -82,13 +81,7 @@ def _first_line(exc: BaseException) -> str:
 #: Lanes not closed yet.  Their groups are closed at interpreter exit, before module
 #: teardown: a Gloo group destroyed during finalisation aborted the process ("terminate
 #: called without an active exception") in about 1 run in 6.
-_OPEN_LANES: weakref.WeakSet[TorchGroupLane] = weakref.WeakSet()
-
-
-@atexit.register
-def _close_open_lanes() -> None:
-    for lane in list(_OPEN_LANES):
-        lane.close()
+_OPEN_LANES = ClosedAtExit()
 
 
 def _own_connection(store: dist.Store) -> dist.Store:
