@@ -629,7 +629,9 @@ def test_replicate_is_charged_what_the_job_measured_beyond_its_priced_all_reduce
     assert replicate_curves({**job, "replicate_steps": {}}, costs, {}) == {}  # (a job from before: none)
     for bad, named in (({"cross": [[1000, "slow"]]}, "'cross'"), ({"cross": [[0, 0.1]]}, "'cross'"),
                        ({"cross": [[1000, -1.0]]}, "'cross'"), ({"rack": []}, "'rack'"), ([[1000, 0.1]], "mapping"),
-                       ({"world": {"1000": 0.1}}, "'world'"), ({"node": [[1000.5, 0.1]]}, "'node'")):
+                       ({"world": {"1000": 0.1}}, "'world'"), ({"node": [[1000.5, 0.1]]}, "'node'"),
+                       ({"node": [[float("inf"), 0.1]]}, "'node'"), ({"node": [[float("nan"), 0.1]]}, "'node'"),
+                       ({"node": [[1000, float("nan")]]}, "'node'")):
         with pytest.raises(planner.PlanError, match=named):
             replicate_curves({**job, "replicate_steps": bad}, costs, {})
 

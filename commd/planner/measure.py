@@ -252,7 +252,7 @@ def _byte_points(value: Any, where: str) -> list[tuple[int, float]]:
     for point in value:
         ok = (isinstance(point, list | tuple) and len(point) == 2 and all(
             isinstance(x, int | float) and not isinstance(x, bool) for x in point))
-        if not ok or point[0] < 1 or point[0] != int(point[0]) or not 0 <= point[1] < math.inf:
+        if not ok or not 1 <= point[0] < math.inf or point[0] != int(point[0]) or not 0 <= point[1] < math.inf:
             raise PlanError(f"the job measurement's {where} has {point!r}: not [bytes >= 1, seconds >= 0]")
         out.append((int(point[0]), float(point[1])))
     return out

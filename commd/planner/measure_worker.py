@@ -251,6 +251,7 @@ def _replicate_steps(dist: Any, world: int, tp: int, repeats: int, chunk: Callab
 
 
 def _after(first: Callable[[], Any], then: Callable[[], None]) -> Callable[[], None]:
+    """``then`` with ``first`` run before it each time (a step after the probes' compute, as in a model's step)."""
     def both() -> None:
         first()
         then()
