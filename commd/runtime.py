@@ -21,6 +21,7 @@ import socket
 import stat
 import tempfile
 import time
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,8 +69,6 @@ class ClosedAtExit:
     reverse order of registration, and this keeps each module's place in that order."""
 
     def __init__(self) -> None:
-        import weakref
-
         self._open: weakref.WeakSet[Any] = weakref.WeakSet()
         atexit.register(self.close_all)
 

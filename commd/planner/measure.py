@@ -186,12 +186,12 @@ def torch_path_overheads(job: dict[str, Any], costs: Any) -> tuple[dict[str, lis
     probed one, and ``KIND@cross`` for one rank of each node, as many such groups side by side as a node
     has ranks (priced as ``CollectiveCosts.side_by_side``, as ``plan.MeshDim.seconds`` prices them;
     ``plan._extra`` picks by the group)."""
-    nodes, world = int(job["hosts"]), int(job["world"])
-    scopes = [("collectives", "", nodes, world, 1)]
+    groups = job_groups(job)
+    scopes = [("collectives", "", *groups[""])]
     if "node_collectives" in job:
-        scopes.append(("node_collectives", NODE_SUFFIX, 1, int(job["node_ranks"]), 1))
+        scopes.append(("node_collectives", NODE_SUFFIX, *groups[NODE_SUFFIX]))
     if "cross_collectives" in job:
-        scopes.append(("cross_collectives", CROSS_SUFFIX, nodes, nodes, int(job["node_ranks"])))
+        scopes.append(("cross_collectives", CROSS_SUFFIX, *groups[CROSS_SUFFIX]))
     out: list[dict[str, list[float]]] = [{}, {}]
     for key, suffix, group_nodes, size, sharing in scopes:
         for lines, path in zip(out, ("functional", "plain"), strict=True):
@@ -199,6 +199,15 @@ def torch_path_overheads(job: dict[str, Any], costs: Any) -> tuple[dict[str, lis
                 lines[kind + suffix] = line_through(
                     [(int(b), t - costs.side_by_side(kind, int(b), group_nodes, size, sharing)) for b, t in points])
     return out[0], out[1]
+
+
+def job_groups(job: dict[str, Any]) -> dict[str, tuple[int, int, int]]:
+    """Per suffix of the overhead lines, the groups a job measured on as ``CollectiveCosts.side_by_side``
+    takes them — (nodes a group spans, its ranks, such groups side by side on each node's link): all
+    ranks (``""``), one node's ranks (``@node``), one rank of each node (``@cross``)."""
+    nodes, world = int(job["hosts"]), int(job["world"])
+    node_ranks = int(job.get("node_ranks", world))
+    return {"": (nodes, world, 1), NODE_SUFFIX: (1, node_ranks, 1), CROSS_SUFFIX: (nodes, nodes, node_ranks)}
 
 
 def line_through(points: list[tuple[int, float]]) -> list[float]:
@@ -222,9 +231,7 @@ def replicate_curves(job: dict[str, Any], costs: Any,
     price on those groups (``CollectiveCosts.side_by_side``) and its ``sync_overhead`` line, never below
     zero.  Points, not a line: measured, the addition was largest at a mid-sized gradient and none at
     1 MiB, where the table's price is already above the wrapped step's."""
-    nodes, world = int(job["hosts"]), int(job["world"])
-    node_ranks = int(job.get("node_ranks", world))
-    groups = {"world": (nodes, world, 1), "node": (1, node_ranks, 1), "cross": (nodes, nodes, node_ranks)}
+    groups = job_groups(job)
     out = {}
     steps = job.get("replicate_steps", {})
     if not isinstance(steps, dict):
@@ -236,7 +243,8 @@ def replicate_curves(job: dict[str, Any], costs: Any,
         points = _byte_points(points, f"replicate_steps[{scope!r}]")
         if not points:
             continue
-        suffix, (group_nodes, size, sharing) = REPLICATE_SCOPES[scope], groups[scope]
+        suffix = REPLICATE_SCOPES[scope]
+        group_nodes, size, sharing = groups[suffix]
         a, b = sync_overhead.get("allreduce" + suffix) or sync_overhead.get("allreduce") or (0.0, 0.0)
         out["replicate" + suffix] = sorted(
             [n, max(0.0, t - costs.side_by_side("allreduce", n, group_nodes, size, sharing) - (a + b * n))]

@@ -110,10 +110,13 @@ def layer_job(cfg: dict[str, Any]) -> dict[str, Any] | None:
         for nbytes, calls in PROBES:
             for path, kind, table_bytes, seconds in _probes(dist, fc, group, size, nbytes // 4, calls, chunk):
                 collectives.setdefault(path, {}).setdefault(kind, []).append([table_bytes, seconds])
-    wrappers, wrapper_collectives = _wrapper_overheads(dist, fc, world, nproc if "node_collectives" in scopes else world,
-                                                       repeats * 2 + 1)
-    replicate_steps = _replicate_steps(dist, world, nproc if "node_collectives" in scopes else world, repeats * 2 + 1,
-                                       chunk)
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    tp = nproc if "node_collectives" in scopes else world  # (one node's ranks; all, with one node or one rank each)
+    grid = DeviceMesh("cpu", torch.arange(world).view(world // tp, tp), mesh_dim_names=("cross", "node"))
+    wrappers, wrapper_collectives = _wrapper_overheads(dist, fc, grid, repeats * 2 + 1)
+    replicate_steps = _replicate_steps(dist, grid, repeats * 2 + 1, chunk)
     gathered: list[Any] = [None] * world
     chunk_s = _job_seconds(dist, chunk, 5)
     dist.all_gather_object(gathered, {"layers": layers, "wrappers": wrappers, "in_step": [whole_factor, part_factor],
@@ -146,32 +149,29 @@ WRAPPERS = ("replicate", "fully_shard", "col", "row")
 WRAPPER_ROUNDS = 3
 
 
-def _wrapper_overheads(dist: Any, fc: Any, world: int, tp: int,
-                       repeats: int) -> tuple[dict[str, float], dict[str, int]]:
+def _wrapper_overheads(dist: Any, fc: Any, grid: Any, repeats: int) -> tuple[dict[str, float], dict[str, int]]:
     """Per wrapper ``apply`` puts on a layer — FSDP2's ``replicate`` and ``fully_shard``, DTensor's
     ``ColwiseParallel`` and ``RowwiseParallel`` — the seconds a training step of a tiny linear layer takes
     beyond the same layer unwrapped and beyond the tiny collectives the wrapper issues (timed here too):
     the Python of its hooks, of DTensor's dispatch and of its optimizer step, which the plan charges per
-    wrapped layer; and per wrapper the collectives that step issued.  Every wrapper runs on ``tp`` ranks
-    (one node's, where the job has several nodes, every node at once): a tiny collective across nodes,
+    wrapped layer; and per wrapper the collectives that step issued.  Every wrapper runs on ``grid``'s
+    ``node`` groups (one node's ranks, where the job has several nodes, every node at once): a tiny collective across nodes,
     taken off the step, varied by more than the wrapper's own cost from job to job.  The median over
     ``WRAPPER_ROUNDS`` rounds, each timing the plain layer, the tiny collectives and the wrappers anew."""
     import torch
     from torch import nn
     from torch.distributed._composable.replicate_with_fsdp import replicate
-    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.debug import CommDebugMode
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     width = 16
-    node = DeviceMesh("cpu", torch.arange(world).view(world // tp, tp), mesh_dim_names=("dp", "tp"))["tp"]
-    node_group = node.get_group()
+    node = grid["node"]
+    node_group, tp = node.get_group(), node.size()
 
     def timed(step: Any) -> float:
         return _step_seconds(dist, step, repeats)
 
-    training = _training_step
     x = torch.randn(8, width)
     # (wrap, input, the tiny collectives one step issues: FSDP2's through torch.distributed, counted here —
     # replicate's all-reduce; fully_shard's all-gather in the forward and the backward and reduce-scatter —,
@@ -186,13 +186,13 @@ def _wrapper_overheads(dist: Any, fc: Any, world: int, tp: int,
         wrap, given, issued = made[name]
         model = nn.Linear(width, width)
         wrap(model)
-        steps[name] = training(model, given)
+        steps[name] = _training_step(model, given)
         if issued is None:
             with CommDebugMode() as mode:
                 steps[name]()
             issued = mode.get_total_counts()
         counts[name] = issued
-    plain_step = training(nn.Linear(width, width), x)
+    plain_step = _training_step(nn.Linear(width, width), x)
     tiny_calls = {"plain": lambda: dist.all_reduce(torch.randn(width * width), group=node_group),
                   "functional": lambda: fc.wait_tensor(fc.all_reduce(torch.randn(8 * width), "sum", node_group))}
     rounds: dict[str, list[float]] = {name: [] for name in WRAPPERS}
@@ -211,10 +211,10 @@ REPLICATE_WIDTHS = (16, 128, 512)
 REPLICATE_ROWS = 64
 
 
-def _replicate_steps(dist: Any, world: int, tp: int, repeats: int, chunk: Callable[[], Any]) -> dict[str, list[list[float]]]:
-    """Per group FSDP2's ``replicate`` may synchronise a layer on — all ranks (``world``), one node's
-    (``node``: ``tp`` consecutive ranks, every node at once) and one rank of each node (``cross``, a node's
-    ranks each in such a group at once: a 2-D mesh's dp groups) — and per ``REPLICATE_WIDTHS`` layer,
+def _replicate_steps(dist: Any, grid: Any, repeats: int, chunk: Callable[[], Any]) -> dict[str, list[list[float]]]:
+    """Per group FSDP2's ``replicate`` may synchronise a layer on — all ranks (``world``), and where ``grid``
+    has several nodes of several ranks one node's (``node``, every node at once) and one rank of each node
+    (``cross``, a node's ranks each in such a group at once: a 2-D mesh's dp groups) — and per ``REPLICATE_WIDTHS`` layer,
     [its gradient's bytes, the seconds a training step of the layer wrapped in ``replicate`` takes beyond
     the same step unwrapped]: its all-reduce of the gradient with what FSDP2 does around it (copies into
     and out of a flat buffer, the division, its hooks).  Measured at a layer's size because that
@@ -227,9 +227,8 @@ def _replicate_steps(dist: Any, world: int, tp: int, repeats: int, chunk: Callab
     from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.device_mesh import DeviceMesh
 
-    meshes = {"world": DeviceMesh("cpu", torch.arange(world))}
-    if 1 < tp < world:
-        grid = DeviceMesh("cpu", torch.arange(world).view(world // tp, tp), mesh_dim_names=("cross", "node"))
+    meshes = {"world": DeviceMesh("cpu", torch.arange(grid.size()))}
+    if grid["node"].size() > 1 and grid["cross"].size() > 1:
         meshes.update(node=grid["node"], cross=grid["cross"])
     out: dict[str, list[list[float]]] = {scope: [] for scope in meshes}
     for width in REPLICATE_WIDTHS:
