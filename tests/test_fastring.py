@@ -7,6 +7,7 @@ backend end to end (the ring is used, results, ordering against daemon ops, futu
 
 from __future__ import annotations
 
+import re
 import subprocess
 import threading
 import time
@@ -160,21 +161,97 @@ def test_a_mismatch_fails_every_rank_and_the_ring_goes_on(daemon: Any, connect: 
         return error, float(y[0])
 
     for r, (error, after) in enumerate(_per_rank(body)):
-        assert "mismatched collective #1 on group 'world': 'count' differs: ranks [0] 2, ranks [1] 3" in error, (
+        assert "mismatched collective #0 on group 'world': 'count' differs: ranks [0] 2, ranks [1] 3" in error, (
             r, error)
         assert after == 3.0
 
 
-def test_a_missing_rank_times_out_naming_it(daemon: Any, connect: Callable[..., Any]) -> None:
+_TIMED_OUT = (r"allreduce #0 on group 'world' timed out: group ranks \[1\] \(global ranks \[1\]\) did not submit it "
+              r"within the op timeout of 0.5s")
+
+
+def test_a_timed_out_op_fails_on_every_rank_and_later_ops_are_unaffected(
+        daemon: Any, connect: Callable[..., Any]) -> None:
+    """As on the daemon path: the op times out naming the missing rank, the late rank's op fails on
+    arrival with the same words (never combined with a later op of the first rank), and the next
+    ops of both ranks meet each other on the ring."""
     rings = _rings([connect(r, 2) for r in range(2)], timeout=0.5)
     x = np.ones(2, np.float32)
     start = time.monotonic()
     handle = rings[0].all_reduce(x.view(np.uint8), "float32", "sum", None)
-    with pytest.raises(CommTimeoutError, match=r"allreduce #1 on group 'world' timed out: group ranks \[1\] did not submit it within the op timeout of 0.5s"):
+    with pytest.raises(CommTimeoutError, match=_TIMED_OUT):
         handle.wait()
     assert time.monotonic() - start < 5
-    with pytest.raises(CommTimeoutError):  # the ring is out of step: later ops fail at once
-        rings[0].all_reduce(x.view(np.uint8), "float32", "sum", None)
+    later = rings[0].all_reduce(np.full(2, 100.0, np.float32).view(np.uint8), "float32", "sum", None)
+    late = np.full(2, 2.0, np.float32)
+    started = time.monotonic()
+    with pytest.raises(CommTimeoutError, match=_TIMED_OUT):
+        rings[1].all_reduce(late.view(np.uint8), "float32", "sum", None).wait()
+    assert time.monotonic() - started < 0.4, "the late op waited instead of failing on arrival"
+    assert late.tolist() == [2.0, 2.0] and x.tolist() == [1.0, 1.0]
+    y = np.full(2, 200.0, np.float32)
+    rings[1].all_reduce(y.view(np.uint8), "float32", "sum", None).wait(5)
+    later.wait(5)
+    assert y.tolist() == [300.0, 300.0]
+    assert rings[0].usable() and rings[1].usable()
+
+
+def test_a_rank_waiting_with_a_timed_out_op_fails_when_its_peer_withdraws(
+        daemon: Any, connect: Callable[..., Any]) -> None:
+    """Three ranks: rank 0's op times out (rank 1 missing) while rank 2, with a long timeout, waits
+    with it: rank 2 fails too, at once, with rank 0's words, as the daemon fails every waiting rank."""
+    rings = _rings([connect(r, 3) for r in range(3)], timeout=60.0)
+    rings[0].op_timeout = 0.5
+    waiting = rings[2].all_reduce(np.ones(2, np.float32).view(np.uint8), "float32", "sum", None)
+    first = rings[0].all_reduce(np.ones(2, np.float32).view(np.uint8), "float32", "sum", None)
+    with pytest.raises(CommTimeoutError, match=_TIMED_OUT):
+        first.wait()
+    with pytest.raises(CommTimeoutError, match=_TIMED_OUT):
+        waiting.wait(5)
+    with pytest.raises(CommTimeoutError, match=_TIMED_OUT):
+        rings[1].all_reduce(np.ones(2, np.float32).view(np.uint8), "float32", "sum", None).wait(5)
+    outs = _per_rank(lambda r: rings[r].all_reduce(np.full(3, r + 1.0, np.float32).view(np.uint8), "float32",
+                                                   "sum", None).wait(10), n=3)
+    assert all(not isinstance(o, BaseException) for o in outs), outs
+
+
+@pytest.mark.parametrize("verdict", ["withdrawn", "kept"])
+def test_a_rank_completing_an_op_waits_for_a_peer_deciding_its_timeout(
+        daemon: Any, connect: Callable[..., Any], verdict: str) -> None:
+    """The one decision (protocol/fastring.py): rank 0 has marked its entry WITHDRAWING when rank 1's
+    input arrives; rank 1 neither completes nor fails the op until rank 0 decides, then follows it."""
+    rings = _rings([connect(r, 2) for r in range(2)], timeout=0.5)
+    x = np.ones(2, np.float32)
+    pending = rings[0].all_reduce(x.view(np.uint8), "float32", "sum", None)
+    h = rings[0]._header_at[rings[0].pending[0].seq % rings[0].depth][0]
+    words = rings[0]._words
+    words[h + fr.STATE] = fr.WITHDRAWING  # as _time_out leaves it between its mark and its verdict
+    y = np.full(2, 2.0, np.float32)
+    outcome: list[Any] = []
+
+    def late() -> None:
+        try:
+            rings[1].all_reduce(y.view(np.uint8), "float32", "sum", None).wait(5)
+            outcome.append("completed")
+        except CommdError as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=late, daemon=True)
+    thread.start()
+    thread.join(0.3)
+    assert thread.is_alive() and not outcome, f"rank 1 went on while rank 0 was deciding: {outcome}"
+    if verdict == "withdrawn":
+        words[h + fr.VERDICT] = 0b10 | 500 << fr.VERDICT_TIMEOUT_SHIFT
+    words[h + fr.STATE] = fr.WITHDRAWN if verdict == "withdrawn" else 0
+    thread.join(5)
+    assert not thread.is_alive()
+    if verdict == "withdrawn":
+        assert isinstance(outcome[0], CommTimeoutError) and re.search(_TIMED_OUT, str(outcome[0])), outcome
+        assert y.tolist() == [2.0, 2.0]
+    else:
+        assert outcome == ["completed"] and y.tolist() == [3.0, 3.0]
+        pending.wait(5)
+        assert x.tolist() == [3.0, 3.0]
 
 
 def test_a_dead_rank_fails_the_waiting_op_before_its_timeout(daemon: Any, connect: Callable[..., Any]) -> None:

@@ -111,7 +111,11 @@ class Client:
         self._register_budget = default_budget() if registration_enabled() else None
         self._register_first_bytes = first_sighting_bytes() if self._register_budget is not None else None
         self._ids = itertools.count(1)
+        #: per group, the number of its next collective: one numbering for every path an op takes (the
+        #: daemon's, a group's exchange ring), so op k of one rank only ever meets op k of the others
         self._seq: dict[str, int] = {}
+        #: per group, told the count of the group's collectives each time one goes to the daemon
+        self._numbered: dict[str, Callable[[int], None]] = {}
         self._groups: dict[str, list[int]] = {}
         self._pending: dict[int, Handle] = {}
         #: groups whose ops are held to leave together (``hold``/``release``): a coalesced batch each
@@ -241,6 +245,24 @@ class Client:
         self._request({"t": s.GROUP, "name": name, "ranks": list(ranks)})
         self._groups[name] = list(ranks)
         self._seq.setdefault(name, 0)
+
+    def take_seq(self, group: str) -> int:
+        """The number of ``group``'s next collective, taken by an op that does not go to the daemon (an
+        exchange ring's): the daemon path's numbering skips it, so the paths never disagree on op k."""
+        with self._send_lock:
+            if group not in self._seq:
+                raise RequestError(f"group {group!r} is not registered")
+            seq = self._seq[group]
+            self._seq[group] = seq + 1
+            return seq
+
+    def on_numbered(self, group: str, listener: Callable[[int], None] | None) -> None:
+        """``listener(count)`` is called, without locks of its own to take, each time a collective of
+        ``group`` is numbered for the daemon (``count``: the group's collectives numbered so far)."""
+        if listener is None:
+            self._numbered.pop(group, None)
+        else:
+            self._numbered[group] = listener
 
     def notify_ring(self, group: str, **fields: Any) -> None:
         """Tell the daemon about ``group``'s bridged exchange ring (``RINGOP``: an op every local rank
@@ -605,9 +627,11 @@ class Client:
         dtype: torch.dtype | None = None,
         result: Any = None,
         after: Callable[[], None] | None = None,
+        seq: int | None = None,
         **fields: Any,
     ) -> Handle:
-        """Submit one op; ``buffers`` maps 'buf'/'in'/'out' to (tensor, role)."""
+        """Submit one op; ``buffers`` maps 'buf'/'in'/'out' to (tensor, role).  ``seq``: a collective's
+        number taken already (``take_seq``), for an op handed over from another path."""
         if self._broken is not None or self._closed:
             self._check_usable()
         if group not in self._seq:
@@ -645,9 +669,14 @@ class Client:
         with self._send_lock:
             if self._broken is not None or self._closed:
                 self._check_usable()
-            if kind in s.COLLECTIVES:
+            if kind in s.COLLECTIVES and seq is not None:
+                message["seq"] = seq
+            elif kind in s.COLLECTIVES:
                 message["seq"] = self._seq[group]
                 self._seq[group] += 1
+                listener = self._numbered.get(group)
+                if listener is not None:
+                    listener(self._seq[group])
             frame = msgpack.packb(message, use_bin_type=True)
             if len(frame) > s.MAX_MESSAGE_BYTES:
                 raise RequestError(f"{handle.description}: control message of {len(frame)} bytes is too large")

@@ -15,9 +15,17 @@ same bits the daemon would.
 
 Waiting spins for ``SPIN_S`` (when every rank can have a core) and then sleeps on the
 peer's futex word, in slices of at most ``SLICE_S`` after which it checks the op's
-deadline, the missing ranks' processes and the daemon's: a timeout, a dead rank or a
-dead daemon fails the op (and, since the ring is then out of step, every later op of the
-group's ring) instead of hanging.  A rank announces its sleep in its control line, so a
+deadline, the missing ranks' processes and the daemon's.  A timeout fails that op alone,
+on every rank, as on the daemon path: the rank whose deadline passed withdraws its entry
+(one decision, see ``protocol/fastring.py``), a rank that waits with it fails the op when
+it sees the withdrawal, a late rank fails it on arrival, and later ops are unaffected.  A
+dead rank or a dead daemon fails the op and every later op of the group's ring (the ring
+is then out of step) instead of hanging.
+
+Every ring op takes the group's one collective number (``take_number``: the client's,
+shared with the daemon path), its messages name it as the daemon names its ops, and the
+ranks' entries must carry the same number, or the op fails and the group leaves the ring:
+op k of one rank is only ever combined with op k of the others.  A rank announces its sleep in its control line, so a
 poster makes the futex call only when someone sleeps.
 
 Ordering relies on x86's store order (data and header are written before ``posted``,
@@ -213,14 +221,20 @@ class ExchangeRing:
         self.next_seq = self._words[self._posted_at[self.me]] + 1
         #: the group's collectives this rank has submitted, through the ring or the daemon
         self.group_ops = self._words[self._submitted_at[self.me]]
-        #: called (dtype, reduce op, count) when this rank's ring op meets peers that sent the same
-        #: collective to the daemon: it submits a daemon all-reduce of that shape, so the daemon
-        #: reports the disagreement to those peers too (they wait for it there)
+        #: called (dtype, reduce op, count, the op's number) when this rank's ring op meets peers that
+        #: sent the same collective to the daemon: it submits a daemon all-reduce of that shape and
+        #: number, so the daemon reports the disagreement to those peers too (they wait for it there)
         self.on_diverged: Callable[[str, str, int], Any] | None = None
         #: bridged rings: called (op number) when this rank saw every local rank publish an op (the
         #: daemon then reduces them), and (error code, reason) when this rank leaves the ring on its own
         self.on_all_posted: Callable[[int], Any] | None = None
-        self.on_left: Callable[[str, str], Any] | None = None
+        #: (error code, reason, the group's number of the op it left at, or None)
+        self.on_left: Callable[[str, str, int | None], Any] | None = None
+        #: the group's collective numbering (``Client.take_seq``): returns the next op's number and
+        #: takes it; None: this ring counts the group's collectives itself (``group_ops``)
+        self.take_number: Callable[[], int] | None = None
+        #: each group rank's global rank, for messages (None: the group ranks are the global ranks)
+        self.global_ranks: list[int] | None = None
         self.control[self.me, fr.PID] = os.getpid()
         self.pending: collections.deque[_Op] = collections.deque()
         self.broken: CommdError | None = None
@@ -261,7 +275,6 @@ class ExchangeRing:
             if self.broken is not None:
                 raise type(self.broken)(str(self.broken))
             seq = self.next_seq
-            index = self.group_ops + 1
             self._ids += 1
             handle = RingHandle(self, self._ids, "allreduce", self.group, time.monotonic() + timeout,
                                 result=result, keep=keep)
@@ -276,10 +289,12 @@ class ExchangeRing:
                 where, target = j + 1, self._large_address[j][me]
                 self._large_next = (j + 1) % self.large_depth
                 self._large_last[j] = seq
+            # the op's number is taken once it is sure to be posted: a number never skipped on this path
+            index = (self.take_number() if self.take_number is not None else self.group_ops) + 1
             ctypes.memmove(target, address, nbytes)
             h = self._header_at[d][me]
             words[h], words[h + fr.DTYPE], words[h + fr.OP], words[h + fr.COUNT] = seq, dcode, ocode, count
-            words[h + fr.WHERE], words[h + fr.INDEX] = where, index
+            words[h + fr.WHERE], words[h + fr.INDEX], words[h + fr.STATE] = where, index, 0
             words[self._posted_at[me]] = seq  # publishes the entry (stores stay in order on x86)
             words[self._submitted_at[me]] = self.group_ops = index  # after posted: see _diverged
             self.next_seq = seq + 1
@@ -309,11 +324,19 @@ class ExchangeRing:
         return self.broken is None
 
     def note_daemon_op(self) -> None:
-        """A collective of the group goes to the daemon: count it, so a peer whose ring op waits
-        at this place learns the ranks disagree at once (instead of when the op times out)."""
+        """A collective of the group goes to the daemon (rings that count the group's collectives
+        themselves, ``take_number`` None): count it, as ``note_submitted`` does."""
         with self._lock:
-            self.group_ops += 1
-            self._words[self._submitted_at[self.me]] = self.group_ops
+            self.note_submitted(self.group_ops + 1)
+
+    def note_submitted(self, count: int) -> None:
+        """``count`` collectives of the group are numbered, the last for the daemon: a peer whose ring op
+        waits at that place learns the ranks disagree at once (instead of when the op times out).
+        Takes no lock (``Client.on_numbered`` calls it under the client's): only this rank writes its
+        ``submitted`` word, and it only grows."""
+        if count > self.group_ops:
+            self.group_ops = count
+            self._words[self._submitted_at[self.me]] = count
             self._ring_bell()
 
     def drain(self) -> None:
@@ -364,7 +387,7 @@ class ExchangeRing:
                     return
             pending.popleft()
             d = seq % self.depth
-            error = self._disagreement(head, d)
+            error = self._withdrawal(head, d) or self._disagreement(head, d)
             if error is None and self.bridged:
                 # the bridge published the result in its entry (same header as ours)
                 ctypes.memmove(head.address, self._data_address[d][self.bridge], head.nbytes)
@@ -418,20 +441,116 @@ class ExchangeRing:
         small.reduce_into_unchecked(out, inputs, fr.REDUCE_OPS[head.op])
         return None
 
+    def _withdrawal(self, head: _Op, d: int) -> CommdError | None:
+        """Every input of ``head`` is posted: its error if a rank withdrew it (it timed out there).
+
+        Read after this rank's own ``posted`` (and a fence): a rank still deciding (``WITHDRAWING``)
+        is waited for, so this rank never completes an op another rank fails (``protocol/fastring.py``).
+        """
+        words = self._words
+        for h in self._header_at[d]:
+            if words[h + fr.STATE]:
+                break
+        else:
+            return None
+        for r, h in enumerate(self._header_at[d]):
+            state = words[h + fr.STATE]
+            if state == fr.WITHDRAWING:
+                state = self._verdict_of(r, h)
+            if state == fr.WITHDRAWN and words[h + fr.INDEX] == head.index:  # else: _disagreement's to name
+                return CommTimeoutError(self._withdrawn_message(head, words[h + fr.VERDICT]))
+        return None
+
+    def _verdict_of(self, r: int, h: int) -> int:
+        """Wait for rank line ``r`` to decide whether its entry at ``h`` is withdrawn (a few stores away,
+        unless its process was preempted or died): its final state."""
+        words, pid = self._words, int(self.control[r, fr.PID])
+        while (state := words[h + fr.STATE]) == fr.WITHDRAWING:
+            if pid and not pid_alive(pid):
+                raise self._break(PeerDiedError(f"group {self.group!r}: group rank {self.members[r]} (pid {pid}) "
+                                                "died while it withdrew an op"))
+            time.sleep(20e-6)
+        return state
+
+    def _time_out(self, head: _Op) -> None:
+        """``head``'s deadline passed: withdraw it, unless every input arrived meanwhile (then it
+        completes as usual).  Local rings go on (later ops are unaffected); a bridged ring, whose
+        result may be on its way from other nodes, is left, and the daemons fail the op everywhere."""
+        words = self._words
+        if self.bridged:
+            error = CommTimeoutError(self._timeout_message(head, self._behind(head.seq, self._posted_at), head.timeout))
+            self.pending.popleft()
+            head.handle.fail(error)  # in the daemon's words; the ops behind it fail as the ring is left
+            self._break(error, number=head.index - 1)
+            return
+        h = self._header_at[head.seq % self.depth][self.me]
+        words[h + fr.STATE] = fr.WITHDRAWING
+        self._fence()  # our mark before we read their posted (the other side: post, then _withdrawal)
+        missing = self._behind(head.seq, self._posted_at)
+        if not missing:
+            words[h + fr.STATE] = 0  # they all came in time: the op completes (the caller's _progress)
+            return
+        words[h + fr.VERDICT] = (sum(1 << r for r in missing)
+                                 | round(head.timeout * 1000) << fr.VERDICT_TIMEOUT_SHIFT)
+        words[h + fr.STATE] = fr.WITHDRAWN
+        self._fail_head(head, CommTimeoutError(self._timeout_message(head, missing, head.timeout)))
+
+    def _fail_head(self, head: _Op, error: CommdError) -> None:
+        """``head`` (the first pending op) failed before its inputs were read: consumed, failed."""
+        self.pending.popleft()
+        self._words[self._consumed_at[self.me]] = head.seq
+        self._ring_bell()
+        head.handle.fail(error)
+
+    def _withdrawn_by_peer(self, head: _Op) -> bool:
+        """Fail ``head`` if a rank that posted it has withdrawn it (the op timed out there): a rank
+        that waits with it fails at once, as the daemon fails every waiting rank of a timed-out op."""
+        words, d = self._words, head.seq % self.depth
+        for r, h in enumerate(self._header_at[d]):
+            if (r != self.me and words[h + fr.STATE] == fr.WITHDRAWN and words[h] == head.seq
+                    and words[h + fr.INDEX] == head.index):
+                self._fail_head(head, CommTimeoutError(self._withdrawn_message(head, words[h + fr.VERDICT])))
+                return True
+        return False
+
+    def _timeout_message(self, head: _Op, lines: list[int], timeout: float) -> str:
+        """A timed-out op's message, in the daemon's words (``schema.not_submitted``), global ranks named."""
+        ranks = [self.members[r] for r in lines if r != self.bridge]
+        if self.bridge in lines and self.global_ranks is not None:  # the ranks on the other nodes, all named
+            ranks += [g for g in range(len(self.global_ranks)) if g not in self.members]
+        named = sorted(self.global_ranks[r] for r in ranks) if self.global_ranks is not None else ranks
+        return s.not_submitted(f"allreduce #{head.index - 1} on group '{self.group}'", self._describe(lines),
+                               named, timeout)
+
+    def _withdrawn_message(self, head: _Op, verdict: int) -> str:
+        mask = verdict & ((1 << fr.VERDICT_TIMEOUT_SHIFT) - 1)
+        lines = [r for r in range(self.nranks) if mask >> r & 1]
+        return self._timeout_message(head, lines, (verdict >> fr.VERDICT_TIMEOUT_SHIFT) / 1000)
+
     def _disagreement(self, head: _Op, d: int) -> CommdError | None:
         words, seq = self._words, head.seq
         for h in self._header_at[d]:
             if (words[h] != seq or words[h + fr.DTYPE] != head.dtype or words[h + fr.OP] != head.op
-                    or words[h + fr.COUNT] != head.count):
+                    or words[h + fr.COUNT] != head.count or words[h + fr.INDEX] != head.index):
                 break
         else:
             return None
-        rows = [[words[h + k] for k in range(4)] for h in self._header_at[d]]
+        rows = [[words[h + k] for k in range(fr.INDEX + 1)] for h in self._header_at[d]]
         if any(row[fr.SEQ] != seq for row in rows):
             return self._break(CommdError(f"{head.handle.description}: the exchange ring is corrupted "
                                           f"(entries {[row[fr.SEQ] for row in rows]} for op {seq})"))
-        problems = fr.differences(rows, [[self.members[r] if r != self.bridge else -1] for r in range(self.nranks)])
-        return MismatchError(f"mismatched collective #{seq} on group '{self.group}': " + "; ".join(problems))
+        who = [[self.members[r] if r != self.bridge else -1] for r in range(self.nranks)]
+        if any(row[fr.INDEX] != head.index for row in rows):
+            # the ranks took different collectives to this ring op (one sent a place to the daemon late,
+            # after the op there timed out): out of step, so the ring is left; numbers as the daemon's
+            numbers = [[*row[:fr.INDEX], row[fr.INDEX] - 1] for row in rows]
+            problems = fr.differences(numbers, who, (("collective number", fr.INDEX, None),))
+            return self._break(MismatchError(f"mismatched collective #{head.index - 1} on group '{self.group}': "
+                                             "the ranks' exchange ring op is not the same collective: "
+                                             + "; ".join(problems)))
+        problems = fr.differences(rows, who)
+        return MismatchError(f"mismatched collective #{head.index - 1} on group '{self.group}': "
+                             + "; ".join(problems))
 
     def _sent_to_daemon(self, head: _Op) -> list[int]:
         """The ranks that submitted ``head``'s place without posting it: it went to their daemon.
@@ -450,7 +569,7 @@ class ExchangeRing:
         ring = [self.members[r] for r in range(self.nranks) if r not in daemon and r != self.bridge]
         dtype, op = fr.DTYPES[head.dtype], fr.REDUCE_OPS[head.op]
         self._break(MismatchError(
-            f"mismatched collective #{head.index} on group '{self.group}': group ranks {ring} submitted an "
+            f"mismatched collective #{head.index - 1} on group '{self.group}': group ranks {ring} submitted an "
             f"all-reduce of {head.count} {dtype} ({op}) that goes through the exchange ring, group ranks "
             f"{[self.members[r] for r in daemon]} a collective that goes through the daemon (another kind, size, "
             "dtype, reduce op or device)"))
@@ -460,7 +579,7 @@ class ExchangeRing:
         dtype, op = fr.DTYPES[head.dtype], fr.REDUCE_OPS[head.op]
         if self.on_diverged is not None:
             try:
-                self.on_diverged(dtype, op, head.count)
+                self.on_diverged(dtype, op, head.count, head.index - 1)
             except Exception as exc:  # noqa: BLE001 - this rank's op has failed already; the peers time out
                 log.warning("group %s: could not tell the daemon about mismatched collective #%d: %s",
                             self.group, head.index, exc)
@@ -486,16 +605,17 @@ class ExchangeRing:
         except CommdError as exc:  # the daemon is gone or stuck: this rank's waits see it and fail
             log.warning("group %s: could not reach the daemon for the exchange ring: %s", self.group, exc)
 
-    def _break(self, error: CommdError, tell: bool = True) -> CommdError:
+    def _break(self, error: CommdError, tell: bool = True, number: int | None = None) -> CommdError:
         """The ring is out of step: fail everything pending and leave the ring (``usable()``: the
         group's later ops take the daemon path, on every rank once it sees the flag).  A bridged
-        ring also tells the daemon (``tell``), whose bridge fails the op on the other nodes."""
+        ring also tells the daemon (``tell``), whose bridge fails the op on the other nodes, and
+        with the op's ``number`` the daemons fail a late rank's op of that number on arrival."""
         if self.broken is None:
             self.broken = error
             self._words[self._abandoned_at[self.me]] = 1
             self._ring_bell()
             if tell and self.bridged and self.on_left is not None:
-                self._tell_daemon(self.on_left, _ERROR_CODES.get(type(error), "internal"), str(error))
+                self._tell_daemon(self.on_left, _ERROR_CODES.get(type(error), "internal"), str(error), number)
         failed = list(self.pending)
         self.pending.clear()
         for op in failed:
@@ -520,18 +640,16 @@ class ExchangeRing:
                 if Handle.is_completed(handle) or not self.pending:
                     return
                 head = self.pending[0]
-                seq = head.seq
                 try:
-                    arrived = self._wait(lambda head=head: self._head_missing(head), limit, None)
+                    arrived = self._wait(lambda head=head: self._head_missing(head),
+                                         min(limit, head.handle.deadline), None)
                 except CommdError:
                     return  # a dead peer or daemon: _check_alive failed every pending handle
                 if not arrived:
-                    if timeout is not None and limit < handle.deadline:
+                    if time.monotonic() < head.handle.deadline:
                         return  # the caller's own timeout: the op stays pending
-                    missing = self._behind(seq, self._posted_at)
-                    self._break(CommTimeoutError(
-                        f"allreduce #{seq} on group '{self.group}' timed out: {self._describe(missing)} did not "
-                        f"submit it within the op timeout of {head.timeout:.1f}s"))
+                    if self.pending and self.pending[0] is head:
+                        self._time_out(head)  # then the next pending op, if it is the one waited for
 
     def _describe(self, lines: list[int]) -> str:
         """Ring lines as the user knows them: group ranks, and the bridge as the other nodes."""
@@ -546,7 +664,7 @@ class ExchangeRing:
         missing = self._behind(head.seq, self._posted_at)
         if missing:
             self._progress()
-            if not self.pending or self.pending[0] is not head:
+            if not self.pending or self.pending[0] is not head or self._withdrawn_by_peer(head):
                 return []
         return missing
 

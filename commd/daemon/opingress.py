@@ -245,6 +245,8 @@ class OpIngress:
         if member is None:
             raise s.ProtocolError("ringop: this daemon has no fabric")
         if "left" in msg:
-            member.bridges.left(group, client.rank, s.field(msg, "code", str), s.field(msg, "left", str)[:1024])
+            number = s.int_field(msg, "n", 0) if "n" in msg else None
+            member.bridges.left(group, client.rank, s.field(msg, "code", str), s.field(msg, "left", str)[:1024],
+                                number)
         else:
             member.bridges.local_ready(group)

@@ -49,8 +49,12 @@ class RingBridge:
     """The daemon's line in one group's bridged ring on this node."""
 
     def __init__(self, group: str, region: Segment, placement: GroupPlacement, node: int,
-                 send: Callable[[wire.RingPart], None]) -> None:
+                 send: Callable[[wire.RingPart], None],
+                 on_failed: Callable[[str, int, str, str], None] | None = None) -> None:
         self.group = group
+        #: (group, collective number, code, message): an op of a known number failed; the daemon's
+        #: scheduler fails a local rank's op of that number on arrival (``NodeServices.fail_seq``)
+        self.on_failed = on_failed
         self.region = region
         self.placement = placement
         self.node = node
@@ -112,12 +116,13 @@ class RingBridge:
             return None
         problems = fr.differences(rows, [[r] for r in self.local_ranks])
         if problems:
-            self.fail("mismatch", f"mismatched collective #{first[5]} on group '{self.group}': " + "; ".join(problems))
+            self.fail("mismatch", f"mismatched collective #{first[5] - 1} on group '{self.group}': "
+                      + "; ".join(problems))
             return None
         _, dcode, ocode, count, where, index = first
         problem = self._check_shape(dcode, ocode, count, where)
         if problem is not None:
-            self.fail("internal", f"all-reduce #{index} on group '{self.group}': {problem}")
+            self.fail("internal", f"all-reduce #{index - 1} on group '{self.group}': {problem}")
             return None
         dtype = small.NUMPY_DTYPES[fr.DTYPES[dcode]]
         mm = self.region.mm
@@ -148,7 +153,8 @@ class RingBridge:
         if self.failed is not None:
             return
         if part.error is not None:
-            self.fail(part.error, part.message or f"all-reduce #{part.index} failed on node {part.node}", tell=False)
+            self.fail(part.error, part.message or f"a bridged all-reduce failed on node {part.node}",
+                      tell=False, number=part.index - 1 if part.index > 0 else None)
             return
         if part.seq < self.next_result or part.node not in self.others:
             log.warning("group %s: dropped a ring part for op %d from node %d", self.group, part.seq, part.node)
@@ -172,7 +178,7 @@ class RingBridge:
             if daemon:
                 node = next(iter(parts))
                 self.fail("diverged", (
-                    f"mismatched collective #{index} on group '{self.group}': the ranks on node {node} submitted an "
+                    f"mismatched collective #{index - 1} on group '{self.group}': the ranks on node {node} submitted an "
                     f"all-reduce that goes through the exchange ring, group ranks {daemon} a collective that goes "
                     "through the daemon (another kind, size, dtype, reduce op or device)"))
                 return
@@ -194,7 +200,7 @@ class RingBridge:
             nbytes = len(mine.contribution or b"")
             short = [p.node for p in ordered if len(p.contribution or b"") != nbytes]
             if short:
-                self.fail("internal", f"all-reduce #{mine.index} on group '{self.group}': the parts of nodes {short} "
+                self.fail("internal", f"all-reduce #{mine.index - 1} on group '{self.group}': the parts of nodes {short} "
                                       f"are not {nbytes} bytes long")
                 return
             result = eager.combine([p.contribution or b"" for p in ordered], dtype, op)
@@ -213,19 +219,23 @@ class RingBridge:
 
     def _mismatch(self, parts: list[wire.RingPart]) -> str:
         """The nodes' parts differ: worded as the scheduler words a mismatch (scheduler/agreement.py)."""
-        rows = [_header(p.seq, p.dtype, p.op, p.count, p.index) for p in parts]
+        rows = [_header(p.seq, p.dtype, p.op, p.count, p.index - 1) for p in parts]  # numbered as the daemon's
         problems = fr.differences(rows, [self.placement.members(p.node) for p in parts],
                                   (("collective number", fr.INDEX, None), *fr.AGREED))
-        return (f"mismatched all-reduce #{parts[0].index} on group '{self.group}' across nodes "
+        return (f"mismatched all-reduce #{parts[0].index - 1} on group '{self.group}' across nodes "
                 f"{[p.node for p in parts]} (exchange ring op {parts[0].seq}): " + "; ".join(problems))
 
     # ---- failures ---------------------------------------------------------------------
-    def fail(self, code: str, message: str, tell: bool = True) -> None:
+    def fail(self, code: str, message: str, tell: bool = True, number: int | None = None) -> None:
         """Every op from ``next_result`` on fails with ``message`` on every rank of the group (this
         node's through the ring, the others' through a ``RingPart`` when ``tell``); the ring is left.
-        ``code`` names one of ``BRIDGE_ERRORS`` (anything else, as another node or a rank may send: "internal")."""
+        ``code`` names one of ``BRIDGE_ERRORS`` (anything else, as another node or a rank may send: "internal").
+        ``number``: the group's number of the op that failed (a rank's timeout), told to every daemon,
+        whose scheduler then fails a late rank's op of that number on arrival, as on the daemon path."""
         if self.failed is not None:
             return
+        if number is not None and self.on_failed is not None:
+            self.on_failed(self.group, number, code if code in fr.BRIDGE_ERRORS else "internal", message)
         code = code if code in fr.BRIDGE_ERRORS else "internal"
         self.failed = message
         reason = message.encode()[:MAX_REASON_BYTES]
@@ -236,8 +246,8 @@ class RingBridge:
         self._ring_bell()
         log.info("group %s: bridged ring left: %s", self.group, message)
         if tell and self.others:
-            self.send(wire.RingPart(self.group, self.next_result, -1, self.node, self.others, 0, 0, 0, None,
-                                    code, message))
+            self.send(wire.RingPart(self.group, self.next_result, -1 if number is None else number + 1, self.node,
+                                    self.others, 0, 0, 0, None, code, message))
         self.mine.clear()
         self.parts.clear()
 
@@ -261,25 +271,29 @@ class RingBridges:
     """This node's bridged rings, by group; fed by the op channel (``local_ready``, ``left``) and the
     fabric (``on_part``, failures)."""
 
-    def __init__(self, node: int, send: Callable[[wire.RingPart], None]) -> None:
+    def __init__(self, node: int, send: Callable[[wire.RingPart], None],
+                 on_failed: Callable[[str, int, str, str], None] | None = None) -> None:
         self.node = node
         self.send = send
+        self.on_failed = on_failed
         self.bridges: dict[str, RingBridge] = {}
 
     def attach(self, group: str, region: Segment, placement: GroupPlacement) -> None:
         if group not in self.bridges:
-            self.bridges[group] = RingBridge(group, region, placement, self.node, self.send)
+            self.bridges[group] = RingBridge(group, region, placement, self.node, self.send, self.on_failed)
 
     def local_ready(self, group: str) -> None:
         bridge = self.bridges.get(group)
         if bridge is not None:
             bridge.local_ready()
 
-    def left(self, group: str, rank: int, code: str, why: str) -> None:
-        """A local rank left the group's ring (its own op failed): the other nodes' ranks follow."""
+    def left(self, group: str, rank: int, code: str, why: str, number: int | None = None) -> None:
+        """A local rank left the group's ring (its own op failed, ``number`` when it says which): the
+        other nodes' ranks follow.  A timeout's message is the rank's own: the daemon path's words."""
         bridge = self.bridges.get(group)
         if bridge is not None:
-            bridge.fail(code, f"rank {rank} left the exchange ring of group '{group}': {why}")
+            message = why if code == "timeout" else f"rank {rank} left the exchange ring of group '{group}': {why}"
+            bridge.fail(code, message, number=number)
 
     def daemon_op(self, group: str) -> None:
         """A local rank sent a collective of ``group`` to the daemon: a peer node's ring op may sit there."""

@@ -41,6 +41,11 @@ EAGER_BYTES = 4096
 #: one thread hop to the lane worker and one back fewer.  In a burst the lane worker keeps
 #: them, so the loop goes on negotiating the next ops while data moves (``INLINE_BYTES``).
 SOLO_INLINE_BYTES = 4 << 20
+#: This node completes a tiny all-reduce with node 0's early contribution only while its own report
+#: is sure to reach the coordinator before the op's timeout there: within this fraction of the
+#: timeout from the contribution's arrival.  Later, the coordinator decides (the op may have timed
+#: out on node 0: it is then failed here too, never completed on one node and failed on the other).
+EARLY_WINDOW = 0.5
 
 
 def _frozen(value: Any) -> Any:
@@ -72,7 +77,7 @@ class Collectives:
         # Tiny all-reduces of 2-node groups (see ``early``): node 0's contributions that came before
         # this node reported the op, this node's own (cache id, contribution) while it waits, and
         # the ops completed without waiting, whose release or failure is then only acknowledged.
-        self._early: dict[tuple[str, int], wire.Early] = {}
+        self._early: dict[tuple[str, int], tuple[wire.Early, float]] = {}  # (contribution, when it came)
         self._mine: dict[tuple[str, int], tuple[int, bytes, tuple[int, ...]]] = {}
         self._completed_early: set[tuple[str, int]] = set()
 
@@ -107,7 +112,7 @@ class Collectives:
                 self._mine[(op.group, op.seq)] = (cid, contribution, tuple(placement.nodes))
                 early = self._early.pop((op.group, op.seq), None)
                 if early is not None:
-                    self.early(early)
+                    self.early(*early)
             return
         pattern = wire.OpPattern(
             kind=op.kind, signature=agreed_values(first), ranks=list(placement.ranks),
@@ -157,18 +162,20 @@ class Collectives:
         return eager.contribution(bufs, first.reduce_op, first.scale)
 
     # ---- node 0 reported first (tiny all-reduce of a 2-node group) ------------------
-    def early(self, early: wire.Early) -> None:
+    def early(self, early: wire.Early, came_at: float | None = None) -> None:
         """Node 0's contribution to an op of a 2-node group: if this node reported the op with
         the same cache id (so the coordinator will not compare the reports either) and a
-        contribution of the same size, combine both in node order — the bits the coordinator's
+        contribution of the same size, within ``EARLY_WINDOW`` of the op's timeout since the
+        contribution came (``came_at``), combine both in node order — the bits the coordinator's
         release would carry — and complete now; otherwise keep it until this node reports the
         op, or its release or failure comes."""
         key = (early.group, early.seq)
+        came_at = time.monotonic() if came_at is None else came_at
         mine = self._mine.get(key)
         if mine is None:
             if key in self.negotiating or key in self._completed_early:
                 return  # reported without a contribution: the release decides
-            self._early[key] = early
+            self._early[key] = (early, came_at)
             return
         cid, contribution, nodes = mine
         if cid != early.cache_id or len(contribution) != len(early.contribution):
@@ -178,6 +185,9 @@ class Collectives:
         if entry is None:  # (every path that ends a negotiation drops its entry in _mine too)
             return
         op = entry[0]
+        if time.monotonic() - came_at >= EARLY_WINDOW * min(x.timeout for x in op.subs):
+            self.stats.early_too_late += 1
+            return  # node 0's op may time out before our report reaches the coordinator: it decides
         data = {HOME_NODE: early.contribution, self.fabric.node_rank: contribution}
         result = eager.combine([data[n] for n in nodes], op.subs[0].dtype, op.subs[0].reduce_op)
         self.stats.completed_early += 1

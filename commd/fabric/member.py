@@ -61,7 +61,7 @@ class FabricMember:
                                        self.liveness.unreachable)
         self.p2p = PointToPoint(node, fabric, self.runner, self._up_send, self.liveness.unreachable)
         #: Bridged exchange rings (small all-reduces of groups that span nodes, fabric/bridge.py).
-        self.bridges = RingBridges(self.me, self._send_ring_part)
+        self.bridges = RingBridges(self.me, self._send_ring_part, node.fail_seq)
         self.liveness.casualties = (self.collectives, self.p2p, self.bridges)
         # The daemon's entry points, bound to the parts that serve them (no extra call per op).
         self.negotiate = self.collectives.negotiate
@@ -287,6 +287,7 @@ class FabricMember:
             "reported": stats.reported,
             "fast_path": stats.reported_cached,
             "completed_early": stats.completed_early,
+            "early_too_late": stats.early_too_late,
             "negotiation_us_median": stats.negotiation_median_us(),
             "scheduling_us_per_op": stats.scheduling_us_per_op(),
             "coordinator_us_per_report": stats.coordinator_us_per_report(),

@@ -51,6 +51,10 @@ class NodeServices(Protocol):
     def fail_op(self, subs: Sequence[Submission], code: str, message: str) -> None:
         """Fail one op to each of its submissions' ranks (logged and counted once)."""
 
+    def fail_seq(self, group: str, seq: int, code: str, message: str) -> None:
+        """Collective ``seq`` of ``group`` failed off the daemon's path (a bridged ring): a local rank's
+        op of that number, waiting or late, fails with ``message`` (as the daemon fails a timed-out op's)."""
+
     def fail_ops_waiting_on(self, rank: int, why: str) -> None:
         """A rank is gone: fail what waits for it on this node."""
 

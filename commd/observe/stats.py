@@ -193,6 +193,7 @@ class FabricStats:
     reported: int = 0  # ops reported to the coordinator
     reported_cached: int = 0  # of them, reported by cache id (the fast path)
     completed_early: int = 0  # tiny all-reduces completed on node 0's early contribution
+    early_too_late: int = 0  # node 0's early contribution came too long before this node's op: the coordinator decided
     released: int = 0
     fused_sets: int = 0  # fused sets run, and the ops in them
     fused_ops: int = 0

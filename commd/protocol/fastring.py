@@ -28,14 +28,27 @@ Layout (native byte order, every field naturally aligned):
   header — ``seq`` i64 (the op number k), ``dtype`` i64 (index into ``DTYPES``),
   ``op`` i64 (index into ``REDUCE_OPS``), ``count`` i64, ``where`` i64 (0: the data
   follows in the entry's ``slot_bytes``; j + 1: it is in the rank's large slot j),
-  ``index`` i64 (the op's place among the group's collectives, ``submitted`` after it) —
-  and ``slot_bytes`` of data;
+  ``index`` i64 (the op's place among the group's collectives, ``submitted`` after it: the
+  group's one collective number plus one, the same on the ring and on the daemon path),
+  ``state`` i64 (0; ``WITHDRAWING`` while the poster decides that its op timed out;
+  ``WITHDRAWN`` once it did) and ``verdict`` i64 (a withdrawn op's missing lines as a bit
+  mask, and its timeout in milliseconds from bit 16) — and ``slot_bytes`` of data;
 - ``large_depth × nranks`` large slots of ``large_bytes`` at ``large_offset``: an op
   larger than a slot (up to ``large_bytes``) keeps its header in its entry and its data
   in the poster's next large slot, which the poster reuses only once every rank has
   consumed the op that last used it.
 
-A rank may publish op k only once every rank has consumed op k - depth.  A rank whose
+A rank may publish op k only once every rank has consumed op k - depth.
+
+A timeout is one decision, taken by the rank that times out and seen by every rank
+(``commd/client/fastring.py``): the rank marks its entry ``WITHDRAWING``, then reads the
+others' ``posted``; if all posted the op, it clears the mark and the op completes as usual;
+else it marks the entry ``WITHDRAWN`` and fails its op.  A rank that finds every input
+posted reads the marks after its own ``posted``: ``WITHDRAWN`` anywhere fails its op too (a
+late op fails on arrival, as on the daemon path), ``WITHDRAWING`` waits for the verdict.
+x86's store order makes the two sides see at least one of each other's stores (the
+classic store-buffer pattern, with a fence between each side's store and load), so no
+rank can complete an op that another rank has failed.  Later ops are unaffected.  A rank whose
 op k (the group's collective number i) is missing while its ``submitted`` has reached i
 sent that collective to the daemon: the ranks disagree on the op, and those in the ring
 tell the daemon (see ``commd/client/fastring.py``).
@@ -56,7 +69,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 MAGIC = 0x676E6972646D6D63  # "cmmdring"
-VERSION = 3
+VERSION = 4
 HEADER_BYTES = 64
 CONTROL_OFFSET = 64
 CONTROL_BYTES = 64
@@ -79,7 +92,11 @@ BRIDGE_ERRORS = ("mismatch", "peer_died", "timeout", "internal", "diverged")
 PID, POSTED, CONSUMED, SLEEPING, SUBMITTED, ABANDONED = 0, 1, 2, 4, 5, 6
 BELL_OFFSET = 24
 # Entry header fields (i64 indices inside an entry's header).
-SEQ, DTYPE, OP, COUNT, WHERE, INDEX = 0, 1, 2, 3, 4, 5
+SEQ, DTYPE, OP, COUNT, WHERE, INDEX, STATE, VERDICT = 0, 1, 2, 3, 4, 5, 6, 7
+#: ``STATE`` values: the poster is deciding that its op timed out; it did (the op failed on every rank).
+WITHDRAWING, WITHDRAWN = 1, 2
+#: ``VERDICT``: the missing lines' bit mask below this bit, the op's timeout in milliseconds above it.
+VERDICT_TIMEOUT_SHIFT = 16
 
 #: Wire codes of the entry header: the position in these tuples.
 DTYPES = (

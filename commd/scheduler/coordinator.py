@@ -31,6 +31,7 @@ receives it whole, in one message.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Sequence
@@ -74,6 +75,8 @@ MAX_CACHE_ENTRIES = 1 << 16
 MAX_FUSED_OPS = 1024
 #: The node whose daemon hosts the coordinator: its reports cost no network trip.
 HOME_NODE = 0
+#: How many timed-out ops the coordinator remembers (a late report of one fails on arrival).
+EXPIRED_KEPT = 1024
 
 
 @dataclass
@@ -196,6 +199,9 @@ class Coordinator:
         self.dead: dict[int, str] = {}  # node -> why
         self.p2p: dict[tuple[int, int], tuple[int, int, P2pSend]] = {}  # key -> (src node, dst node, send)
         self.partial: dict[int, dict[tuple[str, int], list[int]]] = {}  # node -> (g, s) -> missing global ranks
+        #: (group, seq) -> (code, message) of ops that timed out: a late node's report fails on arrival,
+        #: as a late rank's op does on one node (bounded, oldest dropped first)
+        self.expired: collections.OrderedDict[tuple[str, int], tuple[str, str]] = collections.OrderedDict()
 
     def node(self, node: int) -> str:
         """'node 1 (its name)' for messages."""
@@ -227,6 +233,9 @@ class Coordinator:
                 assert item.pattern is not None  # (a report without a cache id carries its pattern)
                 entry = item.pattern
             pending = self.pending.get(key)
+            if pending is None and key in self.expired:
+                out.add(node, Fail(key[0], key[1], *self.expired[key]))
+                continue
             if pending is None:
                 nodes = tuple(entry.nodes)
                 pending = self.pending[key] = Pending(key[0], key[1], nodes, timeout=entry.timeout)
@@ -504,11 +513,13 @@ class Coordinator:
             missing = [n for n in pending.nodes if n not in pending.entries]
             ranks = self._missing_ranks(pending, missing)
             first = next(iter(pending.entries.values()))
-            self._fail(
-                pending, out, s.E_TIMEOUT,
-                s.not_submitted(f"{first.kind} #{pending.seq} on group '{pending.group}'", self.nodes(missing), ranks,
-                                pending.timeout),
-            )
+            message = s.not_submitted(f"{first.kind} #{pending.seq} on group '{pending.group}'", self.nodes(missing),
+                                      ranks, pending.timeout)
+            self.expired[(pending.group, pending.seq)] = (s.E_TIMEOUT, message)
+            while len(self.expired) > EXPIRED_KEPT:
+                self.expired.popitem(last=False)
+            # the missing nodes too: they drop what they hold of it (node 0's early contribution)
+            self._fail(pending, out, s.E_TIMEOUT, message, extra=missing)
 
     # ---- stalls --------------------------------------------------------------
     def _missing_ranks(self, pending: Pending, missing_nodes: list[int]) -> list[int]:

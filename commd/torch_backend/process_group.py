@@ -286,19 +286,16 @@ class ProcessGroupCommd(dist.ProcessGroup):
         """Seconds this group's ops may wait for their ranks (the group's timeout, else the client's)."""
         return self._timeout or self._client.op_timeout
 
-    def _kw(self, collective: bool = True) -> dict[str, Any]:
+    def _kw(self) -> dict[str, Any]:
         """Every daemon op's options; called just before it is submitted (``_to_daemon``)."""
-        self._to_daemon(collective)
+        self._to_daemon()
         return {"group": self._name, "timeout": self._timeout, "lane": self._lane}
 
-    def _to_daemon(self, collective: bool = True) -> None:
-        """An op is about to go to the daemon: ring ops ahead of it finish first, and a collective
-        is counted in the ring (a peer whose ring op sits at its place then knows they disagree)."""
-        if self.ring is not None:
-            if self.ring.pending:
-                self.ring.drain()
-            if collective:
-                self.ring.note_daemon_op()
+    def _to_daemon(self) -> None:
+        """An op is about to go to the daemon: ring ops ahead of it finish first.  (The client counts
+        each collective in the ring as it numbers it: ``Client.on_numbered``.)"""
+        if self.ring is not None and self.ring.pending:
+            self.ring.drain()
 
     def _work(self, handles: Handle | list[Handle], result: Any) -> CommdWork:
         return CommdWork(handles if isinstance(handles, list) else [handles], result)
@@ -561,12 +558,12 @@ class ProcessGroupCommd(dist.ProcessGroup):
     # ---- point to point ---------------------------------------------------
     @profiled("send")
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> CommdWork:
-        handle = ops.send(self._client, tensors[0], dst, tag, **self._kw(collective=False))
+        handle = ops.send(self._client, tensors[0], dst, tag, **self._kw())
         return self._work(handle, tensors)
 
     @profiled("recv")
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> CommdWork:
-        handle = ops.recv(self._client, tensors[0], src, tag, **self._kw(collective=False))
+        handle = ops.recv(self._client, tensors[0], src, tag, **self._kw())
         return self._work(handle, tensors)
 
     @profiled("recv_anysource")
@@ -593,6 +590,7 @@ class ProcessGroupCommd(dist.ProcessGroup):
     def shutdown(self) -> None:
         """Called by destroy_process_group; the process's client stays for other groups."""
         if self.ring is not None:
+            self._client.on_numbered(self._name, None)
             self.ring.close()
 
     def __repr__(self) -> str:

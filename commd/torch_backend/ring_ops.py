@@ -8,12 +8,17 @@ on what the ranks agree on anyway: the ring exists (agreed through the store), t
 tensor is on the CPU, its dtype has a NumPy kernel, the reduce op suits the dtype, and
 it is no larger than the ring's largest op.  Everything else goes through the daemon as before.
 
+A ring op takes the group's next collective number from the client (``Client.take_seq``),
+the number the daemon path would have given it, so the two paths number the group's ops
+as one sequence: after an op fails on the ring (a timeout, a disagreement) and the group
+moves to the daemon path, op k of every rank is still op k.
+
 Ranks that disagree (one's all-reduce takes the ring, another's collective at the same
 place goes to the daemon) learn it at once: every daemon collective of the group is
-counted in the ring (``note_daemon_op``), a ring op that meets such a place fails with a
-MismatchError and submits the same all-reduce to the daemon (``on_diverged``), whose own
-agreement check then fails the peers' op too; the ring is left, and the group's later
-ops all take the daemon path.
+counted in the ring (``Client.on_numbered`` → ``note_submitted``), a ring op that meets
+such a place fails with a MismatchError and submits the same all-reduce, under the same
+number, to the daemon (``on_diverged``), whose own agreement check then fails the peers'
+op too; the ring is left, and the group's later ops all take the daemon path.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commd.client import fastring, ops
+from commd.client import fastring
 from commd.client.connection import Client
 from commd.client.errors import CommdError
 from commd.client.handle import Handle
@@ -66,11 +71,16 @@ def open_ring(client: Client, store: dist.Store, name: str, rank: int, size: int
                           "whether they got the group's exchange ring")
     if all(value == b"1" for value in got):
         assert ring is not None
-        ring.on_diverged = lambda dtype, op, count: ops.all_reduce(
-            client, torch.zeros(count, dtype=TORCH_DTYPES[dtype]), op, group=name, timeout=timeout)
+        ring.take_number = lambda: client.take_seq(name)
+        ring.global_ranks = list(global_ranks)
+        client.on_numbered(name, ring.note_submitted)
+        ring.on_diverged = lambda dtype, op, count, number: client.submit(
+            "allreduce", name, {"buf": (torch.zeros(count, dtype=TORCH_DTYPES[dtype]), "inout")},
+            TORCH_DTYPES[dtype], count=count, op=op, timeout=timeout, seq=number)
         if ring.bridged:
             ring.on_all_posted = lambda seq: client.notify_ring(name, k=seq)
-            ring.on_left = lambda code, why: client.notify_ring(name, left=why[:1024], code=code)
+            ring.on_left = lambda code, why, number: client.notify_ring(
+                name, left=why[:1024], code=code, **({} if number is None else {"n": number}))
         return ring
     if ring is not None:
         ring.close()

@@ -1,0 +1,151 @@
+"""One op model on every path: the same schedules of ops and faults give the same outcomes, the
+model's (tests/path_equivalence.py), whatever path runs them — the group's exchange ring or the
+daemon, on one node or on a bridged ring across two — and never a value that mixes two ops.
+
+``make test`` runs ``EQUIVALENCE_SCHEDULES`` schedules (default 500) under each configuration;
+``make equivalence`` runs thousands.  The issue's own schedule (a caught timeout, then a late rank)
+is a regression test of its own, on every configuration.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from cluster import free_port
+from path_equivalence import TIMEOUT_S, divergences, expected, run
+from test_torch_backend import spawn
+
+from commd.client.fastring import available
+
+pytestmark = pytest.mark.skipif(not available(), reason="exchange rings need x86-64 Linux")
+
+SCHEDULES = int(os.environ.get("EQUIVALENCE_SCHEDULES", "500"))
+SEED = int(os.environ.get("EQUIVALENCE_SEED", "31"))
+#: The ring on (the default path of small all-reduces) and off (everything through the daemon).
+RING = {"ring": "1", "daemon": "0"}
+
+
+def _ar(value: float) -> str:
+    """One all-reduce of ten ``value``s: its result, or the error it raised (class name)."""
+    x = torch.full((10,), float(value))
+    try:
+        dist.all_reduce(x)
+        return f"returned {x[0].item():g}"
+    except Exception as exc:  # the outcome is the point
+        return f"raised {type(exc).__name__}: {exc}"
+
+
+def issue_schedule(rank: int) -> list[str]:
+    """Rank 0's op A times out and is caught; rank 1's op A arrives after it (late); then op B on both.
+    A late op must fail on arrival, never meet the other rank's op B (the sum of two steps' tensors)."""
+    t = torch.ones(10)
+    dist.all_reduce(t)
+    outcomes = []
+    if rank == 0:
+        outcomes.append(_ar(1))
+        time.sleep(1.25 * TIMEOUT_S)
+        outcomes.append(_ar(100))
+    else:
+        time.sleep(2.0 * TIMEOUT_S)
+        started = time.monotonic()
+        outcomes.append(_ar(2))
+        outcomes.append(f"{time.monotonic() - started:.3f}")
+        outcomes.append(_ar(200))
+    return outcomes
+
+
+def _check_issue_schedule(results: dict[int, list[str]]) -> None:
+    a0, b0 = results[0]
+    a1, seconds, b1 = results[1]
+    for rank, outcome in ((0, a0), (1, a1)):
+        assert outcome.startswith("raised CommTimeoutError") and "#1 on group" in outcome, (rank, outcome)
+        assert "(global ranks [1])" in outcome, (rank, outcome)
+    assert float(seconds) < TIMEOUT_S / 2, f"the late op waited {seconds}s instead of failing on arrival"
+    assert b0 == b1 == "returned 300", results
+
+
+def one_node_rank_main(rank: int, out_dir: str, ring: str, what: str) -> None:
+    import commd  # noqa: F401 - registers the backend
+
+    os.environ["COMMD_LOCAL_RING"] = ring
+    dist.init_process_group("commd", init_method="env://", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=TIMEOUT_S))
+    try:
+        result: Any = issue_schedule(rank) if what == "issue" else run(rank, 2, SEED, SCHEDULES, dist, torch)
+        Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def two_node_main(ctx: Any, port: int, ring: str, what: str) -> str:
+    import commd  # noqa: F401 - registers the backend
+
+    os.environ["COMMD_LOCAL_RING"] = ring
+    os.environ["COMMD_JOB"] = ctx.job
+    dist.init_process_group("commd", init_method=f"tcp://127.0.0.1:{port}", rank=ctx.rank,
+                            world_size=ctx.world_size, timeout=timedelta(seconds=TIMEOUT_S))
+    try:
+        result: Any = issue_schedule(ctx.rank) if what == "issue" else run(ctx.rank, 2, SEED, SCHEDULES, dist, torch)
+        dist.barrier()
+        return json.dumps(result)
+    finally:
+        dist.destroy_process_group()
+
+
+def _one_node(tmp_path: Path, ring: str, what: str) -> dict[int, Any]:
+    spawn(one_node_rank_main, (str(tmp_path), ring, what), timeout=600.0)
+    return {r: json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)}
+
+
+def _two_nodes(cluster: Any, ring: str, what: str) -> dict[int, Any]:
+    c = cluster(2, 1, op_timeout=TIMEOUT_S)
+    results = c.join(c.start_workers(two_node_main, free_port(), ring, what), timeout=600.0)
+    return {r: json.loads(value) for r, value in results.items()}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("path", sorted(RING))
+def test_the_issue_schedule_on_one_node(backend_env: Any, tmp_path: Path, path: str) -> None:
+    _check_issue_schedule(_one_node(tmp_path, RING[path], "issue"))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("path", sorted(RING))
+def test_the_issue_schedule_across_two_nodes(cluster: Any, path: str) -> None:
+    _check_issue_schedule(_two_nodes(cluster, RING[path], "issue"))
+
+
+def _check_equivalence(results: dict[int, Any], path: str) -> None:
+    want = expected(SEED, SCHEDULES, 2, 0)
+    problems = []
+    for rank in range(2):
+        problems += [f"rank {rank}: {line}" for line in
+                     divergences(results[rank]["outcomes"], want[rank], SEED, SCHEDULES, 2)]
+    print(f"{path}: {SCHEDULES} schedules, {len(want[0])} ops a rank, "
+          f"{results[0]['on_ring']} of rank 0's all-reduces on the ring, {results[0]['seconds']:.1f}s")
+    assert not problems, f"{len(problems)} outcomes differ from the model:\n" + "\n".join(problems[:20])
+    if path == "ring":
+        assert results[0]["on_ring"] > 0, "no op took the ring: the ring path was not tested"
+    else:
+        assert results[0]["on_ring"] == 0
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("path", sorted(RING))
+def test_random_schedules_give_the_model_outcomes_on_one_node(backend_env: Any, tmp_path: Path, path: str) -> None:
+    _check_equivalence(_one_node(tmp_path, RING[path], "schedules"), f"one node, {path}")
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("path", sorted(RING))
+def test_random_schedules_give_the_model_outcomes_across_two_nodes(cluster: Any, path: str) -> None:
+    _check_equivalence(_two_nodes(cluster, RING[path], "schedules"), f"two nodes, {path}")
