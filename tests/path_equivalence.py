@@ -5,7 +5,10 @@ A schedule is a few all-reduces, each of a size (tiny, a ring entry, a ring's la
 ring: the daemon path), a dtype, sync or async (async ops are waited in a random order), and at most
 one fault: a rank's count or dtype differs, a rank broadcasts instead (another kind), or a rank
 arrives after the op's timeout (then every op of the schedule is sync: an async op submitted behind a
-late one would time out too, on every path alike, which tests nothing more).  Every rank draws the
+late one would time out too, on every path alike, which tests nothing more).  Faults that send one
+rank's op to the daemon while the others' take a ring (another kind; a changed size at a ring's
+limit) make a group leave its ring for good, so they come only in the last tenth of the schedules:
+the ring runs the rest, faults and all.  Every rank draws the
 same schedules from one seed, runs them back to back (a barrier before each), and records each op's
 outcome: its result's digest, or its error's kind, collective number and the global ranks a timeout
 names.  The model (``expected``) is the daemon path's contract; every path configuration must give
@@ -18,12 +21,15 @@ import hashlib
 import re
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
 
 #: Element counts: tiny, a ring entry (64 KiB of float32), a large slot, past every ring (daemon path).
 SIZES = (1, 10, 1000, 16384, 300_000, 1_100_000)
+#: The size at a ring's limit (a bridged ring's entry): one element more, or a wider dtype, leaves it.
+LIMIT_SIZE = 16384
 DTYPES = ("float32", "float64", "int64")
 FAULTS = ("count", "dtype", "kind", "late")
 #: The group's op timeout, and how long a late rank sleeps before it submits (past the timeout, and
@@ -58,7 +64,10 @@ def schedules(seed: int, count: int, world: int) -> list[list[Op]]:
                 fault = "late"
             elif rng.random() < 0.25:
                 fault = str(rng.choice(FAULTS[:3]))
-            ops.append(Op(int(rng.choice(SIZES)), str(rng.choice(DTYPES)), fault, int(rng.integers(world)),
+            size = int(rng.choice(SIZES))
+            if i < count * 0.9 and (fault == "kind" or (fault is not None and size == LIMIT_SIZE)):
+                fault = None  # it would move the group off its ring (see the module doc)
+            ops.append(Op(size, str(rng.choice(DTYPES)), fault, int(rng.integers(world)),
                           not late_one and bool(rng.random() < 0.4)))
         out.append(ops)
     return out
@@ -75,12 +84,16 @@ def digest(array: np.ndarray) -> str:
     return hashlib.sha1(np.ascontiguousarray(array).view(np.uint8)).hexdigest()[:16]
 
 
-def expected(seed: int, count: int, world: int, first_number: int) -> list[list[list[Any]]]:
-    """Per rank, per op (schedules flattened), the outcome the daemon path's contract gives;
-    ``first_number``: the group's collective number of the first schedule's barrier."""
+def expected(seed: int, count: int, world: int, group_every: int | None = None) -> list[list[list[Any]]]:
+    """Per rank, per op (schedules flattened), the outcome the daemon path's contract gives, and
+    each error's collective number as if the group's first collective were the first barrier
+    (``divergences`` allows for the group's collectives before it).  ``group_every``: the schedules
+    run on a new group every that many (its numbers start again)."""
     out: list[list[list[Any]]] = [[] for _ in range(world)]
-    number = first_number
+    number = -1
     for i, ops in enumerate(schedules(seed, count, world)):
+        if group_every and i % group_every == 0:
+            number = -1
         number += 1  # the schedule's barrier
         for k, op in enumerate(ops):
             for rank in range(world):
@@ -113,16 +126,23 @@ def outcome_of(exc: BaseException) -> list[Any]:
     return ["other", f"{type(exc).__name__}: {text[:300]}"]
 
 
-def run(rank: int, world: int, seed: int, count: int, dist: Any, torch: Any) -> dict[str, Any]:
-    """Run the schedules on the default group (its timeout ``TIMEOUT_S``); each op's outcome, and
-    how many of this rank's all-reduces took the exchange ring."""
+def run(rank: int, world: int, seed: int, count: int, dist: Any, torch: Any,
+        group_every: int | None = None) -> dict[str, Any]:
+    """Run the schedules on the default group (its timeout ``TIMEOUT_S``), or on a new group every
+    ``group_every`` schedules (a bridged ring is left at a group's first fault: each new group has a
+    ring again); each op's outcome, its group's index, and how many of this rank's all-reduces took
+    an exchange ring."""
     from commd.client.fastring import RingHandle
 
     outcomes: list[list[Any]] = []
+    groups: list[int] = []
     on_ring = 0
+    group = None
     started = time.monotonic()
     for i, ops in enumerate(schedules(seed, count, world)):
-        dist.barrier()
+        if group_every and i % group_every == 0:
+            group = dist.new_group(list(range(world)), timeout=timedelta(seconds=TIMEOUT_S))
+        dist.barrier(group=group)
         pending = []
         for k, op in enumerate(ops):
             mine = op.fault is not None and rank == op.faulty
@@ -133,11 +153,12 @@ def run(rank: int, world: int, seed: int, count: int, dist: Any, torch: Any) -> 
                 time.sleep(LATE_S)
             slot = len(outcomes)
             outcomes.append(None)
+            groups.append(i // group_every if group_every else 0)
             try:
                 if mine and op.fault == "kind":
-                    work = dist.broadcast(x, src=0, async_op=True)
+                    work = dist.broadcast(x, src=0, group=group, async_op=True)
                 else:
-                    work = dist.all_reduce(x, async_op=True)
+                    work = dist.all_reduce(x, group=group, async_op=True)
                     on_ring += isinstance(work.handles[0], RingHandle)
                 if op.waited_async:
                     pending.append((slot, work, x))
@@ -156,19 +177,23 @@ def run(rank: int, world: int, seed: int, count: int, dist: Any, torch: Any) -> 
                 outcomes[slot] = ["ok", digest(x.numpy())]
             except Exception as exc:
                 outcomes[slot] = outcome_of(exc)
-    return {"outcomes": outcomes, "on_ring": on_ring, "seconds": time.monotonic() - started}
+    return {"outcomes": outcomes, "groups": groups, "on_ring": on_ring, "seconds": time.monotonic() - started}
 
 
-def divergences(got: list[list[Any]], want: list[list[Any]], seed: int, count: int, world: int) -> list[str]:
+def divergences(got: list[list[Any]], groups: list[int], want: list[list[Any]], seed: int, count: int,
+                world: int) -> list[str]:
     """Where one rank's outcomes differ from the model's, as readable lines (empty: none).
 
-    The model numbers the first schedule's barrier 0; the group's collectives before it (what
-    ``init_process_group`` ran) shift every number alike: that shift is read off the first numbered
-    error and must then hold for every other one."""
+    The model numbers each group's first schedule's barrier 0; the group's collectives before it
+    (what ``init_process_group`` ran) shift every number of the group alike: that shift is read off
+    the group's first numbered error and must then hold for every other one."""
     where = [(i, k, op) for i, ops in enumerate(schedules(seed, count, world)) for k, op in enumerate(ops)]
-    shift = next((g[1] - w[1] for g, w in zip(got, want, strict=False)
-                  if g[0] == w[0] and g[0] in ("timeout", "mismatch") and g[1] is not None), 0)
-    want = [[w[0], w[1] + shift, *w[2:]] if w[0] in ("timeout", "mismatch") else w for w in want]
+    shifts: dict[int, int] = {}
+    for g, w, group in zip(got, want, groups, strict=False):
+        if g[0] == w[0] and g[0] in ("timeout", "mismatch") and g[1] is not None:
+            shifts.setdefault(group, g[1] - w[1])
+    want = [[w[0], w[1] + shifts.get(group, 0), *w[2:]] if w[0] in ("timeout", "mismatch") else w
+            for w, group in zip(want, groups, strict=False)]
     lines = []
     for slot, (g, w) in enumerate(zip(got, want, strict=True)):
         if g != w:

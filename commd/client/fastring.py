@@ -138,23 +138,62 @@ def request_ring(ops_socket: Any, client_id: int, secret: str, group: str, timeo
 
 
 class RingHandle(Handle):
-    """A Handle whose completion comes from the ring (``client`` is the ring: it waits and pumps)."""
+    """A Handle whose completion comes from the ring (``client`` is the ring: it waits and pumps), or,
+    once its op was handed over to the daemon (``delegate_to``), from the daemon op's handle."""
 
-    __slots__ = ()
+    __slots__ = ("delegate", "_after")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.delegate: Handle | None = None
+        self._after: Callable[[], None] | None = None
 
     def is_completed(self) -> bool:
         if not self._done:
-            self.client.poll()
+            if self.delegate is not None:
+                if self.delegate.is_completed():
+                    self.settle_delegated()
+            else:
+                self.client.poll()
         return self._done
+
+    def delegate_to(self, handle: Handle, after: Callable[[], None] | None) -> None:
+        """The op now runs on the daemon as ``handle``: this handle completes or fails as it does
+        (``after``, the ring's copy-out, once it succeeded), even when nobody waits (a future)."""
+        self._after = after
+        self.delegate = handle
+        handle.get_future().add_done_callback(lambda _future: self.settle_delegated())
+
+    def settle_delegated(self) -> None:
+        """Complete or fail as the delegate did (it is done); idempotent."""
+        if self._done or self.delegate is None:
+            return
+        error = self.delegate.exception()
+        if error is not None:
+            self.fail(error)
+            return
+        after, self._after = self._after, None
+        try:
+            if after is not None:
+                after()
+        except Exception as exc:  # a failed copy-out is the op's failure
+            self.fail(CommdError(f"{self.description}: copying the result out failed: {exc}"))
+            return
+        self.complete({})
 
 
 class _Op:
-    __slots__ = ("seq", "index", "dtype", "op", "count", "nbytes", "address", "handle", "after", "timeout")
+    __slots__ = ("seq", "index", "dtype", "op", "count", "nbytes", "address", "handle", "after", "timeout",
+                 "hand_over")
 
     def __init__(self, seq: int, index: int, dtype: int, op: int, count: int, nbytes: int, address: int,
-                 handle: RingHandle, after: Callable[[], None] | None, timeout: float) -> None:
+                 handle: RingHandle, after: Callable[[], None] | None, timeout: float,
+                 hand_over: Callable[[int], Handle] | None = None) -> None:
         self.seq, self.index, self.dtype, self.op, self.count, self.nbytes = seq, index, dtype, op, count, nbytes
         self.address, self.handle, self.after, self.timeout = address, handle, after, timeout
+        #: submits this op to the daemon under the number given (its own): a bridged ring that is left
+        #: hands over the ops whose results it never published, so they run as on the daemon path
+        self.hand_over = hand_over
 
 
 class ExchangeRing:
@@ -200,6 +239,7 @@ class ExchangeRing:
         self._sleeping_at = [w + fr.SLEEPING for w in line]
         self._submitted_at = [w + fr.SUBMITTED for w in line]
         self._abandoned_at = [w + fr.ABANDONED for w in line]
+        self._failed_at = line[-1] + fr.FAILED  # (the bridge's line, in a bridged ring)
         self._bell_at = [(fr.CONTROL_OFFSET + r * fr.CONTROL_BYTES + fr.BELL_OFFSET) // 4 for r in range(n)]
         offsets = [[fr.entry_offset(n, depth, slot, d, r) for r in range(n)] for d in range(depth)]
         self._header_at = [[o // 8 for o in row] for row in offsets]
@@ -264,9 +304,10 @@ class ExchangeRing:
         return self.post(array.ctypes.data, array.nbytes, dtype, op, timeout, result, after, keep=array)
 
     def post(self, address: int, nbytes: int, dtype: str, op: str, timeout: float | None,
-             result: Any = None, after: Callable[[], None] | None = None, keep: Any = None) -> RingHandle:
+             result: Any = None, after: Callable[[], None] | None = None, keep: Any = None,
+             hand_over: Callable[[int], Handle] | None = None) -> RingHandle:
         """Publish the ``nbytes`` at ``address`` (the caller keeps them alive: ``result``/``keep``)
-        as the next op; the result is written back there when it completes."""
+        as the next op; the result is written back there when it completes.  ``hand_over``: see ``_Op``."""
         timeout = timeout or self.op_timeout
         dcode, ocode = _DTYPE_CODE[dtype], _OP_CODE[op]
         count = nbytes // small.NUMPY_DTYPES[dtype].itemsize
@@ -299,7 +340,8 @@ class ExchangeRing:
             words[self._submitted_at[me]] = self.group_ops = index  # after posted: see _diverged
             self.next_seq = seq + 1
             self._ring_bell()  # (its fence orders our posted before the reads below)
-            self.pending.append(_Op(seq, index, dcode, ocode, count, nbytes, address, handle, after, timeout))
+            self.pending.append(_Op(seq, index, dcode, ocode, count, nbytes, address, handle, after, timeout,
+                                    hand_over))
             if self.bridged and self.on_all_posted is not None and not self._behind(seq, self._local_posted_at):
                 self._tell_daemon(self.on_all_posted, seq)  # every rank that sees this may tell: no one misses it
             self._progress()
@@ -480,8 +522,8 @@ class ExchangeRing:
         if self.bridged:
             error = CommTimeoutError(self._timeout_message(head, self._behind(head.seq, self._posted_at), head.timeout))
             self.pending.popleft()
-            head.handle.fail(error)  # in the daemon's words; the ops behind it fail as the ring is left
-            self._break(error, number=head.index - 1)
+            head.handle.fail(error)  # in the daemon's words; the ops behind it are handed to the daemon
+            self._break(error, number=head.index - 1, only=head.index)
             return
         h = self._header_at[head.seq % self.depth][self.me]
         words[h + fr.STATE] = fr.WITHDRAWING
@@ -595,7 +637,12 @@ class ExchangeRing:
         length = min(self._u32[at // 4], self.large_bytes - 4)
         reason = bytes(self.region.mm[at + 4: at + 4 + length]).decode(errors="replace")
         error = MismatchError(reason) if code == "diverged" else from_reply(code, reason)
-        self._break(error, tell=False)
+        failed = words[self._failed_at]  # the failed op's collective index; 0: the failure names none
+        head = next((op for op in self.pending if op.index == failed), None) if failed else head
+        if failed and code != "peer_died":  # the ops around it run as on the daemon path: handed over
+            self._break(error, tell=False, only=failed)
+        else:
+            self._break(error, tell=False)
         if code == "diverged" and head is not None:
             self._tell_daemon_diverged(head)
 
@@ -605,11 +652,14 @@ class ExchangeRing:
         except CommdError as exc:  # the daemon is gone or stuck: this rank's waits see it and fail
             log.warning("group %s: could not reach the daemon for the exchange ring: %s", self.group, exc)
 
-    def _break(self, error: CommdError, tell: bool = True, number: int | None = None) -> CommdError:
+    def _break(self, error: CommdError, tell: bool = True, number: int | None = None,
+               only: int | None = None) -> CommdError:
         """The ring is out of step: fail everything pending and leave the ring (``usable()``: the
         group's later ops take the daemon path, on every rank once it sees the flag).  A bridged
         ring also tells the daemon (``tell``), whose bridge fails the op on the other nodes, and
-        with the op's ``number`` the daemons fail a late rank's op of that number on arrival."""
+        with the op's ``number`` the daemons fail a late rank's op of that number on arrival.
+        ``only``: the collective index of the one op that failed (a bridged ring's bridge decided it:
+        no rank completes the others on the ring); the others are handed over to the daemon."""
         if self.broken is None:
             self.broken = error
             self._words[self._abandoned_at[self.me]] = 1
@@ -619,8 +669,21 @@ class ExchangeRing:
         failed = list(self.pending)
         self.pending.clear()
         for op in failed:
-            op.handle.fail(type(error)(f"{op.handle.description}: {error}"))
+            if only is not None and op.index != only and op.hand_over is not None:
+                self._hand_over(op)
+            else:
+                op.handle.fail(type(error)(f"{op.handle.description}: {error}"))
         return error
+
+    def _hand_over(self, op: _Op) -> None:
+        """Run ``op`` on the daemon under its own number; its handle follows the daemon op's."""
+        assert op.hand_over is not None
+        try:
+            delegate = op.hand_over(op.index - 1)
+        except CommdError as exc:
+            op.handle.fail(type(exc)(f"{op.handle.description}: handing the op to the daemon failed: {exc}"))
+            return
+        op.handle.delegate_to(delegate, op.after)
 
     # ---- waiting --------------------------------------------------------
     def poll(self) -> None:
@@ -631,11 +694,25 @@ class ExchangeRing:
             finally:
                 self._lock.release()
 
-    def wait_for(self, handle: Handle, timeout: float | None) -> None:
+    def wait_for(self, handle: RingHandle, timeout: float | None) -> None:
         """Block until ``handle`` completes or ``timeout`` passes (``Handle.wait`` calls this)."""
         limit = handle.deadline if timeout is None else min(handle.deadline, time.monotonic() + timeout)
+        self._wait_on_ring(handle, limit)
+        delegate = handle.delegate
+        if delegate is not None and not handle.is_completed():  # handed over: the daemon op decides
+            try:
+                delegate.wait(None if timeout is None else max(0.0, limit - time.monotonic()))
+            except CommTimeoutError as exc:
+                if timeout is None and not delegate.is_completed():
+                    handle.fail(exc)  # the daemon never answered in the op's time
+            except CommdError:
+                pass  # the delegate failed: the handle takes its error below
+            if delegate.is_completed():
+                handle.settle_delegated()
+
+    def _wait_on_ring(self, handle: RingHandle, limit: float) -> None:
         with self._lock:
-            while not Handle.is_completed(handle):
+            while not Handle.is_completed(handle) and handle.delegate is None:
                 self._progress()
                 if Handle.is_completed(handle) or not self.pending:
                     return

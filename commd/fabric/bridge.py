@@ -76,6 +76,7 @@ class RingBridge:
         self.sleeping_at = [w + fr.SLEEPING for w in line]
         self.submitted_at = [w + fr.SUBMITTED for w in line]
         self.abandoned_at = [w + fr.ABANDONED for w in line]
+        self.failed_at = line[self.me] + fr.FAILED
         self.bell_at = (fr.CONTROL_OFFSET + self.me * fr.CONTROL_BYTES + fr.BELL_OFFSET) // 4
         self.bell = ctypes.c_void_p(region.base + self.bell_at * 4)
         # per entry (op number mod depth): where each line's entry starts (byte offsets)
@@ -117,12 +118,12 @@ class RingBridge:
         problems = fr.differences(rows, [[r] for r in self.local_ranks])
         if problems:
             self.fail("mismatch", f"mismatched collective #{first[5] - 1} on group '{self.group}': "
-                      + "; ".join(problems))
+                      + "; ".join(problems), index=first[5])
             return None
         _, dcode, ocode, count, where, index = first
         problem = self._check_shape(dcode, ocode, count, where)
         if problem is not None:
-            self.fail("internal", f"all-reduce #{index - 1} on group '{self.group}': {problem}")
+            self.fail("internal", f"all-reduce #{index - 1} on group '{self.group}': {problem}", index=index)
             return None
         dtype = small.NUMPY_DTYPES[fr.DTYPES[dcode]]
         mm = self.region.mm
@@ -154,7 +155,7 @@ class RingBridge:
             return
         if part.error is not None:
             self.fail(part.error, part.message or f"a bridged all-reduce failed on node {part.node}",
-                      tell=False, number=part.index - 1 if part.index > 0 else None)
+                      tell=False, index=max(part.index, 0))
             return
         if part.seq < self.next_result or part.node not in self.others:
             log.warning("group %s: dropped a ring part for op %d from node %d", self.group, part.seq, part.node)
@@ -180,7 +181,7 @@ class RingBridge:
                 self.fail("diverged", (
                     f"mismatched collective #{index - 1} on group '{self.group}': the ranks on node {node} submitted an "
                     f"all-reduce that goes through the exchange ring, group ranks {daemon} a collective that goes "
-                    "through the daemon (another kind, size, dtype, reduce op or device)"))
+                    "through the daemon (another kind, size, dtype, reduce op or device)"), index=index)
                 return
 
     def _complete(self) -> None:
@@ -194,14 +195,14 @@ class RingBridge:
             ordered = [mine if n == self.node else parts[n] for n in self.placement.nodes]
             if len({(p.index, p.dtype, p.op, p.count) for p in ordered}) > 1:
                 # every node sees the same parts and fails alike: no need to tell the others
-                self.fail("mismatch", self._mismatch(ordered), tell=False)
+                self.fail("mismatch", self._mismatch(ordered), tell=False, index=mine.index)
                 return
             dtype, op = fr.DTYPES[mine.dtype], fr.REDUCE_OPS[mine.op]
             nbytes = len(mine.contribution or b"")
             short = [p.node for p in ordered if len(p.contribution or b"") != nbytes]
             if short:
                 self.fail("internal", f"all-reduce #{mine.index - 1} on group '{self.group}': the parts of nodes {short} "
-                                      f"are not {nbytes} bytes long")
+                                      f"are not {nbytes} bytes long", index=mine.index)
                 return
             result = eager.combine([p.contribution or b"" for p in ordered], dtype, op)
             offset = self.entry_at[k % self.depth][self.me]
@@ -226,28 +227,31 @@ class RingBridge:
                 f"{[p.node for p in parts]} (exchange ring op {parts[0].seq}): " + "; ".join(problems))
 
     # ---- failures ---------------------------------------------------------------------
-    def fail(self, code: str, message: str, tell: bool = True, number: int | None = None) -> None:
-        """Every op from ``next_result`` on fails with ``message`` on every rank of the group (this
-        node's through the ring, the others' through a ``RingPart`` when ``tell``); the ring is left.
-        ``code`` names one of ``BRIDGE_ERRORS`` (anything else, as another node or a rank may send: "internal").
-        ``number``: the group's number of the op that failed (a rank's timeout), told to every daemon,
-        whose scheduler then fails a late rank's op of that number on arrival, as on the daemon path."""
+    def fail(self, code: str, message: str, tell: bool = True, index: int = 0) -> None:
+        """The ring is left, on every node (the others told through a ``RingPart`` when ``tell``).
+        ``index``: the collective index (an entry's ``INDEX``) of the op that failed: it fails with
+        ``message`` on every rank of the group, and the ranks hand the ops around it to their
+        daemons; 0: every op from ``next_result`` on fails.  A timed-out op's number is told to the
+        daemon's scheduler, which fails a late rank's op of that number on arrival, as on the
+        daemon path.  ``code`` names one of ``BRIDGE_ERRORS`` (anything else, as another node or a
+        rank may send: "internal")."""
         if self.failed is not None:
             return
-        if number is not None and self.on_failed is not None:
-            self.on_failed(self.group, number, code if code in fr.BRIDGE_ERRORS else "internal", message)
         code = code if code in fr.BRIDGE_ERRORS else "internal"
+        if code == "timeout" and index > 0 and self.on_failed is not None:
+            self.on_failed(self.group, index - 1, code, message)
         self.failed = message
         reason = message.encode()[:MAX_REASON_BYTES]
         at = fr.large_slot_offset(self.nlines, self.depth, self.slot_bytes, self.large_bytes, 0, self.me)
         self.region.mm[at + 4: at + 4 + len(reason)] = reason
         self.u32[at // 4] = len(reason)
-        self.words[self.abandoned_at[self.me]] = 1 + fr.BRIDGE_ERRORS.index(code)  # after the reason
+        self.words[self.failed_at] = index
+        self.words[self.abandoned_at[self.me]] = 1 + fr.BRIDGE_ERRORS.index(code)  # after the reason and index
         self._ring_bell()
         log.info("group %s: bridged ring left: %s", self.group, message)
         if tell and self.others:
-            self.send(wire.RingPart(self.group, self.next_result, -1 if number is None else number + 1, self.node,
-                                    self.others, 0, 0, 0, None, code, message))
+            self.send(wire.RingPart(self.group, self.next_result, index or -1, self.node, self.others, 0, 0, 0, None,
+                                    code, message))
         self.mine.clear()
         self.parts.clear()
 
@@ -293,7 +297,7 @@ class RingBridges:
         bridge = self.bridges.get(group)
         if bridge is not None:
             message = why if code == "timeout" else f"rank {rank} left the exchange ring of group '{group}': {why}"
-            bridge.fail(code, message, number=number)
+            bridge.fail(code, message, index=0 if number is None else number + 1)
 
     def daemon_op(self, group: str) -> None:
         """A local rank sent a collective of ``group`` to the daemon: a peer node's ring op may sit there."""

@@ -23,7 +23,7 @@ Layout (native byte order, every field naturally aligned):
   ``submitted`` i64 at byte 40 (how many collectives of the group the rank has
   submitted, through the ring or the daemon; written after ``posted``), ``abandoned``
   i64 at byte 48 (1 once the rank has left the ring: every rank then follows it to the
-  daemon path);
+  daemon path), and in the bridge's line ``failed`` i64 at byte 56 (see ``FAILED``);
 - ``depth × nranks`` entries at ``entries_offset``: entry (k mod depth, r) is a 64-byte
   header — ``seq`` i64 (the op number k), ``dtype`` i64 (index into ``DTYPES``),
   ``op`` i64 (index into ``REDUCE_OPS``), ``count`` i64, ``where`` i64 (0: the data
@@ -60,8 +60,10 @@ publish as above; the rank that sees every local rank published tells the daemon
 contribution with the group's other nodes over the fabric and publishes the result as
 the bridge's entry (its header as the ranks' headers; ``where`` = -(1 + i) instead when
 the op failed with ``BRIDGE_ERRORS[i]``, the data then the UTF-8 reason, ``count`` its
-length).  The ranks copy the bridge's entry out instead of reducing.  Only ops of at
-most ``slot_bytes`` are bridged.
+length).  When the bridge fails one op (it names it in ``failed``), the ranks fail that op
+and hand the ops around it, whose results it will never publish, to their daemon under
+their own numbers: they run as they would have on the daemon path.  The ranks copy the
+bridge's entry out instead of reducing.  Only ops of at most ``slot_bytes`` are bridged.
 """
 
 from __future__ import annotations
@@ -90,6 +92,9 @@ BRIDGE_ERRORS = ("mismatch", "peer_died", "timeout", "internal", "diverged")
 
 # Control line fields: i64 indices inside a rank's line, and the bell's byte offset.
 PID, POSTED, CONSUMED, SLEEPING, SUBMITTED, ABANDONED = 0, 1, 2, 4, 5, 6
+#: The bridge's line only: the collective index (an entry's ``INDEX``) of the op it failed, written
+#: before ``abandoned``; 0: the failure names no op (every op from its next result fails).
+FAILED = 7
 BELL_OFFSET = 24
 # Entry header fields (i64 indices inside an entry's header).
 SEQ, DTYPE, OP, COUNT, WHERE, INDEX, STATE, VERDICT = 0, 1, 2, 3, 4, 5, 6, 7

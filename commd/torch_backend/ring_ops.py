@@ -97,12 +97,17 @@ def ring_all_reduce(client: Client, ring: fastring.ExchangeRing, tensor: torch.T
         return None
     client.wait_group_idle(ring.group)  # program order with the group's pending daemon ops
     client.wait_writes_to(tensor)
-    if tensor.is_contiguous():
-        handle = ring.post(tensor.data_ptr(), nbytes, dtype, op, timeout, result=result)
+    flat = tensor if tensor.is_contiguous() else tensor.contiguous()
+
+    def hand_over(number: int) -> Handle:  # (the op as the daemon path runs it, under its own number)
+        return client.submit("allreduce", ring.group, {"buf": (flat, "inout")}, flat.dtype, count=flat.numel(),
+                             op=op, timeout=timeout, seq=number)
+
+    if flat is tensor:
+        handle = ring.post(tensor.data_ptr(), nbytes, dtype, op, timeout, result=result, hand_over=hand_over)
     else:
-        flat = tensor.contiguous()
         handle = ring.post(flat.data_ptr(), nbytes, dtype, op, timeout, result=result,
-                           after=lambda: tensor.copy_(flat), keep=flat)
+                           after=lambda: tensor.copy_(flat), keep=flat, hand_over=hand_over)
     if not handle.is_completed():
         client.note_write_back(tensor, handle)
     return handle
