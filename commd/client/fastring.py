@@ -77,6 +77,8 @@ _OP_CODE = {name: i for i, name in enumerate(fr.REDUCE_OPS)}
 #: What a bridged ring tells its daemon when this rank leaves it, by the error's type.
 _ERROR_CODES = {MismatchError: "mismatch", CommTimeoutError: "timeout", PeerDiedError: "peer_died",
                 DaemonDiedError: "peer_died"}
+#: What a local ring tells its daemon of a failed op, by the error's type (``on_failed``).
+_FAILURE_CODES = {MismatchError: s.E_MISMATCH, CommTimeoutError: s.E_TIMEOUT}
 #: How long ``close`` waits for the progress thread to leave (it wakes at once, at most ``SLICE_S``).
 CLOSE_JOIN_S = 2.0
 #: Rings not closed yet: closed at interpreter exit, before daemon threads are stopped (``close``).
@@ -270,6 +272,9 @@ class ExchangeRing:
         self.on_all_posted: Callable[[int], Any] | None = None
         #: (error code, reason, the group's number of the op it left at, or None)
         self.on_left: Callable[[str, str, int | None], Any] | None = None
+        #: (the op's number, error code, message) when a ring op fails on a local ring (a timeout, a
+        #: mismatch): the daemon logs the op's line and fails a late rank's op of that number at once
+        self.on_failed: Callable[[int, str, str], Any] | None = None
         #: the group's collective numbering (``Client.take_seq``): returns the next op's number and
         #: takes it; None: this ring counts the group's collectives itself (``group_ops``)
         self.take_number: Callable[[], int] | None = None
@@ -446,6 +451,7 @@ class ExchangeRing:
             self._ring_bell()
             if error is not None:
                 head.handle.fail(error)
+                self._tell_failed(head, error)
                 continue
             if head.nbytes <= self.slot_bytes and not self.bridged:
                 ctypes.memmove(head.address, self._scratch_address, head.nbytes)
@@ -535,7 +541,16 @@ class ExchangeRing:
         words[h + fr.VERDICT] = (sum(1 << r for r in missing)
                                  | round(head.timeout * 1000) << fr.VERDICT_TIMEOUT_SHIFT)
         words[h + fr.STATE] = fr.WITHDRAWN
-        self._fail_head(head, CommTimeoutError(self._timeout_message(head, missing, head.timeout)))
+        error = CommTimeoutError(self._timeout_message(head, missing, head.timeout))
+        self._fail_head(head, error)
+        self._tell_failed(head, error)
+
+    def _tell_failed(self, head: _Op, error: CommdError) -> None:
+        """A local ring's op failed on every rank (a timeout, a mismatch): tell the daemon (``on_failed``;
+        each rank may, the daemon keeps the first)."""
+        code = _FAILURE_CODES.get(type(error))
+        if code is not None and not self.bridged and self.on_failed is not None:
+            self._tell_daemon(self.on_failed, head.index - 1, code, str(error))
 
     def _fail_head(self, head: _Op, error: CommdError) -> None:
         """``head`` (the first pending op) failed before its inputs were read: consumed, failed."""

@@ -7,6 +7,7 @@ leaves one line in the log.
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -17,6 +18,10 @@ from commd.daemon.failure_log import OpFailureLog
 from commd.daemon.state import NodeState
 from commd.observe.stats import Stats
 from commd.protocol import schema as s
+from commd.scheduler.local import LocalScheduler
+
+#: How many told ring failures ``Completions`` remembers (each is logged once).
+TOLD_KEPT = 1024
 
 
 class Completions:
@@ -25,6 +30,8 @@ class Completions:
         self.stats = stats
         self.failures = failures
         self.clients = clients
+        #: (group, seq) of ring ops whose failure a rank told (``fail_numbered``), the latest first
+        self._told: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
 
     def reply(self, client: ClientRecord, message: dict[str, Any]) -> None:
         """Answer an op on the client's op channel (a client without one has no op in flight)."""
@@ -61,6 +68,27 @@ class Completions:
         """Fail one op: a line in the log, an entry in 'last errors', the error to each submission's rank."""
         self.stats.error(message)
         self.failures.record(code, message, subs)
+        for sub in subs:
+            self._send_error(sub, code, message)
+
+    def fail_numbered(self, scheduler: LocalScheduler, group: str, seq: int, code: str, message: str) -> None:
+        """All-reduce ``seq`` of ``group`` failed off the daemon's path (an exchange ring): the log has
+        its line, once, as for an op the daemon ran; a timeout is remembered by the scheduler (a late
+        rank's op of that number fails on arrival, one already waiting fails now).  A disagreement is
+        not: the ranks that sent the op to the daemon meet the ring ranks' op there, and the daemons
+        name the fields."""
+        key = (group, seq)
+        if key in self._told or group not in scheduler.groups:
+            return  # another rank told first
+        self._told[key] = None
+        while len(self._told) > TOLD_KEPT:
+            self._told.popitem(last=False)
+        subs = scheduler.fail_seq(group, seq, message, code) if code == s.E_TIMEOUT else []
+        if subs is None:
+            return  # the daemon failed it itself (and wrote its line)
+        self.stats.error(message)
+        self.failures.record_op(code, message, group, f"allreduce #{seq} on group '{group}'",
+                                scheduler.groups[group].local)
         for sub in subs:
             self._send_error(sub, code, message)
 

@@ -44,13 +44,16 @@ class OpFailureLog:
     def record(self, code: str, message: str, subs: Sequence[Submission]) -> None:
         if not subs:
             return
-        group = subs[0].group
+        self.record_op(code, message, subs[0].group, describe_op(subs), sorted({sub.group_rank for sub in subs}))
+
+    def record_op(self, code: str, message: str, group: str, what: str, group_ranks: Sequence[int]) -> None:
+        """The line of op ``what`` ('allreduce #3 on group 'g'') of ``group_ranks``: also an op the
+        daemon did not run (an exchange ring's), so every path leaves the same line."""
         members = self.group_ranks(group)
-        group_ranks = sorted({sub.group_rank for sub in subs})
         if members is not None and all(r < len(members) for r in group_ranks):
             ranks = f"ranks {sorted(members[r] for r in group_ranks)}"
         else:
             ranks = f"group ranks {group_ranks}"
         level = logging.WARNING if code in RANK_CAUSED else logging.ERROR
         self.limiter.log(level, ("op", group, code), f"op failures ({code}) on group '{group}'",
-                         "op failed (%s): %s, %s: %s", code, describe_op(subs), ranks, message)
+                         "op failed (%s): %s, %s: %s", code, what, ranks, message)

@@ -218,7 +218,7 @@ class Daemon:
         self.completions.fail_each(failed, code)
 
     def fail_seq(self, group: str, seq: int, code: str, message: str) -> None:
-        self.completions.fail_op(self.scheduler.fail_seq(group, seq, message, code), code, message)
+        self.completions.fail_numbered(self.scheduler, group, seq, code, message)
 
     def fail_ops_waiting_on(self, rank: int, why: str) -> None:
         self.watchdog.fail_ops_waiting_on(rank, why)

@@ -32,6 +32,9 @@ from commd.runtime import secrets_equal
 from commd.scheduler.agreement import parse_submission
 from commd.scheduler.local import LocalScheduler
 
+#: What a ring op's failure (``RINGOP`` with ``failed``) may be: the ranks' own doing, never the daemon's.
+RING_FAILURES = (s.E_TIMEOUT, s.E_MISMATCH)
+
 log = logging.getLogger("commd.daemon")
 
 
@@ -237,10 +240,18 @@ class OpIngress:
         self.router.route(sub, placement)
 
     def _on_ring_op(self, client: ClientRecord, msg: dict[str, Any]) -> None:
-        """A rank of a bridged ring: every local rank published an op, or this rank left the ring."""
+        """A rank of an exchange ring: an op failed there (``failed``: its number); of a bridged ring:
+        every local rank published an op, or this rank left the ring."""
         group = s.field(msg, "g", str)
         if group not in client.groups:
             raise s.ProtocolError(f"rank {client.rank} has not registered group {group!r}")
+        if "failed" in msg:
+            code = s.field(msg, "code", str)
+            if code not in RING_FAILURES:
+                raise s.ProtocolError(f"ringop: a ring op's failure code must be one of {list(RING_FAILURES)}")
+            self.completions.fail_numbered(self.scheduler, group, s.int_field(msg, "failed", 0), code,
+                                           s.field(msg, "why", str)[:1024])
+            return
         member = self.state.member
         if member is None:
             raise s.ProtocolError("ringop: this daemon has no fabric")

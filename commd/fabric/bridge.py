@@ -43,6 +43,9 @@ log = logging.getLogger("commd.fabric")
 
 #: The longest reason published to the ranks (it lives in the bridge's first large slot).
 MAX_REASON_BYTES = 4096
+#: A bridge's failure codes as the daemon's scheduler and log name them.
+_DAEMON_CODES = {"mismatch": "mismatch", "diverged": "mismatch", "timeout": "timeout", "peer_died": "peer_died",
+                 "internal": "internal"}
 
 
 class RingBridge:
@@ -231,15 +234,15 @@ class RingBridge:
         """The ring is left, on every node (the others told through a ``RingPart`` when ``tell``).
         ``index``: the collective index (an entry's ``INDEX``) of the op that failed: it fails with
         ``message`` on every rank of the group, and the ranks hand the ops around it to their
-        daemons; 0: every op from ``next_result`` on fails.  A timed-out op's number is told to the
-        daemon's scheduler, which fails a late rank's op of that number on arrival, as on the
-        daemon path.  ``code`` names one of ``BRIDGE_ERRORS`` (anything else, as another node or a
+        daemons; 0: every op from ``next_result`` on fails.  The failed op's number is told to the
+        daemon (``on_failed``): its log has the op's line, and its scheduler fails a late rank's op
+        of that number on arrival, as on the daemon path.  ``code`` names one of ``BRIDGE_ERRORS`` (anything else, as another node or a
         rank may send: "internal")."""
         if self.failed is not None:
             return
         code = code if code in fr.BRIDGE_ERRORS else "internal"
-        if code == "timeout" and index > 0 and self.on_failed is not None:
-            self.on_failed(self.group, index - 1, code, message)
+        if index > 0 and self.on_failed is not None:
+            self.on_failed(self.group, index - 1, _DAEMON_CODES[code], message)
         self.failed = message
         reason = message.encode()[:MAX_REASON_BYTES]
         at = fr.large_slot_offset(self.nlines, self.depth, self.slot_bytes, self.large_bytes, 0, self.me)

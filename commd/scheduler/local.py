@@ -101,13 +101,14 @@ class LocalScheduler:
             raise MatchError(message, "mismatch", subs)
         return ReadyOp(sub.kind, group.name, sub.seq, subs, first_at)
 
-    def fail_seq(self, name: str, seq: int, message: str, code: str) -> list[Submission]:
-        """Collective ``seq`` of group ``name`` failed where this scheduler did not match it (a bridged
+    def fail_seq(self, name: str, seq: int, message: str, code: str) -> list[Submission] | None:
+        """Collective ``seq`` of group ``name`` failed where this scheduler did not match it (an
         exchange ring): remembered, so a late submission of it fails on arrival; the submissions that
-        already wait for it are returned, to be failed (empty when the group or number is unknown)."""
+        already wait for it are returned, to be failed (None when the group is unknown or the failure
+        known already)."""
         group = self.groups.get(name)
         if group is None or seq < 0 or seq in group.failed:
-            return []
+            return None
         self._remember_failure(group, seq, message, code)
         return list(group.pending.pop(seq, {}).values())
 
