@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-all stress conformance conformance-gloo-gates conformance-full bench bench-multinode bench-algorithms bench-ddp lint clean
+.PHONY: venv demo test test-all stress equivalence conformance conformance-gloo-gates conformance-full bench bench-multinode bench-algorithms bench-ddp lint clean
 
 venv: $(STAMP)
 
@@ -31,6 +31,12 @@ STRESS_PROGRAMS ?= 200
 stress: venv
 	STRESS_PROGRAMS=$(STRESS_PROGRAMS) STRESS_LENGTH=$${STRESS_LENGTH:-40} \
 		$(PY) -m pytest -q -s tests/test_stress.py
+
+# One op model on every path: random schedules of ops and faults against a model of the contract,
+# on 1 node and 2, exchange rings on and off (tests/test_path_equivalence.py; make test runs 500 each).
+EQUIVALENCE_SCHEDULES ?= 5000
+equivalence: venv
+	EQUIVALENCE_SCHEDULES=$(EQUIVALENCE_SCHEDULES) $(PY) -m pytest -q -s tests/test_path_equivalence.py
 
 # PyTorch's DistributedTest on commd (tests/conformance/run_distributed_suite.py).
 # --gates gloo: the suite is imported as for Gloo, so every test Gloo may run runs, on commd.

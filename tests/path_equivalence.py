@@ -36,8 +36,8 @@ FAULTS = ("count", "dtype", "kind", "late")
 #: short enough that the others' next op, submitted when theirs failed, still meets it).
 TIMEOUT_S = 1.0
 LATE_S = 1.5
-#: One schedule in this many has a late rank (each costs ``LATE_S``).
-LATE_EVERY = 40
+#: One schedule in this many has a late rank (each costs ``LATE_S``: most of a run's time).
+LATE_EVERY = 100
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,19 @@ def test_launch_propagates_failure_and_stops_peers(rt: Path, tmp_path: Path) -> 
     assert (rt / "failing" / "daemon.log").exists()  # logs kept for the post-mortem
 
 
+def test_launch_names_the_rank_that_failed_first_and_its_exception(rt: Path, tmp_path: Path) -> None:
+    """Rank 1 raises; rank 0's next collective fails because rank 1 died, and raises too (later): the
+    launcher names rank 1 and its exception, and no line carries the rank prefix twice."""
+    proc = _commd(["launch", "--nproc-per-node", "2", "--grace", "3", "--job", "raising",
+                   str(SCRIPTS / "cli_raise_worker.py")], timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    verdict = [line for line in proc.stderr.splitlines() if line.startswith("commd launch: rank")]
+    assert len(verdict) == 1, proc.stderr
+    assert verdict[0].startswith("commd launch: rank 1 (pid ") and "failed first: exited with code 1" in verdict[0]
+    assert "ValueError: boom on rank 1" in verdict[0], verdict
+    assert "[rank1]:[rank1]:" not in proc.stderr and "[rank0]:[rank0]:" not in proc.stderr, proc.stderr
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("argv", "message"),

@@ -117,6 +117,27 @@ def test_timeout_names_missing_nodes_and_ranks() -> None:
     assert "nodes [1, 2]" in sent(out)[0][0]["m"]
 
 
+def test_a_timed_out_op_fails_every_node_and_a_late_report_fails_on_arrival() -> None:
+    """The nodes that never reported a timed-out op hear of it too (they drop node 0's early
+    contribution), and a late report of it fails at once with the same words instead of waiting
+    for a node that will never report it again."""
+    coord = Coordinator(2, SchedulerConfig(), LANES)
+    out = Outbox()
+    coord.report(0, ready([entry(to=1.0)]), out)
+    coord.expire(coord.pending[("g", 0)].first_at + 5, out)
+    first = sent(out)
+    assert [m["code"] for m in first[0]] == ["timeout"] and [m["code"] for m in first[1]] == ["timeout"], first
+    assert first[0][0]["m"] == first[1][0]["m"] and "nodes [1]" in first[0][0]["m"]
+    out = Outbox()
+    coord.report(1, ready([entry(mine=[2, 3], to=1.0)]), out)
+    late = sent(out)
+    assert late == {1: [first[1][0]]} and ("g", 0) not in coord.pending, late
+    out = Outbox()  # the next op of the group is unaffected
+    coord.report(0, ready([entry(seq=1)]), out)
+    coord.report(1, ready([entry(seq=1, mine=[2, 3])]), out)
+    assert all(m["t"] == "go" for ms in sent(out).values() for m in ms), sent(out)
+
+
 def test_dead_node_fails_pending_and_later_reports() -> None:
     coord = Coordinator(2, SchedulerConfig(), LANES)
     out = Outbox()

@@ -26,6 +26,9 @@ class _Node:
     def shutdown(self, reason: str) -> None:
         self.shutdowns.append(reason)
 
+    def fail_seq(self, group: str, seq: int, code: str, message: str) -> None:
+        raise AssertionError(f"no bridged ring here, yet op #{seq} of group {group!r} failed on one: {message}")
+
     def flush(self) -> None:
         pass
 

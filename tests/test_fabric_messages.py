@@ -220,6 +220,9 @@ class _Node:
     def fail_ops_waiting_on(self, rank: int, why: str) -> None:
         self.failed_waiting_on.append((rank, why))
 
+    def fail_seq(self, group: str, seq: int, code: str, message: str) -> None:
+        raise AssertionError(f"no bridged ring here, yet op #{seq} of group {group!r} failed on one: {message}")
+
     def flush(self) -> None:
         self.flushes += 1
 

@@ -547,3 +547,66 @@ def test_a_peer_that_sent_the_place_to_the_daemon_fails_the_ring_op_at_once(
         assert told == [("float32", "sum", 5)]
         assert not rings[0].usable() and not rings[1].usable()
         assert x.tolist() == [1.0] * 5  # the failed op left the input as it was
+
+
+def traced_rank_main(rank: int, out_dir: str) -> None:
+    """``commd trace start`` on a running job whose all-reduces take the ring: every op between start
+    and stop is in the trace (lane ``ring``, numbered as the daemon numbers its own), none before; a
+    ring op's failure (a mismatch) has its line in the daemon's log."""
+    import json
+    import subprocess
+    import sys
+
+    import commd  # noqa: F401 - registers the backend
+    from commd.torch_backend.process_group import current_client
+
+    dist.init_process_group("commd", init_method="env://", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=30))
+    try:
+        job = current_client().paths.job
+        trace = Path(out_dir, "live.json")
+
+        def cli(*argv: str) -> None:
+            out = subprocess.run([sys.executable, "-m", "commd", "trace", *argv, "--job", job],
+                                 capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0, out.stdout + out.stderr
+
+        for _ in range(3):  # untraced
+            dist.all_reduce(torch.ones(4))
+        dist.barrier()  # #3
+        if rank == 0:
+            cli("start", str(trace))
+        dist.barrier()  # #4
+        works = [dist.all_reduce(torch.full((16,), float(i)), async_op=True) for i in range(5)]  # #5..#9
+        assert all(isinstance(w.handles[0], RingHandle) for w in works)
+        for w in works:
+            w.wait()
+        try:
+            dist.all_reduce(torch.ones(2 + rank))  # #10: a mismatch, on the ring
+        except MismatchError:
+            pass
+        dist.barrier()  # #11: the ring ops' records reach the daemon before it (one op channel)
+        if rank == 0:
+            cli("stop")
+            events = json.loads(trace.read_text())
+            ops = sorted((e["args"]["seq"], e["args"]["kind"], e["args"]["lane"], "error" in e["args"])
+                         for e in events if e.get("ph") == "b" and "args" in e)
+            Path(out_dir, "ops.json").write_text(json.dumps(ops))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_a_trace_started_on_a_running_job_records_its_ring_ops(backend_env: Any, tmp_path: Path) -> None:
+    import json
+
+    spawn(traced_rank_main, (str(tmp_path),))
+    ops = json.loads((tmp_path / "ops.json").read_text())
+    ring = [op for op in ops if op[2] == "ring"]
+    assert [op[0] for op in ring] == [5, 6, 7, 8, 9, 10] and all(op[1] == "allreduce" for op in ring), ops
+    assert [op[3] for op in ring] == [False] * 5 + [True], ring  # the mismatch is traced with its error
+    assert [op[0] for op in ops if op[2] != "ring"] == [4, 11], ops  # the barriers after the start
+    log = next(backend_env.glob("*/daemon.log")).read_text()
+    lines = [line for line in log.splitlines() if "op failed (mismatch)" in line]
+    assert len(lines) == 1 and "allreduce #10 on group" in lines[0] and "ranks [0, 1]" in lines[0], lines

@@ -29,6 +29,8 @@ pytestmark = pytest.mark.skipif(not available(), reason="exchange rings need x86
 
 SCHEDULES = int(os.environ.get("EQUIVALENCE_SCHEDULES", "500"))
 SEED = int(os.environ.get("EQUIVALENCE_SEED", "31"))
+#: A bound on one configuration's run (a schedule takes ~10 ms, a late rank's ~1.5 s: ~50 ms on average).
+RUN_LIMIT_S = 120.0 + 0.5 * SCHEDULES
 #: The ring on (the default path of small all-reduces) and off (everything through the daemon).
 RING = {"ring": "1", "daemon": "0"}
 
@@ -108,13 +110,13 @@ def two_node_main(ctx: Any, port: int, ring: str, what: str) -> str:
 
 
 def _one_node(tmp_path: Path, ring: str, what: str) -> dict[int, Any]:
-    spawn(one_node_rank_main, (str(tmp_path), ring, what), timeout=600.0)
+    spawn(one_node_rank_main, (str(tmp_path), ring, what), timeout=RUN_LIMIT_S)
     return {r: json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)}
 
 
 def _two_nodes(cluster: Any, ring: str, what: str) -> dict[int, Any]:
     c = cluster(2, 1, op_timeout=TIMEOUT_S)
-    results = c.join(c.start_workers(two_node_main, free_port(), ring, what), timeout=600.0)
+    results = c.join(c.start_workers(two_node_main, free_port(), ring, what), timeout=RUN_LIMIT_S)
     return {r: json.loads(value) for r, value in results.items()}
 
 
@@ -146,13 +148,13 @@ def _check_equivalence(results: dict[int, Any], where: str, path: str, group_eve
         assert results[0]["on_ring"] == 0
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(RUN_LIMIT_S + 60)
 @pytest.mark.parametrize("path", sorted(RING))
 def test_random_schedules_give_the_model_outcomes_on_one_node(backend_env: Any, tmp_path: Path, path: str) -> None:
     _check_equivalence(_one_node(tmp_path, RING[path], "schedules"), "one node", path)
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(RUN_LIMIT_S + 60)
 @pytest.mark.parametrize("path", sorted(RING))
 def test_random_schedules_give_the_model_outcomes_across_two_nodes(cluster: Any, path: str) -> None:
     _check_equivalence(_two_nodes(cluster, RING[path], "schedules"), "two nodes", path, GROUP_EVERY)

@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", default=None, metavar="FILE",
                         help="trace every op's phases into FILE (Chrome/Perfetto JSON; in a multi-node job "
                              "node k writes FILE's stem + '.node<k>'; join them with `commd trace merge`); "
-                             "small all-reduces then skip the exchange ring (COMMD_LOCAL_RING=0) so every op is traced")
+                             "every op is traced, the exchange rings' all-reduces too")
     parser.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
                         help="seconds workers get after SIGTERM before SIGKILL (default 10)")
     parser.add_argument("--no-prefix", dest="prefix", action="store_false",
@@ -191,6 +191,10 @@ class Worker:
     rank: int
     proc: subprocess.Popen
     outputs: list[RankOutput] = field(default_factory=list)
+    global_rank: int = 0
+    #: when the launcher first saw it exited (the first failure is the one to report: the others'
+    #: errors are most often its consequence, a peer that died)
+    exited_at: float | None = None
 
     @property
     def code(self) -> int | None:
@@ -286,10 +290,6 @@ def _start_workers(args: argparse.Namespace, job: str, port: int, sigs: _Signals
             return
         env = worker_env(dict(os.environ), rank, args.nproc, job, args.master_addr, port,
                          args.node_rank, args.nnodes, args.node_name)
-        if args.trace is not None:
-            # a traced job's small all-reduces go through the daemon too, so the trace has every op
-            # (a local group's exchange ring bypasses the daemon, and the daemon writes the trace)
-            env.setdefault("COMMD_LOCAL_RING", "0")
         shown = args.shown_ranks is None or rank in args.shown_ranks
         stdout = subprocess.PIPE if args.prefix and shown else None if shown else subprocess.DEVNULL
         stderr = subprocess.PIPE if args.prefix else None
@@ -301,8 +301,8 @@ def _start_workers(args: argparse.Namespace, job: str, port: int, sigs: _Signals
             [sys.executable, *target, *args.script_args], env=env, start_new_session=True,
             stdout=stdout, stderr=stderr,
         )
-        worker = Worker(rank, proc)
         global_rank = args.node_rank * args.nproc + rank
+        worker = Worker(rank, proc, global_rank=global_rank)
         for pipe, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
             if pipe is not None:
                 worker.outputs.append(RankOutput(global_rank, pipe, sink))
@@ -318,14 +318,20 @@ def _supervise(workers: list[Worker], sigs: _Signals, grace: float, daemon: subp
             signum = sigs.received[0]
             print(f"commd launch: stopped the workers on {signal.Signals(signum).name}", file=sys.stderr)
             return 128 + signum
-        failed = [w for w in workers if w.code not in (None, 0)]
+        now = time.monotonic()
+        for w in workers:
+            if w.exited_at is None and w.code is not None:
+                w.exited_at = now
+        failed = sorted((w for w in workers if w.code not in (None, 0)), key=lambda w: w.exited_at or now)
         if failed:
             first = failed[0]
             code = first.proc.returncode
             rest = [w for w in workers if w.code is None]
             note = f"; stopping {len(rest)} other worker(s)" if rest else ""
-            print(f"commd launch: rank {first.rank} (pid {first.proc.pid}) {describe_exit(code)}{note}",
-                  file=sys.stderr)
+            local = f"local rank {first.rank}, " if first.global_rank != first.rank else ""
+            said = next((out.last_line for out in reversed(first.outputs) if out.last_line), "")
+            print(f"commd launch: rank {first.global_rank} ({local}pid {first.proc.pid}) failed first: "
+                  f"{describe_exit(code)}{': ' + said if said else ''}{note}", file=sys.stderr)
             stop_workers(rest, grace)
             return exit_code(code)
         if all(w.code == 0 for w in workers):

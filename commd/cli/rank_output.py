@@ -3,7 +3,9 @@
 ``commd launch`` gives every worker pipes for stdout and stderr; one thread
 per pipe copies whole lines to the launcher's own stream, prefixed with
 ``[rankN]:`` and written under one lock, so lines of different ranks never
-interleave mid-line and each rank's lines keep their order.
+interleave mid-line and each rank's lines keep their order.  A line the worker
+prefixed itself (torch prefixes a distributed worker's traceback the same way) is
+not prefixed twice.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ class RankOutput:
         self._prefix = prefix(rank)
         self._pipe = pipe
         self._sink = sink
+        #: the last line the worker wrote that was not blank (its exception, when it raised one)
+        self.last_line = ""
         self._thread = threading.Thread(target=self._pump, name=f"commd-launch-out-{rank}", daemon=True)
         self._thread.start()
 
@@ -37,9 +41,12 @@ class RankOutput:
             for line in iter(self._pipe.readline, b""):
                 if not line.endswith(b"\n"):
                     line += b"\n"  # the worker's last line had no newline: keep ours separate
+                text = line.removeprefix(self._prefix).strip()
+                if text:
+                    self.last_line = text.decode(errors="replace")
                 with _write_lock:
                     try:
-                        self._write(self._prefix + line)
+                        self._write(line if line.startswith(self._prefix) else self._prefix + line)
                     except (OSError, ValueError):  # our own stream is gone (closed pipe): keep draining
                         pass
         finally:

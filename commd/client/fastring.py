@@ -186,7 +186,7 @@ class RingHandle(Handle):
 
 class _Op:
     __slots__ = ("seq", "index", "dtype", "op", "count", "nbytes", "address", "handle", "after", "timeout",
-                 "hand_over")
+                 "hand_over", "posted_at")
 
     def __init__(self, seq: int, index: int, dtype: int, op: int, count: int, nbytes: int, address: int,
                  handle: RingHandle, after: Callable[[], None] | None, timeout: float,
@@ -196,6 +196,7 @@ class _Op:
         #: submits this op to the daemon under the number given (its own): a bridged ring that is left
         #: hands over the ops whose results it never published, so they run as on the daemon path
         self.hand_over = hand_over
+        self.posted_at = 0.0  # when it was posted, if it is traced (``ExchangeRing._trace``)
 
 
 class ExchangeRing:
@@ -272,6 +273,10 @@ class ExchangeRing:
         self.on_all_posted: Callable[[int], Any] | None = None
         #: (error code, reason, the group's number of the op it left at, or None)
         self.on_left: Callable[[str, str, int | None], Any] | None = None
+        #: called with a batch of traced ops (the ring's first line, while the daemon traces):
+        #: [number, bytes, posted, all inputs in, done, error or None] each, times on the monotonic clock
+        self.on_trace: Callable[[list[list[Any]]], Any] | None = None
+        self._traced: list[list[Any]] = []
         #: (the op's number, error code, message) when a ring op fails on a local ring (a timeout, a
         #: mismatch): the daemon logs the op's line and fails a late rank's op of that number at once
         self.on_failed: Callable[[int, str, str], Any] | None = None
@@ -347,6 +352,8 @@ class ExchangeRing:
             self._ring_bell()  # (its fence orders our posted before the reads below)
             self.pending.append(_Op(seq, index, dcode, ocode, count, nbytes, address, handle, after, timeout,
                                     hand_over))
+            if me == 0 and self._u32[fr.TRACING_U32]:  # one word read per op while nobody traces
+                self.pending[-1].posted_at = time.monotonic()
             if self.bridged and self.on_all_posted is not None and not self._behind(seq, self._local_posted_at):
                 self._tell_daemon(self.on_all_posted, seq)  # every rank that sees this may tell: no one misses it
             self._progress()
@@ -433,6 +440,7 @@ class ExchangeRing:
                         self._bridge_failed(head)
                     return
             pending.popleft()
+            in_at = time.monotonic() if head.posted_at else 0.0
             d = seq % self.depth
             error = self._withdrawal(head, d) or self._disagreement(head, d)
             if error is None and self.bridged:
@@ -452,16 +460,37 @@ class ExchangeRing:
             if error is not None:
                 head.handle.fail(error)
                 self._tell_failed(head, error)
-                continue
-            if head.nbytes <= self.slot_bytes and not self.bridged:
-                ctypes.memmove(head.address, self._scratch_address, head.nbytes)
-            if head.after is not None:
-                try:
-                    head.after()
-                except Exception as exc:  # a failed copy-out is the op's failure
-                    head.handle.fail(CommdError(f"{head.handle.description}: copying the result out failed: {exc}"))
-                    continue
-            head.handle.complete({})
+            else:
+                if head.nbytes <= self.slot_bytes and not self.bridged:
+                    ctypes.memmove(head.address, self._scratch_address, head.nbytes)
+                if head.after is not None:
+                    try:
+                        head.after()
+                    except Exception as exc:  # a failed copy-out is the op's failure
+                        error = CommdError(f"{head.handle.description}: copying the result out failed: {exc}")
+                if error is None:
+                    head.handle.complete({})
+                else:
+                    head.handle.fail(error)
+            if head.posted_at:
+                self._trace(head, in_at, error)
+
+    def _trace(self, op: _Op, in_at: float, error: CommdError | None) -> None:
+        """Keep a traced op's times for the daemon's trace; send them in batches (``on_trace``)."""
+        done = time.monotonic()
+        self._traced.append([op.index - 1, op.nbytes, op.posted_at, in_at or done, done,
+                             None if error is None else str(error)])
+        if len(self._traced) >= fr.TRACE_BATCH or done - self._traced[0][4] >= fr.TRACE_BATCH_S:
+            self.flush_trace()
+
+    def flush_trace(self) -> None:
+        """Send the traced ops kept so far to the daemon (before a daemon op of the group: the
+        trace then has them before it, as they ran)."""
+        if self._traced:
+            with self._lock:
+                records, self._traced = self._traced, []
+                if records and self.on_trace is not None:
+                    self._tell_daemon(self.on_trace, records)
 
     def _reduction(self, d: int, dtype_code: int, op_code: int, count: int) -> Callable[[], None]:
         """The reduction of entry ``d``'s inputs into the scratch buffer, built once per shape."""
@@ -529,6 +558,8 @@ class ExchangeRing:
             error = CommTimeoutError(self._timeout_message(head, self._behind(head.seq, self._posted_at), head.timeout))
             self.pending.popleft()
             head.handle.fail(error)  # in the daemon's words; the ops behind it are handed to the daemon
+            if head.posted_at:
+                self._trace(head, 0.0, error)
             self._break(error, number=head.index - 1, only=head.index)
             return
         h = self._header_at[head.seq % self.depth][self.me]
@@ -558,6 +589,8 @@ class ExchangeRing:
         self._words[self._consumed_at[self.me]] = head.seq
         self._ring_bell()
         head.handle.fail(error)
+        if head.posted_at:
+            self._trace(head, 0.0, error)
 
     def _withdrawn_by_peer(self, head: _Op) -> bool:
         """Fail ``head`` if a rank that posted it has withdrawn it (the op timed out there): a rank
@@ -688,6 +721,8 @@ class ExchangeRing:
                 self._hand_over(op)
             else:
                 op.handle.fail(type(error)(f"{op.handle.description}: {error}"))
+                if op.posted_at:
+                    self._trace(op, 0.0, error)
         return error
 
     def _hand_over(self, op: _Op) -> None:
@@ -865,6 +900,7 @@ class ExchangeRing:
         with self._lock:
             self.closed = True
             self._break(CommdError("commd client is closed"), tell=False)
+            self.flush_trace()
         self._wanted.set()
         thread = self._progress_thread
         if thread is not None and thread is not threading.current_thread():

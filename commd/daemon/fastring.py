@@ -74,6 +74,7 @@ class RingRegions:
             header[0] = fr.MAGIC
             meta = region.array[8:36].view("u4")
             meta[:] = (fr.VERSION, nranks, fr.DEPTH, fr.SLOT_BYTES, fr.LARGE_DEPTH, large, int(bridged))
+            region.array[fr.TRACING_U32 * 4: fr.TRACING_U32 * 4 + 4].view("u4")[0] = int(self.state.tracer.on)
             self.regions[group] = region
             if bridged:
                 assert member is not None
@@ -85,6 +86,11 @@ class RingRegions:
                  "slot_bytes": fr.SLOT_BYTES, "large_depth": fr.LARGE_DEPTH, "large_bytes": large,
                  "rank": line, "bridged": bridged, "members": placement.local if bridged else None}
         send_with_fd(channel.sock, s.encode(reply), region.fd)
+
+    def set_tracing(self, on: bool) -> None:
+        """Tell every ring's ranks whether the daemon traces (they then send their ops' times)."""
+        for region in self.regions.values():
+            region.array[fr.TRACING_U32 * 4: fr.TRACING_U32 * 4 + 4].view("u4")[0] = int(on)
 
     def status(self) -> dict[str, Any]:
         """Per ring, how many all-reduces each group rank has published (they never reach the scheduler)."""

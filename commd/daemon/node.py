@@ -89,6 +89,7 @@ class Daemon:
     @tracer.setter
     def tracer(self, tracer: Tracer | NullTrace) -> None:
         self.state.tracer = tracer
+        self.op_ingress.rings.set_tracing(tracer.on)  # the rings' ranks send their ops' times while on
 
     @property
     def fabric_member(self) -> FabricMember | None:

@@ -27,6 +27,7 @@ from commd.daemon.router import OpRouter
 from commd.daemon.state import NodeState
 from commd.memory.arena import ARENA, Segment
 from commd.observe.stats import Stats
+from commd.observe.trace import check_ring_records
 from commd.protocol import schema as s
 from commd.runtime import secrets_equal
 from commd.scheduler.agreement import parse_submission
@@ -245,6 +246,15 @@ class OpIngress:
         group = s.field(msg, "g", str)
         if group not in client.groups:
             raise s.ProtocolError(f"rank {client.rank} has not registered group {group!r}")
+        if "trace" in msg:
+            try:
+                records = check_ring_records(msg["trace"])
+            except ValueError as exc:
+                raise s.ProtocolError(f"ringop: {exc}") from None
+            tracer, placement = self.state.tracer, self.placements.get(group)
+            if tracer.on and placement is not None:  # (records sent as a trace stops are dropped)
+                tracer.ring_ops(group, list(placement.local), records)
+            return
         if "failed" in msg:
             code = s.field(msg, "code", str)
             if code not in RING_FAILURES:

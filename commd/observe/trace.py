@@ -10,8 +10,11 @@ id, so ops of one group that overlap in time stay apart):
 - ``reply``: → the ranks were answered.
 
 pid = node rank, tids are the lanes and groups (named by metadata events).
-Events are appended (by a writer thread) as ops complete and the JSON array is
-closed on ``close``.
+Events are appended (by a writer thread) as ops complete, to a hidden file beside the
+trace (``.<name>.partial``); ``close`` ends the JSON array and renames it to the trace's
+name, so whoever reads the trace reads a whole one.  All-reduces a group's exchange ring
+ran are traced from the times its first rank sends (``ring_ops``, lane ``ring``): every
+op is in the trace, whatever path ran it.
 When tracing is off the daemon holds a ``NullTrace``, whose ``on`` is False:
 each hook is one attribute test.
 """
@@ -84,8 +87,11 @@ class Tracer:
     def __init__(self, path: str, node: int, node_name: str) -> None:
         self.path = path
         self.node = node
+        # written beside ``path`` and renamed to it once closed: whoever reads ``path`` reads a whole trace
+        self._partial = str(Path(path).with_name(f".{Path(path).name}.partial"))
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            fd = os.open(self._partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o600)
         except OSError as exc:
             raise TraceError(f"cannot write the trace to {path}: {exc.strerror or exc}") from None
         self._file: TextIO | None = os.fdopen(fd, "w", buffering=WRITE_BUFFER_BYTES)
@@ -140,6 +146,14 @@ class Tracer:
                            op.first_at, op.ready_at, marks, time.monotonic(), error,
                            op.describe() if op.kind == "sendrecv" else None))
 
+    def ring_ops(self, group: str, ranks: list[int], records: list[list[Any]]) -> None:
+        """All-reduces an exchange ring ran (``protocol/fastring.py``: a rank sends their times): traced
+        as the daemon's own ops, lane ``ring``, phases submit (posted → every input in) and lane (the
+        reduction, copy-out included).  Records were checked by ``check_ring_records``."""
+        for number, nbytes, posted, inputs_in, done, error in records:
+            self._records.put(("allreduce", group, number, nbytes, "ring", ranks, posted, inputs_in,
+                               {"start": inputs_in, "end": done}, done, error, None))
+
     def close(self) -> None:
         """Write what is queued and close the JSON array: the file is valid JSON from then on."""
         if self._file is None:
@@ -150,6 +164,7 @@ class Tracer:
         try:
             file.write("\n]\n")
             file.close()
+            os.replace(self._partial, self.path)
         except OSError as exc:
             log.warning("cannot finish the trace %s: %s", self.path, exc)
         log.info("trace of %d events written to %s", self.events, self.path)
@@ -235,6 +250,28 @@ class Tracer:
         except (OSError, ValueError) as exc:  # ValueError: closed meanwhile
             log.error("trace %s: write failed (%s); tracing stops", self.path, exc)
             self._file = None
+
+
+#: The most traced ring ops one message may carry.
+MAX_RING_RECORDS = 256
+
+
+def check_ring_records(raw: Any) -> list[list[Any]]:
+    """A rank's traced ring ops (``ExchangeRing.on_trace``), checked: ValueError naming what is wrong."""
+    if type(raw) is not list or not 1 <= len(raw) <= MAX_RING_RECORDS:
+        raise ValueError(f"'trace' must be a list of 1 to {MAX_RING_RECORDS} ring ops")
+    now = time.monotonic()
+    for record in raw:
+        if type(record) is not list or len(record) != 6:
+            raise ValueError("a traced ring op is [number, bytes, posted, inputs in, done, error]")
+        number, nbytes, *times, error = record
+        if type(number) is not int or type(nbytes) is not int or number < 0 or nbytes < 0:
+            raise ValueError("a traced ring op's number and bytes must be integers >= 0")
+        if not all(type(t) is float and now - 86400 <= t <= now + 1 for t in times) or not times[0] <= times[2]:
+            raise ValueError("a traced ring op's times must be this host's monotonic clock, in order")
+        if error is not None and (type(error) is not str or len(error) > 4096):
+            raise ValueError("a traced ring op's error must be a string (4096 characters at most) or nil")
+    return raw
 
 
 def merge(inputs: list[str], output: str) -> int:

@@ -13,7 +13,9 @@ Layout (native byte order, every field naturally aligned):
 - bytes 0..63: the region header: ``magic`` u64, ``version`` u32, ``nranks`` u32,
   ``depth`` u32, ``slot_bytes`` u32, ``large_depth`` u32, ``large_bytes`` u32,
   ``bridged`` u32 (1: the group spans nodes and the last of the ``nranks`` lines is the
-  daemon's *bridge*, see below);
+  daemon's *bridge*, see below), ``tracing`` u32 at byte 36 (1 while the daemon writes a
+  trace: the first rank's line then sends each op's times to the daemon, which traces it
+  as it traces its own ops);
 - a 64-byte control line per group rank ``r`` at ``CONTROL_OFFSET + 64 r``: ``pid``
   i64 (written when the rank maps the region), ``posted`` i64 (the last op number it
   published), ``consumed`` i64 (the last op whose inputs it has read), ``bell`` u32
@@ -102,6 +104,11 @@ SEQ, DTYPE, OP, COUNT, WHERE, INDEX, STATE, VERDICT = 0, 1, 2, 3, 4, 5, 6, 7
 WITHDRAWING, WITHDRAWN = 1, 2
 #: ``VERDICT``: the missing lines' bit mask below this bit, the op's timeout in milliseconds above it.
 VERDICT_TIMEOUT_SHIFT = 16
+
+#: The header's ``tracing`` word (a u32 index into the region).
+TRACING_U32 = 36 // 4
+#: A rank sends its traced ring ops to the daemon in batches of at most this many, or this old.
+TRACE_BATCH, TRACE_BATCH_S = 16, 0.05
 
 #: Wire codes of the entry header: the position in these tuples.
 DTYPES = (

@@ -294,8 +294,10 @@ class ProcessGroupCommd(dist.ProcessGroup):
     def _to_daemon(self) -> None:
         """An op is about to go to the daemon: ring ops ahead of it finish first.  (The client counts
         each collective in the ring as it numbers it: ``Client.on_numbered``.)"""
-        if self.ring is not None and self.ring.pending:
-            self.ring.drain()
+        if self.ring is not None:
+            if self.ring.pending:
+                self.ring.drain()
+            self.ring.flush_trace()
 
     def _work(self, handles: Handle | list[Handle], result: Any) -> CommdWork:
         return CommdWork(handles if isinstance(handles, list) else [handles], result)

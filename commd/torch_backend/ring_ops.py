@@ -75,6 +75,7 @@ def open_ring(client: Client, store: dist.Store, name: str, rank: int, size: int
         ring.global_ranks = list(global_ranks)
         client.on_numbered(name, ring.note_submitted)
         ring.on_failed = lambda number, code, why: client.notify_ring(name, failed=number, code=code, why=why[:1024])
+        ring.on_trace = lambda records: client.notify_ring(name, trace=records)
         ring.on_diverged = lambda dtype, op, count, number: client.submit(
             "allreduce", name, {"buf": (torch.zeros(count, dtype=TORCH_DTYPES[dtype]), "inout")},
             TORCH_DTYPES[dtype], count=count, op=op, timeout=timeout, seq=number)
