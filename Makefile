@@ -33,10 +33,11 @@ stress: venv
 		$(PY) -m pytest -q -s tests/test_stress.py
 
 # One op model on every path: random schedules of ops and faults against a model of the contract,
-# on 1 node and 2, exchange rings on and off (tests/test_path_equivalence.py; make test runs 500 each).
+# on 1 node (2 and 3 ranks, staged tensors too) and 2, exchange rings on and off
+# (tests/test_path_equivalence.py; make test runs 500 on one node, ring on and off).
 EQUIVALENCE_SCHEDULES ?= 5000
 equivalence: venv
-	EQUIVALENCE_SCHEDULES=$(EQUIVALENCE_SCHEDULES) $(PY) -m pytest -q -s tests/test_path_equivalence.py
+	EQUIVALENCE_ALL=1 EQUIVALENCE_SCHEDULES=$(EQUIVALENCE_SCHEDULES) $(PY) -m pytest -q -s tests/test_path_equivalence.py
 
 # PyTorch's DistributedTest on commd (tests/conformance/run_distributed_suite.py).
 # --gates gloo: the suite is imported as for Gloo, so every test Gloo may run runs, on commd.

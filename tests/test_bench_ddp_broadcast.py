@@ -130,6 +130,7 @@ def test_without_root_it_says_so(monkeypatch: pytest.MonkeyPatch, capsys: pytest
     assert "need root" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # 18 s: make test-all (make test stays under 15 minutes)
 @pytest.mark.timeout(300)
 def test_quick_run_on_simulated_hosts_prints_the_table_and_targets(tmp_path: Path) -> None:
     """The real thing, small: 2 simulated hosts at 10 Gbit/s, none and bf16, every run's checks pass."""

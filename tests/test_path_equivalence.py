@@ -2,8 +2,9 @@
 model's (tests/path_equivalence.py), whatever path runs them — the group's exchange ring or the
 daemon, on one node or on a bridged ring across two — and never a value that mixes two ops.
 
-``make test`` runs ``EQUIVALENCE_SCHEDULES`` schedules (default 500) under each configuration;
-``make equivalence`` runs thousands.  The issue's own schedule (a caught timeout, then a late rank)
+``make test`` runs ``EQUIVALENCE_SCHEDULES`` schedules (default 500) on one node, ring on and off,
+and the issue's schedule on one node and on two; ``make equivalence`` runs thousands, on every
+configuration (two nodes, three ranks, staged tensors).  The issue's own schedule (a caught timeout, then a late rank)
 is a regression test of its own, on every configuration.
 """
 
@@ -33,6 +34,18 @@ SEED = int(os.environ.get("EQUIVALENCE_SEED", "31"))
 RUN_LIMIT_S = 120.0 + 0.5 * SCHEDULES
 #: The ring on (the default path of small all-reduces) and off (everything through the daemon).
 RING = {"ring": "1", "daemon": "0"}
+#: One node's configurations: (ranks, environment).  ``make test`` runs the first two; ``make
+#: equivalence`` (EQUIVALENCE_ALL=1) all: three ranks, and tensors staged through the arena instead
+#: of registered (COMMD_REGISTER=0).
+ONE_NODE = {
+    "ring": (2, {"COMMD_LOCAL_RING": "1"}),
+    "daemon": (2, {"COMMD_LOCAL_RING": "0"}),
+    "ring, 3 ranks": (3, {"COMMD_LOCAL_RING": "1"}),
+    "daemon, 3 ranks": (3, {"COMMD_LOCAL_RING": "0"}),
+    "ring, staged": (2, {"COMMD_LOCAL_RING": "1", "COMMD_REGISTER": "0"}),
+    "daemon, staged": (2, {"COMMD_LOCAL_RING": "0", "COMMD_REGISTER": "0"}),
+}
+EVERY_CONFIG = os.environ.get("EQUIVALENCE_ALL") == "1"
 
 
 def _ar(value: float) -> str:
@@ -74,14 +87,14 @@ def _check_issue_schedule(results: dict[int, list[str]]) -> None:
     assert b0 == b1 == "returned 300", results
 
 
-def one_node_rank_main(rank: int, out_dir: str, ring: str, what: str) -> None:
+def one_node_rank_main(rank: int, out_dir: str, env: dict[str, str], world: int, what: str) -> None:
     import commd  # noqa: F401 - registers the backend
 
-    os.environ["COMMD_LOCAL_RING"] = ring
-    dist.init_process_group("commd", init_method="env://", rank=rank, world_size=2,
+    os.environ.update(env)
+    dist.init_process_group("commd", init_method="env://", rank=rank, world_size=world,
                             timeout=timedelta(seconds=TIMEOUT_S))
     try:
-        result: Any = issue_schedule(rank) if what == "issue" else run(rank, 2, SEED, SCHEDULES, dist, torch)
+        result: Any = issue_schedule(rank) if what == "issue" else run(rank, world, SEED, SCHEDULES, dist, torch)
         Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
         dist.barrier()
     finally:
@@ -109,9 +122,10 @@ def two_node_main(ctx: Any, port: int, ring: str, what: str) -> str:
         dist.destroy_process_group()
 
 
-def _one_node(tmp_path: Path, ring: str, what: str) -> dict[int, Any]:
-    spawn(one_node_rank_main, (str(tmp_path), ring, what), timeout=RUN_LIMIT_S)
-    return {r: json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)}
+def _one_node(tmp_path: Path, config: str, what: str) -> dict[int, Any]:
+    world, env = ONE_NODE[config]
+    spawn(one_node_rank_main, (str(tmp_path), env, world, what), timeout=RUN_LIMIT_S, nprocs=world)
+    return {r: json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world)}
 
 
 def _two_nodes(cluster: Any, ring: str, what: str) -> dict[int, Any]:
@@ -123,7 +137,7 @@ def _two_nodes(cluster: Any, ring: str, what: str) -> dict[int, Any]:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("path", sorted(RING))
 def test_the_issue_schedule_on_one_node(backend_env: Any, tmp_path: Path, path: str) -> None:
-    _check_issue_schedule(_one_node(tmp_path, RING[path], "issue"))
+    _check_issue_schedule(_one_node(tmp_path, path, "issue"))
 
 
 @pytest.mark.timeout(180)
@@ -133,27 +147,29 @@ def test_the_issue_schedule_across_two_nodes(cluster: Any, path: str) -> None:
 
 
 def _check_equivalence(results: dict[int, Any], where: str, path: str, group_every: int | None = None) -> None:
-    want = expected(SEED, SCHEDULES, 2, group_every)
+    world = len(results)
+    want = expected(SEED, SCHEDULES, world, group_every)
     problems = []
-    for rank in range(2):
+    for rank in range(world):
         got = results[rank]
         problems += [f"rank {rank}: {line}" for line in
-                     divergences(got["outcomes"], got["groups"], want[rank], SEED, SCHEDULES, 2)]
+                     divergences(got["outcomes"], got["groups"], want[rank], SEED, SCHEDULES, world)]
     print(f"{where}, {path}: {SCHEDULES} schedules, {len(want[0])} ops a rank, "
           f"{results[0]['on_ring']} of rank 0's all-reduces on the ring, {results[0]['seconds']:.1f}s")
     assert not problems, f"{len(problems)} outcomes differ from the model:\n" + "\n".join(problems[:20])
-    if path == "ring":
+    if path.startswith("ring"):
         assert results[0]["on_ring"] > 0, "no op took the ring: the ring path was not tested"
     else:
         assert results[0]["on_ring"] == 0
 
 
 @pytest.mark.timeout(RUN_LIMIT_S + 60)
-@pytest.mark.parametrize("path", sorted(RING))
+@pytest.mark.parametrize("path", list(ONE_NODE) if EVERY_CONFIG else sorted(RING))
 def test_random_schedules_give_the_model_outcomes_on_one_node(backend_env: Any, tmp_path: Path, path: str) -> None:
-    _check_equivalence(_one_node(tmp_path, RING[path], "schedules"), "one node", path)
+    _check_equivalence(_one_node(tmp_path, path, "schedules"), "one node", path)
 
 
+@pytest.mark.slow  # make equivalence, make test-all (make test: one node, and the issue's schedule on two)
 @pytest.mark.timeout(RUN_LIMIT_S + 60)
 @pytest.mark.parametrize("path", sorted(RING))
 def test_random_schedules_give_the_model_outcomes_across_two_nodes(cluster: Any, path: str) -> None:

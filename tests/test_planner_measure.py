@@ -2,7 +2,8 @@
 
 The real run plans tests/planner_models.py's MLP on a mesh of 4 and measures the plan and both
 baselines on 2 simulated hosts x 2 ranks (root, network namespaces; skipped without), unshaped, with
-few steps: about 30 s on the idle 2-core machine, so not marked slow.
+few steps: about 30 s on the idle 2-core machine, so it runs in ``make test-all`` (``make test`` stays
+under 15 minutes).
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ def test_each_rank_gets_the_share_of_the_batch_its_input_layer_splits(tmp_path: 
         local_shape(dp, [6, 32])
 
 
+@pytest.mark.slow  # 30 s: make test-all (make test stays under 15 minutes)
 @pytest.mark.timeout(240)
 def test_measure_runs_every_setting_on_simulated_hosts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
