@@ -113,7 +113,7 @@ class Client:
         self._ids = itertools.count(1)
         #: per group, the number of its next collective: one numbering for every path an op takes (the
         #: daemon's, a group's exchange ring), so op k of one rank only ever meets op k of the others
-        self._seq: dict[str, int] = {}
+        self._seq: dict[str, itertools.count[int]] = {}  # (``next`` is atomic: no lock on the ring's path)
         #: per group, told the count of the group's collectives each time one goes to the daemon
         self._numbered: dict[str, Callable[[int], None]] = {}
         self._groups: dict[str, list[int]] = {}
@@ -244,17 +244,14 @@ class Client:
         """Tell the daemon about a group (all members must register the same ranks)."""
         self._request({"t": s.GROUP, "name": name, "ranks": list(ranks)})
         self._groups[name] = list(ranks)
-        self._seq.setdefault(name, 0)
+        self._seq.setdefault(name, itertools.count())
 
-    def take_seq(self, group: str) -> int:
-        """The number of ``group``'s next collective, taken by an op that does not go to the daemon (an
+    def numbering(self, group: str) -> Callable[[], int]:
+        """Takes the number of ``group``'s next collective, for an op that does not go to the daemon (an
         exchange ring's): the daemon path's numbering skips it, so the paths never disagree on op k."""
-        with self._send_lock:
-            if group not in self._seq:
-                raise RequestError(f"group {group!r} is not registered")
-            seq = self._seq[group]
-            self._seq[group] = seq + 1
-            return seq
+        if group not in self._seq:
+            raise RequestError(f"group {group!r} is not registered")
+        return self._seq[group].__next__
 
     def on_numbered(self, group: str, listener: Callable[[int], None] | None) -> None:
         """``listener(count)`` is called, without locks of its own to take, each time a collective of
@@ -631,7 +628,7 @@ class Client:
         **fields: Any,
     ) -> Handle:
         """Submit one op; ``buffers`` maps 'buf'/'in'/'out' to (tensor, role).  ``seq``: a collective's
-        number taken already (``take_seq``), for an op handed over from another path."""
+        number taken already (``numbering``), for an op handed over from another path."""
         if self._broken is not None or self._closed:
             self._check_usable()
         if group not in self._seq:
@@ -672,11 +669,10 @@ class Client:
             if kind in s.COLLECTIVES and seq is not None:
                 message["seq"] = seq
             elif kind in s.COLLECTIVES:
-                message["seq"] = self._seq[group]
-                self._seq[group] += 1
+                message["seq"] = number = next(self._seq[group])
                 listener = self._numbered.get(group)
                 if listener is not None:
-                    listener(self._seq[group])
+                    listener(number + 1)
             frame = msgpack.packb(message, use_bin_type=True)
             if len(frame) > s.MAX_MESSAGE_BYTES:
                 raise RequestError(f"{handle.description}: control message of {len(frame)} bytes is too large")

@@ -143,12 +143,7 @@ class RingHandle(Handle):
     """A Handle whose completion comes from the ring (``client`` is the ring: it waits and pumps), or,
     once its op was handed over to the daemon (``delegate_to``), from the daemon op's handle."""
 
-    __slots__ = ("delegate", "_after")
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.delegate: Handle | None = None
-        self._after: Callable[[], None] | None = None
+    __slots__ = ("delegate", "_after")  # (set by ``ExchangeRing.post``: no __init__ of its own on the op's path)
 
     def is_completed(self) -> bool:
         if not self._done:
@@ -246,6 +241,7 @@ class ExchangeRing:
         self._bell_at = [(fr.CONTROL_OFFSET + r * fr.CONTROL_BYTES + fr.BELL_OFFSET) // 4 for r in range(n)]
         offsets = [[fr.entry_offset(n, depth, slot, d, r) for r in range(n)] for d in range(depth)]
         self._header_at = [[o // 8 for o in row] for row in offsets]
+        self._state_at = [[h + fr.STATE for h in row] for row in self._header_at]  # (read on every op)
         self._data_offset = [[o + fr.ENTRY_HEADER_BYTES for o in row] for row in offsets]
         self._data_address = [[region.base + o for o in row] for row in self._data_offset]
         large = [[fr.large_slot_offset(n, depth, slot, self.large_bytes, j, r) for r in range(n)]
@@ -280,7 +276,7 @@ class ExchangeRing:
         #: (the op's number, error code, message) when a ring op fails on a local ring (a timeout, a
         #: mismatch): the daemon logs the op's line and fails a late rank's op of that number at once
         self.on_failed: Callable[[int, str, str], Any] | None = None
-        #: the group's collective numbering (``Client.take_seq``): returns the next op's number and
+        #: the group's collective numbering (``Client.numbering``): returns the next op's number and
         #: takes it; None: this ring counts the group's collectives itself (``group_ops``)
         self.take_number: Callable[[], int] | None = None
         #: each group rank's global rank, for messages (None: the group ranks are the global ranks)
@@ -329,6 +325,7 @@ class ExchangeRing:
             self._ids += 1
             handle = RingHandle(self, self._ids, "allreduce", self.group, time.monotonic() + timeout,
                                 result=result, keep=keep)
+            handle.delegate = handle._after = None
             # entry (seq mod depth) is free once every rank has consumed seq - depth
             self._wait_consumed(seq - self.depth, handle.deadline, "the exchange ring is full")
             d = seq % self.depth
@@ -525,8 +522,8 @@ class ExchangeRing:
         is waited for, so this rank never completes an op another rank fails (``protocol/fastring.py``).
         """
         words = self._words
-        for h in self._header_at[d]:
-            if words[h + fr.STATE]:
+        for at in self._state_at[d]:
+            if words[at]:
                 break
         else:
             return None

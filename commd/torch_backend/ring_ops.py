@@ -8,7 +8,7 @@ on what the ranks agree on anyway: the ring exists (agreed through the store), t
 tensor is on the CPU, its dtype has a NumPy kernel, the reduce op suits the dtype, and
 it is no larger than the ring's largest op.  Everything else goes through the daemon as before.
 
-A ring op takes the group's next collective number from the client (``Client.take_seq``),
+A ring op takes the group's next collective number from the client (``Client.numbering``),
 the number the daemon path would have given it, so the two paths number the group's ops
 as one sequence: after an op fails on the ring (a timeout, a disagreement) and the group
 moves to the daemon path, op k of every rank is still op k.
@@ -71,7 +71,7 @@ def open_ring(client: Client, store: dist.Store, name: str, rank: int, size: int
                           "whether they got the group's exchange ring")
     if all(value == b"1" for value in got):
         assert ring is not None
-        ring.take_number = lambda: client.take_seq(name)
+        ring.take_number = client.numbering(name)
         ring.global_ranks = list(global_ranks)
         client.on_numbered(name, ring.note_submitted)
         ring.on_failed = lambda number, code, why: client.notify_ring(name, failed=number, code=code, why=why[:1024])
