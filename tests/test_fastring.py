@@ -254,6 +254,28 @@ def test_a_rank_completing_an_op_waits_for_a_peer_deciding_its_timeout(
         assert x.tolist() == [3.0, 3.0]
 
 
+def test_a_stale_withdrawal_in_an_entry_being_rewritten_fails_nothing(
+        daemon: Any, connect: Callable[..., Any]) -> None:
+    """Rank 1 is rewriting an entry whose last op (``depth`` ops ago) it withdrew: its header already
+    names this op, its mark is still the old WITHDRAWN, its ``posted`` not yet there.  Rank 0, waiting
+    for this op, must not take the old mark for this op's timeout (found by the path-equivalence
+    schedules: one rank failed an op the other completed)."""
+    rings = _rings([connect(r, 2) for r in range(2)], timeout=30.0)
+    x = np.ones(2, np.float32)
+    pending = rings[0].all_reduce(x.view(np.uint8), "float32", "sum", None)
+    op = rings[0].pending[0]
+    h = rings[1]._header_at[op.seq % rings[1].depth][1]
+    words = rings[1]._words
+    words[h + fr.STATE], words[h + fr.VERDICT] = fr.WITHDRAWN, 0b01 | 500 << fr.VERDICT_TIMEOUT_SHIFT  # the old op's
+    words[h + fr.SEQ], words[h + fr.INDEX] = op.seq, op.index  # rewritten so far: posted is not
+    with pytest.raises(CommTimeoutError, match="not completed after"):
+        pending.wait(0.3)  # the caller's own wait ran out; the op is still pending
+    y = np.full(2, 2.0, np.float32)
+    rings[1].all_reduce(y.view(np.uint8), "float32", "sum", None).wait(5)
+    pending.wait(5)
+    assert x.tolist() == y.tolist() == [3.0, 3.0]
+
+
 def test_a_dead_rank_fails_the_waiting_op_before_its_timeout(daemon: Any, connect: Callable[..., Any]) -> None:
     rings = _rings([connect(r, 2) for r in range(2)], timeout=60.0)
     gone = subprocess.Popen(["true"])

@@ -20,13 +20,13 @@ on every rank, as on the daemon path: the rank whose deadline passed withdraws i
 (one decision, see ``protocol/fastring.py``), a rank that waits with it fails the op when
 it sees the withdrawal, a late rank fails it on arrival, and later ops are unaffected.  A
 dead rank or a dead daemon fails the op and every later op of the group's ring (the ring
-is then out of step) instead of hanging.
+is then out of step) instead of hanging.  A rank announces its sleep in its control line,
+so a poster makes the futex call only when someone sleeps.
 
 Every ring op takes the group's one collective number (``take_number``: the client's,
 shared with the daemon path), its messages name it as the daemon names its ops, and the
 ranks' entries must carry the same number, or the op fails and the group leaves the ring:
-op k of one rank is only ever combined with op k of the others.  A rank announces its sleep in its control line, so a
-poster makes the futex call only when someone sleeps.
+op k of one rank is only ever combined with op k of the others.
 
 Ordering relies on x86's store order (data and header are written before ``posted``,
 read after it; ``futex.Fence`` where a store must be seen before a later load);
@@ -263,11 +263,11 @@ class ExchangeRing:
         #: called (dtype, reduce op, count, the op's number) when this rank's ring op meets peers that
         #: sent the same collective to the daemon: it submits a daemon all-reduce of that shape and
         #: number, so the daemon reports the disagreement to those peers too (they wait for it there)
-        self.on_diverged: Callable[[str, str, int], Any] | None = None
+        self.on_diverged: Callable[[str, str, int, int], Any] | None = None
         #: bridged rings: called (op number) when this rank saw every local rank publish an op (the
-        #: daemon then reduces them), and (error code, reason) when this rank leaves the ring on its own
+        #: daemon then reduces them), and (error code, reason, the group's number of the op it left at
+        #: or None) when this rank leaves the ring on its own
         self.on_all_posted: Callable[[int], Any] | None = None
-        #: (error code, reason, the group's number of the op it left at, or None)
         self.on_left: Callable[[str, str, int | None], Any] | None = None
         #: called with a batch of traced ops (the ring's first line, while the daemon traces):
         #: [number, bytes, posted, all inputs in, done, error or None] each, times on the monotonic clock
@@ -341,8 +341,9 @@ class ExchangeRing:
             index = (self.take_number() if self.take_number is not None else self.group_ops) + 1
             ctypes.memmove(target, address, nbytes)
             h = self._header_at[d][me]
+            words[h + fr.STATE] = 0  # first: the entry's last op may have been withdrawn (stores stay in order)
             words[h], words[h + fr.DTYPE], words[h + fr.OP], words[h + fr.COUNT] = seq, dcode, ocode, count
-            words[h + fr.WHERE], words[h + fr.INDEX], words[h + fr.STATE] = where, index, 0
+            words[h + fr.WHERE], words[h + fr.INDEX] = where, index
             words[self._posted_at[me]] = seq  # publishes the entry (stores stay in order on x86)
             words[self._submitted_at[me]] = self.group_ops = index  # after posted: see _diverged
             self.next_seq = seq + 1
@@ -591,10 +592,15 @@ class ExchangeRing:
 
     def _withdrawn_by_peer(self, head: _Op) -> bool:
         """Fail ``head`` if a rank that posted it has withdrawn it (the op timed out there): a rank
-        that waits with it fails at once, as the daemon fails every waiting rank of a timed-out op."""
+        that waits with it fails at once, as the daemon fails every waiting rank of a timed-out op.
+
+        A rank's ``posted`` is read before its entry: an entry being rewritten for this op still
+        shows the withdrawal of the op that used it ``depth`` ops ago (a stale mark)."""
         words, d = self._words, head.seq % self.depth
         for r, h in enumerate(self._header_at[d]):
-            if (r != self.me and words[h + fr.STATE] == fr.WITHDRAWN and words[h] == head.seq
+            if r == self.me or words[self._posted_at[r]] < head.seq:
+                continue
+            if (words[h + fr.STATE] == fr.WITHDRAWN and words[h] == head.seq
                     and words[h + fr.INDEX] == head.index):
                 self._fail_head(head, CommTimeoutError(self._withdrawn_message(head, words[h + fr.VERDICT])))
                 return True

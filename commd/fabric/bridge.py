@@ -55,8 +55,9 @@ class RingBridge:
                  send: Callable[[wire.RingPart], None],
                  on_failed: Callable[[str, int, str, str], None] | None = None) -> None:
         self.group = group
-        #: (group, collective number, code, message): an op of a known number failed; the daemon's
-        #: scheduler fails a local rank's op of that number on arrival (``NodeServices.fail_seq``)
+        #: (group, collective number, code, message): an op of a known number failed; the daemon logs
+        #: it, and a timed-out one fails a local rank's late op of that number on arrival
+        #: (``NodeServices.fail_seq``)
         self.on_failed = on_failed
         self.region = region
         self.placement = placement
