@@ -143,7 +143,7 @@ class RingHandle(Handle):
     """A Handle whose completion comes from the ring (``client`` is the ring: it waits and pumps), or,
     once its op was handed over to the daemon (``delegate_to``), from the daemon op's handle."""
 
-    __slots__ = ("delegate", "_after")  # (set by ``ExchangeRing.post``: no __init__ of its own on the op's path)
+    __slots__ = ("delegate", "after")  # (set by ``ExchangeRing.post``: no __init__ of its own on the op's path)
 
     def is_completed(self) -> bool:
         if not self._done:
@@ -157,7 +157,7 @@ class RingHandle(Handle):
     def delegate_to(self, handle: Handle, after: Callable[[], None] | None) -> None:
         """The op now runs on the daemon as ``handle``: this handle completes or fails as it does
         (``after``, the ring's copy-out, once it succeeded), even when nobody waits (a future)."""
-        self._after = after
+        self.after = after
         self.delegate = handle
         handle.get_future().add_done_callback(lambda _future: self.settle_delegated())
 
@@ -169,7 +169,7 @@ class RingHandle(Handle):
         if error is not None:
             self.fail(error)
             return
-        after, self._after = self._after, None
+        after, self.after = self.after, None
         try:
             if after is not None:
                 after()
@@ -325,7 +325,7 @@ class ExchangeRing:
             self._ids += 1
             handle = RingHandle(self, self._ids, "allreduce", self.group, time.monotonic() + timeout,
                                 result=result, keep=keep)
-            handle.delegate = handle._after = None
+            handle.delegate = handle.after = None
             # entry (seq mod depth) is free once every rank has consumed seq - depth
             self._wait_consumed(seq - self.depth, handle.deadline, "the exchange ring is full")
             d = seq % self.depth
