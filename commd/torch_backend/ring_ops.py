@@ -76,9 +76,8 @@ def open_ring(client: Client, store: dist.Store, name: str, rank: int, size: int
         client.on_numbered(name, ring.note_submitted)
         ring.on_failed = lambda number, code, why: client.notify_ring(name, failed=number, code=code, why=why[:1024])
         ring.on_trace = lambda records: client.notify_ring(name, trace=records)
-        ring.on_diverged = lambda dtype, op, count, number: client.submit(
-            "allreduce", name, {"buf": (torch.zeros(count, dtype=TORCH_DTYPES[dtype]), "inout")},
-            TORCH_DTYPES[dtype], count=count, op=op, timeout=timeout, seq=number)
+        ring.on_diverged = lambda dtype, op, count, number: _numbered_all_reduce(
+            client, name, torch.zeros(count, dtype=TORCH_DTYPES[dtype]), op, timeout, number)
         if ring.bridged:
             ring.on_all_posted = lambda seq: client.notify_ring(name, k=seq)
             ring.on_left = lambda code, why, number: client.notify_ring(
@@ -101,9 +100,8 @@ def ring_all_reduce(client: Client, ring: fastring.ExchangeRing, tensor: torch.T
     client.wait_writes_to(tensor)
     flat = tensor if tensor.is_contiguous() else tensor.contiguous()
 
-    def hand_over(number: int) -> Handle:  # (the op as the daemon path runs it, under its own number)
-        return client.submit("allreduce", ring.group, {"buf": (flat, "inout")}, flat.dtype, count=flat.numel(),
-                             op=op, timeout=timeout, seq=number)
+    def hand_over(number: int) -> Handle:
+        return _numbered_all_reduce(client, ring.group, flat, op, timeout, number)
 
     if flat is tensor:
         handle = ring.post(tensor.data_ptr(), nbytes, dtype, op, timeout, result=result, hand_over=hand_over)
@@ -113,6 +111,13 @@ def ring_all_reduce(client: Client, ring: fastring.ExchangeRing, tensor: torch.T
     if not handle.is_completed():
         client.note_write_back(tensor, handle)
     return handle
+
+
+def _numbered_all_reduce(client: Client, group: str, tensor: torch.Tensor, op: str, timeout: float | None,
+                         number: int) -> Handle:
+    """A ring op as the daemon path runs it, under the number it took on the ring."""
+    return client.submit("allreduce", group, {"buf": (tensor, "inout")}, tensor.dtype, count=tensor.numel(),
+                         op=op, timeout=timeout, seq=number)
 
 
 def _supported(op: str, dtype: str) -> bool:
