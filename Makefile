@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-all stress equivalence conformance conformance-gloo-gates conformance-full bench bench-multinode bench-algorithms bench-ddp lint clean
+.PHONY: venv docs device-check demo test test-all stress equivalence conformance conformance-gloo-gates conformance-full bench bench-multinode bench-algorithms bench-ddp lint clean
 
 venv: $(STAMP)
 
@@ -68,8 +68,12 @@ bench-algorithms: venv
 bench-ddp: venv
 	$(PY) benchmarks/ddp.py
 
+# The documentation site (docs/, mkdocs.yml), built offline and strictly: a broken link fails it.
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
 lint: venv
 	$(VENV)/bin/ruff check commd tests benchmarks
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) site .pytest_cache .ruff_cache *.egg-info
