@@ -9,11 +9,15 @@ Which imports count where:
 * The layer rules (1-5, 7b) count every import, TYPE_CHECKING ones included:
   a type annotation naming a daemon class from lanes/ is a dependency on the
   daemon all the same, even if it is never executed.
-* The cycle rule (7a) counts the imports that run: module-level and lazy
-  (function-level) ones, but not TYPE_CHECKING ones.  A lazy import still
-  couples two modules both ways (the cycle the bench and tune modules once had
-  was two lazy imports), but an import under TYPE_CHECKING never executes and
-  is the standard way to name a type without a runtime dependency.
+* The cycle rule (7a) counts every import too: module-level, lazy
+  (function-level) and TYPE_CHECKING ones.  A lazy import still couples two
+  modules both ways, and a TYPE_CHECKING import that closes a loop is a cycle
+  hidden from the interpreter, not removed (a Protocol names what a module
+  needs of another without importing it).  It also counts the import that
+  torch makes: ``import torch`` runs the ``torch.backends`` entry point
+  (pyproject.toml) through torch's backend autoloading, so every module that
+  imports torch imports that module too.  A loop through it is what broke
+  ``from commd.client import Client`` in a fresh interpreter.
 * Rule 6 (privacy) counts every import and every attribute access.
 
 Imports by name at run time (``importlib.import_module``) are not seen: the
@@ -26,6 +30,7 @@ Each rule is its own test; a failure lists every offender with file and line.
 from __future__ import annotations
 
 import ast
+import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,6 +189,48 @@ def imports_of(module: str) -> Iterator[Import]:
 IMPORTS: list[Import] = [imp for module in SOURCES for imp in imports_of(module)]
 
 
+def torch_autoload_module() -> str:
+    """The module of commd's ``torch.backends`` entry point, which ``import torch`` runs."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    target = project["entry-points"]["torch.backends"]["commd"]
+    return target.split(":")[0]
+
+
+def _import_time_nodes(node: ast.AST) -> Iterator[ast.AST]:
+    """The statements that run when the module is imported: not function bodies, not ``if TYPE_CHECKING:``."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            continue
+        if isinstance(child, ast.If) and _is_type_checking(child.test):
+            yield from (n for stmt in child.orelse for n in [stmt, *_import_time_nodes(stmt)])
+            continue
+        yield child
+        yield from _import_time_nodes(child)
+
+
+def import_time_targets(module: str) -> tuple[set[str], bool]:
+    """The commd modules ``module`` imports when it is imported (parent packages included), and whether
+    it imports torch then."""
+    targets: set[str] = set()
+    imports_torch = False
+    for node in _import_time_nodes(TREES[module]):
+        if isinstance(node, ast.Import):
+            dotted = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            source = _absolute(module, node)
+            dotted = [f"{source}.{a.name}" for a in node.names] + [source]
+        else:
+            continue
+        for name in dotted:
+            imports_torch |= name == "torch" or name.startswith("torch.")
+            target = resolve(name)
+            while target:  # importing a.b.c runs a and a.b first
+                targets.add(target)
+                target = resolve(target.rpartition(".")[0]) if "." in target else None
+    targets.discard(module)
+    return targets, imports_torch
+
+
 def _report(rule: str, offenders: list[str]) -> str:
     offenders = sorted(set(offenders))
     return f"{rule} ({len(offenders)} offender{'s' if len(offenders) != 1 else ''}):\n  " + "\n  ".join(offenders)
@@ -340,10 +387,10 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def runtime_graph() -> dict[str, set[str]]:
+def import_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {name: set() for name in SOURCES}
     for i in IMPORTS:
-        if not i.type_checking and i.target != i.module:
+        if i.target != i.module:
             graph[i.module].add(i.target)
     return graph
 
@@ -355,14 +402,37 @@ def test_cycle_finder_finds_cycles() -> None:
     assert _cycles({"a": {"b", "c"}, "b": {"d"}, "c": {"d"}, "d": set()}) == []
 
 
+def test_what_torch_autoloads_imports_no_module_that_imports_torch() -> None:
+    """Rule 7c: ``import torch`` runs the entry point; nothing it imports then may import torch, since the
+    module that imported torch may be half-imported (``from commd.client import Client`` first)."""
+    autoload = torch_autoload_module()
+    assert autoload in SOURCES
+    seen: set[str] = set()
+    todo = [autoload]
+    offenders = []
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        targets, imports_torch = import_time_targets(module)
+        if imports_torch and module != autoload:
+            offenders.append(f"{module_path(module)} imports torch, and {autoload} imports it when torch loads")
+        todo.extend(targets)
+    assert not offenders, _report("torch's backend autoload", offenders)
+    # the check sees the loop it is for: the process group module imports torch and the client at import
+    targets, imports_torch = import_time_targets("commd.torch_backend.process_group")
+    assert imports_torch and "commd.client.connection" in targets
+
+
 def test_no_import_cycles() -> None:
-    """Rule 7a: the modules form a DAG (module-level and lazy imports; TYPE_CHECKING ones do not run)."""
-    cycles = _cycles(runtime_graph())
+    """Rule 7a: the modules form a DAG (every import: lazy, TYPE_CHECKING and torch's autoloading included)."""
+    cycles = _cycles(import_graph())
     bad = []
     for component in cycles:
         members = set(component)
-        edges = sorted(f"{i.where()}: {i.module} -> {i.target}" for i in IMPORTS
-                       if i.module in members and i.target in members and not i.type_checking)
+        edges = sorted(f"{i.where()}: {i.module} -> {i.target}" + (" (TYPE_CHECKING)" if i.type_checking else "")
+                       for i in IMPORTS if i.module in members and i.target in members)
         bad.append(" <-> ".join(component) + "\n    " + "\n    ".join(edges))
     assert not bad, _report("import cycles", bad)
 

@@ -45,7 +45,7 @@ def _register(just_loaded: str | None = None) -> bool:
     if just_loaded is not None and not _loaded("torch", just_loaded):
         return False  # torch.distributed finished inside torch's own import: wait for torch
     try:
-        from commd.torch_backend.process_group import register_backend
+        from commd.torch_backend.registration import register_backend
 
         register_backend()
     except Exception as exc:  # a broken torch must not break the user's import of it

@@ -8,23 +8,38 @@ ranks, which this turns into torch's message ("[Rank 0]: Rank 1 failed to pass
 monitoredBarrier in 1000 ms"), on every waiting rank rather than on rank 0 alone.
 
 The public ``monitored_barrier(group, ...)`` and the group's own method
-(``ProcessGroupCommd.monitored_barrier``) live in process_group.py; this module
-never imports it at run time, so that it can import this one.
+(``ProcessGroupCommd.monitored_barrier``) live in process_group.py, which imports this
+module; this one names what it needs of a group as a Protocol (``BarrierGroup``), so
+the two never import each other, not even for type checking.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from commd.client.errors import CommTimeoutError
 from commd.protocol.schema import MAX_OP_TIMEOUT_S
 
-if TYPE_CHECKING:
-    from commd.torch_backend.process_group import ProcessGroupCommd
+
+class Waitable(Protocol):
+    def wait(self) -> object: ...
 
 
-def monitored_barrier_on(pg: ProcessGroupCommd, timeout: timedelta | float | None = None,
+class BarrierGroup(Protocol):
+    """What a monitored barrier needs of a commd group (``ProcessGroupCommd`` is one)."""
+
+    global_ranks: list[int]
+
+    @property
+    def op_timeout(self) -> float: ...
+
+    def rank(self) -> int: ...
+
+    def barrier_within(self, timeout: float) -> Waitable: ...
+
+
+def monitored_barrier_on(pg: BarrierGroup, timeout: timedelta | float | None = None,
                          wait_all_ranks: bool = False) -> None:
     """Wait until every rank of the commd group ``pg`` calls this; torch's
     ``dist.monitored_barrier`` for commd groups.
@@ -45,7 +60,7 @@ def monitored_barrier_on(pg: ProcessGroupCommd, timeout: timedelta | float | Non
                                + f"\n Original exception: \n{exc}") from exc
 
 
-def _seconds(timeout: timedelta | float | None, pg: ProcessGroupCommd) -> float:
+def _seconds(timeout: timedelta | float | None, pg: BarrierGroup) -> float:
     if timeout is None:
         return pg.op_timeout
     if isinstance(timeout, timedelta):

@@ -34,18 +34,18 @@ from torch.futures import Future
 
 from commd.client import ops
 from commd.client.connection import Client
-from commd.client.errors import CommdError, ConnectError, take_torch_bases
+from commd.client.errors import CommdError, ConnectError
 from commd.client.handle import Handle
 from commd.client.spawn import ensure_daemon
 from commd.memory.budget import check_environment
 from commd.runtime import ConfigError, JobPaths, secret_from_environment
+from commd.torch_backend import BACKEND_NAME
 from commd.torch_backend.monitored import monitored_barrier_on
 from commd.torch_backend.profiling import profiled
 from commd.torch_backend.ring_ops import open_ring, ring_all_reduce
 from commd.torch_backend.sparse import all_reduce_sparse, is_sparse_call
 from commd.torch_backend.store import read_from_ranks
 
-BACKEND_NAME = "commd"
 _STORE_PREFIX = "commd/"
 #: How long rank 0 keeps the store up for the other ranks to read a failed secret check.
 _VERDICT_READ_S = 10.0
@@ -755,7 +755,8 @@ def _bootstrap(store: dist.Store, rank: int, size: int, timeout: timedelta) -> C
         return _client
 
 
-def _create(dist_opts: Any, backend_opts: Any) -> ProcessGroupCommd:
+def create_group(dist_opts: Any, backend_opts: Any) -> ProcessGroupCommd:
+    """torch's factory for a \"commd\" group (``registration`` hands it on): the first one bootstraps the client."""
     store = dist_opts.store
     rank, size = dist_opts.group_rank, dist_opts.group_size
     timeout = dist_opts.timeout
@@ -790,28 +791,7 @@ def _close_client() -> None:
             _client = None
 
 
-_registered = False
-
-
-def register_backend() -> None:
-    """Register "commd" with torch.distributed (idempotent); commd's errors become torch's error types."""
-    global _registered
-    try:
-        take_torch_bases(dist)
-    except (TypeError, AttributeError) as exc:  # a torch whose error types cannot be bases (or lacks them)
-        warnings.warn(f"commd: its errors cannot be torch.distributed's error types too: {exc}", RuntimeWarning,
-                      stacklevel=2)
-    if _registered or BACKEND_NAME.upper() in dist.Backend._plugins:
-        _registered = True
-        return
-    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
-    atexit.register(_close_client)
-    _registered = True
-
-
-def autoload() -> None:
-    """Entry point for torch's backend autoloading (the `torch.backends` group)."""
-    register_backend()
+atexit.register(_close_client)
 
 
 def monitored_barrier(group: Any = None, timeout: timedelta | float | None = None, wait_all_ranks: bool = False) -> None:
