@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import errno
 import fcntl
+import hashlib
 import hmac
 import os
 import re
@@ -31,6 +32,8 @@ JOB_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 DEFAULT_JOB = "default"
 SOCKET_NAME = "control.sock"
 OPS_SOCKET_NAME = "ops.sock"
+#: The longest path a Unix socket can bind or connect to on Linux (``sun_path`` holds 108 bytes with the NUL).
+MAX_SOCKET_PATH = 107
 SECRET_NAME = "secret"
 PID_NAME = "daemon.pid"
 LOG_NAME = "daemon.log"
@@ -60,6 +63,89 @@ SECRET_FILE_ENV = "COMMD_SECRET_FILE"
 MIN_SECRET_CHARS = 16
 MAX_SECRET_BYTES = 4096
 
+#: Every environment variable commd reads, with what it sets (one line each): the reference of
+#: the documentation is generated from it, and a test checks that every COMMD_* name the source
+#: mentions is here.  Where a variable and a flag set the same thing, the flag wins.
+ENVIRONMENT: dict[str, str] = {
+    "COMMD_ALGORITHMS_DIR": "Directory of collective programs (MSCCL XML files, checked at load) this node's daemon "
+                            "can run, and that `commd algo list` lists (the daemon's `--algorithms-dir`; else the "
+                            "config's `[scheduler] algorithms_dir`).",
+    "COMMD_ARENA_BYTES": "A client's arena size at start, a byte count such as `64M` (default: 64 MiB or an "
+                         "eighth of the free shared memory, whichever is less; the arena grows on demand).",
+    "COMMD_CHAOS_DELAY_MS": "Testing: before 30% of the lane ops, the daemon sleeps a random time up to this many "
+                            "milliseconds (default 0: never; the deadlock stress test sets it).",
+    "COMMD_CHAOS_SEED": "Testing: the seed of those random delays (default 0).",
+    "COMMD_COMPRESSION": "The torch backend's codec between nodes for groups whose options name none: a codec "
+                         "name, `auto` (the daemons may choose a lossy one) or `none` (default: the daemons may "
+                         "choose a lossless one).",
+    "COMMD_CONFIG": "The daemon's TOML config file (`commd daemon --config`).",
+    "COMMD_CUDA_IPC": "`0`: a client stages CUDA tensors through host memory even when its daemon has a GPU "
+                      "(default `1`: CUDA IPC references).",
+    "COMMD_FUSION_CYCLE_MS": "How long a daemon collects ready ops before reporting them to the coordinator "
+                             "(`--fusion-cycle-ms`; default 0: once per event-loop turn).",
+    "COMMD_FUSION_THRESHOLD": "Small all-reduces released together are fused up to this many bytes "
+                              "(`--fusion-threshold`; default 65536, 0 disables).",
+    "COMMD_GC_FREEZE": "`0`: the daemon does not freeze its heap out of the garbage collector's reach once set "
+                       "up (default `1`).",
+    "COMMD_JOB": "The job name: which daemon a client, `commd status` or `commd trace` talks to, and the "
+                 "daemon's `--job` (default `default`; `commd launch` exports it to its workers).",
+    "COMMD_KERNEL_THREADS": "The daemon's torch intra-op threads (default 1).",
+    "COMMD_KERNEL_WORKERS": "Daemon threads that share the blocks of a large single-node reduction (default: the "
+                            "core count, at most 4).",
+    "COMMD_LOCAL_RING": "`0`: a client never uses exchange rings, every op takes the daemon path (default `1`).",
+    "COMMD_LOG_LEVEL": "The daemon's log level (`--log-level`; default `INFO`).",
+    "COMMD_MAX_ARENA_BYTES": "Bytes of arena segments one client may register with the daemon (default: the "
+                             "machine's physical memory).",
+    "COMMD_MAX_OP_TIMEOUT": "The longest op timeout a client may ask for; longer ones are capped "
+                            "(`--max-op-timeout`; default 24 h, or `--op-timeout` if longer).",
+    "COMMD_MAX_PENDING_BYTES": "Inline tensor bytes the daemon holds for one client's pending ops "
+                               "(`--max-pending-bytes`; default 64 MiB).",
+    "COMMD_MAX_PENDING_OPS": "Ops one client may have submitted and not yet answered (`--max-pending-ops`; "
+                             "default 65536).",
+    "COMMD_MAX_REGISTERED_BYTES": "Bytes of registered tensor storages one client may have mapped in the daemon, "
+                                  "read by both (default: half the machine's physical memory; 0 turns "
+                                  "registration off).",
+    "COMMD_MAX_REPLY_BACKLOG": "Reply bytes queued for a client that does not read its op channel; past it the "
+                               "client is dropped (`--max-reply-backlog`; default 128 MiB).",
+    "COMMD_MAX_SEGMENTS": "Shared-memory segments (arena and registered) one client may register with the daemon "
+                          "(default 1024).",
+    "COMMD_METRICS_ADDR": "The address the daemon's metrics endpoint binds to (`--metrics-addr`; default "
+                          "127.0.0.1).",
+    "COMMD_METRICS_INTERVAL": "Seconds between rewrites of the metrics textfile (`--metrics-interval`; "
+                              "default 15).",
+    "COMMD_METRICS_PORT": "Serve Prometheus metrics on this port, 0: any free port (`--metrics-port`; default: "
+                          "no endpoint).",
+    "COMMD_METRICS_TEXTFILE": "Also write the metrics to this file, for node_exporter's textfile collector "
+                              "(`--metrics-textfile`).",
+    "COMMD_NNODES": "The number of nodes (daemons) in the job (`commd daemon --nnodes`; default 1).",
+    "COMMD_NODE": "This node's name, unique per node (default: the hostname); read by the daemon, the torch "
+                  "backend, `commd launch` and the benchmark.",
+    "COMMD_NODE_RANK": "This node's rank in the fabric (`commd daemon --node-rank`).",
+    "COMMD_OP_TIMEOUT": "Seconds an op may wait for its peers: a client's timeout when neither the op nor its "
+                        "process group gives one, and the daemon's `--op-timeout` (default 30).",
+    "COMMD_PEER_TIMEOUT": "Seconds of silence before a peer daemon counts as dead (`--peer-timeout`; "
+                          "default 10).",
+    "COMMD_REGISTER": "`0`: a client never registers tensor storages, it stages them (default `1`).",
+    "COMMD_REGISTER_FIRST_BYTES": "An in-place op's tensor of at least this many bytes has its storage registered "
+                                  "at its first sighting (default 64 MiB).",
+    "COMMD_RENDEZVOUS": "HOST:PORT of the TCPStore the daemons rendezvous on (`commd daemon --rendezvous`).",
+    "COMMD_RENDEZVOUS_TIMEOUT": "Seconds a daemon waits for every node at the rendezvous "
+                                "(`--rendezvous-timeout`; default 300).",
+    "COMMD_RUNTIME_DIR": "The root of the per-job runtime directories (default: `$XDG_RUNTIME_DIR/commd`, else "
+                         "`/tmp/commd-<uid>`).",
+    "COMMD_SECRET": "The job secret (at least 16 characters); a job on several nodes needs the same one on "
+                    "every node.",
+    "COMMD_SECRET_FILE": "A file holding the job secret, readable by its owner only (mode 0600); read when "
+                         "COMMD_SECRET is unset.",
+    "COMMD_TORCH_WARMUP": "`0`: the daemon imports torch only when an op needs it, not in the background after "
+                          "start (default `1`).",
+    "COMMD_TRACE": "The daemon traces every op's phases into this file from the start (`--trace`).",
+    "COMMD_TUNING": "The tuning table node 0's daemon loads: a path or `off` (`--tuning`; default: the "
+                    "config's `[scheduler] tuning`, else the default table of the tuning directory).",
+    "COMMD_TUNING_DIR": "Where tuning tables are saved and looked for (default: "
+                        "`$XDG_CACHE_HOME/commd/tuning`, else `~/.cache/commd/tuning`).",
+}
+
 
 class ClosedAtExit:
     """Objects whose ``close()`` must run at interpreter exit, before module teardown and before Python
@@ -84,7 +170,10 @@ class ClosedAtExit:
 
 
 class ConfigError(ValueError):
-    """A setting from the environment, a flag or a file is invalid."""
+    """A setting from the environment, a flag or a file is invalid.
+
+    Raised in the process that reads the setting (a rank's client for its COMMD_* variables, the daemon at
+    start for its flags, variables and config file), the message naming the setting and the valid range."""
 
 
 class UntrustedPathError(ConfigError):
@@ -347,21 +436,37 @@ class JobPaths:
         """Create the job's directory (0700); refuses a root or job directory that is not ours."""
         _runtime_root_dir(self.directory.parent)
         _private_dir(self.directory)
+        if self.socket_dir != self.directory:
+            _runtime_root_dir(self.socket_dir.parent)
+            _private_dir(self.socket_dir)
         return self
 
     def verify(self) -> JobPaths:
         """Check, without changing anything, that nobody else can have planted this job's files."""
         check_runtime_root(self.directory.parent)
         check_job_dir(self.directory)
+        if self.socket_dir != self.directory:
+            check_runtime_root(self.socket_dir.parent)
+            check_job_dir(self.socket_dir)
         return self
 
     @property
+    def socket_dir(self) -> Path:
+        """Where the job's sockets live: the job directory, unless a socket path in it would pass the
+        ``MAX_SOCKET_PATH`` bytes a Unix socket address holds (a deep ``COMMD_RUNTIME_DIR``); then a short
+        private directory named from the job directory's path, which daemon and clients compute alike."""
+        if len(os.fsencode(self.directory / SOCKET_NAME)) <= MAX_SOCKET_PATH:
+            return self.directory
+        digest = hashlib.sha256(os.fsencode(os.path.abspath(self.directory))).hexdigest()[:24]
+        return Path("/tmp") / f"commd-{os.getuid()}.sockets" / digest
+
+    @property
     def socket(self) -> Path:
-        return self.directory / SOCKET_NAME
+        return self.socket_dir / SOCKET_NAME
 
     @property
     def ops_socket(self) -> Path:
-        return self.directory / OPS_SOCKET_NAME
+        return self.socket_dir / OPS_SOCKET_NAME
 
     @property
     def endpoint(self) -> str:

@@ -10,6 +10,7 @@ To the fabric member this object is a ``fabric.services.NodeServices`` and nothi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -39,6 +40,7 @@ from commd.observe.hooks import DaemonObservers
 from commd.observe.stats import Stats
 from commd.observe.trace import NullTrace, Tracer
 from commd.protocol import schema as s
+from commd.runtime import MAX_SOCKET_PATH
 from commd.scheduler.local import LocalScheduler
 
 if TYPE_CHECKING:
@@ -129,6 +131,9 @@ class Daemon:
         self.observers.start(self.loop)
         watchdog = asyncio.ensure_future(self.watchdog.run())
         log.info("daemon for job %s listening on %s", self.config.paths.job, self.config.paths.endpoint)
+        if self.config.paths.socket_dir != self.config.paths.directory:
+            log.info("sockets in %s: a socket path in the job directory %s would pass the %d bytes a Unix socket "
+                     "address holds", self.config.paths.socket_dir, self.config.paths.directory, MAX_SOCKET_PATH)
         self.clients.idle_since = time.monotonic()  # serving from now: the first client's grace starts here
         await self._stopped.wait()
         watchdog.cancel()
@@ -171,6 +176,9 @@ class Daemon:
                 path.unlink()
             except FileNotFoundError:
                 pass
+        if paths.socket_dir != paths.directory:
+            with contextlib.suppress(OSError):  # left if anything else is still in it
+                paths.socket_dir.rmdir()
         for client in self.clients:
             self.buffers.release(client)
         log.info("daemon stopped")
