@@ -173,7 +173,7 @@ class ConfigError(ValueError):
     """A setting from the environment, a flag or a file is invalid.
 
     Raised in the process that reads the setting (a rank's client for its COMMD_* variables, the daemon at
-    start for its flags, variables and config file), the message naming the setting and the valid range."""
+    start for its flags, variables and config file), the message naming the setting and what is wrong."""
 
 
 class UntrustedPathError(ConfigError):

@@ -1,4 +1,4 @@
-"""The layering rules of ARCHITECTURE.md, read from the source with ``ast`` (nothing is imported).
+"""The layering rules of docs/architecture/index.md, read from the source with ``ast`` (nothing is imported).
 
 Every module under ``commd/`` is parsed; every ``import`` / ``from ... import``
 is collected wherever it stands: at module level, inside functions (lazy

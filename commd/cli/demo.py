@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed all_reduce calls per backend (default 5)")
     parser.add_argument("--timeout", type=float, default=90.0,
                         help="seconds each backend's run may take before it is killed (default 90)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model's weights and data (default 0)")
 
 
 @dataclass

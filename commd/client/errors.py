@@ -23,43 +23,70 @@ class _DistLayout(RuntimeError):
 
 
 class CommdError(_DistLayout):
-    """Base class of every error raised by the commd client library."""
+    """Base class of every error raised by the commd client library.
+
+    Raised as itself for an error inside the daemon (code ``internal``), on every rank of the failed op."""
 
 
 class ConnectError(CommdError):
-    """The node daemon could not be reached or started."""
+    """The node daemon could not be reached or started.
+
+    Raised in the process that connects (a new ``Client``, the torch backend's bootstrap) and only there; when a
+    cluster prologue could not start the daemon, the message is the reason it recorded."""
 
 
 class UntrustedDaemonError(ConnectError):
-    """The job's directory, sockets or daemon process are not the user's own: nothing was sent to them."""
+    """The job's directory, sockets or daemon process are not the user's own: nothing was sent to them.
+
+    Raised in the connecting process, before its hello carries the job secret; the message names the path or
+    process and what is wrong with it."""
 
 
 class StoreError(CommdError):
-    """Bootstrapping the torch backend through the c10d store failed (a rank never wrote its part)."""
+    """Bootstrapping the torch backend through the c10d store failed (a rank never wrote its part).
+
+    Raised by ``init_process_group`` or ``new_group`` on the ranks left waiting for the part, after the store's
+    timeout; the message names the ranks that never wrote it."""
 
 
 class AuthError(CommdError):
-    """The daemon refused us: wrong job secret or wrong job."""
+    """The daemon refused us: wrong job secret or wrong job.
+
+    Raised in the process whose request was refused, and only there."""
 
 
 class RequestError(CommdError):
-    """The daemon rejected a request as malformed or out of bounds."""
+    """The daemon rejected a request as malformed or out of bounds.
+
+    Raised on the submitting rank only, the message naming the field: the op never reached the scheduler, so
+    its peers wait for it as for a rank that did not submit it."""
 
 
 class LimitExceededError(RequestError):
-    """The daemon refused the op: it would pass a per-client limit (inline size, pending ops or bytes)."""
+    """The daemon refused the op: it would pass a per-client limit (inline size, pending ops or bytes).
+
+    Raised on the submitting rank only; nothing else changes, and the daemon counts the hit."""
 
 
 class MismatchError(CommdError):
-    """Ranks submitted disagreeing ops (kind, dtype, count, op, root...)."""
+    """Ranks submitted disagreeing ops (kind, dtype, count, op, root...).
+
+    Raised on every rank of the op, on every node; the message names the fields, their values and the ranks
+    holding each.  Other groups are not affected."""
 
 
 class PeerDiedError(CommdError):
-    """A rank taking part in the op died or left."""
+    """A rank taking part in the op died or left.
+
+    Raised on every rank whose op waits for the dead rank (or node), naming it; the group's later ops fail
+    at once."""
 
 
 class CommTimeoutError(CommdError, TimeoutError):
-    """The op did not complete in time (peers missing or daemon stuck)."""
+    """The op did not complete in time (peers missing or daemon stuck).
+
+    Raised on every rank that submitted the op, naming the ranks that did not (``missing_ranks``); a late
+    rank's op fails on arrival with the same message, and the group's later ops are unaffected."""
 
     @property
     def missing_ranks(self) -> list[int] | None:
@@ -68,11 +95,15 @@ class CommTimeoutError(CommdError, TimeoutError):
 
 
 class DaemonShutdownError(CommdError):
-    """The daemon is shutting down and failed the op."""
+    """The daemon is shutting down and failed the op.
+
+    Raised on every rank of the node with an op waiting or queued when the daemon stopped."""
 
 
 class DaemonDiedError(CommdError):
-    """The daemon process disappeared."""
+    """The daemon process disappeared.
+
+    Raised on every rank of the node, for each op it has pending and for every later one."""
 
 
 #: The torch.distributed types (by name) each class takes as bases once torch is loaded, its commd

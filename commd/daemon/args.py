@@ -84,7 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_limit_arguments(parser)
     observe.add_arguments(parser)
     parser.add_argument("--log-file", default=None, help="also append the log to this file")
-    parser.add_argument("--log-level", default=os.environ.get("COMMD_LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-level", default=os.environ.get("COMMD_LOG_LEVEL", "INFO"),
+                        help="a logging level: DEBUG, INFO, WARNING, ERROR, CRITICAL (default: $COMMD_LOG_LEVEL, "
+                             "else INFO)")
 
 
 def fusion_settings(args: argparse.Namespace, scheduler: SchedulerConfig) -> None:

@@ -56,6 +56,16 @@ MAX_PENDING_BYTES_RANGE = (_INLINE_BUFFERS_PER_OP * s.INLINE_MAX_BYTES, 1 << 40)
 #: A full batch frame of replies must fit, or a reading client could be dropped.
 MAX_REPLY_BACKLOG_RANGE = (s.MAX_MESSAGE_BYTES, 1 << 40)
 MAX_OP_TIMEOUT_RANGE = (0.001, 7 * 24 * 3600.0)
+#: The config file's ``[limits]`` keys (the fields of ``ClientLimits``) and what each bounds; the flags and
+#: the COMMD_* variables of the same names win over them.
+LIMITS_KEYS: dict[str, str] = {
+    "max_pending_ops": "ops one client may have submitted and not yet answered",
+    "max_pending_bytes": "inline tensor bytes the daemon holds for one client's pending ops",
+    "max_reply_backlog": "reply bytes queued for a client that does not read its op channel; past it the client "
+                         "is dropped as if it had died",
+    "max_op_timeout": "the longest op timeout, in seconds, a client may ask for; longer ones are capped (the "
+                      "default is raised to `--op-timeout` when that is longer)",
+}
 
 # Names of the limits (keys of ``limits_hit``).
 INLINE = s.INLINE_LIMIT
@@ -182,7 +192,7 @@ def config_section(path: str | None) -> dict[str, Any]:
     section = data.get("limits", {})
     if not isinstance(section, dict):
         raise ConfigError(f"{path}: [limits] must be a table")
-    unknown = set(section) - {"max_pending_ops", "max_pending_bytes", "max_reply_backlog", "max_op_timeout"}
+    unknown = set(section) - LIMITS_KEYS.keys()
     if unknown:
         raise ConfigError(f"{path}: unknown [limits] key(s) {sorted(unknown)}")
     ranges: dict[str, tuple[float, float]] = {

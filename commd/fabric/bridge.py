@@ -14,7 +14,7 @@ all-reduce computes — and publishes the result as its own entry, which the ran
 Nothing here waits: every step is a callback on the loop, run when its input arrived.
 An op waits only for the same op on the group's other nodes, and a node's ranks publish
 a group's ring ops in order without waiting on anything else, so no cycle can form
-(ARCHITECTURE.md, "Exchange rings").  A failure — the nodes or the local ranks disagree,
+(docs/architecture/exchange-rings.md).  A failure — the nodes or the local ranks disagree,
 some node's ranks sent that collective to their daemon instead, a rank or node died, a
 rank left the ring — is published in the bridge's control line (``abandoned`` = 1 + the
 code's index in ``BRIDGE_ERRORS``, the reason in its first large slot) and sent to the

@@ -1,6 +1,6 @@
 """A daemon's part in the fabric: the control link to the coordinator and the parts it feeds.
 
-The parts, one role each (see ARCHITECTURE.md, "Several nodes: the fabric"):
+The parts, one role each (see docs/architecture/fabric.md):
 
 * ``collectives.Collectives`` — report matched ops to the coordinator, run its releases;
 * ``p2p.PointToPoint`` — send/recv between ranks on different nodes;

@@ -52,7 +52,10 @@ def _file_system_type(fd: int) -> int | None:
 
 
 class SegmentError(MemoryError):
-    """A segment cannot be created or accepted; the text says why, where from and how much."""
+    """A segment cannot be created or accepted; the text says why, where from and how much.
+
+    Raised in the process whose arena cannot grow (a new ``Client``, ``commd.empty``, a staged tensor): its
+    pages are reserved up front, so running out of shared memory is this error, never a SIGBUS later."""
 
 
 def _align(n: int) -> int:

@@ -20,7 +20,16 @@ from commd.runtime import ConfigError
 DEFAULT_ADDR = "127.0.0.1"
 DEFAULT_TEXTFILE_INTERVAL_S = 15.0
 MAX_TEXTFILE_INTERVAL_S = 3600.0
-CONFIG_KEYS = {"port", "addr", "textfile", "interval_s"}
+#: The config file's ``[metrics]`` keys (the fields of ``MetricsSettings``) and what each sets; the
+#: ``--metrics-*`` flags and the COMMD_METRICS_* variables win over them.
+CONFIG_KEYS: dict[str, str] = {
+    "port": "serve Prometheus metrics over HTTP on this port (0: any free port, shown by `commd status`); unset: "
+            "no endpoint",
+    "addr": "the address the metrics endpoint binds to",
+    "textfile": "also write the metrics to this file (replaced atomically), for node_exporter's textfile "
+                "collector",
+    "interval_s": "seconds between rewrites of the textfile (0.1 to 3600)",
+}
 
 
 @dataclass
@@ -89,7 +98,7 @@ def config_section(config_path: str | None) -> dict[str, Any]:
     section = data.get("metrics", {})
     if not isinstance(section, dict):
         raise ConfigError(f"{config_path}: [metrics] must be a table")
-    unknown = set(section) - CONFIG_KEYS
+    unknown = set(section) - CONFIG_KEYS.keys()
     if unknown:
         raise ConfigError(f"{config_path}: unknown [metrics] key(s) {sorted(unknown)}; known: {sorted(CONFIG_KEYS)}")
     return section
