@@ -833,7 +833,9 @@ def test_cli_simulate_reports_a_mismatch_a_deadlock_and_a_trace(tmp_path: Path,
     mscclxml.dump(ring_allreduce(3), ring)
     assert main(["algo", "simulate", str(ring), "--count", "9", "--dtype", "float64", "--trace"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 3 * 5 + 1 and lines[0].startswith("t=1") and lines[-1].startswith("match")
+    # the trace, the verdict, then how the ranks compare (with NumPy, with each other) and the class
+    assert len(lines) == 3 * 5 + 4 and lines[0].startswith("t=1") and lines[15].startswith("match")
+    assert [line.split(":")[0] for line in lines[16:]] == ["  against NumPy", "  between ranks", "  determinism"]
     assert main(["algo", "simulate", str(ring), "--count", "9", "--dtype", "float32", "--op", "bxor"]) == 2
 
 

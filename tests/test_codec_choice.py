@@ -199,7 +199,7 @@ def test_no_codec_below_1_mib_for_other_dtypes_kinds_lanes_or_programs() -> None
 
 def test_a_program_gets_no_automatic_codec() -> None:
     class Program:
-        name, digest = "ring", "0" * 64
+        name, digest, determinism = "ring", "0" * 64, "bitwise"
 
     class Catalog:
         files: dict = {}

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from commd.algorithms.errors import ProgramError
-from commd.algorithms.ir import Algorithm
+from commd.algorithms.ir import BITWISE, Algorithm
 
 log = logging.getLogger("commd.algorithms")
 
@@ -62,6 +62,9 @@ class Program:
     post_text: str | None = None  # a custom program's sidecar (JSON), travels with it
     #: Whether it is an AllToNext program (a ``custom`` one whose postcondition says so).
     alltonext: bool = False
+    #: The checker's determinism class (``ir.BITWISE`` or ``ir.ORDER_DEPENDENT``): selection keeps an
+    #: order-dependent program off ops that need bit-identical results (``core.ops.order_sensitive``).
+    determinism: str = BITWISE
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,8 @@ class Tools:
 
     dumps: Callable[[Algorithm], str]
     load: Callable[[Path], Algorithm]
-    check: Callable[[Algorithm, Any, str], None]
+    #: Raises the checker's refusal, or returns the program's determinism class (None: ``ir.BITWISE``).
+    check: Callable[[Algorithm, Any, str], str | None]
     postcondition: Callable[[Algorithm, Path | None, str], Any]
     library_get: Callable[[str, int], Algorithm]
     library_names: Callable[[], list[str]]
@@ -106,7 +110,7 @@ def default_tools() -> Tools:
 
     library_get, library_names = _library()
     return Tools(dumps=mscclxml.dumps, load=mscclxml.load,
-                 check=lambda algo, p, source: checker.check(algo, p, source=source),
+                 check=lambda algo, p, source: checker.check(algo, p, source=source).kind,
                  postcondition=post, library_get=library_get, library_names=library_names,
                  library_post=library_post)
 
@@ -198,10 +202,10 @@ class Catalog:
         if algo.coll == "custom" and sidecar is None:
             raise ProgramError(f"coll=\"custom\" needs its postcondition in {path.name}.post.json", source=str(path))
         post = self.tools.postcondition(algo, sidecar, str(path))
-        self.tools.check(algo, post, str(path))
+        determinism = self.tools.check(algo, post, str(path)) or BITWISE
         post_text = sidecar.read_text() if sidecar is not None and algo.coll == "custom" else None
         return Program(name, algo, digest_of(algo, self.tools.dumps), str(path), post_text,
-                       is_alltonext(algo, post))
+                       is_alltonext(algo, post), determinism)
 
     def _refuse(self, name: str, source: str, reason: str) -> None:
         self.refused.append(Refusal(name, source, reason))
@@ -255,7 +259,7 @@ class Catalog:
                 algo = mscclxml.loads(entry["xml"], source=where)
                 post = (postcondition.parse_sidecar(json.loads(entry["post"]), where) if entry["post"] is not None
                         else None)
-                checker.check(algo, post, source=where)
+                determinism = checker.check(algo, post, source=where).kind
             except (ProgramError, ValueError) as exc:
                 self.files.pop(str(name), None)
                 self._refuse(str(name), where, str(exc))
@@ -263,7 +267,8 @@ class Catalog:
             digest = digest_of(algo, mscclxml.dumps)
             mine = self.files.get(name)
             if mine is None:
-                self.files[name] = Program(name, algo, digest, FROM_NODE0, entry["post"], is_alltonext(algo, post))
+                self.files[name] = Program(name, algo, digest, FROM_NODE0, entry["post"], is_alltonext(algo, post),
+                                           determinism)
             elif mine.digest != digest:
                 del self.files[name]
                 self._refuse(name, mine.source, f"this node's copy (sha256 {short(mine.digest)}) differs from "
@@ -297,11 +302,12 @@ class Catalog:
             algo = self.tools.library_get(name, nnodes)
             given = self.tools.library_post(name, nnodes) if algo.coll == "custom" and self.tools.library_post else None
             post = self.tools.postcondition(algo, given, source)
-            self.tools.check(algo, post, source)
+            determinism = self.tools.check(algo, post, source) or BITWISE
         except (ProgramError, ValueError) as exc:
             log.warning("algorithms: %s cannot be used: %s", source, exc)
             return f"{source} cannot be used: {exc}"
-        return Program(name, algo, digest_of(algo, self.tools.dumps), LIBRARY, alltonext=is_alltonext(algo, post))
+        return Program(name, algo, digest_of(algo, self.tools.dumps), LIBRARY, alltonext=is_alltonext(algo, post),
+                       determinism=determinism)
 
     def runnable(self, name: str, kind: str, nnodes: int, dtype: str, op: str | None) -> Program | str:
         """The program ``name`` if it can run a ``kind`` op of ``dtype`` (reduced with the lane op
@@ -331,7 +337,8 @@ class Catalog:
         return {
             "directory": str(self.directory) if self.directory is not None else None,
             "library": self._library_names(),
-            "files": {name: {"path": p.source, "sha256": p.digest, "coll": p.algo.coll, "nodes": p.algo.ngpus}
+            "files": {name: {"path": p.source, "sha256": p.digest, "coll": p.algo.coll, "nodes": p.algo.ngpus,
+                             "determinism": p.determinism}
                       for name, p in sorted(self.files.items())},
             "refused": [{"name": r.name, "path": r.source, "reason": r.reason} for r in self.refused],
         }

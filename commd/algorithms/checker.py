@@ -11,8 +11,12 @@ Stages, in order; each names the file, rank, threadblock and step of every probl
 4. no data race — two accesses to one chunk, at least one a write, are always ordered by
    happens-before;
 5. the postcondition, by one symbolic run;
-6. determinism (commd's lane contract) — every rank holding the reduction of the same
-   sources holds the same reduction tree, so every node ends bit-identical.
+6. determinism — not a refusal but the program's class (:class:`Determinism`): ``bitwise``
+   when every rank holding the reduction of the same sources holds the same reduction tree
+   (every node ends bit-identical, commd's lane contract, for any dtype and op), else
+   ``order-dependent``, with the results whose ranks reduce in different orders.  Program
+   selection keeps an order-dependent program off the ops whose result depends on the order
+   (``core.ops.order_sensitive``: float sums, products and averages).
 
 A step's accesses happen while it runs: a send has read its source once its step is done
 (the runtime copies the data out, so a later step may overwrite the chunk), a receive writes
@@ -22,8 +26,9 @@ every tile, and tiles touch disjoint elements.
 A stage runs only when the stages before it found nothing: each relies on what the earlier
 ones proved (a race makes the symbolic run's result depend on the schedule, a cycle leaves
 no order to run it in).  :class:`Analysis` keeps what the stages computed for the
-simulator and the interpreter: the matched transfers, a topological order of the steps
-and the tree of every output chunk.
+simulator and the interpreter: the matched transfers, a topological order of the steps,
+the tree of every output chunk and the determinism class; :func:`report` returns it with
+the problems, for callers that show both.
 """
 
 from __future__ import annotations
@@ -34,7 +39,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from commd.algorithms.errors import ProgramError
-from commd.algorithms.ir import BUFFERS, Algorithm, Rank, Step, StepType, Threadblock
+from commd.algorithms.ir import (
+    BITWISE,
+    BUFFERS,
+    ORDER_DEPENDENT,
+    Algorithm,
+    Rank,
+    Step,
+    StepType,
+    Threadblock,
+)
 from commd.algorithms.postcondition import ChunkRef, Postcondition, for_algorithm, shape_problems
 from commd.algorithms.symbolic import Expr, StepRef, SymbolicState, run
 
@@ -55,6 +69,58 @@ class Transfer:
 
 
 @dataclass(frozen=True)
+class OrderDifference:
+    """One result (the reduction of ``sources``) that ranks build in different orders: each
+    distinct tree with the slots holding it (sorted), so a message can say who differs."""
+
+    sources: frozenset[ChunkRef]
+    trees: tuple[tuple[str, tuple[ChunkRef, ...]], ...]  # (the tree rendered, the slots holding it)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The ranks holding this result."""
+        return tuple(sorted({slot.rank for _, slots in self.trees for slot in slots}))
+
+    def describe(self, limit: int = 4) -> str:
+        """``ranks 0, 1, 2 hold it in 3 orders: r0.i0 = (…); r1.i0 = (…); …``: the first ``limit``
+        orders, each with the slots that hold it."""
+        shown = "; ".join(f"{', '.join(s.short() for s in slots)} = {tree}" for tree, slots in self.trees[:limit])
+        more = f"; and {len(self.trees) - limit} more order(s)" if len(self.trees) > limit else ""
+        return f"ranks {', '.join(map(str, self.ranks))} hold it in {len(self.trees)} orders: {shown}{more}"
+
+
+@dataclass(frozen=True)
+class Determinism:
+    """A checked program's determinism class (``ir.BITWISE`` or ``ir.ORDER_DEPENDENT``) and why.
+
+    Why a class rather than a refusal: a program whose ranks reduce in different orders is
+    exact for integers and min/max/bitwise ops and within rounding for floats, so it may run
+    every op but those that must be bit-identical on every node (float sums, products, averages)."""
+
+    kind: str
+    differences: tuple[OrderDifference, ...] = ()  # the results reduced in more than one order
+
+    @property
+    def bitwise(self) -> bool:
+        return self.kind == BITWISE
+
+    def explain(self, limit: int = 3) -> list[str]:
+        """The class and why, as lines: the first ``limit`` results reduced in different orders."""
+        if self.bitwise:
+            return [f"{BITWISE} (every rank reduces each result's sources in the same order: bit-identical results "
+                    "on every rank for any dtype and reduce op)"]
+        lines = [f"{ORDER_DEPENDENT} (ranks reduce the same sources in different orders)",
+                 "integer dtypes, min, max, band, bor, bxor: exact on every rank; float sum, product, avg: ranks "
+                 "may differ in the last bits, so commd does not choose it for those ops (unless an [[algorithms]] "
+                 "rule says allow_order_dependent = true)"]
+        for diff in self.differences[:limit]:
+            lines.append(f"result {'+'.join(s.short() for s in sorted(diff.sources))}: {diff.describe()}")
+        if len(self.differences) > limit:
+            lines.append(f"… and {len(self.differences) - limit} more result(s) reduced in different orders")
+        return lines
+
+
+@dataclass(frozen=True)
 class Analysis:
     """What the checker proved about an accepted program, for the stages that run it."""
 
@@ -66,18 +132,39 @@ class Analysis:
     sent_to: Mapping[StepRef, StepRef]  # sending step → its matched receive
     outputs: Mapping[ChunkRef, Expr]  # per postcondition slot, the value it ends with
     state: SymbolicState
+    determinism: Determinism
+
+
+@dataclass(frozen=True)
+class Report:
+    """A check's outcome: the problems of the first stage that found any, or (accepted) the analysis."""
+
+    problems: tuple[ProgramError, ...]
+    analysis: Analysis | None
+
+    @property
+    def determinism(self) -> Determinism | None:
+        """An accepted program's class (None when refused)."""
+        return self.analysis.determinism if self.analysis is not None else None
 
 
 def check(algo: Algorithm, post: Postcondition | str | Path | None = None,
-          source: str | Path = "<program>") -> None:
-    """Raise the first :class:`ProgramError` of ``algo``, or return when it is proved right."""
-    analyze(algo, post, source)
+          source: str | Path = "<program>") -> Determinism:
+    """Raise the first :class:`ProgramError` of ``algo``, or return its determinism class when it is proved right."""
+    return analyze(algo, post, source).determinism
 
 
 def problems(algo: Algorithm, post: Postcondition | str | Path | None = None,
              source: str | Path = "<program>") -> list[ProgramError]:
     """Every problem of the first stage that finds any (empty: accepted)."""
-    return _Checker(algo, post, str(source)).run()[0]
+    return list(report(algo, post, source).problems)
+
+
+def report(algo: Algorithm, post: Postcondition | str | Path | None = None,
+           source: str | Path = "<program>") -> Report:
+    """Every problem of the first stage that finds any, or the analysis of an accepted program."""
+    found, analysis = _Checker(algo, post, str(source)).run()
+    return Report(tuple(found), None if found else analysis)
 
 
 def analyze(algo: Algorithm, post: Postcondition | str | Path | None = None,
@@ -131,12 +218,10 @@ class _Checker:
         outputs = self.postcondition(state)
         if self.found:
             return self.found, None
-        self.determinism(state, outputs)
-        if self.found:
-            return self.found, None
+        determinism = self.determinism(outputs)
         assert self.post is not None
         return [], Analysis(self.algo, self.post, tuple(order), tuple(transfers), received_from,
-                            {t.send: t.recv for t in transfers}, outputs, state)
+                            {t.send: t.recv for t in transfers}, outputs, state, determinism)
 
     # --- 1. well-formed -----------------------------------------------------------------------
 
@@ -383,20 +468,18 @@ class _Checker:
 
     # --- 6. determinism ---------------------------------------------------------------------------
 
-    def determinism(self, state: SymbolicState, outputs: dict[ChunkRef, Expr]) -> None:
+    def determinism(self, outputs: dict[ChunkRef, Expr]) -> Determinism:
+        """The class: per result (a set of sources reduced), the distinct trees the slots holding it have."""
         assert self.post is not None
-        variants: dict[frozenset[ChunkRef], dict[int, ChunkRef]] = {}
+        trees: dict[frozenset[ChunkRef], dict[int, list[ChunkRef]]] = {}
         for slot, sources in self.post:
-            if len(sources) < 2:
-                continue
-            value = outputs[slot]
-            trees = variants.setdefault(sources, {})
-            if not trees or value.id in trees:
-                trees.setdefault(value.id, slot)
-                continue
-            other = next(iter(trees.values()))
-            trees[value.id] = slot
-            self.problem(f"non-deterministic reduction: ranks {other.rank} and {slot.rank} reduce the same sources in "
-                         f"different orders, {other.short()} = {outputs[other].render()} but {slot.short()} = "
-                         f"{value.render()} (commd's lanes give every node a bit-identical result: reduce in one "
-                         "order)", state.last_writer.get(slot), rank=slot.rank)
+            if len(sources) >= 2:
+                trees.setdefault(sources, {}).setdefault(outputs[slot].id, []).append(slot)
+        differences = []
+        for sources, by_tree in trees.items():
+            if len(by_tree) > 1:
+                shown = sorted((sorted(slots) for slots in by_tree.values()), key=lambda slots: slots[0])
+                differences.append(OrderDifference(sources, tuple((outputs[slots[0]].render(), tuple(slots))
+                                                                  for slots in shown)))
+        differences.sort(key=lambda d: min(d.sources))
+        return Determinism(ORDER_DEPENDENT if differences else BITWISE, tuple(differences))

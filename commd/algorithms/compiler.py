@@ -13,7 +13,7 @@ from commd.algorithms import dag as dag_stage
 from commd.algorithms import fusion, instances, lower, schedule
 from commd.algorithms.collectives import Buffer
 from commd.algorithms.errors import ProgramError
-from commd.algorithms.ir import COLLECTIVES, Algorithm
+from commd.algorithms.ir import Algorithm, collective_name, collective_spellings
 from commd.algorithms.trace import ThreadblockPolicy
 
 
@@ -70,9 +70,10 @@ def _check_interleaving(prog: Any) -> None:
 
 def compile_program(prog: Any) -> Algorithm:
     """``prog`` lowered to the IR."""
-    coll = getattr(prog.collective, "ir_name", "custom")
-    if coll not in COLLECTIVES:
-        raise ProgramError(f"collective {coll!r} is not one of {', '.join(COLLECTIVES)}", source=prog.source)
+    named = getattr(prog.collective, "ir_name", "custom")
+    coll = collective_name(named) if isinstance(named, str) else None  # (a user's collective may say reduce_scatter)
+    if coll is None:
+        raise ProgramError(f"collective {named!r} is not one of {collective_spellings()}", source=prog.source)
     if not prog.trace:
         raise ProgramError("the program moves no chunks", source=prog.source)
     if prog.instances > 1 and prog.interleaved_replication:

@@ -88,6 +88,37 @@ BUFFERS = ("i", "o", "s")
 
 #: Collectives the IR names (``coll``), and ``custom`` (postcondition from a sidecar file).
 COLLECTIVES = ("allreduce", "allgather", "reducescatter", "alltoall", "broadcast", "custom")
+#: Other spellings of a collective that files and programs from outside use, and the IR's name for
+#: each: the SCCL-era MSCCL runtime's parser and older msccl-tools spell reduce-scatter
+#: ``reduce_scatter``, the newer runtime ``reducescatter`` (which the writer keeps).
+COLLECTIVE_ALIASES = {"reduce_scatter": "reducescatter"}
+
+
+def collective_name(name: str) -> str | None:
+    """The IR's name for a collective as a file or program spells it (None: not a collective).
+
+    Every reader of a name from outside goes through here, so the stages after it see one
+    spelling only."""
+    if name in COLLECTIVES:
+        return name
+    return COLLECTIVE_ALIASES.get(name)
+
+
+def collective_spellings() -> str:
+    """The accepted spellings, for refusals (``reducescatter (or reduce_scatter)``)."""
+    aliases: dict[str, list[str]] = {}
+    for alias, name in COLLECTIVE_ALIASES.items():
+        aliases.setdefault(name, []).append(alias)
+    return ", ".join(f"{c} (or {' or '.join(aliases[c])})" if c in aliases else c for c in COLLECTIVES)
+
+
+#: A checked program's determinism class (``checker.Determinism``).  ``bitwise``: every rank holding
+#: a result reduces its sources in the same order (the same tree up to commutativity), so every
+#: node gets the same bits for any dtype and reduce op.  ``order-dependent``: some ranks reduce the
+#: same sources in different orders: exact for integers and min/max/band/bor/bxor, but float sums,
+#: products and averages may differ between nodes in the last bits (``core.ops.order_sensitive``).
+BITWISE = "bitwise"
+ORDER_DEPENDENT = "order-dependent"
 
 #: Collectives whose per-rank buffers are the rank count times the op's count.
 SCALED_BY_RANKS = frozenset({"allgather", "reducescatter", "alltoall"})

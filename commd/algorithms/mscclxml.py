@@ -13,7 +13,9 @@ proportional to the IR, and every refusal can name its line.
 
 The writer produces the layout msccl-tools writes (one element per line, two-space
 indentation, attributes in MSCCL's order), so a file read and written again is the same
-file, and files move both ways between commd and the MSCCL ecosystem.
+file, and files move both ways between commd and the MSCCL ecosystem.  One exception:
+``coll="reduce_scatter"`` (the SCCL-era runtime's and older msccl-tools' spelling) is read
+as the IR's ``reducescatter`` and written so, the newer runtime's spelling.
 """
 
 from __future__ import annotations
@@ -25,7 +27,16 @@ from typing import Any
 from xml.parsers import expat
 
 from commd.algorithms.errors import ProgramError
-from commd.algorithms.ir import BUFFERS, COLLECTIVES, Algorithm, Rank, Step, StepType, Threadblock
+from commd.algorithms.ir import (
+    BUFFERS,
+    Algorithm,
+    Rank,
+    Step,
+    StepType,
+    Threadblock,
+    collective_name,
+    collective_spellings,
+)
 
 #: The largest file the reader accepts (bytes of a file; characters of a string).
 MAX_BYTES = 64 * 1024 * 1024
@@ -252,9 +263,10 @@ class _Reader:
         proto = attrs["proto"]
         if proto not in PROTOCOLS:
             raise self._fail(f"<algo> attribute proto={_shown(proto)} is not one of MSCCL's protocols {', '.join(PROTOCOLS)}")
-        coll = attrs["coll"]
-        if coll not in COLLECTIVES:
-            raise self._fail(f"<algo> attribute coll={_shown(coll)} is not a known collective ({', '.join(COLLECTIVES)})")
+        coll = collective_name(attrs["coll"])  # (one spelling from here on)
+        if coll is None:
+            raise self._fail(f"<algo> attribute coll={_shown(attrs['coll'])} is not a known collective "
+                             f"({collective_spellings()})")
         self.head = {
             "name": name, "proto": proto, "coll": coll,
             "nchannels": self._integer("algo", attrs, "nchannels", 1),

@@ -6,6 +6,9 @@ receives, when its matched send (the k-th send of (sender, receiver, channel)) h
 produced its data.  Ranks and threadblocks are visited round-robin in id order, so a run
 is deterministic.  If nothing can progress before everything is done, the ProgramError
 names every blocked step and what it waits for — what a hang on real hardware never says.
+:func:`reference` is what NumPy says each rank must end with; :func:`spread` how far a
+run's results lie from it and from each other (in ulps: an order-dependent program's float
+results differ between ranks by a few).
 """
 
 from __future__ import annotations
@@ -175,7 +178,66 @@ def _blocked(wiring: Wiring, nxt: dict[tuple[int, int], int], mailbox: dict[Step
                         rank=first[0], threadblock=first[1], step=first[2])
 
 
+#: Collectives whose every rank ends with the same output: their ranks' results can be compared.
+SAME_OUTPUT_EVERYWHERE = frozenset({"allreduce", "allgather", "broadcast"})
 
+
+@dataclass(frozen=True)
+class Spread:
+    """How far one array's elements lie from another's: the elements compared, how many differ in
+    their bits, and the largest gap in units in the last place (an integer's unit is 1) and absolute.
+
+    What ``simulate`` shows for an order-dependent program: its float results may differ
+    between ranks (and from NumPy's order) by a few ulps, its integer results not at all."""
+
+    compared: int
+    differing: int
+    max_ulp: float
+    max_abs: float
+
+
+def ulp_distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per element, how many representable floats separate ``a`` and ``b`` (0: equal, +0 and -0 alike;
+    inf where one is NaN and the other not); a complex pair counts its farther part."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype.kind == "c":
+        return np.maximum(ulp_distance(a.real, b.real), ulp_distance(a.imag, b.imag))
+    if a.dtype.kind != "f":
+        raise ValueError(f"ulp_distance needs floats, got {a.dtype}")
+    ints = np.dtype(f"int{8 * a.dtype.itemsize}")
+
+    def key(x: np.ndarray) -> np.ndarray:
+        """The float's position on the line of representable values (sign-magnitude to two's complement)."""
+        raw = np.ascontiguousarray(x).view(ints).astype(np.int64)
+        return np.where(raw < 0, np.int64(np.iinfo(ints).min) - raw, raw)
+
+    gap = key(a).view(np.uint64) - key(b).view(np.uint64)  # modulo 2^64: |gap| below 2^63 is exact
+    out = np.minimum(gap, np.uint64(0) - gap).astype(np.float64)
+    nan_a, nan_b = np.isnan(a), np.isnan(b)
+    out[nan_a & nan_b] = 0.0
+    out[nan_a ^ nan_b] = np.inf
+    return out
+
+
+def spread(got: np.ndarray, want: np.ndarray, mask: np.ndarray | None = None) -> Spread:
+    """How far ``got`` lies from ``want`` over the elements ``mask`` selects (all by default)."""
+    got, want = np.asarray(got).reshape(-1), np.asarray(want).reshape(-1)
+    if mask is not None:
+        got, want = got[mask], want[mask]
+    if got.size == 0:
+        return Spread(0, 0, 0.0, 0.0)
+    got, want = np.ascontiguousarray(got), np.ascontiguousarray(want)
+    bits = (got.view(np.uint8).reshape(got.size, -1) != want.view(np.uint8).reshape(want.size, -1)).any(axis=1)
+    differing = int(np.count_nonzero(bits))
+    if got.dtype.kind in "fc":
+        with np.errstate(invalid="ignore", over="ignore"):
+            gaps = np.abs(got.astype(np.complex128 if got.dtype.kind == "c" else np.float64) - want)
+        ulps = ulp_distance(got, want)
+        return Spread(got.size, differing, float(ulps.max()), float(np.nan_to_num(gaps, nan=np.inf).max()))
+    if got.dtype.kind in "iu":
+        gap = float(np.abs(got.astype(np.float64) - want.astype(np.float64)).max())
+        return Spread(got.size, differing, gap, gap)
+    return Spread(got.size, differing, float(differing > 0), float(differing > 0))
 
 
 #: NumPy's own element-wise operators, for references independent of ``commd.kernels``.

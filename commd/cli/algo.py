@@ -3,9 +3,11 @@
 ``compile PROGRAM.py [ARGS…] -o FILE.xml`` runs a DSL program file (msccl-tools programs run
 unmodified) and writes its IR as MSCCL XML, checked first (a custom collective's postcondition
 beside it as ``FILE.post.json``); ``check FILE.xml`` proves a file right before it runs anywhere (exit 0 accepted, 1 refused,
-every reason as "file, rank r, threadblock t, step s: reason"); ``simulate FILE.xml`` runs
-all its ranks in this process on random data and compares with NumPy (exit 0 on a match, 1
-with the first differing element, or with the blocked steps of a deadlock); ``list`` shows
+every reason as "file, rank r, threadblock t, step s: reason"; an accepted file's determinism
+class, and for an order-dependent one which ranks reduce which result in which order);
+``simulate FILE.xml`` runs all its ranks in this process on random data and compares with
+NumPy (exit 0 on a match, then how far each rank's floats lie from NumPy's and from each
+other; 1 with the first differing element, or with the blocked steps of a deadlock); ``list`` shows
 the built-in programs and the files of an algorithms directory.  Exit 2: a usage error (a
 file that cannot be read, a reduce op the dtype has not).
 """
@@ -24,9 +26,18 @@ import numpy as np
 from commd.algorithms import checker, mscclxml, postcondition
 from commd.algorithms.errors import ProgramError
 from commd.algorithms.execute import REDUCE_OPS
-from commd.algorithms.ir import Algorithm
+from commd.algorithms.ir import ORDER_DEPENDENT, Algorithm
 from commd.algorithms.layout import layouts_for
-from commd.algorithms.simulator import TraceRecord, format_trace, reference, simulate
+from commd.algorithms.simulator import (
+    SAME_OUTPUT_EVERYWHERE,
+    Spread,
+    TraceRecord,
+    format_trace,
+    reference,
+    simulate,
+    spread,
+)
+from commd.core.ops import order_sensitive
 
 #: Dtypes ``simulate`` can draw random data for (NumPy's; bfloat16 has no NumPy type).
 DTYPES = ("float16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64", "bool")
@@ -50,9 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sim.add_argument("--count", type=int, required=True,
                      help="elements per rank as torch counts them (all_gather: the input, reduce_scatter: the "
                           "output, all_to_all: the whole input)")
-    sim.add_argument("--dtype", choices=DTYPES, default="float32")
-    sim.add_argument("--op", choices=sorted(REDUCE_OPS), default="sum")
-    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--dtype", choices=DTYPES, default="float32", help="the inputs' element type (default float32)")
+    sim.add_argument("--op", choices=sorted(REDUCE_OPS), default="sum",
+                     help="the reduce op of a reducing collective (default sum)")
+    sim.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     sim.add_argument("--tile-elements", type=int, default=None,
                      help="cut each chunk into tiles of at most this many elements (as the interpreter does)")
     sim.add_argument("--trace", action="store_true", help="print a per-step timeline (logical time = dataflow depth)")
@@ -139,14 +151,19 @@ def _check(args: argparse.Namespace) -> int:
     except (ProgramError, OSError) as exc:
         print(f"refused: {exc}")
         return 1
-    found = checker.problems(algo, post, source=args.file)
-    if found:
+    checked = checker.report(algo, post, source=args.file)
+    if checked.determinism is None:
+        found = checked.problems
         print(f"refused: {args.file} ({len(found)} problem{'s' if len(found) != 1 else ''})")
         for problem in found:
             print(f"  {problem}")
         return 1
     print(f"accepted: {args.file} ({algo.name}: {algo.coll}, {algo.ngpus} ranks, {algo.nchunksperloop} chunks "
           f"per loop, {'in place' if algo.inplace else 'out of place'})")
+    first, *why = checked.determinism.explain()
+    print(f"determinism: {first}")
+    for line in why:
+        print(f"  {line}")
     return 0
 
 
@@ -215,7 +232,43 @@ def _simulate(args: argparse.Namespace) -> int:
     checked = sum(int(s.sum()) for _, s in expected)
     print(f"match: {args.file} ({algo.coll}, {algo.ngpus} ranks, count {args.count}, {args.dtype}, {args.op}): "
           f"{checked} output elements equal NumPy" + (f" within {tol:.1e}" if tol else " exactly"))
+    for line in _agreement(algo, outputs, expected, post, args.file, args.dtype, args.op):
+        print(f"  {line}")
     return 0
+
+
+def _agreement(algo: Algorithm, outputs: list[np.ndarray], expected: list[tuple[np.ndarray, np.ndarray]],
+               post: postcondition.Postcondition | None, source: str, dtype: str, op: str) -> list[str]:
+    """How the ranks' results compare with NumPy's and with each other, and the program's
+    determinism class, so an order-dependent program shows what it costs in ulps."""
+    lines = []
+    if outputs and outputs[0].dtype.kind in "fc":
+        against = [spread(got, want, specified) for got, (want, specified) in zip(outputs, expected, strict=True)]
+        lines.append("against NumPy: " + ", ".join(f"rank {r} {_gap(s)}" for r, s in enumerate(against)))
+    if algo.coll in SAME_OUTPUT_EVERYWHERE and len(outputs) > 1:
+        specified = expected[0][1]
+        between = {r: spread(got, outputs[0], specified) for r, got in enumerate(outputs) if r}
+        differ = [r for r, s in between.items() if s.differing]
+        if differ:
+            worst = max((between[r] for r in differ), key=lambda s: (s.max_ulp, s.max_abs))
+            lines.append(f"between ranks: rank{'s' if len(differ) > 1 else ''} {', '.join(map(str, differ))} "
+                         f"differ from rank 0 in up to {max(between[r].differing for r in differ)} of "
+                         f"{worst.compared} elements, {_gap(worst)}")
+        else:
+            lines.append("between ranks: every rank's result is bit-identical to rank 0's")
+    checked = checker.report(algo, post, source=source)
+    if checked.determinism is not None:
+        exact = "" if checked.determinism.bitwise or order_sensitive(dtype, op) else \
+            f"; {dtype} {op} is exact in any order"
+        lines.append(f"determinism: {checked.determinism.explain()[0]}{exact}")
+    return lines
+
+
+def _gap(s: Spread) -> str:
+    """A spread as the summary shows it: ``at most 2 ulp (max abs 1.2e-07)``."""
+    if not s.differing:
+        return "bit-identical"
+    return f"at most {s.max_ulp:g} ulp (max abs {s.max_abs:.2g})"
 
 
 def _list(args: argparse.Namespace) -> int:
@@ -245,7 +298,8 @@ def _list_fabric(job: str) -> int:
     for name, row in sorted((catalog.get("files") or {}).items()):
         fits = row.get("nodes") == nnodes
         verdict = "can run" if fits else f"cannot run: written for {row.get('nodes')} nodes"
-        print(f"  {name} ({row.get('coll')}, from {row.get('path')}, sha256 {str(row.get('sha256'))[:16]}): "
+        order = f", {ORDER_DEPENDENT}" if row.get("determinism") == ORDER_DEPENDENT else ""
+        print(f"  {name} ({row.get('coll')}{order}, from {row.get('path')}, sha256 {str(row.get('sha256'))[:16]}): "
               f"{verdict}" + ("" if fits else f", the fabric has {nnodes} (a group spanning that many nodes)"))
     for row in catalog.get("refused") or []:
         print(f"  {row.get('name')}: refused: {row.get('reason')}")
@@ -261,10 +315,11 @@ def _library_verdict(name: str, nnodes: int) -> str:
     try:
         algo = library.get(name, nnodes)
         post = postcondition.parse_sidecar(library.sidecar(name, nnodes)) if algo.coll == "custom" else None
-        checker.check(algo, post, source=f"library program {name!r}")
+        determinism = checker.check(algo, post, source=f"library program {name!r}")
     except (ProgramError, ValueError) as exc:
         return f"cannot run on {nnodes} nodes: {exc}"
-    return f"can run ({algo.coll}, checked for {nnodes} nodes)"
+    order = "" if determinism.bitwise else f", {ORDER_DEPENDENT}"
+    return f"can run ({algo.coll}, checked for {nnodes} nodes{order})"
 
 
 def _listed(args: argparse.Namespace) -> int:
@@ -295,12 +350,15 @@ def _listed(args: argparse.Namespace) -> int:
     for path in sorted(Path(folder).glob("*.xml")):
         try:
             algo = mscclxml.load(path)
-            found = checker.problems(algo, source=str(path))
+            checked = checker.report(algo, source=str(path))
         except ProgramError as exc:
             print(f"  {path.name}: refused: {_located(exc)}")
             continue
         sizes = _size_range(algo)
-        status = "accepted" if not found else f"refused: {_located(found[0])}"
+        if checked.determinism is None:
+            status = f"refused: {_located(checked.problems[0])}"
+        else:
+            status = "accepted" + ("" if checked.determinism.bitwise else f", {ORDER_DEPENDENT}")
         print(f"  {path.name}: {algo.name} ({algo.coll}, {algo.ngpus} ranks{sizes}) {status}")
     return 0
 

@@ -16,6 +16,22 @@ COMPRESSED_KINDS = frozenset({"broadcast", "allgather", "allreduce"})
 #: Ops smaller than this (an all-gather: its whole output) run uncompressed whatever their codec:
 #: coding costs more than it saves.  The coordinator releases no codec below it; execution checks again.
 COMPRESS_MIN_BYTES = 1 << 20
+#: Dtypes whose sums and products round: the result depends on the order the operands are combined in.
+FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "complex64", "complex128"})
+#: Reduce ops (the client's and the lanes') that add or multiply.
+ROUNDING_OPS = frozenset({"sum", "avg", "premul_sum", "product"})
+
+
+def order_sensitive(dtype: str, reduce_op: str | None) -> bool:
+    """Whether reducing ``dtype`` with ``reduce_op`` may give other bits in another order.
+
+    Float addition and multiplication round at every step, so ``(a+b)+c`` and ``a+(b+c)`` can
+    differ in the last bits; commd's lanes promise every node bit-identical results (DDP's
+    replicas must not drift apart), so such an op must reduce in one order on every node.
+    Integer sums and products wrap modulo 2^n and min, max, band, bor and bxor are exact:
+    any order gives the same bits.  The one place this rule is written (program selection
+    uses it to keep order-dependent programs off the ops that need it)."""
+    return reduce_op in ROUNDING_OPS and dtype in FLOAT_DTYPES
 
 
 @dataclass(slots=True)

@@ -26,6 +26,56 @@ DEFAULT_FUSION_THRESHOLD = 64 << 10
 MAX_FUSION_THRESHOLD = 64 << 20
 MAX_FUSION_CYCLE_MS = 1000.0
 
+#: The tables of the daemon's TOML config file and what each holds (``[limits]`` is read by
+#: ``commd.daemon.limits``, ``[metrics]`` by ``commd.observe.settings``); any other table is refused.
+CONFIG_TABLES: dict[str, str] = {
+    "scheduler": "scheduling settings: the default lane, stall limits, fusion, the tuning table (in a fabric, "
+                 "node 0's apply to every node)",
+    "rules": "lane rules: which lane runs the ops of a kind, size and group size",
+    "algorithms": "program rules: which collective program runs a tcp lane op",
+    "compression": "codec rules: which codec an op that lets the daemons choose runs with",
+    "limits": "per-client limits of this node's daemon",
+    "metrics": "this node's Prometheus endpoint and textfile",
+}
+#: ``[scheduler]``'s keys and what each sets (the fields of ``SchedulerConfig`` of the same names).
+SCHEDULER_KEYS: dict[str, str] = {
+    "default_lane": f"the lane of an op no hint, rule or tuning table decides: one of {', '.join(LANE_NAMES)}",
+    "stall_warning_s": "an op waiting longer than this many seconds is logged once and shown by `commd status`",
+    "stall_shutdown_s": "node 0 shuts the fabric down when a stall lasts this long (0: never; else above "
+                        "stall_warning_s)",
+    "fusion_threshold_bytes": "small all-reduces released together are fused up to this many bytes in all "
+                              f"(0: no fusion; at most {MAX_FUSION_THRESHOLD}; the flag and "
+                              "COMMD_FUSION_THRESHOLD win)",
+    "fusion_cycle_ms": "how long a node collects ready ops before reporting them (0: once per event-loop turn; "
+                       f"at most {MAX_FUSION_CYCLE_MS:g}; the flag and COMMD_FUSION_CYCLE_MS win)",
+    "tuning": "the tuning table: a path, \"off\", or \"\" for the default table (`--tuning` and COMMD_TUNING win)",
+    "algorithms_dir": "this node's directory of collective programs (\"\": none; `--algorithms-dir` and "
+                      "COMMD_ALGORITHMS_DIR win)",
+}
+#: The rule tables: table -> (the key naming what a rule chooses, what that key holds).
+RULE_TABLES: dict[str, tuple[str, str]] = {
+    "rules": ("lane", f"the lane for matching ops: one of {', '.join(LANE_NAMES)}"),
+    "algorithms": ("name", "the program for matching tcp lane ops (a library program or a file of the "
+                           "algorithms directory)"),
+    "compression": ("codec", "a codec name, or \"none\": leave matching ops uncompressed (a lossy codec applies "
+                             "only to ops that allow lossy codecs)"),
+}
+#: The keys every rule table has beside its own, and what each bounds (a rule matches an op within all).
+RULE_RANGE_KEYS: dict[str, str] = {
+    "kind": "the op kind the rule serves, \"*\" for any (compression rules: a kind that compresses)",
+    "min_bytes": "the smallest op, in bytes, the rule serves",
+    "max_bytes": "the largest op, in bytes, the rule serves",
+    "min_group": "the smallest group (in ranks) the rule serves",
+    "max_group": "the largest group (in ranks) the rule serves",
+}
+#: Boolean keys only some rule tables have: table -> key -> what it allows.
+RULE_FLAGS: dict[str, dict[str, str]] = {
+    "algorithms": {"allow_order_dependent": "let the rule pick an order-dependent program (`commd algo check` says "
+                                            "which are) for float sum, product and avg ops too, whose results may "
+                                            "then differ between nodes in the last bits (default false: those ops "
+                                            "skip it)"},
+}
+
 
 @dataclass(frozen=True)
 class LaneRule:
@@ -46,7 +96,11 @@ class LaneRule:
 
 @dataclass(frozen=True)
 class AlgorithmRule:
-    """``kind`` ('*' for any), byte range, group-size range → the program ``name`` (tcp lane ops)."""
+    """``kind`` ('*' for any), byte range, group-size range → the program ``name`` (tcp lane ops).
+
+    ``allow_order_dependent``: the rule may pick an order-dependent program for ops whose result
+    depends on the reduction order (float sums, products, averages), giving up commd's
+    bit-identical results on every node for the program's speed; by default those ops skip it."""
 
     name: str
     kind: str = "*"
@@ -54,6 +108,7 @@ class AlgorithmRule:
     max_bytes: int = 1 << 62
     min_group: int = 1
     max_group: int = s.MAX_GROUP_SIZE
+    allow_order_dependent: bool = False
 
     def matches(self, kind: str, nbytes: int, group_size: int) -> bool:
         return (self.kind == "*" or self.kind == kind) and _within(self, nbytes, group_size)
@@ -115,8 +170,8 @@ class SchedulerConfig:
             "fusion_cycle_ms": self.fusion_cycle_ms,
             "table": self.table.to_json() if self.table is not None else None,
             "tuning_note": self.tuning_note,
-            "algorithm_rules": [[r.name, r.kind, r.min_bytes, r.max_bytes, r.min_group, r.max_group]
-                                for r in self.algorithm_rules],
+            "algorithm_rules": [[r.name, r.kind, r.min_bytes, r.max_bytes, r.min_group, r.max_group,
+                                 r.allow_order_dependent] for r in self.algorithm_rules],
             "codec_rules": [[r.codec, r.kind, r.min_bytes, r.max_bytes, r.min_group, r.max_group]
                             for r in self.codec_rules],
         }
@@ -152,15 +207,13 @@ def _int(table: dict[str, Any], key: str, where: str, default: int) -> int:
 def parse_config(data: dict[str, Any], where: str = "config") -> SchedulerConfig:
     """Validate a config mapping (the TOML file's contents); errors name the key."""
     # [limits]: commd.daemon.limits reads it; [metrics]: commd.observe.settings
-    unknown = set(data) - {"scheduler", "rules", "algorithms", "compression", "limits", "metrics"}
+    unknown = set(data) - CONFIG_TABLES.keys()
     if unknown:
-        raise ValueError(f"{where}: unknown section(s) {sorted(unknown)}; known: scheduler, rules, algorithms, "
-                         "compression, limits, metrics")
+        raise ValueError(f"{where}: unknown section(s) {sorted(unknown)}; known: {', '.join(CONFIG_TABLES)}")
     sched = data.get("scheduler", {})
     if not isinstance(sched, dict):
         raise ValueError(f"{where}: [scheduler] must be a table")
-    unknown = set(sched) - {"default_lane", "stall_warning_s", "stall_shutdown_s", "fusion_threshold_bytes",
-                            "fusion_cycle_ms", "tuning", "algorithms_dir"}
+    unknown = set(sched) - SCHEDULER_KEYS.keys()
     if unknown:
         raise ValueError(f"{where}: unknown [scheduler] key(s) {sorted(unknown)}")
     config = SchedulerConfig()
@@ -206,9 +259,13 @@ def _ranged_tables(rules: Any, where: str, table: str, key: str,
         at = f"{where} {table}[{i}]"
         if not isinstance(raw, dict):
             raise ValueError(f"{at}: must be a table")
-        unknown = set(raw) - {key, "kind", "min_bytes", "max_bytes", "min_group", "max_group"}
+        flags = RULE_FLAGS.get(table, {})
+        unknown = set(raw) - {key, *RULE_RANGE_KEYS, *flags}
         if unknown:
             raise ValueError(f"{at}: unknown key(s) {sorted(unknown)}")
+        for flag in flags:
+            if flag in raw and not isinstance(raw[flag], bool):
+                raise ValueError(f"{at}: '{flag}' must be true or false, got {raw[flag]!r}")
         kind = raw.get("kind", "*")
         if kind != "*" and kind not in kinds:
             raise ValueError(f"{at}: 'kind' {kind!r} is not '*' or {kinds_are or 'one of'} {sorted(kinds)}")
@@ -227,7 +284,8 @@ def _algorithm_rules(rules: Any, where: str) -> list[AlgorithmRule]:
         if not isinstance(name, str) or not 0 < len(name) <= MAX_ALGO_NAME:
             raise ValueError(f"{at}: 'name' must be an algorithm's name (1 to {MAX_ALGO_NAME} characters), "
                              f"got {name!r}")
-        out.append(AlgorithmRule(name=name, kind=kind, **ranges))
+        out.append(AlgorithmRule(name=name, kind=kind, **ranges,
+                                 allow_order_dependent=raw.get("allow_order_dependent", False)))
     return out
 
 

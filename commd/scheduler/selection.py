@@ -16,7 +16,8 @@ import logging
 from typing import TYPE_CHECKING, Protocol
 
 from commd.algorithms.catalog import COLL_FOR_KIND
-from commd.core.ops import COMPRESS_MIN_BYTES, COMPRESSED_KINDS
+from commd.algorithms.ir import ORDER_DEPENDENT
+from commd.core.ops import COMPRESS_MIN_BYTES, COMPRESSED_KINDS, order_sensitive
 from commd.kernels.split import split_reduce
 from commd.protocol.schema import CODEC_AUTO, LANE_NAMES, NO_CODEC
 from commd.scheduler.config import SchedulerConfig
@@ -158,7 +159,9 @@ def choose_algorithm(
     lane's own algorithm).
 
     SelectionError if a hint cannot be honoured; a rule, table entry or ranged program that
-    cannot run the op is skipped with its reason in the log, never silently.  ``unfit``: why no
+    cannot run the op is skipped with its reason in the log, never silently.  An order-dependent
+    program (``Program.determinism``) cannot run an op whose result depends on the order
+    (:func:`order_refusal`) unless the rule that names it allows it.  ``unfit``: why no
     program can run this op whatever its name (e.g. an all-to-all of unequal blocks).  The size
     range step considers user files that state ``minBytes``/``maxBytes``; the library's programs
     (ranges from ``library.describe``) join it only with ``library_ranges``, because a library
@@ -174,14 +177,18 @@ def choose_algorithm(
         if catalog is None:
             raise SelectionError(f"{kind} asked for algorithm {hint!r}, but the coordinator has no programs")
         found = unfit or catalog.runnable(hint, kind, len(nodes), dtype, op)
+        if not isinstance(found, str):
+            found = order_refusal(found, dtype, reduce_op if op else None) or found
         if isinstance(found, str):
             raise SelectionError(f"{kind} asked for algorithm {hint!r}, which cannot run it: {found}")
         return found
     if lane != "tcp" or catalog is None:
         return None
 
-    def usable(name: str, step: str) -> Program | None:
+    def usable(name: str, step: str, allow_order_dependent: bool = False) -> Program | None:
         found = unfit or catalog.runnable(name, kind, len(nodes), dtype, op)
+        if not isinstance(found, str) and not allow_order_dependent:
+            found = order_refusal(found, dtype, reduce_op if op else None) or found
         if isinstance(found, str):
             log.warning("algorithm %s for %r skipped for %s of %d bytes on %d nodes: %s", step, name, kind,
                         nbytes, len(nodes), found)
@@ -190,7 +197,7 @@ def choose_algorithm(
 
     for rule in config.algorithm_rules:
         if rule.matches(kind, nbytes, group_size):
-            found = usable(rule.name, "rule")
+            found = usable(rule.name, "rule", rule.allow_order_dependent)
             if found is not None:
                 return found
     if config.table is not None:
@@ -211,6 +218,18 @@ def choose_algorithm(
             if found is not None:
                 return found
     return None
+
+
+def order_refusal(program: Program, dtype: str, reduce_op: str | None) -> str | None:
+    """Why ``program`` may not run a ``dtype`` op reduced with ``reduce_op`` (None: it may): an
+    order-dependent program's nodes reduce in different orders, which an op whose result depends
+    on the order (``core.ops.order_sensitive``: float sum, avg, product) cannot afford, since
+    every node must end with the same bits."""
+    if program.determinism != ORDER_DEPENDENT or not order_sensitive(dtype, reduce_op):
+        return None
+    return (f"algorithm {program.name!r} is {ORDER_DEPENDENT} (its nodes reduce in different orders) and a "
+            f"{dtype} {reduce_op} must be bit-identical on every node; integer dtypes and min, max, band, bor, "
+            "bxor may use it (an [[algorithms]] rule with allow_order_dependent = true may choose it anyway)")
 
 
 def ranged_candidates(catalog: Catalog, library_ranges: bool) -> list[str]:
