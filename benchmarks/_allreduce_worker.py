@@ -72,7 +72,10 @@ def _measure(
         barrier()
         times = []
         clock = time.perf_counter
+        from_barrier = step.get("start") == "barrier"
         for _ in range(step["iters"]):
+            if from_barrier:
+                barrier()
             t0 = clock()
             reduce_fn(tensor)
             times.append(clock() - t0)

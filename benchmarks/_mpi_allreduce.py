@@ -39,7 +39,10 @@ def main() -> None:
         comm.Barrier()
         times = []
         clock = time.perf_counter
+        from_barrier = step.get("start") == "barrier"
         for _ in range(step["iters"]):
+            if from_barrier:
+                comm.Barrier()
             t0 = clock()
             comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
             times.append(clock() - t0)

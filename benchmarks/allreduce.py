@@ -109,13 +109,22 @@ def message_sizes(low: int, high: int, factor: int) -> list[int]:
     return sorted(s for s in sizes if s % ELEMENT == 0)
 
 
-def make_plan(sizes: list[int], iters: int, warmup: int, budget: int, min_iters: int) -> list[dict]:
-    """Fewer iterations for large messages: about ``budget`` bytes per size and path."""
+#: How each timed op starts: right after the previous one, or after a barrier of every rank.
+STARTS = ("back-to-back", "barrier")
+
+
+def make_plan(sizes: list[int], iters: int, warmup: int, budget: int, min_iters: int,
+              start: str = "back-to-back") -> list[dict]:
+    """Fewer iterations for large messages: about ``budget`` bytes per size and path.
+
+    ``start``: "back-to-back" times ops issued one after another (a DDP backward issues its
+    buckets so); "barrier" puts a barrier of every rank (untimed) before each timed op, so no
+    rank starts with a head start or a backlog (ops separated by compute)."""
     plan = []
     for size in sizes:
         n = max(min_iters, min(iters, budget // size))
         w = max(1, min(warmup, n // 4))
-        plan.append({"bytes": size, "iters": n, "warmup": w})
+        plan.append({"bytes": size, "iters": n, "warmup": w, "start": start})
     return plan
 
 
@@ -365,7 +374,8 @@ def print_report(report: dict, stream=sys.stdout) -> None:
     w = max([12] + [len(p) + 2 for p in paths])
     host = report["host"]
     print(f"\nall_reduce float32 sum, {report['nproc']} local ranks; median over iterations of the "
-          f"slowest rank; busbw = algbw * 2(n-1)/n", file=stream)
+          f"slowest rank; busbw = algbw * 2(n-1)/n; each op starts {report.get('start', 'back-to-back')}"
+          f"{' (after an untimed barrier)' if report.get('start') == 'barrier' else ''}", file=stream)
     print(f"(OMP_NUM_THREADS={host.get('OMP_NUM_THREADS') or 'unset'}, worker torch threads: "
           f"{host.get('torch_threads') or 'default'})", file=stream)
     print("\nlatency (us)", file=stream)
@@ -440,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="torch.set_num_threads in the benchmark's worker processes (default: torch's own)")
     parser.add_argument("--quick", action="store_true", help="a few sizes and iterations (CI smoke test)")
+    parser.add_argument("--start", choices=STARTS, default="back-to-back",
+                        help="each timed op right after the previous one (default), or after an untimed barrier")
     parser.add_argument("--json", metavar="FILE", help="write every number (and raw times) to FILE")
     parser.add_argument("--keep", action="store_true", help="keep the temp directory (worker logs)")
     args = parser.parse_args(argv)
@@ -455,11 +467,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         sizes = sorted({s for s in (8, 64 << 10, 4 << 20) if args.min_bytes <= s <= args.max_bytes}
                        | {args.min_bytes})
-        plan = make_plan(sizes, min(args.iters, 50), min(args.warmup, 5), 128 << 20, 4)
+        plan = make_plan(sizes, min(args.iters, 50), min(args.warmup, 5), 128 << 20, 4, args.start)
         args.timeout = min(args.timeout, 120.0)
     else:
         sizes = message_sizes(args.min_bytes, args.max_bytes, args.factor)
-        plan = make_plan(sizes, args.iters, args.warmup, args.budget, args.min_iters)
+        plan = make_plan(sizes, args.iters, args.warmup, args.budget, args.min_iters, args.start)
     sizes = [step["bytes"] for step in plan]
 
     started = time.monotonic()
@@ -490,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
 
     report = {
         "nproc": args.nproc,
+        "start": args.start,
         "sizes": sizes,
         "paths": paths,
         "plan": plan,

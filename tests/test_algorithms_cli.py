@@ -104,10 +104,10 @@ def test_a_file_that_builds_two_programs_writes_one_file_each(tmp_path: Path) ->
     assert not out.exists()
 
 
-def test_the_readmes_example_program_compiles_checks_and_simulates(tmp_path: Path) -> None:
-    """The README's two-shot example, as a user would copy it, through the README's commands."""
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    after = readme.split("Writing one.", 1)[1]
+def test_the_docs_example_program_compiles_checks_and_simulates(tmp_path: Path) -> None:
+    """The programs page's two-shot example, as a user would copy it, through the page's commands."""
+    page = (Path(__file__).resolve().parent.parent / "docs" / "programs.md").read_text()
+    after = page.split("## Writing one", 1)[1]
     program = after.split("```python\n", 1)[1].split("```", 1)[0]
     prog = _write(tmp_path, "twoshot.py", program)
     out = tmp_path / "my_twoshot.xml"
