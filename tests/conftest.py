@@ -29,7 +29,7 @@ def _private_tuning_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[No
 
 @pytest.fixture
 def runtime_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A private COMMD_RUNTIME_DIR (short: ipc socket paths are limited to ~107 bytes)."""
+    """A private COMMD_RUNTIME_DIR (short, so the sockets stay in the job directory as they usually do)."""
     path = tmp_path_factory.mktemp("rt")
     monkeypatch.setenv("COMMD_RUNTIME_DIR", str(path))
     monkeypatch.delenv("COMMD_JOB", raising=False)
