@@ -80,3 +80,59 @@ def split_gpt() -> nn.Module:
     from plan_models import GPT
 
     return GPT(vocab=64, hidden=16, heads=4, blocks=2)
+
+
+def transformer_encoder() -> nn.Module:
+    """The issue's model: torch's own nn.TransformerEncoder as a new user first writes it — sequence-first
+    (torch's default: (sequence, batch, features)), packed attention projections, dropout 0.1."""
+    return nn.TransformerEncoder(nn.TransformerEncoderLayer(512, 8), 2)
+
+
+def small_encoder() -> nn.Module:
+    """nn.TransformerEncoder small, sequence-first as torch builds it by default, without dropout (so 2
+    ranks can train it like one process; no nested tensors: torch warns a sequence-first one cannot use them)."""
+    return nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0), 2,
+                                 enable_nested_tensor=False)
+
+
+class EncoderDecoder(nn.Module):
+    """nn.TransformerDecoder over nn.TransformerEncoder's memory of the same batch (batch-first): the
+    decoder's cross-attention takes two inputs, its query and the memory."""
+
+    def __init__(self, hidden: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.encoder = nn.TransformerEncoder(
+            nn.TransformerEncoderLayer(hidden, heads, 2 * hidden, dropout=0.0, batch_first=True), 1,
+            enable_nested_tensor=False)
+        self.decoder = nn.TransformerDecoder(
+            nn.TransformerDecoderLayer(hidden, heads, 2 * hidden, dropout=0.0, batch_first=True), 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(x, self.encoder(x))
+
+
+class SelfAttention(nn.Module):
+    """nn.MultiheadAttention as torch builds it by default: sequence-first, its q, k and v projections
+    packed in one in_proj_weight; called for its weights too (need_weights defaults to True)."""
+
+    def __init__(self, hidden: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(hidden, heads)
+        self.fc = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x + self.attn(x, x, x)[0])
+
+
+class CrossAttention(nn.Module):
+    """nn.MultiheadAttention with keys and values of other widths than its queries (kdim, vdim: separate,
+    unpacked projections), attending from the batch's features to a projection of them."""
+
+    def __init__(self, hidden: int = 32, heads: int = 4, kv: int = 24) -> None:
+        super().__init__()
+        self.memory = nn.Linear(hidden, kv)
+        self.attn = nn.MultiheadAttention(hidden, heads, kdim=kv, vdim=kv, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.memory(x)
+        return self.attn(x, m, m, need_weights=False)[0]

@@ -383,3 +383,50 @@ def test_data_parallel_on_both_dimensions_of_a_2x2_mesh_trains_like_one_process(
                                    base="data_parallel")}
     assert {(s.data, s.model_data) for s in specs(plans["hybrid"])} == {("dp", "fsdp")}
     spawn(_both_dims_rank, (plans,), timeout=240, nprocs=4)
+
+
+#: torch's own nn.TransformerEncoder (planner_models.small_encoder): sequence-first, so its batch is dimension 1.
+ENCODER_SHAPE = (6, 4, 16)  # (sequence, batch, features)
+
+
+def _encoder_rank(rank: int, plans: dict[str, dict[str, Any]]) -> None:
+    """Each plan trained on 2 ranks: where the plan splits the batch (dimension 1) each rank is fed its half
+    of it, else the whole batch; the mean loss of what each rank outputs is one process's on the whole batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _init(rank, 2)
+    mesh = init_device_mesh("cpu", (2,))
+    batches = [torch.randn(ENCODER_SHAPE, generator=torch.Generator().manual_seed(s)) for s in range(STEPS)]
+    want = _train(_built("small_encoder"), batches, mean=True)
+    for name, made in plans.items():
+        (fed,) = [row["output"][0] for row in made["layers"] if row["kind"] == "input"]
+        model = apply(_built("small_encoder"), made, mesh)
+        got = _train(model, [x.chunk(2, dim=1)[rank] if fed == "S(1)" else x for x in batches], mean=True)
+        _assert_close(got, want, _built("small_encoder"), f"{name} rank {rank}")
+        check(model, made, mesh)
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(240)
+def test_torchs_transformer_encoder_applied_on_commd_trains_like_one_process(backend_env: Path) -> None:
+    """nn.TransformerEncoder as torch builds it by default (sequence-first, packed attention projections):
+    the planner's own plan where compute is dear (plain DDP, the batch split on its dimension 1, as for the
+    issue's 512-wide encoder), Megatron (the feed-forward layers as column/row pairs, the attention
+    replicated), FSDP on every layer (the packed in_proj sharded), and the mixed plan the planner makes for
+    the 512-wide one on 4 ranks: data-parallel attention, the feed-forward pairs fed the batch all-gathered
+    on dimension 1, their sum reduce-scattered back onto it."""
+    plans = {"optimum": forced_plan("small_encoder", (2,), ENCODER_SHAPE, base="optimum", flops_per_s=2e6),
+             "megatron": forced_plan("small_encoder", (2,), ENCODER_SHAPE)}
+    graph = trace(planner_models.small_encoder, ENCODER_SHAPE)
+    plans["fsdp"] = forced_plan("small_encoder", (2,), ENCODER_SHAPE, {
+        x.name: ("fsdp",) if x.params else ("dp",) for x in graph.layers if x.kind != "input"}, base="data_parallel")
+    plans["mixed"] = forced_plan("small_encoder", (2,), ENCODER_SHAPE, {
+        **{f"layers_{b}_{name}": (strategy,) for b in range(2) for name, strategy in
+           (("linear1", "col"), ("dropout", "split2"), ("linear2", "row"))},
+        "relu": ("split2",), "relu_1": ("split2",)}, base="data_parallel")
+    assert [s.gives for s in specs(plans["mixed"]) if s.style == "row"] == ["S(1)", "S(1)"]  # (reduce-scattered)
+    assert plans["optimum"]["batch_dim"] == 1 and "ddp_buckets" in plans["optimum"]
+    assert gradient_divisor(plans["optimum"]) == 2 and gradient_divisor(plans["fsdp"]) == 2
+    assert _strategies(plans["megatron"])["layers_0_linear1"] == "col"
+    assert _strategies(plans["megatron"])["layers_0_self_attn"] == "rep"
+    spawn(_encoder_rank, (plans,))

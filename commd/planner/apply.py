@@ -8,7 +8,8 @@ data-parallel ones: ``Shard(0)``, all-gathered forward and its partial gradient 
 backward, inside the style, as the plan prices it), and a partial (``P``)
 output is converted where it is made into the layout its consumers take (the plan's edges), so no
 partial tensor leaves a module.  A replicated layer whose input arrives in another layout gets a
-``PrepareModuleInput`` to convert it; a parameter-free layer has no module to convert in, so a
+``PrepareModuleInput`` to convert it (not an attention block: it takes query, key and value, and the
+planner gives it its input as it takes it); a parameter-free layer has no module to convert in, so a
 plan that needs a conversion into one is refused.  On the data dimension (a 2-D mesh's ``dp``, or
 a 1-D layer whose strategy is ``dp``/``fsdp``), ``fsdp`` → ``fully_shard`` and ``dp`` →
 ``replicate`` (FSDP2's replicated variant), both on that dimension's sub-mesh.
@@ -19,7 +20,8 @@ plan's output layer takes.  ``specs`` (no torch) decides everything; ``apply`` o
 
 One loss, whatever the plan mixes on a dimension.  Where the output is whole (``B``) every rank
 computes the same loss, the whole batch's, as one process would; where it is split by the batch
-(``S(0)``) the step's loss is the mean of the ranks' losses on their parts (DDP's convention).
+(``S(0)``; ``S(1)`` where the plan's ``batch_dim`` is 1, a sequence-first model) the step's loss is
+the mean of the ranks' losses on their parts (DDP's convention).
 Autograd through DTensor gives every parameter the gradient of the ranks' losses summed (a whole
 output's counted once), a data-parallel layer in per-rank parts; so a data-parallel layer sums its
 parts where the output is whole (FSDP2 would average them), and where the output is batch-split every
@@ -122,6 +124,9 @@ def specs(plan: Mapping[str, Any], graph: LayerGraph | None = None) -> list[Laye
         if data is not None and data not in DATA:
             raise ApplyError(f"{where}: data-dimension strategy {data!r} is not dp or fsdp")
         style = STYLES.get((kind, strategy))  # None: replicated on the model dimension (checked above)
+        if kind == "attention" and arrives != takes:
+            raise ApplyError(f"{where}: its input arrives {arrives} but it takes it {takes}; an attention block takes "
+                             "query, key and value, and PrepareModuleInput converts one input")
         target = wants.get(name, {own_out})
         if style in ("col", "row"):
             if len(target) != 1:
@@ -142,7 +147,8 @@ def specs(plan: Mapping[str, Any], graph: LayerGraph | None = None) -> list[Laye
 
 
 def gradient_divisor(plan: Mapping[str, Any], graph: LayerGraph | None = None) -> int:
-    """The ranks of the mesh dimensions the model's output is split by the batch on (``S(0)``): the step's
+    """The ranks of the mesh dimensions the model's output is split by the batch on (``S(0)``, or the plan's
+    ``batch_dim``'s split for a sequence-first model): the step's
     loss is then the mean of those ranks' losses; 1 where the output is whole or split otherwise.  The
     output is what the plan's output layers take, or (a layer list without one) what the layers nobody
     consumes give; ApplyError where they differ (no one loss)."""
@@ -152,10 +158,11 @@ def gradient_divisor(plan: Mapping[str, Any], graph: LayerGraph | None = None) -
         consumed = {src for row in rows for src in _inputs(row, graph)}
         ends = [row["output"] for row in rows if row["name"] not in consumed]
     divisors = set()
+    batch_dim = plan.get("batch_dim", 0)
     for layouts in ends:
         divisor = 1
         for size, layout in zip(plan["mesh"]["shape"], layouts, strict=True):
-            if split_dim(layout) == 0:
+            if split_dim(layout) == batch_dim:
                 divisor *= size
         divisors.add(divisor)
     if len(divisors) > 1:
@@ -394,7 +401,7 @@ def _style(spec: LayerSpec) -> Any:
     if spec.style == "row":
         return RowwiseParallel(input_layouts=_layout(spec.arrives), output_layouts=_layout(spec.gives))
     if spec.style == "seq":
-        return SequenceParallel(sequence_dim=split_dim(spec.takes) or 1)
+        return SequenceParallel(sequence_dim=split_dim(spec.takes))  # (specs checked it is a split: 0 or 1)
     if spec.arrives != spec.takes:
         return PrepareModuleInput(input_layouts=(_layout(spec.arrives),), desired_input_layouts=(_layout(spec.takes),),
                                   use_local_output=True)

@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
             opts.layer_seconds, _ = trace.measure_in_step(trace.load_factory(args.target), _shape(args.input),
                                                           args.input_dtype, threads=threads)
         elif compute == "job":
-            job = _job_compute(args, mesh)
+            job = _job_compute(args, mesh, graph.batch_dim)
             _use_job(opts, job, costs)
         made = planner.plan(graph, mesh, costs, opts, table_id)
         if job is not None:
@@ -147,11 +147,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _job_compute(args: argparse.Namespace, mesh: planner.Mesh) -> dict:
-    """The job measurement: read from --compute-from, or measured in a job on simulated hosts."""
+def _job_compute(args: argparse.Namespace, mesh: planner.Mesh, batch_dim: int = 0) -> dict:
+    """The job measurement: read from --compute-from, or measured in a job on simulated hosts (a rank's
+    share of the batch cut from the traced graph's ``batch_dim``)."""
     from commd.planner import measure
 
-    factory = {"factory": args.target, "input": list(_shape(args.input)), "input_dtype": args.input_dtype}
+    factory = {"factory": args.target, "input": list(_shape(args.input)), "input_dtype": args.input_dtype,
+               "batch_dim": batch_dim}
     if args.compute_from:
         try:
             raw = json.loads(Path(args.compute_from).read_text())

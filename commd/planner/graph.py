@@ -4,15 +4,18 @@ need (parameters, output shape, forward FLOPs), and edges that carry activations
 Built by tracing a model (``trace.py``) or read from a JSON layer list, the way in for models
 that do not trace::
 
-    {"format": "commd-layers", "version": 1, "dtype_bytes": 4,
+    {"format": "commd-layers", "version": 1, "dtype_bytes": 4,  (optional: "batch_dim": 1)
      "layers": [{"name": "fc1", "kind": "linear", "inputs": ["x"], "out_shape": [64, 1024],
                  "params": 1049600, "flops": 134217728, "in_features": 1024, "out_features": 1024}, ...]}
 
 Kinds: ``input`` (the batch; no inputs), ``linear``, ``embedding``, ``conv2d``, ``layernorm``,
-``attention`` (a recognised self-attention block: its projections and the attention between them),
+``attention`` (a recognised attention block: its projections and the attention between them),
 ``follow`` (parameter-free and element-wise or token-wise: activations, dropout, residual adds; its
-output keeps its input's layout) and ``output`` (the loss; the end of the graph).  Dimension 0 of
-every activation is the batch; a 3-D activation's dimension 1 is the sequence.
+output keeps its input's layout) and ``output`` (the loss; the end of the graph).  Dimension
+``batch_dim`` of every activation is the batch: 0, or 1 for a model that runs sequence-first
+(``nn.MultiheadAttention(batch_first=False)``, torch's default: (sequence, batch, features)); a 3-D
+activation's other leading dimension is the sequence.  An attention layer takes one input (self-attention)
+or up to three (query, key, value: cross-attention's query and memory).
 """
 
 from __future__ import annotations
@@ -58,8 +61,11 @@ class LayerGraph:
     layers: list[Layer]
     dtype_bytes: int = 4
     source: str = ""
+    batch_dim: int = 0  # the dimension of every activation that is the batch (see the module)
 
     def __post_init__(self) -> None:
+        if self.batch_dim not in (0, 1):
+            raise GraphError(f"batch_dim must be 0 or 1, not {self.batch_dim!r}")
         seen: dict[str, int] = {}
         for i, layer in enumerate(self.layers):
             where = f"layer {i} ({layer.name!r})"
@@ -69,6 +75,8 @@ class LayerGraph:
                 raise GraphError(f"{where}: the name is used twice")
             if not layer.out_shape or any(not isinstance(d, int) or d <= 0 for d in layer.out_shape):
                 raise GraphError(f"{where}: out_shape must be positive integers, not {list(layer.out_shape)}")
+            if layer.kind != "output" and len(layer.out_shape) <= self.batch_dim:
+                raise GraphError(f"{where}: out_shape {list(layer.out_shape)} has no batch dimension {self.batch_dim}")
             if layer.params < 0 or layer.flops < 0:
                 raise GraphError(f"{where}: params and flops must not be negative")
             if layer.kind == "input" and layer.inputs:
@@ -78,8 +86,10 @@ class LayerGraph:
             for name in layer.inputs:
                 if name not in seen:
                     raise GraphError(f"{where}: input {name!r} is not an earlier layer (layers go in a topological order)")
-            if layer.kind in ("linear", "attention") and len(layer.inputs) != 1:
+            if layer.kind == "linear" and len(layer.inputs) != 1:
                 raise GraphError(f"{where}: a {layer.kind} layer takes one input")
+            if layer.kind == "attention" and not 1 <= len(layer.inputs) <= 3:
+                raise GraphError(f"{where}: an attention layer takes one to three inputs (query, key, value)")
             seen[layer.name] = i
         if not self.layers:
             raise GraphError("the graph has no layers")
@@ -97,6 +107,7 @@ class LayerGraph:
 
     def to_json(self) -> dict[str, Any]:
         return {"format": LAYERS_FORMAT, "version": LAYERS_VERSION, "dtype_bytes": self.dtype_bytes,
+                **({"batch_dim": self.batch_dim} if self.batch_dim else {}),
                 "layers": [layer.to_json() for layer in self.layers]}
 
     @classmethod
@@ -120,7 +131,7 @@ class LayerGraph:
                                     flops=float(row.get("flops", 0.0)), attrs=rest))
             except (KeyError, TypeError, ValueError) as exc:
                 raise GraphError(f"{where}: layer {i}: {exc}") from None
-        return cls(layers, dtype_bytes, where)
+        return cls(layers, dtype_bytes, where, raw.get("batch_dim", 0))
 
     @classmethod
     def load(cls, path: Path) -> LayerGraph:

@@ -84,44 +84,46 @@ def feature_dim(layer: Layer) -> int:
         len(layer.out_shape) - 1
 
 
-def candidates(layer: Layer, in_ndim: int, n: int, role: str) -> list[Strategy]:
+def candidates(layer: Layer, in_ndim: int, n: int, role: str, batch_dim: int = 0) -> list[Strategy]:
     """Every strategy of ``layer`` on a dimension of ``n`` ranks.  ``role``: ``"data"`` (the data-parallel
     dimension of a 2-D mesh: the batch is split, parameters synchronised), ``"model"`` (the other one)
     or ``"any"`` (a 1-D mesh): every strategy, data parallel ones too (on a 2-D mesh: data parallel
-    over both dimensions)."""
+    over both dimensions).  ``batch_dim``: the activations' batch dimension (0, or 1 sequence-first: a
+    3-D activation's sequence is then dimension 0)."""
     share = 1.0 / n
     out_ndim = len(layer.out_shape)
+    batch, seq = split(batch_dim), split(1 - batch_dim)
     data: list[Strategy] = []
     model: list[Strategy] = []
     kind = layer.kind
     if kind == "input":
-        data = [Strategy("dp", B, split(0), B, 1.0, 1.0)]
+        data = [Strategy("dp", B, batch, B, 1.0, 1.0)]
         model = [Strategy("rep", B, B, B, 1.0, 1.0)]
         if out_ndim == 3:
-            model.append(Strategy("seq", B, split(1), B, 1.0, 1.0))
+            model.append(Strategy("seq", B, seq, B, 1.0, 1.0))
     elif kind == "output":
-        data = [Strategy("dp", split(0), split(0), split(0), share, 1.0)]
+        data = [Strategy("dp", batch, batch, batch, share, 1.0)]
         model = [Strategy("rep", B, B, B, 1.0, 1.0)]
         if in_ndim == 3:
-            model.append(Strategy("seq", split(1), split(1), split(1), share, 1.0))
+            model.append(Strategy("seq", seq, seq, seq, share, 1.0))
     elif kind == "follow":
-        data = [Strategy("dp", split(0), split(0), split(0), share, 1.0)]
+        data = [Strategy("dp", batch, batch, batch, share, 1.0)]
         model = [Strategy("rep", B, B, B, 1.0, 1.0)]
         # a split survives where the layer keeps (or moves) its dimension: attrs "dims" (traced views,
         # reshapes, transposes) says where each input dimension goes; otherwise dimensions stay put
         dims = layer.attrs.get("dims") or list(range(min(in_ndim, out_ndim)))
         for dim, to in enumerate(dims[:in_ndim]):
-            if dim >= 1 and to is not None and to >= 1 and layer.out_shape[to] % n == 0:
+            if dim != batch_dim and to is not None and to != batch_dim and layer.out_shape[to] % n == 0:
                 model.append(Strategy(f"split{dim}", split(dim), split(to), split(dim), share, 1.0))
         if layer.attrs.get("linear"):  # a residual add or a scaling: sums of parts are parts of the sum
             model.append(Strategy("partial", P, P, P, share, 1.0, appliable=False))  # (styles hand on local tensors)
     else:
         sync_share = 1.0
-        data = [Strategy("dp", split(0), split(0), split(0), share, sync_share, SYNC_DDP),
-                Strategy("fsdp", split(0), split(0), split(0), share, share, SYNC_FSDP)]
+        data = [Strategy("dp", batch, batch, batch, share, sync_share, SYNC_DDP),
+                Strategy("fsdp", batch, batch, batch, share, share, SYNC_FSDP)]
         model = [Strategy("rep", B, B, B, 1.0, 1.0)]
         if out_ndim == 3 and kind in ("linear", "layernorm"):  # token-wise: the sequence splits
-            model.append(Strategy("seq", split(1), split(1), split(1), share, 1.0, SYNC_DDP))
+            model.append(Strategy("seq", seq, seq, seq, share, 1.0, SYNC_DDP))
         feat_in, feat_out = in_ndim - 1 if kind != "conv2d" else 1, feature_dim(layer)
         if kind in ("linear", "conv2d"):
             conv = kind == "conv2d"  # (DTensor has no style that splits a convolution)

@@ -153,7 +153,8 @@ def _simulated_hosts_ready(delay_ms: float | None, rate: str | None) -> None:
 def _base_config(factory: dict[str, Any], ranks: int) -> dict[str, Any]:
     """What every job's config holds: the model, where to import it from, a rank's threads."""
     return {"factory": factory["factory"], "input": factory["input"], "input_dtype": factory["input_dtype"],
-            "seed": 0, "sys_path": [os.getcwd(), *sys.path], "threads": max(1, (os.cpu_count() or 1) // ranks)}
+            "batch_dim": factory.get("batch_dim", 0), "seed": 0, "sys_path": [os.getcwd(), *sys.path],
+            "threads": max(1, (os.cpu_count() or 1) // ranks)}
 
 
 def job_compute(factory: dict[str, Any], hosts: int, nproc_per_node: int, rate: str | None = None,

@@ -86,13 +86,14 @@ def layer_job(cfg: dict[str, Any]) -> dict[str, Any] | None:
 
     world, rank = dist.get_world_size(), dist.get_rank()
     factory, shape = load_factory(cfg["factory"]), tuple(cfg["input"])
-    share_shape = (max(1, shape[0] // world), *shape[1:])
+    batch = int(cfg.get("batch_dim", 0))  # (1: a sequence-first model's batch)
+    share_shape = (*shape[:batch], max(1, shape[batch] // world), *shape[batch + 1:])
     threads, repeats = int(cfg.get("threads", 1)), int(cfg.get("repeats", 5))
     dist.barrier()
     whole, whole_factor = measure_in_step(factory, shape, cfg["input_dtype"], repeats, threads)
     dist.barrier()
     part, part_factor = measure_in_step(factory, share_shape, cfg["input_dtype"], repeats, threads)
-    layers = fixed_and_whole(whole, part, share_shape[0] / shape[0])
+    layers = fixed_and_whole(whole, part, share_shape[batch] / shape[batch])
 
     nproc = int(cfg.get("nproc_per_node", world))
     scopes = {"collectives": (dist.group.WORLD, world)}

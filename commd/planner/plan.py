@@ -54,9 +54,10 @@ PLAN_FORMAT = "commd-plan"
 PLAN_VERSION = 1
 #: ``apply`` converts a layout only where a DTensor style can: in the output of a layer with one of
 #: these strategies, or in the input of a layer with one of these (a replicated layer's
-#: PrepareModuleInput); replicate/fully_shard and parameter-free layers convert nothing.  An edge
-#: that needs a conversion elsewhere is priced NOT_APPLIABLE_S: no plan takes it while one without it
-#: exists (every layer can keep the layout it is given).
+#: PrepareModuleInput, but not an attention block's: it takes query, key and value, and apply gives
+#: PrepareModuleInput one input's layouts); replicate/fully_shard and parameter-free layers convert
+#: nothing.  An edge that needs a conversion elsewhere is priced NOT_APPLIABLE_S: no plan takes it
+#: while one without it exists (every layer can keep the layout it is given).
 STYLED = ("col", "row", "vocab")  # (SequenceParallel takes and gives the sequence split only)
 TAKES_ANY = (*STYLED, "rep")
 NOT_APPLIABLE_S = 1e6
@@ -195,7 +196,7 @@ def price(graph: LayerGraph, mesh: Mesh, costs: CollectiveCosts, opts: Options) 
     # the groups a collective may run on: each dimension's, and (index len(dims)) all the mesh's ranks
     groups = [*dims, MeshDim(mesh.world, "all", max(1, mesh.world // mesh.nproc_per_node), "all")]
     for i, layer in enumerate(graph.layers):
-        per_dim = [candidates(layer, ndim_in[i], d.size, d.role) for d in dims]
+        per_dim = [candidates(layer, ndim_in[i], d.size, d.role, graph.batch_dim) for d in dims]
         combos, costs_here, parts_here, colls_here = [], [], [], []
         for combo in itertools.product(*per_dim):
             if opts.appliable_only and not all(st.appliable for st in combo):
@@ -234,7 +235,7 @@ def price(graph: LayerGraph, mesh: Mesh, costs: CollectiveCosts, opts: Options) 
         lists: list[list[tuple[str, int, int, int]]] = []
         backward = graph.layers[u].kind != "input"  # (no gradient flows into the batch)
         converts_out = graph.layers[u].kind in WITH_PARAMS
-        converts_in = graph.layers[v].kind in WITH_PARAMS
+        converts_in = graph.layers[v].kind in WITH_PARAMS and graph.layers[v].kind != "attention"
         for s, t in itertools.product(range(ku), range(kv)):
             if opts.appliable_only and not all(
                     a.out == b.inp or (converts_out and a.name in STYLED) or (converts_in and b.name in TAKES_ANY)
@@ -578,7 +579,8 @@ def plan(graph: LayerGraph, mesh: Mesh, costs: CollectiveCosts, opts: Options, t
     return {"format": PLAN_FORMAT, "version": PLAN_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "mesh": {"shape": list(mesh.shape), "nproc_per_node": mesh.nproc_per_node, "gpu": mesh.gpu,
                      "dims": [{"name": d.name, "size": d.size, "nodes": d.nodes} for d in dims]},
-            "table_id": table_id, "costs": costs.source, "model": graph.source, "search": notes,
+            "table_id": table_id, "costs": costs.source, "model": graph.source, "batch_dim": graph.batch_dim,
+            "search": notes,
             "compute": {"source": opts.compute_source or opts.compute, "convert_overhead_s": opts.convert_overhead_s,
                         "sync_overhead_s": opts.sync_overhead_s, "wrapper_overhead_s": opts.wrapper_overhead_s,
                         "wrapper_curves_s": opts.wrapper_curves_s},
@@ -601,6 +603,8 @@ def show(plan_json: dict[str, Any]) -> str:
     lines = [f"plan for {plan_json.get('model') or 'a model'} on mesh "
              f"{'x'.join(map(str, plan_json['mesh']['shape']))} ({plan_json['mesh']['nproc_per_node']} ranks per node); "
              f"costs: {plan_json.get('costs')}"]
+    if plan_json.get("batch_dim"):  # (a sequence-first model: S(1) splits the batch, S(0) the sequence)
+        lines.append(f"the batch is dimension {plan_json['batch_dim']} of every activation (sequence-first)")
     names = [d["name"] for d in plan_json["mesh"]["dims"]]
     lines.append(f"{'layer':<28} {'kind':<10} " + " ".join(f"{n:<10}" for n in names) + "  in -> out")
     for layer in plan_json["layers"]:

@@ -4,13 +4,20 @@
 ``nn.Conv2d``, ``nn.LayerNorm`` and recognised attention blocks (``nn.MultiheadAttention``, or any
 module whose class name ends in ``Attention`` and that holds parameters but no ``nn.Linear``: one
 built of Linear projections is traced through, its views and transposes mapping a split of the
-features onto the heads) — and a shape pass on meta
-tensors gives every activation's shape.  Every other call that makes a tensor (activations, dropout,
-residual adds, reshapes) becomes a ``follow`` layer; additions and subtractions of two tensors are
-marked linear (sums of parts are parts of the sum).  Calls that make no tensor (sizes, attribute
-reads) are not layers: a layer that reads their result is wired to the tensors they came from.
-Dimension 0 of every activation must be the batch (``nn.MultiheadAttention(batch_first=True)``).
-Models that do not trace take the JSON layer list instead (``graph.py``).
+features onto the heads) — and a shape pass on meta tensors gives every activation's shape.  Every
+other call that makes a tensor (activations, dropout, residual adds, reshapes) becomes a ``follow``
+layer; additions and subtractions of two tensors are marked linear (sums of parts are parts of the
+sum).  Calls that make no tensor (sizes, attribute reads) are not layers: a layer that reads their
+result is wired to the tensors they came from.  torch.nn's modules made of modules
+(``nn.TransformerEncoder``, ``nn.TransformerDecoderLayer``) are traced through to their leaves.
+
+The model is called on the batch alone, every other argument of its ``forward`` at its default (no
+mask), and every proxy carries its value on the meta device (``meta_tracer.py``): code that asks
+about the input's shape (torch's transformer modules do) traces as it runs for this batch; a branch
+on a tensor's data does not, and the error names the module.  Dimension 0 of every activation must be
+the batch — or dimension 1 of every activation, where the model's ``nn.MultiheadAttention`` blocks
+run sequence-first (``batch_first=False``, torch's default).  Models that do not trace take the JSON
+layer list instead (``graph.py``).
 """
 
 from __future__ import annotations
@@ -55,11 +62,12 @@ def trace(factory: Callable[[], Any], input_shape: tuple[int, ...], input_dtype:
     if not isinstance(model, torch.nn.Module):
         raise GraphError(f"{name or 'the factory'} built a {type(model).__name__}, not a torch.nn.Module")
 
+    dtype = getattr(torch, input_dtype)
+    example = (torch.zeros(input_shape, dtype=dtype, device="meta") if not dtype.is_floating_point
+               else torch.empty(input_shape, dtype=dtype, device="meta"))
+    _check_one_input(model, name)
+    module = torch.fx.GraphModule(model, _graph(model, example, name))
     try:
-        module = _traced(model)
-        dtype = getattr(torch, input_dtype)
-        example = (torch.zeros(input_shape, dtype=dtype, device="meta") if not dtype.is_floating_point
-                   else torch.empty(input_shape, dtype=dtype, device="meta"))
         ShapeProp(module).propagate(example)
     except Exception as exc:  # tracing runs the model's own code: any failure is the model's
         raise GraphError(f"{name or 'the model'} does not trace on the meta device ({type(exc).__name__}: {exc}); "
@@ -82,8 +90,10 @@ def measure(factory: Callable[[], Any], input_shape: tuple[int, ...], input_dtyp
     import torch.fx
 
     with _torch_threads(threads):
-        module = _traced(factory())
         example = _example(input_shape, input_dtype)
+        with torch.device("meta"):  # (the graph of trace's meta twin: the same questions answered alike)
+            twin = factory()
+        module = torch.fx.GraphModule(factory(), _graph(twin, example.to("meta")))
         times: dict[str, list[float]] = {}
         names = {node.name: (_name(node.target) if node.op == "call_module" and _kind_of(module.get_submodule(node.target))
                              else node.name) for node in module.graph.nodes}
@@ -200,15 +210,45 @@ def fixed_and_whole(whole: dict[str, float], part: dict[str, float], share: floa
     return out
 
 
-def _traced(model: Any) -> Any:
-    """``model`` as a ``torch.fx.GraphModule`` whose parameter layers (``_kind_of``) are leaves."""
-    import torch.fx
+def _graph(model: Any, example: Any, name: str = "") -> Any:
+    """The ``torch.fx`` graph of ``model`` called on ``example`` (a meta tensor) alone, its parameter layers
+    (``_kind_of``) as leaves.  Every other argument of its ``forward`` keeps its default: fx would hand each
+    one in as a proxy, and torch's own modules read an absent mask as a tensor (``nn.TransformerEncoder``:
+    ``F._none_or_dtype(mask)``).  Proxies carry their values on the meta device (``meta_tracer``), so the
+    model's questions about shapes (``src.dim() != 3``, ``len(src.size())``, ``src.is_nested``) are answered
+    for this batch.  GraphError naming the innermost module whose code failed."""
+    import inspect
 
-    class Tracer(torch.fx.Tracer):
-        def is_leaf_module(self, m: Any, qualname: str) -> bool:
-            return _kind_of(m) is not None or super().is_leaf_module(m, qualname)
+    from commd.planner.meta_tracer import MetaTracer
 
-    return torch.fx.GraphModule(model, Tracer().trace(model))
+    defaults = {p.name: p.default for p in list(inspect.signature(model.forward).parameters.values())[1:]
+                if p.default is not inspect.Parameter.empty}
+    tracer = MetaTracer(example, lambda m: _kind_of(m) is not None)
+    try:
+        return tracer.trace(model, concrete_args=defaults or None)
+    except Exception as exc:  # tracing runs the model's own code: any failure is the model's
+        qualname, failed = tracer.failed_in or ("", model)
+        hint = ""
+        if type(failed).__module__.startswith("torch.nn"):  # (torch's own: a mask made in forward, most likely)
+            hint = (f" or, if the model hands {type(failed).__name__} a mask it computes in forward, plan a factory "
+                    "whose forward leaves the mask out (the same layers, shapes and plan; apply that plan to the "
+                    "model with its mask)")
+        raise GraphError(f"{name or 'the model'} does not trace on the meta device (in {qualname or 'the model'} "
+                         f"({type(failed).__name__}): {type(exc).__name__}: {exc}); give it as a JSON layer list "
+                         f"(--layers){hint}") from None
+
+
+def _check_one_input(model: Any, name: str) -> None:
+    """GraphError unless ``model.forward`` takes one input (every other argument has a default)."""
+    import inspect
+
+    params = list(inspect.signature(model.forward).parameters.values())
+    required = [p.name for p in params[1:] if p.default is inspect.Parameter.empty
+                and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+    if not params or required:
+        raise GraphError(f"{name or 'the model'}: its forward takes {', '.join(p.name for p in params) or 'nothing'}; "
+                         "the planner traces a model on one input (the batch), every other argument left at its "
+                         "default: wrap it in a module whose forward takes the batch alone")
 
 
 def _kind_of(m: Any) -> str | None:
@@ -230,19 +270,26 @@ def _kind_of(m: Any) -> str | None:
 
 
 def _layers(module: Any, name: str, input_itemsize: int) -> LayerGraph:
+    import torch
+
     layers: list[Layer] = []
     produced: dict[str, list[str]] = {}  # fx node -> the layers its value comes from
     modules = dict(module.named_modules())
     dtype_bytes = 4
+    batch_first: dict[str, bool] = {}  # nn.MultiheadAttention layers' batch_first
     for node in module.graph.nodes:
         meta = node.meta.get("tensor_meta")
         shape = tuple(int(d) for d in meta.shape) if meta is not None and hasattr(meta, "shape") else None
         inputs = node.all_input_nodes
         if _target_name(node) in RESHAPES | TRANSPOSES and inputs:  # the rest of their arguments are sizes
             inputs = inputs[:1]
+        if node.op == "call_module" and isinstance(modules[node.target], torch.nn.MultiheadAttention):
+            inputs = _attention_inputs(node)
         sources = [layer for arg in inputs for layer in produced.get(arg.name, [])]
         sources = list(dict.fromkeys(sources))  # (x, x, x) into attention: one input
-        if node.op == "placeholder":
+        if node.op == "placeholder" and any(x.kind == "input" for x in layers):
+            produced[node.name] = []  # an argument left at its default (trace passes the batch alone)
+        elif node.op == "placeholder":
             layers.append(Layer(node.name, "input", (), shape or (1,)))
             produced[node.name] = [node.name]
         elif node.op == "output":
@@ -254,9 +301,12 @@ def _layers(module: Any, name: str, input_itemsize: int) -> LayerGraph:
                 first = node.meta.get("tensor_meta")
                 shape = tuple(int(d) for d in first[0].shape) if isinstance(first, (tuple, list)) else (1,)
             params = sum(p.numel() for p in m.parameters())
-            layers.append(Layer(_name(node.target), kind, tuple(sources[:1]), shape, params,
+            mha = isinstance(m, torch.nn.MultiheadAttention)  # (cross-attention: its query and its memory)
+            layers.append(Layer(_name(node.target), kind, tuple(sources if mha else sources[:1]), shape, params,
                                 _flops(kind, m, shape, layers, sources), _attrs(kind, m)))
             produced[node.name] = [layers[-1].name]
+            if mha:
+                batch_first[layers[-1].name] = bool(m.batch_first)
             dtype_bytes = max(p.element_size() for p in m.parameters()) if params else dtype_bytes
         elif shape is not None and sources:
             attrs: dict[str, Any] = {"linear": True} if (node.target in LINEAR_CALLS) and len(sources) > 1 else {}
@@ -271,7 +321,37 @@ def _layers(module: Any, name: str, input_itemsize: int) -> LayerGraph:
             produced[node.name] = sources  # no tensor of its own (a size, a constant): pass the wiring on
     if not layers or layers[-1].kind != "output" or not layers[-1].inputs:
         raise GraphError(f"{name}: the traced graph has no tensor output")
-    return LayerGraph(layers, dtype_bytes, f"{name} (traced)")
+    return LayerGraph(layers, dtype_bytes, f"{name} (traced)", _batch_dim(name, batch_first, layers))
+
+
+def _batch_dim(name: str, batch_first: dict[str, bool], layers: list[Layer]) -> int:
+    """The activations' batch dimension: 1 where the model's ``nn.MultiheadAttention`` blocks (their
+    ``batch_first`` by layer name) run sequence-first (``batch_first=False``, torch's default: (sequence,
+    batch, features)), else 0.  The planner splits the same dimension of every activation as the batch,
+    so a sequence-first model must keep its batch at dimension 1 throughout: GraphError naming the layer
+    that moves it, or the blocks where some run batch-first and others do not."""
+    if len(set(batch_first.values())) > 1:
+        seq_first = sorted(n for n, first in batch_first.items() if not first)
+        raise GraphError(f"{name}: attention layers {seq_first} run sequence-first (batch_first=False) and the others "
+                         "batch-first: build them all alike")
+    if not batch_first or next(iter(batch_first.values())):
+        return 0
+    for layer in layers:
+        dims = layer.attrs.get("dims")
+        if layer.kind != "output" and (len(layer.out_shape) < 2 or (dims is not None and dims[1:2] != [1])):
+            raise GraphError(f"{name}: layer {layer.name!r} ({layer.kind}, shape {list(layer.out_shape)}) moves the "
+                             "batch off dimension 1, where the model's nn.MultiheadAttention(batch_first=False) "
+                             "keeps it: build its attention batch_first=True (and feed it (batch, sequence, ...))")
+    return 1
+
+
+def _attention_inputs(node: Any) -> list[Any]:
+    """The nodes an ``nn.MultiheadAttention`` call attends with: its query, key and value (positional or by
+    name), not its masks."""
+    import torch.fx
+
+    named = [node.kwargs.get(k) for k in ("query", "key", "value")]
+    return list(dict.fromkeys(a for a in (*node.args[:3], *named) if isinstance(a, torch.fx.Node)))
 
 
 #: Calls that only move a tensor's dimensions (their first argument's) around.
@@ -365,6 +445,7 @@ def _flops(kind: str, m: Any, out_shape: tuple[int, ...], layers: list[Layer], s
     if kind == "attention":
         hidden = out_shape[-1]
         tokens = out // hidden
-        seq = out_shape[-2] if len(out_shape) >= 3 else tokens
+        seq_first = len(out_shape) == 3 and getattr(m, "batch_first", True) is False  # (sequence, batch, features)
+        seq = out_shape[0] if seq_first else out_shape[-2] if len(out_shape) >= 3 else tokens
         return 2.0 * tokens * hidden * 4 * hidden + 4.0 * tokens * seq * hidden
     return 0.0
