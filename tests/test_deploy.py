@@ -3,13 +3,16 @@
 The Slurm tests run the scripts as slurmd does: as root, under ``env -i`` with
 only SLURM_JOB_ID/UID/USER/NODELIST (plus COMMD_SLURM_CONF, the test's site
 config), for the job user ``nobody``; the job's ranks run as ``nobody`` too.
-Where this machine's interpreter sits under a directory ``nobody`` cannot enter
-(/root), each "node" gets a private mount namespace exposing just the
-interpreter's tree, so the job user can run Python as on a cluster node.
+Where this checkout or its interpreter sits under a directory ``nobody`` cannot
+enter (/root, or a clone inside a 0700 directory), each "node" gets a private
+mount namespace exposing just those trees (``node_view``), so the job user runs
+the same files from the same paths, as on a cluster node; if it still cannot
+run this checkout's Python, the Slurm tests skip and say what it needs.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
@@ -36,7 +39,7 @@ from helpers import new_job, wait_until
 
 from commd.cli.main import main as commd_main
 from commd.client import Client, ops
-from commd.client.errors import ConnectError
+from commd.client.errors import ConnectError, UntrustedDaemonError
 from commd.daemon import notify
 from commd.deploy.slurm import HostListError, expand_hostlist, job_secret, node_rank, plan, rendezvous_port
 from commd.runtime import JobPaths, pid_alive
@@ -254,6 +257,113 @@ def test_torch_backend_reports_a_failed_prologue_start(runtime_dir: Path, tmp_pa
         done.stdout + done.stderr)
 
 
+# ---- containers: what the daemon and the ranks must share ----------------------------------------
+def _namespaces_unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "making mount and PID namespaces needs root"
+    if shutil.which("unshare") is None:
+        return "unshare is not installed"
+    return None
+
+
+needs_namespaces = pytest.mark.skipif(_namespaces_unavailable() is not None, reason=str(_namespaces_unavailable()))
+
+# The daemon's "container": its own /tmp and /dev/shm (empty tmpfs), the runtime directory the only
+# thing shared with the ranks, bound at the same path (like a volume mounted into two containers);
+# also bound back: the interpreter's and this checkout's trees where they lie under /tmp.
+# Arguments: N, N paths to keep, the command.
+OWN_MOUNTS = r"""
+set -e
+n=$1
+shift
+keeps=() temps=()
+for ((i = 0; i < n; i++)); do
+    t=$(mktemp -d /var/tmp/commd-hold.XXXXXX)
+    mount --bind "$1" "$t"
+    keeps+=("$1") temps+=("$t")
+    shift
+done
+mount -t tmpfs -o size=1m tmpfs /tmp
+mount -t tmpfs -o size=1m tmpfs /dev/shm
+for i in "${!keeps[@]}"; do
+    mkdir -p "${keeps[$i]}"
+    mount --move "${temps[$i]}" "${keeps[$i]}"
+    rmdir "${temps[$i]}"
+done
+exec "$@"
+"""
+
+
+def _own_mounts(runtime_dir: Path) -> list[str]:
+    tmp = Path("/tmp")
+    trees = sorted({str(tmp / p.relative_to(tmp).parts[0]) for p in _job_user_paths() if p.is_relative_to(tmp)})
+    keeps = [*trees, str(runtime_dir)]
+    return ["unshare", "--mount", "--propagation", "private", "bash", "-c", OWN_MOUNTS, "bash", str(len(keeps)),
+            *keeps]
+
+
+def _one_rank(job: str) -> float:
+    """A rank: an all-reduce staged through shared memory (above the inline limit) through the job's daemon."""
+    client = Client(0, 1, job=job, connect_timeout=60)
+    try:
+        client.register_group("world", [0])
+        t = torch.full((300_000,), 2.5)
+        ops.all_reduce(client, t).wait(60)
+        return float(t[-1])
+    finally:
+        client.close()
+
+
+def _contained_daemon(wrapper: list[str], job: str) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen([*wrapper, sys.executable, "-m", "commd", "daemon", "--job", job],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    paths = JobPaths.for_job(job)
+    wait_until(lambda: (paths.ops_socket.exists() and paths.pid_file.exists()) or proc.poll() is not None, 90,
+               "the daemon to serve")
+    assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+    return proc
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the daemon's session (unshare and the daemon), SIGKILL if it lingers."""
+    for sig, wait in ((signal.SIGTERM, 30.0), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    proc.wait()
+
+
+@needs_namespaces
+def test_container_daemon_shares_only_the_runtime_dir(runtime_dir: Path) -> None:
+    """A daemon with its own /tmp and /dev/shm serves the ranks: they share its runtime directory (sockets,
+    secret, pid file), their uid and PID namespace; shared memory travels as memfds over the op socket."""
+    job = new_job()
+    proc = _contained_daemon(_own_mounts(runtime_dir), job)
+    try:
+        assert _one_rank(job) == 2.5
+    finally:
+        _stop(proc)
+
+
+@needs_namespaces
+def test_container_daemon_in_another_pid_namespace_is_refused(runtime_dir: Path) -> None:
+    """Ranks check that the process listening on the op socket is the daemon the job's files name: from
+    another PID namespace the pids differ, and the rank refuses the daemon with both pids named."""
+    job = new_job()
+    proc = _contained_daemon(["unshare", "--pid", "--fork", "--mount-proc"], job)
+    try:
+        with pytest.raises(UntrustedDaemonError, match=r"is pid \d+, but .*daemon.pid names pid 1 as the job's daemon"):
+            _one_rank(job)
+    finally:
+        _stop(proc)
+
+
 # ---- MemoryDenyWriteExecute ----------------------------------------------------------------------
 MDWE_EXEC = """
 import ctypes, os, sys
@@ -295,27 +405,32 @@ def test_daemon_works_without_writable_executable_memory(runtime_dir: Path) -> N
 
 # ---- systemd unit --------------------------------------------------------------------------------
 def _unit_with_dropin(directory: Path) -> Path:
-    """The template as instance commd@job.service, ExecStart pointed at an existing commd, plus User=."""
+    """The template as shipped, and beside it the example drop-in of instance commd@job.service with its
+    ExecStart lines switched on and pointed at this environment's commd (as docs/deployment.md says)."""
     commd_bin = shutil.which("commd") or str(Path(sys.executable).with_name("commd"))
-    text = UNIT.read_text().replace("/usr/local/bin/commd", commd_bin)
-    dropin = USER_DROPIN.read_text()
-    assert "[Service]" in dropin and "User=alice" in dropin
-    path = directory / "commd@job.service"
-    path.write_text(text + "\n" + dropin)
-    return path
+    shutil.copy(UNIT, directory / UNIT.name)
+    example = USER_DROPIN.read_text()
+    assert "[Service]" in example and "User=alice" in example
+    assert "#ExecStart=\n" in example and "#ExecStart=/home/alice/venvs/train/bin/commd daemon" in example
+    dropin = directory / "commd@job.service.d" / "user.conf"
+    dropin.parent.mkdir()
+    dropin.write_text(example.replace("#ExecStart=", "ExecStart=").replace("/home/alice/venvs/train/bin/commd",
+                                                                          commd_bin))
+    return directory / "commd@job.service"
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
 def test_unit_verifies_and_is_well_sandboxed(tmp_path: Path) -> None:
     unit = _unit_with_dropin(tmp_path)
-    verify = subprocess.run(["systemd-analyze", "verify", "--man=no", unit.name], cwd=tmp_path,
+    verify = subprocess.run(["systemd-analyze", "verify", "--man=no", str(unit)], cwd="/",
                             capture_output=True, text=True, timeout=60)
     assert verify.returncode == 0 and "commd@" not in verify.stdout + verify.stderr, verify.stderr
+    shipped = UNIT.read_text()
     for needed in ("Type=notify", "NotifyAccess=main", "ProtectSystem=strict", "MemoryDenyWriteExecute=yes"):
-        assert needed in unit.read_text()
+        assert needed in shipped
     for forbidden in ("PrivateDevices=yes", "PrivateIPC=yes", "RemoveIPC=yes", "PrivateTmp=yes", "PrivateNetwork=yes"):
-        assert forbidden not in unit.read_text(), f"{forbidden} would cut the daemon off its workers or peers"
-    security = subprocess.run(["systemd-analyze", "security", "--offline=yes", unit.name], cwd=tmp_path,
+        assert forbidden not in shipped, f"{forbidden} would cut the daemon off its workers or peers"
+    security = subprocess.run(["systemd-analyze", "security", "--offline=yes", str(unit)], cwd="/",
                               capture_output=True, text=True, timeout=60)
     score = re.search(r"Overall exposure level for commd@job.service: ([0-9.]+)", security.stdout)
     assert score, security.stdout + security.stderr
@@ -338,38 +453,105 @@ def _slurm_unavailable() -> str | None:
 
 needs_slurm_env = pytest.mark.skipif(_slurm_unavailable() is not None, reason=str(_slurm_unavailable()))
 
-# A node's view: its own host name (optional) and, if the interpreter's tree is closed to the
-# job user, a private mount namespace in which only that tree is visible under the closed directory.
+# A node's view: its own host name (optional) and, for each directory on the way to this checkout's
+# Python that the job user cannot enter (/root; a checkout cloned into a 0700 directory), a private
+# mount namespace in which that directory is an empty 0755 tmpfs holding only the entries on those
+# paths, bound back unchanged: the job user runs the same interpreter, packages and checkout from
+# the same paths, as on a cluster node where the job environment is installed where it can reach it.
+# Arguments: HOST, the number of closed directories, then per directory: DIR, N, its N entries to keep.
 NODE_VIEW = r"""
 set -e
-host=$1 hidden=$2 keep=$3
-shift 3
+host=$1 groups=$2
+shift 2
 if [ -n "$host" ]; then hostname "$host"; fi
-if [ -n "$hidden" ]; then
-    t=$(mktemp -d)
-    mount --bind "$keep" "$t"
+while [ "$groups" -gt 0 ]; do
+    hidden=$1 n=$2
+    shift 2
+    keeps=() temps=()
+    for ((i = 0; i < n; i++)); do
+        if [ -d "$1" ]; then t=$(mktemp -d); else t=$(mktemp); fi
+        mount --bind "$1" "$t"
+        keeps+=("$1") temps+=("$t")
+        shift
+    done
     mount -t tmpfs -o mode=0755 tmpfs "$hidden"
-    mkdir -p "$keep"
-    mount --move "$t" "$keep"
-    rmdir "$t"
-fi
+    for i in "${!keeps[@]}"; do
+        if [ -d "${temps[$i]}" ]; then mkdir "${keeps[$i]}"; else touch "${keeps[$i]}"; fi
+        mount --move "${temps[$i]}" "${keeps[$i]}"
+        rm -d "${temps[$i]}"
+    done
+    groups=$((groups - 1))
+done
 exec "$@"
 """
 
 
-def _closed_interpreter_dir() -> tuple[str, str]:
-    """(a directory on the interpreter's path others cannot enter, its child on that path), or ('', '')."""
-    real = Path(os.path.realpath(sys.executable))
-    for parent in reversed(real.parents):
-        if parent != Path("/") and not parent.stat().st_mode & stat.S_IXOTH:
-            return str(parent), str(parent / real.relative_to(parent).parts[0])
-    return "", ""
+def _job_user_paths() -> list[Path]:
+    """What the job's processes run: this interpreter (as named and its real file), its prefixes and
+    package directories, and this checkout (the tests' PYTHONPATH, the Slurm scripts, the worker)."""
+    named = [Path(sys.executable), Path(os.path.realpath(sys.executable)), Path(sys.prefix), Path(sys.base_prefix),
+             REPO, *(Path(p) for p in sys.path if p and os.path.isdir(p))]
+    paths: list[Path] = []
+    for path in named:
+        for variant in (Path(os.path.realpath(path.parent)) / path.name, Path(os.path.realpath(path))):
+            if variant not in paths:
+                paths.append(variant)
+    return paths
+
+
+def _enters(st: os.stat_result, uid: int, gids: set[int]) -> bool:
+    """Whether a user (uid, groups) may search a directory of this owner and mode (never root here)."""
+    if st.st_uid == uid:
+        return bool(st.st_mode & stat.S_IXUSR)
+    if st.st_gid in gids:
+        return bool(st.st_mode & stat.S_IXGRP)
+    return bool(st.st_mode & stat.S_IXOTH)
+
+
+@functools.cache
+def _closed_dirs() -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The directories on the job user's paths it cannot enter, outermost first, each with its
+    entries on those paths (what the node view keeps)."""
+    user = pwd.getpwnam(JOB_USER)
+    gids = {user.pw_gid, *os.getgrouplist(JOB_USER, user.pw_gid)}
+    closed: dict[Path, list[str]] = {}
+    for path in _job_user_paths():
+        for parent in reversed(path.parents):
+            if parent == Path("/") or not parent.is_dir() or _enters(parent.stat(), user.pw_uid, gids):
+                continue
+            keep = str(parent / path.relative_to(parent).parts[0])
+            if keep not in closed.setdefault(parent, []):
+                closed[parent].append(keep)
+    return tuple((str(d), tuple(keeps)) for d, keeps in sorted(closed.items(), key=lambda kv: len(kv[0].parts)))
 
 
 def node_view(cmd: list[str], host: str | None = None) -> list[str]:
-    hidden, keep = _closed_interpreter_dir()
     flags = ["--mount", "--propagation", "private"] + (["--uts"] if host else [])
-    return ["unshare", *flags, "bash", "-c", NODE_VIEW, "bash", host or "", hidden, keep, *cmd]
+    spec = [str(len(_closed_dirs()))]
+    for hidden, keeps in _closed_dirs():
+        spec += [hidden, str(len(keeps)), *keeps]
+    return ["unshare", *flags, "bash", "-c", NODE_VIEW, "bash", host or "", *spec, *cmd]
+
+
+@functools.cache
+def _job_user_cannot_run_python() -> str | None:
+    """Why the job user cannot run this checkout's Python even in a node view (the Slurm tests then
+    skip with it), or None.  Checked once, before the first Slurm test."""
+    user = pwd.getpwnam(JOB_USER)
+    probe = ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--init-groups", "env", "-i",
+             f"PYTHONPATH={REPO}", sys.executable, "-c", "import commd.client, torch"]
+    try:
+        done = subprocess.run(node_view(probe), capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return f"the job user {JOB_USER} could not import commd within 120 s"
+    if done.returncode == 0:
+        return None
+    last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+    hidden = ", ".join(d for d, _ in _closed_dirs()) or "none"
+    return (f"the job user {JOB_USER} (uid {user.pw_uid}) cannot run {sys.executable} -c 'import commd.client, "
+            f"torch' with PYTHONPATH={REPO}, even in the tests' node view (closed directories bound around: "
+            f"{hidden}): {last}. The job user needs execute permission on the interpreter, its real file "
+            f"{os.path.realpath(sys.executable)}, and every directory above them and above the checkout")
 
 
 @dataclass
@@ -407,14 +589,17 @@ class SlurmSite:
         except FileNotFoundError:
             return ""
 
-    def slurm_env(self, conf: Path, job_id: str, nodelist: str) -> list[str]:
-        """slurmd's environment for Prolog/Epilog: nothing else (no PATH)."""
-        return ["env", "-i", f"COMMD_SLURM_CONF={conf}", f"SLURM_JOB_ID={job_id}", f"SLURM_JOB_UID={self.uid}",
-                f"SLURM_JOB_USER={JOB_USER}", f"SLURM_JOB_NODELIST={nodelist}"]
+    def slurm_env(self, conf: Path, job_id: str, nodelist: str, user: tuple[str, int] | None = None) -> list[str]:
+        """slurmd's environment for Prolog/Epilog: nothing else (no PATH).  ``user``: (name, uid) of
+        another job user than the site's."""
+        name, uid = user or (JOB_USER, self.uid)
+        return ["env", "-i", f"COMMD_SLURM_CONF={conf}", f"SLURM_JOB_ID={job_id}", f"SLURM_JOB_UID={uid}",
+                f"SLURM_JOB_USER={name}", f"SLURM_JOB_NODELIST={nodelist}"]
 
     def script(self, which: str, conf: Path, job_id: str, nodelist: str, host: str | None = None,
-               wrap: list[str] | None = None) -> tuple[subprocess.CompletedProcess[str], float]:
-        cmd = node_view([*self.slurm_env(conf, job_id, nodelist), str(SLURM_DIR / f"{which}.sh")], host)
+               wrap: list[str] | None = None,
+               user: tuple[str, int] | None = None) -> tuple[subprocess.CompletedProcess[str], float]:
+        cmd = node_view([*self.slurm_env(conf, job_id, nodelist, user), str(SLURM_DIR / f"{which}.sh")], host)
         started = time.monotonic()
         done = subprocess.run([*(wrap or []), *cmd], capture_output=True, text=True, timeout=150)
         return done, time.monotonic() - started
@@ -462,8 +647,9 @@ def rank_results(procs: list[subprocess.Popen[str]], timeout: float = 200) -> li
     return results
 
 
-def _kill_job_processes(job: str) -> None:
-    """Safety net: end what a failed test left of this job (the epilog normally does)."""
+def _job_pids(job: str) -> list[int]:
+    """The commd processes of this job (by their command line)."""
+    pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
@@ -471,15 +657,22 @@ def _kill_job_processes(job: str) -> None:
             except OSError:
                 continue
             if f"--job {job} " in cmdline + " " and "commd" in cmdline:
-                try:
-                    os.kill(int(entry.name), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                pids.append(int(entry.name))
+    return pids
+
+
+def _kill_job_processes(job: str) -> None:
+    """Safety net: end what a failed test left of this job (the epilog normally does)."""
+    for pid in _job_pids(job):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 @pytest.fixture
 def slurm_site() -> Iterator[SlurmSite]:
-    reason = _slurm_unavailable()
+    reason = _slurm_unavailable() or _job_user_cannot_run_python()
     if reason:
         pytest.skip(reason)
     user = pwd.getpwnam(JOB_USER)
@@ -574,6 +767,78 @@ def test_slurm_prolog_failure_reaches_the_job(slurm_site: SlurmSite, case: str) 
     done, _ = site.script("epilog", conf, job_id, nodelist)
     assert done.returncode == 0, done.stderr
     assert not site.job_dir(node, job_id).exists()
+
+
+def _private_dir(site: SlurmSite) -> Path:
+    """A directory of root's that the job user cannot enter (like a checkout in a 0700 home)."""
+    private = site.base / "private"
+    private.mkdir(mode=0o700)
+    private.chmod(0o700)
+    return private
+
+
+@needs_slurm_env
+@pytest.mark.parametrize("case", ["closed-bin-dir", "closed-interpreter", "closed-wrapped", "not-executable"])
+def test_slurm_prolog_refuses_what_the_job_user_cannot_execute(slurm_site: SlurmSite, case: str) -> None:
+    """COMMD_BIN, or the interpreter it runs, behind a directory the job user cannot enter (or not
+    executable for it): the prolog names what is closed, in the log and to the job, and starts nothing."""
+    site, job_id = slurm_site, _job_id()
+    node = socket.gethostname().split(".")[0]
+    private = _private_dir(site)
+    launcher = f'#!/bin/sh\nPYTHONPATH={REPO} exec {sys.executable} -m commd "$@"\n'
+    closed = f"user {JOB_USER} cannot enter the directory {private} (owner root, mode 700)"
+    if case == "closed-bin-dir":
+        (bin_path := private / "commd").write_text(launcher)
+        expect = f"COMMD_BIN={bin_path} is not an executable file for user {JOB_USER}: {closed}"
+    elif case == "closed-interpreter":
+        (private / "python").symlink_to(os.path.realpath(sys.executable))
+        bin_path = site.base / "env" / "bin" / "commd-closed"
+        bin_path.write_text(f"#!{private}/python\nfrom commd.cli.main import main\nmain()\n")
+        expect = (f"the interpreter {private}/python that COMMD_BIN={bin_path} names is not an executable file "
+                  f"for user {JOB_USER}: {closed}")
+    elif case == "closed-wrapped":  # what the prolog can only learn by running it: a wrapper's exec fails
+        (private / "python").symlink_to(os.path.realpath(sys.executable))
+        bin_path = site.base / "env" / "bin" / "commd-wrapped"
+        bin_path.write_text(f'#!/bin/sh\nPYTHONPATH={REPO} exec {private}/python -m commd "$@"\n')
+        expect = f"user {JOB_USER} cannot run COMMD_BIN={bin_path} (exit 126): "
+    else:
+        bin_path = site.base / "env" / "bin" / "commd-0644"
+        bin_path.write_text(launcher)
+        bin_path.chmod(0o644)
+        expect = f"COMMD_BIN={bin_path} is not an executable file for user {JOB_USER}: user {JOB_USER} may not " \
+                 "execute it (owner root, mode 644)"
+    if case != "not-executable":
+        bin_path.chmod(0o755)
+    conf = site.conf(node, COMMD_BIN=str(bin_path))
+    done, _ = site.script("prolog", conf, job_id, node)
+    assert done.returncode == 0, done.stderr
+    needs = "the job user needs execute permission on COMMD_BIN, on the interpreter it runs and on every directory"
+    for where in (done.stderr, site.log(node)):
+        assert expect in where and needs in where, where
+    job_dir = site.job_dir(node, job_id)
+    assert expect in (job_dir / "start.error").read_text()  # what the job's ranks report (see above)
+    assert _daemon_pid(job_dir) is None and not (job_dir / "starting").exists()
+    done, _ = site.script("epilog", conf, job_id, node)
+    assert done.returncode == 0, done.stderr
+    assert not job_dir.exists()
+
+
+@needs_slurm_env
+def test_slurm_prolog_refuses_a_root_job(slurm_site: SlurmSite) -> None:
+    """A job of root gets no daemon: the prolog logs the refusal, exits 0 (the node stays up) and
+    creates nothing; the epilog has nothing to do."""
+    site, job_id = slurm_site, _job_id()
+    node = socket.gethostname().split(".")[0]
+    conf = site.conf(node)
+    done, _ = site.script("prolog", conf, job_id, node, user=("root", 0))
+    assert done.returncode == 0, done.stderr
+    refusal = "refusing to run a commd daemon as root (job user 'root')"
+    assert refusal in done.stderr and refusal in site.log(node), done.stderr
+    assert "started the daemon" not in site.log(node)
+    assert not (site.base / "rt" / node / "commd-0").exists()
+    assert not _job_pids(f"slurm-{job_id}")
+    done, _ = site.script("epilog", conf, job_id, node, user=("root", 0))
+    assert done.returncode == 0, done.stderr
 
 
 def _netns_hosts(hosts: object, names: list[str]) -> Iterator[None]:

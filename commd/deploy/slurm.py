@@ -151,8 +151,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodelist", required=True, help="the job's host list (SLURM_JOB_NODELIST)")
     parser.add_argument("--node", required=True, help="this node's name as Slurm knows it")
     parser.add_argument("--job-id", required=True, help="SLURM_JOB_ID")
-    parser.add_argument("--port-base", type=int, default=DEFAULT_PORT_BASE)
-    parser.add_argument("--port-span", type=int, default=DEFAULT_PORT_SPAN)
+    parser.add_argument("--port-base", type=int, default=DEFAULT_PORT_BASE,
+                        help="the rendezvous port is port-base + job id modulo port-span (default %(default)s)")
+    parser.add_argument("--port-span", type=int, default=DEFAULT_PORT_SPAN,
+                        help="how many ports the rendezvous port is chosen among (default %(default)s)")
 
 
 def plan(nodelist: str, node: str, job_id: str, port_base: int, port_span: int) -> dict[str, str]:

@@ -5,8 +5,9 @@
 # (Slurm's Prolog= and Epilog= take a path without arguments).  slurmd runs them as root
 # with no PATH and little more than SLURM_JOB_ID, SLURM_JOB_UID, SLURM_JOB_USER and
 # SLURM_JOB_NODELIST.  A non-zero exit drains the node, so every job-side problem (a
-# missing or broken commd, a bad node list, a daemon that fails) is logged and recorded
-# for the job's processes, which then fail with that reason; the script exits 0.
+# missing or broken commd, one the job user may not execute, a bad node list, a daemon that
+# fails) is logged and recorded for the job's processes, which then fail with that reason; the
+# script exits 0.  A job of root gets no daemon (refused, logged).
 #
 # Prolog: the daemon of job "slurm-$SLURM_JOB_ID" is started detached, as the job user,
 # and the script returns at once: it never waits for other nodes.  Node rank = index
@@ -19,7 +20,9 @@
 #
 # Settings: /etc/commd/slurm.conf (or $COMMD_SLURM_CONF), KEY=VALUE lines, read without
 # executing anything; it must belong to root and be writable by root only.  Keys:
-#   COMMD_BIN            absolute path of the job environment's `commd` (required)
+#   COMMD_BIN            absolute path of the job environment's `commd` (required).  The job user
+#                        must be able to execute it and the interpreter it runs, and enter every
+#                        directory above both; the prolog checks that and names what is closed
 #   SITE_SECRET_FILE     site secret for jobs on several nodes (default /etc/commd/slurm-secret):
 #                        32-64 hex digits, owned by root, mode 0600 or 0400, the same on every node
 #   RUNTIME_DIR          the daemons' runtime root; %u = the job user's uid (default /tmp/commd-%u)
@@ -169,6 +172,77 @@ site_secret() {
     [[ $SECRET =~ ^[0-9a-f]{64}$ ]] || job_failed "cannot derive the job secret (sha256sum failed)"
 }
 
+# Why the job user cannot enter the directory $1: the first directory on its path it cannot enter
+# (through a symlink: the first one on the link's real path), or one that does not exist.  Prints
+# nothing when it can.
+dir_problem() {
+    local dir= rest=${1#/} part real problem
+    while [[ -n $rest ]]; do
+        part=${rest%%/*}
+        if [[ $rest == */* ]]; then rest=${rest#*/}; else rest=; fi
+        [[ -n $part ]] || continue
+        dir=$dir/$part
+        [[ -e $dir ]] || { printf '%s does not exist' "$dir"; return; }
+        [[ -d $dir ]] || { printf '%s is not a directory' "$dir"; return; }
+        as_user test -x "$dir" 2>/dev/null && continue
+        if [[ -L $dir ]] && real=$(readlink -f -- "$dir") && problem=$(dir_problem "$real") && [[ -n $problem ]]; then
+            printf '%s' "$problem"
+            return
+        fi
+        printf 'user %s cannot enter the directory %s (owner %s, mode %s)' "$JOB_USER" "$dir" \
+            "$(stat -L -c %U -- "$dir")" "$(stat -L -c %a -- "$dir")"
+        return
+    done
+}
+
+# Why the job user cannot execute the file $1: a directory above it (see dir_problem), the file
+# missing, or the file (a symlink's target) not executable for it.  Prints nothing when it can.
+exec_problem() {
+    local target=$1 problem real
+    problem=$(dir_problem "$(dirname -- "$target")")
+    [[ -z $problem ]] || { printf '%s' "$problem"; return; }
+    if [[ ! -e $target ]]; then
+        printf '%s does not exist' "$target"
+    elif ! as_user test -f "$target" -a -x "$target" 2>/dev/null; then
+        if [[ -L $target ]] && real=$(readlink -f -- "$target") && problem=$(exec_problem "$real") &&
+            [[ -n $problem ]]; then
+            printf '%s' "$problem"
+            return
+        fi
+        printf 'user %s may not execute it (owner %s, mode %s)' "$JOB_USER" \
+            "$(stat -L -c %U -- "$target")" "$(stat -L -c %a -- "$target")"
+    fi
+}
+
+# The interpreter a script's first line names (#!/abs/path; pip's form for long paths: #!/bin/sh,
+# then '''exec' /abs/path/python), read as the job user.  Nothing for a binary or an `env` lookup.
+script_interpreter() {
+    local first= second=
+    { IFS= read -r first; IFS= read -r second; } < <(as_user head -c 4096 -- "$1" 2>/dev/null)
+    [[ $first =~ ^\#![[:space:]]*(/[^[:space:]]+) ]] || return 0
+    first=${BASH_REMATCH[1]}
+    if [[ $first == */sh && $second =~ ^\'\'\'exec\'[[:space:]]+\"?(/[^\"[:space:]]+) ]]; then
+        first=${BASH_REMATCH[1]}
+    fi
+    [[ $first == */env ]] || printf '%s' "$first"
+}
+
+EXEC_NEEDS="the job user needs execute permission on COMMD_BIN, on the interpreter it runs and on every directory above them"
+
+# The job user must be able to execute COMMD_BIN and the interpreter its first line names, and enter
+# every directory above both: say which one it cannot, in the log and to the job.
+check_commd_bin() {
+    local bin=$1 problem interp
+    problem=$(exec_problem "$bin")
+    [[ -z $problem ]] ||
+        job_failed "COMMD_BIN=$bin is not an executable file for user $JOB_USER: $problem; $EXEC_NEEDS"
+    interp=$(script_interpreter "$bin")
+    [[ -n $interp ]] || return 0
+    problem=$(exec_problem "$interp")
+    [[ -z $problem ]] ||
+        job_failed "the interpreter $interp that COMMD_BIN=$bin names is not an executable file for user $JOB_USER: $problem; $EXEC_NEEDS"
+}
+
 daemon_running() {
     local pid
     pid=$(as_user cat "$JOBDIR/daemon.pid" 2>/dev/null) || return 1
@@ -196,12 +270,15 @@ prolog() {
 
     [[ -n $bin ]] || job_failed "COMMD_BIN is not set in $CONF: it must name the job environment's commd"
     [[ $bin == /* ]] || job_failed "COMMD_BIN='$bin' in $CONF must be an absolute path"
-    as_user test -f "$bin" -a -x "$bin" || job_failed "COMMD_BIN=$bin is not an executable file for user $JOB_USER"
+    check_commd_bin "$bin"
     [[ -n $nodelist ]] || job_failed "SLURM_JOB_NODELIST is empty"
 
     plan=$(as_user timeout "$PLAN_TIMEOUT" "$bin" slurm-plan --nodelist "$nodelist" --node "$node" \
         --job-id "$JOB_ID" --port-base "$PORT_BASE" --port-span "$PORT_SPAN" 2>&1)
     rc=$?
+    # 126/127: a program COMMD_BIN runs (a wrapper's interpreter) could not be executed or found.
+    ((rc != 126 && rc != 127)) ||
+        job_failed "user $JOB_USER cannot run COMMD_BIN=$bin (exit $rc): ${plan:-no output}; $EXEC_NEEDS"
     ((rc == 0)) || job_failed "cannot plan the daemon (exit $rc): ${plan:-no output}"
     while IFS= read -r line; do
         key=${line%%=*} value=${line#*=}
