@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from commd.bench import load
 from commd.bench.report import Progress
 from commd.bench.spec import BenchSpec, measure_argv
 from commd.runtime import new_secret
@@ -371,13 +372,22 @@ def run_mpi_phase(layout: Layout, spec: BenchSpec, sim: Any, work: Path, bar: Pr
     return rows
 
 
-def run(layout: Layout, spec: BenchSpec, desc: str = "commd bench") -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Both phases; returns (layout meta, rows).  Raises BenchError with the reason and the logs' tail."""
+def run(layout: Layout, spec: BenchSpec, desc: str = "commd bench",
+        load_source: load.LoadSource | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Both phases; returns (layout meta, rows), the meta with the machine's load around the run
+    (``meta["load"]``, see commd/bench/load.py; ``load_source`` replaces os.getloadavg).  Raises
+    BenchError with the reason and the logs' tail."""
     check_layout(layout)
     if "mpi" in spec.compare:
         mpiexec_path()
+    watch = load.LoadWatch(load.needs_of(layout.nproc, layout.hosts), os.cpu_count() or 1,
+                           load_source or load.read_loadavg)
+    warning = watch.begin()
+    if warning:
+        print(f"{desc}: {warning}", file=sys.stderr, flush=True)
+    started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="commd-bench-"))
-    deadline = time.monotonic() + layout.timeout
+    deadline = started + layout.timeout
     bar = Progress(0, enabled=True, desc=desc)
     ok = False
     try:
@@ -398,4 +408,8 @@ def run(layout: Layout, spec: BenchSpec, desc: str = "commd bench") -> tuple[dic
         bar.close()
         if ok:
             shutil.rmtree(work, ignore_errors=True)
+    warning = watch.finish(time.monotonic() - started)
+    if warning:
+        print(f"{desc}: {warning}", file=sys.stderr, flush=True)
+    meta["load"] = watch.to_json()
     return meta, rows

@@ -103,7 +103,7 @@ def format_table(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     direct = _direct(rows)
     natives = any(r.get("algorithm") == "native" for r in rows)
     header = list(COLUMNS) + [f"x {p}" for p in peers] + (["x native"] if natives else [])
-    lines = [_layout(meta)]
+    lines = [_layout(meta), *_load_lines(meta)]
     for op in OPS:
         mine = [r for r in rows if r["op"] == op]
         if not mine:
@@ -138,7 +138,23 @@ def format_table(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         for r in skipped:
             if r["op"] == op:
                 lines.append(f"skipped {r['path']} (not measured at any size): {r['reason']}")
+    warnings = (meta.get("load") or {}).get("warnings") or []
+    if warnings:
+        lines += ["", *warnings]
     return "\n".join(lines)
+
+
+def _load_lines(meta: dict[str, Any]) -> list[str]:
+    """The load averages around the run and the cores it needed (commd/bench/load.py), when measured."""
+    load = meta.get("load")
+    if not load:
+        return []
+
+    def three(sample: dict[str, float] | None) -> str:
+        return " ".join(f"{sample[k]:.2f}" for k in ("1m", "5m", "15m")) if sample else "unknown"
+
+    return [f"load average (1/5/15 min): {three(load['start'])} at the start, {three(load['end'])} at the end; "
+            f"{load['cores']} cores, the run needs {load['needed_cores']} ({load['needed']})"]
 
 
 def _layout(meta: dict[str, Any]) -> str:
@@ -191,9 +207,11 @@ def write_json(path: str, meta: dict[str, Any], rows: list[dict[str, Any]], extr
         if ratio:
             row["ratios"] = ratio
         out_rows.append(row)
+    layout = {k: v for k, v in meta.items() if k != "load"}
     data = {"format": "commd-bench", "version": 2, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "versions": versions(), "host": host(), "spec": meta.get("spec"),
-            "layout": meta, "rows": out_rows, **(extra or {})}
+            **({"load": meta["load"]} if meta.get("load") else {}),
+            "layout": layout, "rows": out_rows, **(extra or {})}
     Path(path).write_text(json.dumps(data, indent=1) + "\n")
 
 

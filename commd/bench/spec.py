@@ -153,10 +153,10 @@ def add_measure_arguments(parser: argparse.ArgumentParser, *, ops_default: str =
                              "CODEC/per-hop: the broadcast baseline that decodes and codes again at every hop "
                              "(default: none)")
     parser.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,
-                        help=f"untimed iterations per size and path after the checked one (default {DEFAULT_WARMUP})")
+                        help="untimed iterations per size and path after the checked one (default %(default)s)")
     parser.add_argument("--iters", type=int, default=DEFAULT_ITERS,
-                        help=f"timed iterations per size and path; with --time-per-size the most (default "
-                             f"{DEFAULT_ITERS})")
+                        help="timed iterations per size and path; with --time-per-size the most (default "
+                             "%(default)s)")
     parser.add_argument("--time-per-size", type=float, default=None, metavar="SECONDS",
                         help="adaptive: as many timed iterations as fit in SECONDS (at least 3, at most --iters)")
     parser.add_argument("--dtype", default="float32", help=f"element type: {','.join(DTYPES)} (default float32)")
