@@ -68,9 +68,19 @@ bench-algorithms: venv
 bench-ddp: venv
 	$(PY) benchmarks/ddp.py
 
+# The GPU machine's check (benchmarks/device_check.py, docs/device-check.md): the GPU tests, CUDA IPC
+# through the daemon, the GPU codecs, commd vs NCCL and Gloo on CUDA tensors, the multi-host benchmarks;
+# within 540 s, one JSON of figures in out/device-check.json.  DEVICE_PY=python3 runs it with an
+# interpreter that already has torch with CUDA and commd's dependencies (no venv is built then);
+# DEVICE_CHECK_ARGS="--parts gpu-tests,cuda-ipc --quick" picks parts.
+DEVICE_CHECK_ARGS ?=
+device-check: $(if $(DEVICE_PY),,venv)
+	$(or $(DEVICE_PY),$(PY)) benchmarks/device_check.py $(DEVICE_CHECK_ARGS)
+
 # The documentation site (docs/, mkdocs.yml), built offline and strictly: a broken link fails it.
+# The reference pages (docs/reference/) are generated from the code first.
 docs: venv
-	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+	$(PY) docs/gen_reference.py && NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 lint: venv
 	$(VENV)/bin/ruff check commd tests benchmarks
