@@ -82,8 +82,9 @@ class MetaTracer(torch.fx.Tracer):
         try:
             out = super().call_module(m, forward, args, kwargs)
         except Exception:
-            if self.failed_in is None:
-                self.failed_in = (self.path_of_module(m), m)
+            if self.failed_in is None:  # (its name from the root: path_of_module's answer varies with torch's state)
+                name = next((n for n, sub in self.root.named_modules() if sub is m), "")
+                self.failed_in = (name, m)
             raise
         if isinstance(out, torch.fx.Proxy) and out.node.op == "call_module" and out.node not in self.values:
             self.values[out.node] = self.evaluate(forward, args, kwargs)
