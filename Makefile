@@ -34,7 +34,7 @@ stress: venv
 
 # One op model on every path: random schedules of ops and faults against a model of the contract,
 # on 1 node (2 and 3 ranks, staged tensors too) and 2, exchange rings on and off
-# (tests/test_path_equivalence.py; make test runs 500 on one node, ring on and off).
+# (tests/test_path_equivalence.py; make test runs 250 on one node, ring on and off).
 EQUIVALENCE_SCHEDULES ?= 5000
 equivalence: venv
 	EQUIVALENCE_ALL=1 EQUIVALENCE_SCHEDULES=$(EQUIVALENCE_SCHEDULES) $(PY) -m pytest -q -s tests/test_path_equivalence.py

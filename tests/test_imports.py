@@ -15,15 +15,11 @@ import sys
 import pytest
 
 IMPORT_FORMS = [
-    "import commd",
     "import commd; from commd.client import Client",
     "from commd.client import Client, ops",
-    "from commd.client import ops",
     "import commd.client.fastring",
     "from commd.client.errors import CommTimeoutError; import torch",
-    "import torch; import commd",
     "import torch.distributed as dist; import commd",
-    "import commd; import torch.distributed as dist",
     "from commd import Options",
     "import commd.torch_backend.process_group",
 ]
@@ -39,7 +35,7 @@ print("registered")
 
 
 #: torch's autoloading off: commd's own import hook registers, after torch finishes loading.
-WITHOUT_AUTOLOAD = ["from commd.client import Client, ops", "import commd", "import torch; import commd"]
+WITHOUT_AUTOLOAD = ["from commd.client import Client, ops", "import torch; import commd"]
 
 CASES = [(form, "1") for form in IMPORT_FORMS] + [(form, "0") for form in WITHOUT_AUTOLOAD]
 

@@ -370,6 +370,7 @@ def _both_dims_rank(rank: int, plans: dict[str, dict[str, Any]]) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # (make test: the counters' 2x2-data-parallel-buckets case runs these plans' collectives)
 @pytest.mark.timeout(240)
 def test_data_parallel_on_both_dimensions_of_a_2x2_mesh_trains_like_one_process(backend_env: Path) -> None:
     """Data parallel on dp and on tp: every rank a quarter of the batch and gradients synchronised over

@@ -139,8 +139,10 @@ def _rank(rank: int, made: dict[str, Any], factory: str, input_shape: tuple[int,
 
 
 #: Cases whose paths other cases cover in ``make test`` (one DDP bucket: the two-bucket case; fully_shard on
-#: a CNN: fully_shard on the 2x2 mesh), left to ``make test-all`` to keep ``make test`` under 15 minutes.
-COVERED_ELSEWHERE = ("2x2-data-parallel", "mixed-cnn-fsdp")
+#: a CNN, or on every layer: fully_shard on the 2x2 mesh; a CNN's split output: the CNN; hybrid: 2x2 and
+#: 2x2-fsdp), left to ``make test-all`` to keep ``make test`` under 15 minutes.
+COVERED_ELSEWHERE = ("2x2-data-parallel", "mixed-cnn-fsdp", "2x2-fsdp-everywhere", "mixed-cnn-split-output",
+                     "2x2-hybrid")
 
 
 @pytest.mark.timeout(240)

@@ -224,7 +224,7 @@ def collectives_rank_main(rank: int, world: int) -> None:
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_coalesced_collectives_are_one_message_and_match(backend_env: Path, world: int) -> None:
     spawn(collectives_rank_main, (world,), nprocs=world, timeout=150)
 

@@ -254,7 +254,7 @@ def _initial_embedding() -> torch.Tensor:
     return torch.nn.EmbeddingBag(30, 8, mode="sum", sparse=True).weight.detach()
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_sparse_all_reduce_matches_dense_sum_and_gloo(backend_env: Any, world: int) -> None:
     spawn(sums_rank, (world,), nprocs=world)
 

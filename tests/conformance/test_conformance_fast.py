@@ -6,7 +6,7 @@ these tests only launch the runner, bound it in time and read its JSON.  Both
 run with ``--gates gloo``: the suite is imported as for Gloo, so the tests it
 would run only for Gloo run too, on commd.
 
-* ``gated`` subset (in ``make test``, about a minute): one Gloo-only test each
+* ``gated`` subset (``make test-all``, about half a minute): one Gloo-only test each
   of barrier timeouts, sparse all_reduce, coalesced all_reduce and batched
   isend/irecv.
 * ``fast`` subset (``make conformance`` / ``make test-all``, minutes): core
@@ -121,6 +121,7 @@ def _assert_no_failures(data: dict[str, Any], tail: str) -> None:
 
 
 @pytest.mark.conformance
+@pytest.mark.slow  # make conformance-gloo-gates and make test-all run it
 @pytest.mark.timeout(GATED_SUITE_TIMEOUT_S + TERMINATE_GRACE_S + 60)
 def test_gloo_only_tests_pass_on_commd_under_gloo_gates(tmp_path: Path) -> None:
     """The suite's Gloo-only tests run on commd and pass."""
