@@ -20,10 +20,16 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(VENV)/bin/commd demo
 
+# The suite starts about a thousand interpreters (ranks, daemons, docs examples): compiled once here,
+# they do not each compile commd again where PYTHONDONTWRITEBYTECODE keeps imports from writing .pyc files.
+BYTECODE := $(PY) -m compileall -q -j 0 commd tests benchmarks > /dev/null
+
 test: venv
+	$(BYTECODE)
 	$(PY) -m pytest -q -m "not slow"
 
 test-all: venv
+	$(BYTECODE)
 	$(PY) -m pytest -q
 
 # Many seeded random programs on 3 simulated hosts x 2 ranks (tests/test_stress.py).
@@ -34,7 +40,7 @@ stress: venv
 
 # One op model on every path: random schedules of ops and faults against a model of the contract,
 # on 1 node (2 and 3 ranks, staged tensors too) and 2, exchange rings on and off
-# (tests/test_path_equivalence.py; make test runs 250 on one node, ring on and off).
+# (tests/test_path_equivalence.py; make test runs 150 on one node, ring on and off).
 EQUIVALENCE_SCHEDULES ?= 5000
 equivalence: venv
 	EQUIVALENCE_ALL=1 EQUIVALENCE_SCHEDULES=$(EQUIVALENCE_SCHEDULES) $(PY) -m pytest -q -s tests/test_path_equivalence.py

@@ -301,6 +301,7 @@ def test_an_fsdp_plan_on_a_1d_mesh_applied_on_commd_trains_like_one_process(back
     spawn(_data_parallel_rank, (made,))
 
 
+@pytest.mark.slow  # (make test: the counters' 2x2 case runs this plan, test_torch_parallel_mesh trains dp x tp)
 @pytest.mark.timeout(300)
 def test_a_dp_by_tp_plan_applied_on_commd_trains_like_one_process(backend_env: Path) -> None:
     fsdp = {name: ("fsdp", s) for name, s in (("0", "col"), ("2", "row"), ("4", "col"))}
