@@ -125,6 +125,8 @@ ENVIRONMENT: dict[str, str] = {
                         "process group gives one, and the daemon's `--op-timeout` (default 30).",
     "COMMD_PEER_TIMEOUT": "Seconds of silence before a peer daemon counts as dead (`--peer-timeout`; "
                           "default 10).",
+    "COMMD_SCHEDULE": "`0`: node 0's coordinator never publishes a schedule, so every op across nodes is "
+                      "negotiated through it (default `1`: a group's ops that repeat a cycle run without it).",
     "COMMD_REGISTER": "`0`: a client never registers tensor storages, it stages them (default `1`).",
     "COMMD_REGISTER_FIRST_BYTES": "An in-place op's tensor of at least this many bytes has its storage registered "
                                   "at its first sighting (default 64 MiB).",

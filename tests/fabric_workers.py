@@ -449,3 +449,110 @@ def compressed_broadcasts(ctx: Any) -> dict[str, Any]:
         outcome[f"allreduce-{codec}"] = t.numpy().tobytes()[:4096].hex()  # the test compares ranks
     client.close()
     return outcome
+
+
+def _fabric_counters(ctx: Any) -> dict[str, Any]:
+    """This rank's daemon's fabric counters: ops per path and control items to/from the coordinator."""
+    from pathlib import Path
+
+    from helpers import job_paths
+
+    from commd.client.status import query_status
+
+    fabric = query_status(job_paths(Path(ctx.runtime_dir), ctx.job), timeout=10.0)["fabric"]
+    return {"paths": fabric["paths"], "control": fabric["control_items"]}
+
+
+def schedule_path(ctx: Any, warm: int, steady: int) -> dict[str, Any]:
+    """A loop that repeats itself (two all-reduces and a broadcast per step) goes onto the schedule
+    path; then it deviates from it in every way a program can — a mismatch, another pattern, an op
+    of another group, a send/recv across nodes — and every result is checked against NumPy."""
+    from commd.client.errors import MismatchError
+
+    client = ctx.connect(groups=GROUPS_OF_4)
+    me, world, n = ctx.rank, ctx.world_size, 1000
+    everyone = list(range(world))
+
+    def step(salt: int) -> None:
+        for k, (op, dtype) in enumerate((("sum", np.float32), ("max", np.int64))):
+            t = _t(data(me, n, dtype, salt + k))
+            ops.all_reduce(client, t, op).wait(60)
+            stack = np.stack([data(r, n, dtype, salt + k) for r in everyone])
+            _check(f"step {salt} {op}", t, (stack.sum(0) if op == "sum" else stack.max(0)).astype(dtype))
+        t = _t(data(me, 300, np.int32, salt + 2))
+        ops.broadcast(client, t, 1).wait(60)
+        _check(f"step {salt} broadcast", t, data(1, 300, np.int32, salt + 2))
+
+    def mismatched() -> str:
+        count = n + 1 if me >= world // 2 else n  # node 1's ranks
+        try:
+            ops.all_reduce(client, torch.ones(count), "sum").wait(60)
+        except MismatchError as exc:
+            return str(exc)
+        raise AssertionError(f"rank {me}: a mismatched all-reduce succeeded")
+
+    negotiated_mismatch = mismatched()  # before any schedule
+    for i in range(warm):
+        step(10 * i)
+    before = _fabric_counters(ctx)
+    for i in range(steady):
+        step(10 * (warm + i))
+    after = _fabric_counters(ctx)
+    scheduled_mismatch = mismatched()  # on the schedule
+    # deviations: a new pattern, another group across nodes, a send/recv across nodes, then the loop again
+    for i in range(2 * warm):
+        step(1000 + 10 * i)
+    t = _t(data(me, 77, np.float64, 5))
+    ops.all_reduce(client, t, "sum").wait(60)
+    _check("another pattern", t, np.stack([data(r, 77, np.float64, 5) for r in everyone]).sum(0))
+    for i in range(2 * warm):
+        step(2000 + 10 * i)
+    if me in GROUPS_OF_4["pair"]:
+        t = _t(data(me, 50, np.float32, 6))
+        ops.all_reduce(client, t, "sum", group="pair").wait(60)
+        _check("pair", t, np.stack([data(r, 50, np.float32, 6) for r in GROUPS_OF_4["pair"]]).sum(0))
+    for i in range(2 * warm):
+        step(3000 + 10 * i)
+    if me in (0, world - 1):
+        t = _t(data(0, 40, np.int64, 7)) if me == 0 else torch.zeros(40, dtype=torch.int64)
+        (ops.send(client, t, world - 1) if me == 0 else ops.recv(client, t, 0)).wait(60)
+        _check("send/recv", t, data(0, 40, np.int64, 7))
+    for i in range(2 * warm):
+        step(4000 + 10 * i)
+    final = _fabric_counters(ctx)
+    client.close()
+    return {"negotiated_mismatch": negotiated_mismatch, "scheduled_mismatch": scheduled_mismatch,
+            "before": before, "after": after, "final": final}
+
+
+def late_on_schedule(ctx: Any, warm: int, late_s: float) -> dict[str, Any]:
+    """A repeating all-reduce goes onto the schedule; then node 1's ranks come ``late_s`` late to
+    one op: every rank's op times out naming node 1's ranks, the late ones fail on arrival, and the
+    loop goes on (and back onto a schedule) with right results."""
+    import time
+
+    from commd.client.errors import CommTimeoutError
+
+    client = ctx.connect()
+    me, world, n = ctx.rank, ctx.world_size, 256
+    everyone = list(range(world))
+
+    def step(salt: int) -> None:
+        t = _t(data(me, n, np.float32, salt))
+        ops.all_reduce(client, t, "sum").wait(60)
+        _check(f"step {salt}", t, np.stack([data(r, n, np.float32, salt) for r in everyone]).sum(0))
+
+    for i in range(warm):
+        step(i)
+    if me >= world // 2:
+        time.sleep(late_s)
+    started = time.monotonic()
+    try:
+        ops.all_reduce(client, torch.ones(n), "sum").wait(60)
+        raise AssertionError(f"rank {me}: the op with late ranks succeeded")
+    except CommTimeoutError as exc:
+        message, waited = str(exc), time.monotonic() - started
+    ops.barrier(client).wait(60)
+    for i in range(warm):
+        step(100 + i)
+    return {"message": message, "waited": waited, "counters": _fabric_counters(ctx)}

@@ -49,13 +49,29 @@ class Op:
     waited_async: bool
 
 
-def schedules(seed: int, count: int, world: int) -> list[list[Op]]:
-    """``count`` schedules drawn from ``seed`` (the same on every rank)."""
+def schedules(seed: int, count: int, world: int, repeat: int = 1) -> list[list[Op]]:
+    """``count`` schedules drawn from ``seed`` (the same on every rank).  ``repeat``: schedules come
+    in blocks of that many with the same ops (sizes, dtypes, waits), faults only in a block's last
+    one: a loop that repeats itself, so that the fabric's schedule path takes it, and then deviates."""
     rng = np.random.default_rng(seed)
-    out = []
+    out: list[list[Op]] = []
     for i in range(count):
+        if repeat > 1 and i % repeat:
+            last = i % repeat == repeat - 1
+            shapes = out[i - i % repeat]
+            ops = []
+            for op in shapes:
+                fault = str(rng.choice(FAULTS[:3])) if last and rng.random() < 0.25 else None
+                if i < count * 0.9 and (fault == "kind" or (fault is not None and op.size == LIMIT_SIZE)):
+                    fault = None
+                ops.append(Op(op.size, op.dtype, fault, int(rng.integers(world)), op.waited_async))
+            if last and i % LATE_EVERY == LATE_EVERY - 1:  # a late rank too, all ops then waited in turn
+                ops = [Op(op.size, op.dtype, "late" if k == 0 else None, op.faulty, False)
+                       for k, op in enumerate(ops)]
+            out.append(ops)
+            continue
         late_one = i % LATE_EVERY == LATE_EVERY - 1
-        ops = []
+        ops: list[Op] = []
         n = int(rng.integers(1, 6))
         late_at = int(rng.integers(n)) if late_one else -1
         for k in range(n):
@@ -67,6 +83,8 @@ def schedules(seed: int, count: int, world: int) -> list[list[Op]]:
             size = int(rng.choice(SIZES))
             if i < count * 0.9 and (fault == "kind" or (fault is not None and size == LIMIT_SIZE)):
                 fault = None  # it would move the group off its ring (see the module doc)
+            if repeat > 1:
+                fault = None  # (a block's first schedule: faults come in its last)
             ops.append(Op(size, str(rng.choice(DTYPES)), fault, int(rng.integers(world)),
                           not late_one and bool(rng.random() < 0.4)))
         out.append(ops)
@@ -84,14 +102,15 @@ def digest(array: np.ndarray) -> str:
     return hashlib.sha1(np.ascontiguousarray(array).view(np.uint8)).hexdigest()[:16]
 
 
-def expected(seed: int, count: int, world: int, group_every: int | None = None) -> list[list[list[Any]]]:
+def expected(seed: int, count: int, world: int, group_every: int | None = None,
+             repeat: int = 1) -> list[list[list[Any]]]:
     """Per rank, per op (schedules flattened), the outcome the daemon path's contract gives, and
     each error's collective number as if the group's first collective were the first barrier
     (``divergences`` allows for the group's collectives before it).  ``group_every``: the schedules
     run on a new group every that many (its numbers start again)."""
     out: list[list[list[Any]]] = [[] for _ in range(world)]
     number = -1
-    for i, ops in enumerate(schedules(seed, count, world)):
+    for i, ops in enumerate(schedules(seed, count, world, repeat)):
         if group_every and i % group_every == 0:
             number = -1
         number += 1  # the schedule's barrier
@@ -127,7 +146,7 @@ def outcome_of(exc: BaseException) -> list[Any]:
 
 
 def run(rank: int, world: int, seed: int, count: int, dist: Any, torch: Any,
-        group_every: int | None = None) -> dict[str, Any]:
+        group_every: int | None = None, repeat: int = 1) -> dict[str, Any]:
     """Run the schedules on the default group (its timeout ``TIMEOUT_S``), or on a new group every
     ``group_every`` schedules (a bridged ring is left at a group's first fault: each new group has a
     ring again); each op's outcome, its group's index, and how many of this rank's all-reduces took
@@ -139,7 +158,7 @@ def run(rank: int, world: int, seed: int, count: int, dist: Any, torch: Any,
     on_ring = 0
     group = None
     started = time.monotonic()
-    for i, ops in enumerate(schedules(seed, count, world)):
+    for i, ops in enumerate(schedules(seed, count, world, repeat)):
         if group_every and i % group_every == 0:
             group = dist.new_group(list(range(world)), timeout=timedelta(seconds=TIMEOUT_S))
         dist.barrier(group=group)
@@ -181,13 +200,13 @@ def run(rank: int, world: int, seed: int, count: int, dist: Any, torch: Any,
 
 
 def divergences(got: list[list[Any]], groups: list[int], want: list[list[Any]], seed: int, count: int,
-                world: int) -> list[str]:
+                world: int, repeat: int = 1) -> list[str]:
     """Where one rank's outcomes differ from the model's, as readable lines (empty: none).
 
     The model numbers each group's first schedule's barrier 0; the group's collectives before it
     (what ``init_process_group`` ran) shift every number of the group alike: that shift is read off
     the group's first numbered error and must then hold for every other one."""
-    where = [(i, k, op) for i, ops in enumerate(schedules(seed, count, world)) for k, op in enumerate(ops)]
+    where = [(i, k, op) for i, ops in enumerate(schedules(seed, count, world, repeat)) for k, op in enumerate(ops)]
     shifts: dict[int, int] = {}
     for g, w, group in zip(got, want, groups, strict=False):
         if g[0] == w[0] and g[0] in ("timeout", "mismatch") and g[1] is not None:

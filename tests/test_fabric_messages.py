@@ -38,8 +38,12 @@ from commd.protocol.fabric import (
     Ready,
     RemoteSend,
     RingPart,
+    Schedule,
+    ScheduleEnded,
+    ScheduleSlot,
     SendFailed,
     Shutdown,
+    StopSchedule,
     Trace,
     batch,
     decode,
@@ -94,6 +98,13 @@ CASES: list[tuple[Any, dict[str, Any], dict[str, Any]]] = [
     (RingPart("g", 8, -1, 0, [1, 2], 0, 0, 0, None, "diverged", "why"),
      {"t": "ring", "g": "g", "s": 8, "i": -1, "sn": 0, "to": [1, 2], "dt": 0, "o": 0, "n": 0, "d": None,
       "e": "diverged", "m": "why"}, TO_MEMBER),
+    (Schedule(3, "dp", [0, 1], 41, 17, [ScheduleSlot(5, "tcp"), ScheduleSlot(6, "tcp", "ring", "a" * 64, None),
+                                         ScheduleSlot(7, "tcp", None, None, "blosc-lz4")]),
+     {"t": "sched", "e": 3, "g": "dp", "n": [0, 1], "o": 41, "s": 17,
+      "sl": [[5, "tcp", None, None, None], [6, "tcp", "ring", "a" * 64, None], [7, "tcp", None, None, "blosc-lz4"]]},
+     TO_MEMBER),
+    (StopSchedule(3), {"t": "sched_stop", "e": 3}, TO_MEMBER),
+    (ScheduleEnded(3, 52), {"t": "sched_end", "e": 3, "o": 52}, TO_COORDINATOR),
     (RemoteSend(SEND, sender_node=0),
      {"t": "remote_send", "key": 9, "dn": 1, "g": "pp", "src": 0, "dst": 3, "tag": 7, "dtype": "bfloat16",
       "count": 10, "nb": 20, "to": 30.0, "h": None, "sn": 0}, TO_MEMBER),
@@ -139,7 +150,7 @@ def test_received_map_decodes_to_the_message(message, expected, vocabulary) -> N
 def test_every_wire_type_is_pinned() -> None:
     pinned = {(expected["t"], vocabulary is TO_MEMBER) for _, expected, vocabulary in CASES}
     assert pinned == {(t, False) for t in TO_COORDINATOR} | {(t, True) for t in TO_MEMBER}
-    assert len({t for t, _ in pinned}) == 16  # one vocabulary of 16 types, two directions
+    assert len({t for t, _ in pinned}) == 19  # one vocabulary of 19 types, two directions
 
 
 def test_a_frame_holds_the_same_bytes_as_the_batch_map() -> None:
@@ -187,6 +198,16 @@ def test_a_frame_holds_the_same_bytes_as_the_batch_map() -> None:
         (TO_COORDINATOR, {"t": "p2p_send", "key": 1, "dn": 1, "g": "g", "src": 0, "dst": 1, "tag": 0,
                           "dtype": "uint8", "count": 1, "nb": 1, "to": "soon", "h": None},
          "'p2p_send': field 'to' (timeout) must be a number"),
+        (TO_MEMBER, {"t": "sched", "e": 1, "g": "g", "n": [0, 1], "o": 1, "s": 1, "sl": []},
+         "'sched': field 'sl' (slots) must be a list of 1 to 1024 slots"),
+        (TO_MEMBER, {"t": "sched", "e": 1, "g": "g", "n": [1, 0], "o": 1, "s": 1, "sl": [[1, "tcp", None, None, None]]},
+         "'sched': field 'n' (nodes) must be two or more node ranks, ascending"),
+        (TO_MEMBER, {"t": "sched", "e": 1, "g": "g", "n": [0, 1], "o": 1, "s": 1, "sl": [[1, "tcp", "x", None, None]]},
+         "'sched': field 'sl' (slots) must be a program name with its sha256"),
+        (TO_MEMBER, {"t": "sched", "e": 1, "g": "g", "n": [0, 1], "o": 1, "s": 1, "sl": [["1", "tcp", None, None, None]]},
+         "'sched': field 'sl' (slots) must be a list of [cache id, lane, program, its sha256, codec]"),
+        (TO_MEMBER, {"t": "sched_stop"}, "'sched_stop': field 'e' (epoch) is missing"),
+        (TO_COORDINATOR, {"t": "sched_end", "e": 1, "o": "2"}, "'sched_end': field 'o' (order) must be an integer"),
         (TO_COORDINATOR, {"t": "go", "g": "g", "s": 1, "o": 1, "l": "tcp"}, "unknown type 'go'"),  # wrong direction
         (TO_COORDINATOR, {"g": "g"}, "unknown type None"),
         (TO_COORDINATOR, {"t": ["ready"]}, "unknown type ['ready']"),

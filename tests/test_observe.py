@@ -27,6 +27,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 SCRAPE_TIMEOUT_S = 10.0
 PHASES = ["submit", "negotiate", "queue", "lane", "reply"]
+#: The phases of an op released on a schedule (fabric/scheduled.py): no negotiation, an agreement.
+SCHEDULED_PHASES = ["submit", "schedule", "queue", "agree", "lane", "reply"]
 #: Nodes convert the shared monotonic clock to epoch time each on its own: allow this much skew (µs).
 CLOCK_SLACK_US = 500.0
 
@@ -171,14 +173,15 @@ def op_phases(events: list[dict[str, Any]]) -> dict[tuple[int, str, int], dict[s
         args = slot["op"]
         key = (node, args["group"], args["seq"])
         assert key not in out, f"op {key} traced twice"
-        out[key] = {name: (b, e) for name, (b, e) in slot["phases"].items() if name in PHASES}
+        out[key] = {name: (b, e) for name, (b, e) in slot["phases"].items() if name in PHASES + SCHEDULED_PHASES}
     return out
 
 
 def check_causal(phases: dict[str, tuple[float, float]], what: Any) -> None:
-    assert set(phases) == set(PHASES), (what, phases)
+    names = SCHEDULED_PHASES if "schedule" in phases else PHASES
+    assert set(phases) == set(names), (what, phases)
     previous_end = None
-    for name in PHASES:
+    for name in names:
         begin, end = phases[name]
         assert begin is not None and end is not None and begin <= end, (what, name, phases)
         if previous_end is not None:
@@ -217,14 +220,23 @@ def test_two_node_trace_has_every_op_phase_on_both_nodes_in_causal_order(cluster
     seqs = sum(count for _, _, count in ow.KNOWN_OPS)
     for node in (0, 1):
         assert sorted(seq for (n, g, seq) in ops if n == node and g == "world") == list(range(seqs)), node
+    scheduled = 0
     for seq in range(seqs):
         per_node = [ops[(node, "world", seq)] for node in (0, 1)]
         for node, phases in enumerate(per_node):
             check_causal(phases, (node, seq))
+        if all("schedule" in p for p in per_node):
+            # on a schedule: the lane starts only once every node's ranks were ready (the agreement)
+            scheduled += 1
+            last_ready = max(p["schedule"][0] for p in per_node)
+            first_start = min(p["lane"][0] for p in per_node)
+            assert last_ready <= first_start + CLOCK_SLACK_US, (seq, per_node)
+            continue
         # the coordinator releases an op only after every node reported it ready
         last_ready = max(p["negotiate"][0] for p in per_node)
         first_release = min(p["queue"][0] for p in per_node)
         assert last_ready <= first_release + CLOCK_SLACK_US, (seq, per_node)
+    assert scheduled > 0  # the 7 all-reduces in a row go onto a schedule
     lanes = [e for e in events if e.get("ph") == "X"]
     assert len(lanes) == 2 * seqs and all(e["args"]["lane"] == "tcp" for e in lanes)
 

@@ -106,7 +106,11 @@ def one_node_rank_main(rank: int, out_dir: str, env: dict[str, str], world: int,
 GROUP_EVERY = 10
 
 
-def two_node_main(ctx: Any, port: int, ring: str, what: str) -> str:
+#: The schedule path's configuration: schedules in blocks of this many alike (tests/path_equivalence.py).
+REPEAT = 4
+
+
+def two_node_main(ctx: Any, port: int, ring: str, what: str, repeat: int = 1) -> str:
     import commd  # noqa: F401 - registers the backend
 
     os.environ["COMMD_LOCAL_RING"] = ring
@@ -115,7 +119,7 @@ def two_node_main(ctx: Any, port: int, ring: str, what: str) -> str:
                             world_size=ctx.world_size, timeout=timedelta(seconds=TIMEOUT_S))
     try:
         result: Any = (issue_schedule(ctx.rank) if what == "issue"
-                       else run(ctx.rank, 2, SEED, SCHEDULES, dist, torch, GROUP_EVERY))
+                       else run(ctx.rank, 2, SEED, SCHEDULES, dist, torch, GROUP_EVERY, repeat))
         dist.barrier()
         return json.dumps(result)
     finally:
@@ -128,10 +132,12 @@ def _one_node(tmp_path: Path, config: str, what: str) -> dict[int, Any]:
     return {r: json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world)}
 
 
-def _two_nodes(cluster: Any, ring: str, what: str) -> dict[int, Any]:
+def _two_nodes(cluster: Any, ring: str, what: str, repeat: int = 1) -> dict[int, Any]:
     c = cluster(2, 1, op_timeout=TIMEOUT_S)
-    results = c.join(c.start_workers(two_node_main, free_port(), ring, what), timeout=RUN_LIMIT_S)
-    return {r: json.loads(value) for r, value in results.items()}
+    results = c.join(c.start_workers(two_node_main, free_port(), ring, what, repeat), timeout=RUN_LIMIT_S)
+    out = {r: json.loads(value) for r, value in results.items()}
+    out[0]["paths"] = [c.status(node)["fabric"]["paths"] for node in (0, 1)]
+    return out
 
 
 @pytest.mark.timeout(180)
@@ -146,18 +152,21 @@ def test_the_issue_schedule_across_two_nodes(cluster: Any, path: str) -> None:
     _check_issue_schedule(_two_nodes(cluster, RING[path], "issue"))
 
 
-def _check_equivalence(results: dict[int, Any], where: str, path: str, group_every: int | None = None) -> None:
+def _check_equivalence(results: dict[int, Any], where: str, path: str, group_every: int | None = None,
+                       repeat: int = 1) -> None:
     world = len(results)
-    want = expected(SEED, SCHEDULES, world, group_every)
+    want = expected(SEED, SCHEDULES, world, group_every, repeat)
     problems = []
     for rank in range(world):
         got = results[rank]
         problems += [f"rank {rank}: {line}" for line in
-                     divergences(got["outcomes"], got["groups"], want[rank], SEED, SCHEDULES, world)]
+                     divergences(got["outcomes"], got["groups"], want[rank], SEED, SCHEDULES, world, repeat)]
     print(f"{where}, {path}: {SCHEDULES} schedules, {len(want[0])} ops a rank, "
           f"{results[0]['on_ring']} of rank 0's all-reduces on the ring, {results[0]['seconds']:.1f}s")
     assert not problems, f"{len(problems)} outcomes differ from the model:\n" + "\n".join(problems[:20])
-    if path.startswith("ring"):
+    if path == "schedule":
+        assert all(p["scheduled"] > 0 and p["fallback"] > 0 for p in results[0]["paths"]), results[0]["paths"]
+    elif path.startswith("ring"):
         assert results[0]["on_ring"] > 0, "no op took the ring: the ring path was not tested"
     else:
         assert results[0]["on_ring"] == 0
@@ -174,3 +183,11 @@ def test_random_schedules_give_the_model_outcomes_on_one_node(backend_env: Any, 
 @pytest.mark.parametrize("path", sorted(RING))
 def test_random_schedules_give_the_model_outcomes_across_two_nodes(cluster: Any, path: str) -> None:
     _check_equivalence(_two_nodes(cluster, RING[path], "schedules"), "two nodes", path, GROUP_EVERY)
+
+
+@pytest.mark.timeout(RUN_LIMIT_S + 60)
+def test_random_schedules_give_the_model_outcomes_on_the_schedule_path(cluster: Any) -> None:
+    """Across two nodes through the daemons, the schedules in blocks that repeat: the fabric's
+    schedule path runs them (counted on both nodes), and the faults in each block's last schedule
+    make it leave the path: mismatches, another kind, a late rank — every outcome the model's."""
+    _check_equivalence(_two_nodes(cluster, "0", "schedules", REPEAT), "two nodes", "schedule", GROUP_EVERY, REPEAT)

@@ -19,6 +19,7 @@ from commd.algorithms.catalog import Chosen
 from commd.core.ops import COUNTED, ReadyOp
 from commd.execution.hierarchy import GroupPlacement, apply_result, run, run_fused_allreduce
 from commd.execution.workers import INLINE_BYTES
+from commd.fabric.scheduled import ScheduledPath
 from commd.kernels import eager
 from commd.protocol import fabric as wire
 from commd.protocol import schema as s
@@ -80,6 +81,9 @@ class Collectives:
         self._early: dict[tuple[str, int], tuple[wire.Early, float]] = {}  # (contribution, when it came)
         self._mine: dict[tuple[str, int], tuple[int, bytes, tuple[int, ...]]] = {}
         self._completed_early: set[tuple[str, int]] = set()
+        #: Ops that follow a published schedule run without a report (fabric/scheduled.py).
+        self.scheduled = ScheduledPath(node, fabric, stats, runner, send_up, self.neg_cache, self._negotiate,
+                                       runner.peer_timeout)
 
     # ---- report -----------------------------------------------------------------
     def negotiate(self, op: ReadyOp, placement: GroupPlacement) -> None:
@@ -87,7 +91,7 @@ class Collectives:
         self._negotiate(op, placement)
         self.stats.sched_ns += time.thread_time_ns() - started
 
-    def _negotiate(self, op: ReadyOp, placement: GroupPlacement) -> None:
+    def _negotiate(self, op: ReadyOp, placement: GroupPlacement, waited: float = 0.0) -> None:
         problem = self.unreachable(placement.nodes)
         if problem is not None:
             self._fail_op(op, s.E_PEER_DIED, f"{op.describe()} cannot run: {problem}")
@@ -99,6 +103,8 @@ class Collectives:
         key: tuple = (op.group, first.signature, tuple(x.group_rank for x in op.subs), op.nbytes, timeout)
         if op.kind == "alltoall" or op.kind in COUNTED:
             key = _frozen([key, [[x.splits_in, x.splits_out] for x in op.subs]])
+        if self.scheduled.active and self.scheduled.offer(op, placement, key):
+            return
         self.negotiating[(op.group, op.seq)] = (op, placement, key)
         self.stats.reported += 1
         contribution = self._eager_contribution(op)
@@ -107,7 +113,7 @@ class Collectives:
         if cid is not None:
             self.stats.reported_cached += 1
             # (positional on this per-op path: pattern, cache id, contribution, no fusion)
-            self.send_up(wire.Ready(op.group, op.seq, None, cid, contribution, not self._may_fuse(op)))
+            self.send_up(wire.Ready(op.group, op.seq, None, cid, contribution, not self._may_fuse(op), waited))
             if contribution and len(placement.nodes) == 2 and self.fabric.node_rank != HOME_NODE:
                 self._mine[(op.group, op.seq)] = (cid, contribution, tuple(placement.nodes))
                 early = self._early.pop((op.group, op.seq), None)
@@ -122,7 +128,7 @@ class Collectives:
                              if op.kind == "alltoall" else None),
         )
         self.send_up(wire.Ready(op.group, op.seq, pattern=pattern, contribution=contribution,
-                                no_fusion=not self._may_fuse(op)))
+                                no_fusion=not self._may_fuse(op), waited=waited))
 
     def _may_fuse(self, op: ReadyOp) -> bool:
         """False if the coordinator must not fuse ``op`` with the ops before it (its memory overlaps
@@ -160,6 +166,17 @@ class Collectives:
         except KeyError:  # a rank left meanwhile: take the lane path, which copes with that
             return None
         return eager.contribution(bufs, first.reduce_op, first.scale)
+
+    # ---- the schedule path ----------------------------------------------------------
+    def start_schedule(self, schedule: wire.Schedule) -> None:
+        """The coordinator published a schedule: the group's ops reported and not yet released
+        move onto it (the coordinator drops their reports), in sequence order."""
+        moved = []
+        for key in sorted((k for k in self.negotiating if k[0] == schedule.group), key=lambda k: k[1]):
+            entry = self._end_negotiation(key)
+            self._outstanding[schedule.group] -= 1
+            moved.append(entry)
+        self.scheduled.start(schedule, moved, others_waiting=bool(self.negotiating))
 
     # ---- node 0 reported first (tiny all-reduce of a 2-node group) ------------------
     def early(self, early: wire.Early, came_at: float | None = None) -> None:
@@ -332,6 +349,8 @@ class Collectives:
         for _key, (op, _placement, _) in list(self.negotiating.items()):
             self._fail_op(op, s.E_PEER_DIED, f"{op.describe()} cannot run: {broken}")
         self.negotiating.clear()
+        for op in self.scheduled.lost():
+            self._fail_op(op, s.E_PEER_DIED, f"{op.describe()} cannot run: {broken}")
         self._mine.clear()
         self._early.clear()
         self._completed_early.clear()

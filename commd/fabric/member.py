@@ -33,6 +33,8 @@ from commd.protocol import fabric as wire
 from commd.scheduler.coordinator import Coordinator, Outbox
 
 if TYPE_CHECKING:
+    from commd.core.ops import Submission
+    from commd.execution.hierarchy import GroupPlacement
     from commd.fabric.services import NodeServices
 
 log = logging.getLogger("commd.fabric")
@@ -65,11 +67,15 @@ class FabricMember:
         self.liveness.casualties = (self.collectives, self.p2p, self.bridges)
         # The daemon's entry points, bound to the parts that serve them (no extra call per op).
         self.negotiate = self.collectives.negotiate
-        self.forward_send = self.p2p.forward_send
         self.matched = self.p2p.matched
         self.fail_remote = self.p2p.fail_remote
         self.group_registered = self.p2p.group_registered
         self.rank_died = self.liveness.rank_died
+
+    def forward_send(self, sub: Submission, placement: GroupPlacement) -> None:
+        """A send to another node: a transfer to order, so a running schedule ends first."""
+        self.collectives.scheduled.stop()
+        self.p2p.forward_send(sub, placement)
 
     # What the daemon's status and the tests read.
     @property
@@ -145,6 +151,7 @@ class FabricMember:
         if self.coordinator is not None:
             self._coordinate(self.me, items)
         elif self.liveness.broken is None:
+            self.stats.control_sent += _op_items(items)
             self.links[0].send(wire.batch(items))
 
     def _on_message(self, node: int, msg: dict[str, Any]) -> None:
@@ -152,6 +159,7 @@ class FabricMember:
         try:
             vocabulary = wire.TO_COORDINATOR if self.coordinator is not None else wire.TO_MEMBER
             messages, problems = wire.decode_batch(msg, vocabulary)
+            self.stats.control_received += _op_items(messages)
             for problem in problems:
                 log.error("control channel: bad item from node %d dropped: %s", node, problem)
             if self.coordinator is not None:
@@ -170,6 +178,9 @@ class FabricMember:
     def _coordinate(self, node: int, messages: list[wire.ToCoordinator]) -> None:
         coord = self.coordinator
         out = Outbox()
+        for m in messages:  # (a node sends it before the reports that follow the schedule's end)
+            if type(m) is wire.ScheduleEnded:
+                coord.schedule_end(node, m, out)
         ready = [m for m in messages if type(m) is wire.Ready]
         if ready:
             started = time.thread_time_ns()
@@ -189,6 +200,8 @@ class FabricMember:
                 coord.partial[node] = {(g, q): missing for g, q, missing in m.stalled}
             elif type(m) is wire.Leaving:
                 coord.node_dead(node, f"left the fabric ({m.why})", out)
+            elif type(m) is wire.StopSchedule:
+                coord.stop_requested(node, m, out)
         self._dispatch(out)
         for m in messages:
             if type(m) is wire.RingPart and m.node == node:
@@ -199,6 +212,7 @@ class FabricMember:
         dead = self.liveness.dead
         for node, messages in out.messages.items():
             if node != self.me and node in self.links and node not in dead:
+                self.stats.control_sent += _op_items(messages)
                 self.links[node].send(wire.batch(messages))
         if self.me in out.messages:
             self._on_down(out.messages[self.me])
@@ -225,12 +239,14 @@ class FabricMember:
             elif type(m) is wire.Early:
                 self.collectives.early(m)
             elif type(m) is wire.RemoteSend:
+                self.collectives.scheduled.stop()  # a transfer to order: no schedule meanwhile
                 self.p2p.remote_send(m)
             elif type(m) is wire.P2pGo:
                 self.p2p.released(m)
             elif type(m) is wire.P2pFail:
                 self.p2p.failed(m)
             elif type(m) is wire.NodeDead:
+                self.collectives.scheduled.stop()
                 self.liveness.node_dead(m.node, m.why)
             elif type(m) is wire.RankDied:
                 self.node.fail_ops_waiting_on(m.rank, m.why)
@@ -244,6 +260,12 @@ class FabricMember:
                 self.node.apply_trace(m.action, m.path)
             elif type(m) is wire.RingPart:
                 self.bridges.on_part(m)
+            elif type(m) is wire.Schedule:
+                self.collectives.start_schedule(m)
+            elif type(m) is wire.StopSchedule:
+                sched = self.collectives.scheduled.schedule
+                if sched is not None and sched.epoch == m.epoch:
+                    self.collectives.scheduled.stop()
         run_released(fused)
 
     def forward_trace(self, action: str, path: str | None) -> int:
@@ -260,6 +282,7 @@ class FabricMember:
     # ---- periodic ---------------------------------------------------------------
     def tick(self, now: float) -> None:
         self.liveness.check_frozen(now)
+        self.collectives.scheduled.tick(now)
         self.p2p.expire_early(now)
         self.liveness.tick(now)
 
@@ -284,6 +307,15 @@ class FabricMember:
             "lanes": sorted(self.fabric.lanes),
             "broken": liveness.broken,
             "negotiating": len(self.collectives.negotiating),
+            # Cross-node collectives per path: released on a schedule here, released by the
+            # coordinator, handed back from a schedule to negotiation.
+            "paths": {"scheduled": stats.scheduled, "negotiated": stats.released, "fallback": stats.schedule_fallback},
+            "schedule": self.collectives.scheduled.status(),
+            "schedules": {"started": stats.schedules_started, "ended": stats.schedules_ended,
+                          "published": stats.coord_schedules, "stale_reports": stats.coord_stale_reports},
+            # Control items (heartbeats aside) this node sent to and received from the coordinator
+            # (node 0: from and to every member).
+            "control_items": {"sent": stats.control_sent, "received": stats.control_received},
             "reported": stats.reported,
             "fast_path": stats.reported_cached,
             "completed_early": stats.completed_early,
@@ -304,3 +336,8 @@ class FabricMember:
             "stalls": liveness.fabric_stalls,
             "bridged_rings": self.bridges.status(),
         }
+
+
+def _op_items(items: list[Any]) -> int:
+    """How many of a frame's items concern ops (heartbeats are periodic, not per op)."""
+    return sum(1 for m in items if type(m) is not wire.Heartbeat and type(m) is not wire.CoordinatorHeartbeat)

@@ -175,6 +175,22 @@ class DaemonCollector:
         reports.add_metric(["full"], reported - cached)
         reports.add_metric(["cached"], cached)
         yield reports
+        paths = CounterMetricFamily("commd_fabric_ops", "Collectives across nodes released here, by path: "
+                                    "scheduled (on a schedule, no coordinator), negotiated (released by the "
+                                    "coordinator), fallback (handed back from a schedule to negotiation)",
+                                    labels=["path"])
+        for path, count in (fabric.get("paths") or {}).items():
+            paths.add_metric([path], count)
+        yield paths
+        control = CounterMetricFamily("commd_fabric_control_items", "Control items (heartbeats aside) this node "
+                                      "exchanged with the coordinator (node 0: with every member), by direction",
+                                      labels=["direction"])
+        for direction, count in (fabric.get("control_items") or {}).items():
+            control.add_metric([direction], count)
+        yield control
+        schedules = fabric.get("schedules") or {}
+        yield CounterMetricFamily("commd_fabric_schedules", "Schedules this node followed (started)",
+                                  value=schedules.get("started", 0))
         fusion = fabric.get("fusion") or {}
         yield CounterMetricFamily("commd_fabric_fused_sets", "Fused sets of small all-reduces run",
                                   value=fusion.get("sets", 0))

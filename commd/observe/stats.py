@@ -202,6 +202,17 @@ class FabricStats:
     coord_items: int = 0
     coord_released: int = 0  # ops and transfers the coordinator released (node 0)
     coord_fast_path: int = 0  # of the reports it took, those by cache id (node 0)
+    # The schedule path (fabric/scheduled.py): ops this node released itself, ops it handed back
+    # to negotiation when a schedule ended, schedules started and ended here.
+    scheduled: int = 0
+    schedule_fallback: int = 0
+    schedules_started: int = 0
+    schedules_ended: int = 0
+    coord_schedules: int = 0  # schedules the coordinator published (node 0)
+    coord_stale_reports: int = 0  # reports of ops a schedule covers, dropped (node 0)
+    # Control items on the links to and from the coordinator (a member's; node 0: every member's).
+    control_sent: int = 0
+    control_received: int = 0
     #: Report-to-release times of the most recent ops (microseconds).
     negotiation_us: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096))
 

@@ -217,14 +217,18 @@ class Tracer:
         head = f',\n{{"cat":"{CATEGORY}","id":{self._next_id},"pid":{node},"tid":{group_tid},'
         offset = self._offset
         points = [("submit", first_at)]
-        released = marks.get("released")
+        released, scheduled = marks.get("released"), marks.get("scheduled")
         if released is not None:
             points += [("negotiate", ready_at), ("queue", released)]
+        elif scheduled is not None:  # the schedule path: released here, agreed with the op's nodes
+            points += [("schedule", ready_at), ("queue", scheduled)]
         else:
             points.append(("queue", ready_at))
-        start, end = marks.get("start"), marks.get("end")
+        start, end, agreed = marks.get("start"), marks.get("end"), marks.get("agreed")
         if start is not None:
-            points.append(("lane", start))
+            points.append(("agree" if agreed is not None else "lane", start))
+        if agreed is not None:
+            points.append(("lane", agreed))
         if end is not None:
             points.append(("reply", end))
         out.append(f'{head}"ph":"b","name":{name},"ts":{(first_at + offset) * 1e6:.3f},"args":{args}}}')

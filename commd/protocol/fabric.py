@@ -15,7 +15,7 @@ things each way):
 
 | type | class | direction | meaning | fields (wire key) |
 |---|---|---|---|---|
-| ``ready`` | ``Ready`` | member → coordinator | this node's ranks of a collective are all ready (report) | group ``g``, seq ``s``; either the full pattern (``OpPattern``: kind ``k``, signature ``sig``, ranks ``ranks``, placement ``pl``, nodes ``n``, mine ``mine``, nbytes ``nb``, timeout ``to``, alltoall_splits ``a2a`` for all-to-all) or its cache_id ``c``; contribution ``d`` (tiny all-reduce, optional), no_fusion ``nf`` (1, optional) |
+| ``ready`` | ``Ready`` | member → coordinator | this node's ranks of a collective are all ready (report) | group ``g``, seq ``s``; either the full pattern (``OpPattern``: kind ``k``, signature ``sig``, ranks ``ranks``, placement ``pl``, nodes ``n``, mine ``mine``, nbytes ``nb``, timeout ``to``, alltoall_splits ``a2a`` for all-to-all) or its cache_id ``c``; contribution ``d`` (tiny all-reduce, optional), no_fusion ``nf`` (1, optional), waited ``w`` (seconds the op waited on a schedule that ended, optional) |
 | ``p2p_send`` | ``P2pSend`` | member → coordinator | a send whose receiver lives on another node | key ``key``, dst_node ``dn``, group ``g``, src ``src``, dst ``dst``, tag ``tag``, dtype ``dtype``, count ``count``, nbytes ``nb``, timeout ``to``, lane_hint ``h`` |
 | ``p2p_match`` | ``P2pMatch`` | member → coordinator | a forwarded send met its receive: order the transfer | sender_node ``sn``, key ``key`` |
 | ``p2p_fail`` | ``SendFailed`` | member → coordinator | the receiver's node failed a forwarded send (mismatch, timeout) | sender_node ``sn``, key ``key``, code ``code``, message ``m`` |
@@ -32,6 +32,9 @@ things each way):
 | ``trace`` | ``Trace`` | coordinator → member | start/stop the per-op trace | action ``a``, path ``p`` |
 | ``rank_died`` | ``RankDied`` | both | a rank is gone: fail what waits for it | rank ``rank``, why ``why`` |
 | ``leaving`` | ``Leaving`` | both | this node leaves the fabric (shutdown) | why ``why`` |
+| ``sched`` | ``Schedule`` | coordinator → member | from a sequence number on, the group's ops follow a cycle of patterns: every node releases them itself | epoch ``e``, group ``g``, nodes ``n``, order ``o`` (of the first), start seq ``s``, slots ``sl``: [cache id, lane, program, its sha256, codec] each |
+| ``sched_stop`` | ``StopSchedule`` | both | end the schedule at the first slot not yet released (a member asks when an op waited its timeout on it) | epoch ``e`` |
+| ``sched_end`` | ``ScheduleEnded`` | member → coordinator | this node ran the schedule up to (not including) an order | epoch ``e``, order ``o`` |
 | ``ring`` | ``RingPart`` | both | a node's part of a bridged exchange-ring all-reduce (the coordinator relays it) | group ``g``, seq ``s``, index ``i``, node ``sn``, to ``to``, dtype ``dt``, op ``o``, count ``n``, contribution ``d`` (bytes or nil); error ``e`` and message ``m`` when it failed there |
 
 Plain data only: nothing here imports above ``protocol/``.  The classes are slotted
@@ -185,6 +188,9 @@ class Ready:
     cache_id: int | None = None  # the pattern's cache id (fast path)
     contribution: bytes | None = None  # this node's reduced part of a tiny all-reduce
     no_fusion: bool = False  # its buffers overlap an earlier reported all-reduce of this node
+    #: Seconds the op already waited here before this report (on a schedule that then ended):
+    #: its timeout runs from when it was ready, as on negotiation.
+    waited: float = 0.0
 
     def to_wire(self) -> dict[str, Any]:
         item: dict[str, Any] = {"t": "ready", "g": self.group, "s": self.seq}
@@ -206,6 +212,8 @@ class Ready:
             item["d"] = self.contribution
         if self.no_fusion:
             item["nf"] = 1
+        if self.waited:
+            item["w"] = self.waited
         return item
 
     @classmethod
@@ -216,7 +224,7 @@ class Ready:
             return cls.checked(item)
         data = item.get("d")
         if (type(cache_id) is int and type(group) is str and type(seq) is int
-                and (data is None or type(data) is bytes)):  # the cached fast path, valid: no more checks
+                and (data is None or type(data) is bytes) and "w" not in item):  # the cached fast path, valid
             return cls(group, seq, None, cache_id, data, bool(item.get("nf")))
         return cls.checked(item)
 
@@ -226,7 +234,11 @@ class Ready:
         group, seq = _str(item, "ready", "g", "group"), _int(item, "ready", "s", "seq")
         cache_id = _opt_int(item, "ready", "c", "cache id")
         pattern = OpPattern.from_wire(item) if cache_id is None else None
-        return cls(group, seq, pattern, cache_id, _opt_bytes(item, "ready", "d", "contribution"), bool(item.get("nf")))
+        waited = item.get("w", 0.0)
+        if type(waited) not in (int, float) or not 0 <= waited < 1e9:
+            _bad("ready", "w", "waited", "a number of seconds, 0 or more", waited)
+        return cls(group, seq, pattern, cache_id, _opt_bytes(item, "ready", "d", "contribution"), bool(item.get("nf")),
+                   float(waited))
 
 
 @dataclass(slots=True)
@@ -646,20 +658,117 @@ class RingPart:
                    _opt_str(item, t, "e", "error"), _opt_str(item, t, "m", "message"))
 
 
-ToCoordinator = Ready | P2pSend | P2pMatch | SendFailed | RankDied | Heartbeat | Leaving | RingPart
+@dataclass(slots=True)
+class ScheduleSlot:
+    """One place of a schedule's cycle: the op pattern (cache id) expected there and how it runs."""
+
+    cache_id: int
+    lane: str
+    algo: str | None = None
+    algo_hash: str | None = None
+    codec: str | None = None
+
+    def to_wire(self) -> list[Any]:
+        return [self.cache_id, self.lane, self.algo, self.algo_hash, self.codec]
+
+    @classmethod
+    def from_wire(cls, value: Any) -> ScheduleSlot:
+        if (type(value) is not list or len(value) != 5 or type(value[0]) is not int or type(value[1]) is not str
+                or not all(v is None or type(v) is str for v in value[2:])):
+            _bad("sched", "sl", "slots", "a list of [cache id, lane, program, its sha256, codec]", value)
+        slot = cls(*value)
+        if (slot.algo is None) != (slot.algo_hash is None) or (
+                slot.algo_hash is not None and not SHA256_HEX.fullmatch(slot.algo_hash)):
+            _bad("sched", "sl", "slots", "a program name with its sha256 (64 hex digits), or neither", value)
+        return slot
+
+
+#: Slots in one schedule cycle at most (a training step of a few hundred ops).
+MAX_SCHEDULE_SLOTS = 1024
+
+
+@dataclass(slots=True)
+class Schedule:
+    """The coordinator saw group ``group`` repeat the same cycle of op patterns twice: from its
+    sequence number ``start_seq`` on, every node releases the group's ops itself, op
+    ``start_seq + i`` at place ``order + i`` of the global order, if it matches slot ``i % len(slots)``
+    (``fabric/scheduled.py``)."""
+
+    TYPE: ClassVar[str] = "sched"
+    epoch: int
+    group: str
+    nodes: list[int]  # the group's nodes (every live node), ascending
+    order: int
+    start_seq: int
+    slots: list[ScheduleSlot]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": "sched", "e": self.epoch, "g": self.group, "n": self.nodes, "o": self.order, "s": self.start_seq,
+                "sl": [slot.to_wire() for slot in self.slots]}
+
+    @classmethod
+    def from_wire(cls, item: dict[str, Any]) -> Schedule:
+        t = "sched"
+        slots = _get(item, t, "sl", "slots")
+        if type(slots) is not list or not 0 < len(slots) <= MAX_SCHEDULE_SLOTS:
+            _bad(t, "sl", "slots", f"a list of 1 to {MAX_SCHEDULE_SLOTS} slots", slots)
+        nodes = _ints(item, t, "n", "nodes")
+        if len(nodes) < 2 or nodes != sorted(set(nodes)):
+            _bad(t, "n", "nodes", "two or more node ranks, ascending", nodes)
+        return cls(_int(item, t, "e", "epoch"), _str(item, t, "g", "group"), nodes, _int(item, t, "o", "order"),
+                   _int(item, t, "s", "start seq"), [ScheduleSlot.from_wire(v) for v in slots])
+
+
+@dataclass(slots=True)
+class StopSchedule:
+    """Something outside schedule ``epoch`` needs ordering (another group's op, a transfer, a dead
+    node): every node ends the schedule at the first slot it has not yet released."""
+
+    TYPE: ClassVar[str] = "sched_stop"
+    epoch: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": "sched_stop", "e": self.epoch}
+
+    @classmethod
+    def from_wire(cls, item: dict[str, Any]) -> StopSchedule:
+        return cls(_int(item, "sched_stop", "e", "epoch"))
+
+
+@dataclass(slots=True)
+class ScheduleEnded:
+    """This node ran schedule ``epoch`` up to, not including, place ``order`` of the global order;
+    its later ops of the group are reported again (sent before any of those reports)."""
+
+    TYPE: ClassVar[str] = "sched_end"
+    epoch: int
+    order: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": "sched_end", "e": self.epoch, "o": self.order}
+
+    @classmethod
+    def from_wire(cls, item: dict[str, Any]) -> ScheduleEnded:
+        return cls(_int(item, "sched_end", "e", "epoch"), _int(item, "sched_end", "o", "order"))
+
+
+ToCoordinator = (Ready | P2pSend | P2pMatch | SendFailed | RankDied | Heartbeat | Leaving | RingPart
+                 | ScheduleEnded | StopSchedule)
 ToMember = (Go | Fail | Early | RemoteSend | P2pGo | P2pFail | NodeDead | RankDied | CoordinatorHeartbeat | Shutdown
-            | Leaving | Trace | RingPart)
+            | Leaving | Trace | RingPart | Schedule | StopSchedule)
 Message = ToCoordinator | ToMember
 
 #: What a coordinator accepts, by wire type.
 TO_COORDINATOR: dict[str, Any] = {
-    cls.TYPE: cls for cls in (Ready, P2pSend, P2pMatch, SendFailed, RankDied, Heartbeat, Leaving, RingPart)
+    cls.TYPE: cls
+    for cls in (Ready, P2pSend, P2pMatch, SendFailed, RankDied, Heartbeat, Leaving, RingPart, ScheduleEnded,
+                StopSchedule)
 }
 #: What a member accepts, by wire type.
 TO_MEMBER: dict[str, Any] = {
     cls.TYPE: cls
     for cls in (Go, Fail, Early, RemoteSend, P2pGo, P2pFail, NodeDead, RankDied, CoordinatorHeartbeat, Shutdown, Leaving,
-                Trace, RingPart)
+                Trace, RingPart, Schedule, StopSchedule)
 }
 
 

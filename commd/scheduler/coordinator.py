@@ -54,10 +54,16 @@ from commd.protocol.fabric import (
     RankDied,
     Ready,
     RemoteSend,
+    Schedule,
+    ScheduleEnded,
+    ScheduleSlot,
     SendFailed,
+    StopSchedule,
     ToMember,
 )
+from commd.runtime import env_int
 from commd.scheduler.config import SchedulerConfig
+from commd.scheduler.cycles import CycleDetector
 from commd.scheduler.selection import (
     LaneCapability,
     SelectionError,
@@ -202,6 +208,16 @@ class Coordinator:
         #: (group, seq) -> (code, message) of ops that timed out: a late node's report fails on arrival,
         #: as a late rank's op does on one node (bounded, oldest dropped first)
         self.expired: collections.OrderedDict[tuple[str, int], tuple[str, str]] = collections.OrderedDict()
+        # The schedule path (fabric/scheduled.py): the cycle finder, the latest schedule published,
+        # whether it still runs, the nodes that said where it ended for them, and what waits for it
+        # to end (reports of other groups, transfers to order).
+        self.cycles = CycleDetector()
+        self.schedules_on = env_int("COMMD_SCHEDULE", 1, 0, 1) == 1
+        self.schedule: Schedule | None = None
+        self.schedule_active = False
+        self.schedule_stopping = False
+        self.schedule_ended: set[int] = set()
+        self.deferred: list[tuple[int, Ready | P2pMatch]] = []
 
     def node(self, node: int) -> str:
         """'node 1 (its name)' for messages."""
@@ -220,6 +236,15 @@ class Coordinator:
         """Take one node's ready ops; may complete and release some."""
         for item in items:
             key = (item.group, item.seq)
+            sched = self.schedule
+            if (sched is not None and item.group == sched.group and item.seq >= sched.start_seq
+                    and node not in self.schedule_ended):
+                self.stats.coord_stale_reports += 1  # sent before the node had the schedule: it runs the op so
+                continue
+            if self.schedule_active:  # ordered once the schedule has ended on every node
+                self.deferred.append((node, item))
+                self._stop_schedule(out)
+                continue
             cid = item.cache_id
             if cid is not None:
                 cached = self.cache.get(cid)
@@ -238,7 +263,8 @@ class Coordinator:
                 continue
             if pending is None:
                 nodes = tuple(entry.nodes)
-                pending = self.pending[key] = Pending(key[0], key[1], nodes, timeout=entry.timeout)
+                pending = self.pending[key] = Pending(key[0], key[1], nodes, timeout=entry.timeout,
+                                                      first_at=time.monotonic() - item.waited)
                 dead = [n for n in nodes if n in self.dead]
                 if dead:
                     self._fail(pending, out, s.E_PEER_DIED,
@@ -289,6 +315,7 @@ class Coordinator:
         else:
             problem = self._mismatch(pending)
             if problem is not None:
+                self.cycles.reset()
                 message = self._mismatch_message(pending, problem)
                 for node in pending.nodes:
                     out.add(node, Fail(pending.group, pending.seq, s.E_MISMATCH, message))
@@ -321,6 +348,7 @@ class Coordinator:
                 codec = choose_codec(first.kind, sig.get("dtype", "uint8"), nbytes, pending.nodes,
                                      len(first.placement), asked, lane, program, self.config)
             except SelectionError as exc:
+                self.cycles.reset()
                 for node in pending.nodes:
                     out.add(node, Fail(pending.group, pending.seq, s.E_PROTOCOL,
                                        f"{_op(pending)} on {self.nodes(pending.nodes)}: {exc}"))
@@ -348,6 +376,69 @@ class Coordinator:
             out.add(node, Go(pending.group, pending.seq, self.order, lane,
                              cid if cid is not None and pending.cids.get(node) != cid else None, result, head,
                              *(algo or (None, None)), codec))
+        self._find_cycle(pending, cid, lane, algo, codec, head is not None, out)
+
+    # ---- the schedule path ------------------------------------------------------
+    def _find_cycle(self, pending: Pending, cid: int | None, lane: str, algo: tuple[str, str] | None,
+                    codec: str | None, fused: bool, out: Outbox) -> None:
+        """Feed a release to the cycle finder; publish the cycle it finds as a schedule when
+        nothing else is being ordered (no negotiation, no transfer, no schedule)."""
+        live = [n for n in range(self.nnodes) if n not in self.dead]
+        schedulable = (cid is not None and lane == "tcp" and not fused and list(pending.nodes) == live
+                       and not self.schedule_active)
+        slot = ScheduleSlot(cid, lane, *(algo or (None, None)), codec) if schedulable else None
+        cycle = self.cycles.released(pending.group, pending.seq, slot)
+        if cycle is None or self.pending or self.p2p or not self.schedules_on:
+            return
+        epoch = self.schedule.epoch + 1 if self.schedule is not None else 1
+        self.schedule = Schedule(epoch, cycle.group, live, self.order + 1, cycle.start_seq, list(cycle.slots))
+        self.schedule_active, self.schedule_stopping = True, False
+        self.schedule_ended = set()
+        self.stats.coord_schedules += 1
+        self.cycles.reset()
+        log.info("coordinator: group '%s' repeats a cycle of %d ops: its ops from #%d on follow schedule %d",
+                 cycle.group, len(cycle.slots), cycle.start_seq, epoch)
+        for node in live:
+            out.add(node, self.schedule)
+
+    def _stop_schedule(self, out: Outbox) -> None:
+        """Something must be ordered outside the running schedule: every node ends it at its next slot."""
+        if not self.schedule_active or self.schedule_stopping or self.schedule is None:
+            return
+        self.schedule_stopping = True
+        for node in range(self.nnodes):
+            if node not in self.dead:
+                out.add(node, StopSchedule(self.schedule.epoch))
+
+    def stop_requested(self, node: int, stop: StopSchedule, out: Outbox) -> None:
+        """A node's op waited its timeout on the schedule (a rank is late): end it everywhere, so that
+        the op is negotiated, and times out or meets its late peers, as on negotiation."""
+        if self.schedule is not None and stop.epoch == self.schedule.epoch:
+            log.info("coordinator: %s asks to end schedule %d", self.node(node), stop.epoch)
+            self._stop_schedule(out)
+
+    def schedule_end(self, node: int, ended: ScheduleEnded, out: Outbox) -> None:
+        """A node ran the schedule up to ``ended.order``: the first such message ends it here, and
+        what waited for it is ordered now (numbered after every slot a node may have run)."""
+        sched = self.schedule
+        if sched is None or ended.epoch != sched.epoch:
+            log.warning("coordinator: %s ended schedule %d, which is not the latest", self.node(node), ended.epoch)
+            return
+        self.schedule_ended.add(node)
+        if not self.schedule_active:
+            return
+        self.schedule_active = False
+        self.order = max(self.order, ended.order - 1)
+        ran = ended.order - sched.order  # slots run: a schedule that held for two cycles was worth it
+        self.cycles.restart() if ran >= 2 * len(sched.slots) else self.cycles.backoff()
+        log.info("coordinator: schedule %d of group '%s' ended at order %d (%s)", sched.epoch, sched.group,
+                 ended.order, self.node(node))
+        waiting, self.deferred = self.deferred, []
+        for origin, item in waiting:
+            if type(item) is Ready:
+                self.report(origin, [item], out)
+            else:
+                self.p2p_match(origin, item, out)
 
     def _send_early(self, pending: Pending, item: Ready, out: Outbox) -> None:
         """This node (the coordinator's own) reported a tiny all-reduce of a 2-node group first,
@@ -400,6 +491,7 @@ class Coordinator:
                 f"{problem}")
 
     def _fail(self, pending: Pending, out: Outbox, code: str, message: str, extra: list[int] | None = None) -> None:
+        self.cycles.reset()
         self.pending.pop((pending.group, pending.seq), None)
         targets = set(pending.entries) | set(extra or [])
         for node in sorted(targets):
@@ -413,7 +505,7 @@ class Coordinator:
 
         def compare(label: str, get: Any) -> None:
             values: dict[str, list[int]] = {}
-            for entry in entries.values():
+            for _, entry in sorted(entries.items()):  # node order: the same text whoever reported first
                 values.setdefault(repr(get(entry)), []).extend(entry.mine)
             if len(values) > 1:
                 parts = ", ".join(f"ranks {sorted(r)} {v}" for v, r in values.items())
@@ -453,6 +545,11 @@ class Coordinator:
 
     def p2p_match(self, node: int, match: P2pMatch, out: Outbox) -> None:
         """The receiver matched a forwarded send: order the transfer on both nodes."""
+        if self.schedule_active:
+            self.deferred.append((node, match))
+            self._stop_schedule(out)
+            return
+        self.cycles.reset()
         key = (match.sender_node, match.key)
         route = self.p2p.pop(key, None)
         if route is None:
@@ -482,6 +579,8 @@ class Coordinator:
     def node_dead(self, node: int, why: str, out: Outbox) -> None:
         if node in self.dead:
             return
+        self._stop_schedule(out)
+        self.cycles.reset()
         self.dead[node] = why
         for pending in list(self.pending.values()):
             if node in pending.nodes:
@@ -496,6 +595,8 @@ class Coordinator:
                 out.add(other, NodeDead(node, why))
 
     def rank_died(self, node: int, rank: int, why: str, out: Outbox) -> None:
+        self._stop_schedule(out)
+        self.cycles.reset()
         for pending in list(self.pending.values()):
             first = next(iter(pending.entries.values()), None)
             if first is not None and rank in first.ranks:

@@ -171,3 +171,20 @@ def dissemination_barrier(tp: Transport, nodes: tuple[int, ...], me: int) -> Non
         tp.post_recv(nodes[(me - d) % n], memoryview(bytearray(0)))
         tp.wait()
         d *= 2
+
+
+def dissemination_max(tp: Transport, nodes: tuple[int, ...], me: int, values: memoryview) -> None:
+    """Element-wise maximum of every node's int64 ``values``, in place: the dissemination
+    pattern (distance 1, 2, 4 ...), so ceil(log2 n) rounds and as many messages each way per
+    node.  The maximum is exact and order-free, so every node ends with the same values."""
+    n, d = len(nodes), 1
+    mine = values.cast("B").cast("q")
+    theirs = memoryview(bytearray(len(mine) * 8)).cast("q")
+    while d < n:
+        tp.post_send(nodes[(me + d) % n], mine.cast("B"))
+        tp.post_recv(nodes[(me - d) % n], theirs.cast("B"))
+        tp.wait()
+        for i, value in enumerate(theirs):
+            if value > mine[i]:
+                mine[i] = value
+        d *= 2

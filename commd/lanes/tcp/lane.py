@@ -529,6 +529,24 @@ class TcpLane:
             return
         self._run("barrier", "barrier", nodes, timeout, lambda ex: algorithms.dissemination_barrier(ex, nodes, me))
 
+    def agree(self, nodes: tuple[int, ...], values: tuple[int, ...], timeout: float) -> bool:
+        """True if every node of ``nodes`` called this with the same ``values`` (ints), else False.
+
+        The schedule path's check before it runs an op (``fabric/scheduled.py``): the maximum
+        of each value and of its negation, by dissemination (log2 rounds), is the same on every
+        node, so every node draws the same conclusion; a disagreement moves the same bytes as an
+        agreement, so the streams stay in step either way."""
+        nodes, me = self._check_nodes("agree", nodes)
+        packed = memoryview(bytearray(16 * len(values))).cast("q")
+        for i, value in enumerate(values):
+            packed[2 * i], packed[2 * i + 1] = value, -value
+        if len(nodes) > 1:
+            self._run(f"agree({len(values)} values)", "agree", nodes, timeout,
+                      lambda ex: algorithms.dissemination_max(ex, nodes, me, packed))
+        else:
+            self._usable("agree", nodes)
+        return all(packed[2 * i] == -packed[2 * i + 1] for i in range(len(values)))
+
     def close(self) -> None:
         """Close every socket; a pending call fails with LaneError, later calls are refused.  Idempotent."""
         if self._closed:

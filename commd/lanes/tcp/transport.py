@@ -29,7 +29,7 @@ BURST = 16
 HEADER = struct.Struct("!IHHQQ")
 HEADER_MAGIC = 0x434D4454  # "CMDT"
 #: Op kinds carried in the header, so two nodes running different ops are told apart.
-KINDS = {"allreduce": 1, "broadcast": 2, "allgatherv": 3, "alltoallv": 4, "p2p": 5, "barrier": 6}
+KINDS = {"allreduce": 1, "broadcast": 2, "allgatherv": 3, "alltoallv": 4, "p2p": 5, "barrier": 6, "agree": 7}
 KIND_NAMES = {v: k for k, v in KINDS.items()}
 
 SEND_FLAGS = getattr(socket, "MSG_NOSIGNAL", 0)  # a dead peer is an error, never a SIGPIPE

@@ -1,0 +1,260 @@
+"""The schedule path: a group's ops that follow the published cycle run without the coordinator.
+
+When the coordinator has released the same cycle of op patterns of a group twice
+(``scheduler/cycles.py``), it publishes a :class:`~commd.protocol.fabric.Schedule`:
+op ``start_seq + i`` of the group takes place ``order + i`` of the global order and
+should match slot ``i % len(slots)``.  From then on each node releases those ops
+itself, in that order, without a report or a release:
+
+1. the op's local ranks are ready → it is queued on the tcp lane's worker at its
+   place (never run on the event loop: the other nodes may not be ready yet);
+2. on the worker, the op's nodes first *agree* (``TcpLane.agree``: a dissemination
+   maximum, log2 N rounds of 32 bytes) on (place, cache id); a node whose op does not
+   match its slot sends cache id -1;
+3. all equal → the op runs like a released one; anything else → every node of the
+   op sees the same disagreement at the same place, the schedule ends there on every
+   node, and the op and every later one are reported to the coordinator again
+   (``ScheduleEnded`` first), which compares them as always: a mismatch fails every
+   rank with the same ``MismatchError`` as on negotiation, a pattern that merely is not
+   the slot's is released.
+
+Anything else that needs ordering while a schedule runs (an op of another group, a
+transfer between nodes, a dead node or rank) ends it at the next slot not yet
+released: the node that sees it, and every node told by the coordinator
+(``StopSchedule``), queues a slot with cache id -1, so the agreement fails there on
+every node.  Every node's slots are a prefix of the same sequence, so the argument of
+ARCHITECTURE.md (one global order on every lane of every node) holds unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from commd.algorithms.catalog import Chosen
+from commd.core.ops import ReadyOp
+from commd.execution.hierarchy import GroupPlacement, run
+from commd.lanes.base import LaneError
+from commd.protocol import fabric as wire
+
+if TYPE_CHECKING:
+    from commd.fabric.rendezvous import Fabric
+    from commd.fabric.runner import LaneRunner
+    from commd.fabric.services import NodeServices
+    from commd.observe.stats import FabricStats
+
+log = logging.getLogger("commd.fabric")
+
+#: The completion code of a scheduled op whose slot did not agree: it goes back to negotiation
+#: (internal to this module; never sent to a client).
+DEVIATED = "schedule_deviated"
+#: The only lane a schedule runs on (the agreement uses its mesh, in the same worker's order).
+LANE = "tcp"
+#: Never run on the event loop: a scheduled op waits in its agreement for the other nodes.
+NEVER_INLINE = -1
+
+Entry = tuple[ReadyOp, GroupPlacement, tuple]
+
+
+class ScheduleDeviated(LaneError):
+    """The slot's agreement failed: the schedule ended here on every node of the op."""
+
+    def __init__(self) -> None:
+        super().__init__("the op left the schedule", DEVIATED)
+
+
+class ScheduledPath:
+    """This node's side of the current schedule (at most one at a time)."""
+
+    def __init__(self, node: NodeServices, fabric: Fabric, stats: FabricStats, runner: LaneRunner,
+                 send_up: Callable[[wire.ToCoordinator], None], cache: dict[tuple, int],
+                 renegotiate: Callable[[ReadyOp, GroupPlacement, float], None], peer_timeout: float) -> None:
+        self.node = node
+        self.fabric = fabric
+        self.stats = stats
+        self.runner = runner
+        self.send_up = send_up
+        self.cache = cache  # pattern key -> cache id (the releases' ids, kept by Collectives)
+        self.renegotiate = renegotiate
+        self.peer_timeout = peer_timeout
+        self.schedule: wire.Schedule | None = None
+        self.active = False  # taking the group's ready ops
+        self.stopping = False  # no more slots released here; ends once the queued ones are back
+        self.next_slot = 0
+        #: The first slot that did not agree (written on the lane worker, which runs the slots in order).
+        self.ended_at: int | None = None
+        self.inflight = 0
+        self.held: list[Entry] = []  # ready, waiting for the schedule to end
+        self.returned: list[tuple[ReadyOp, GroupPlacement]] = []  # slots that did not agree
+        #: Queued slots' ops: slot -> (ready since, timeout); and whether this node asked to end the
+        #: schedule because one of them waited its timeout (a late rank elsewhere).
+        self.waiting: dict[int, tuple[float, float]] = {}
+        self.asked_stop = False
+
+    # ---- start and end -------------------------------------------------------------
+    def start(self, schedule: wire.Schedule, reported: list[Entry], others_waiting: bool) -> None:
+        """A schedule arrived; ``reported``: the group's ops this node reported and still holds
+        (the coordinator drops those reports), in sequence order."""
+        if self.active:
+            log.error("schedule %d arrived while schedule %d still runs here: ignored", schedule.epoch,
+                      self.schedule.epoch if self.schedule else -1)
+            return
+        self.schedule = schedule
+        self.active, self.stopping = True, False
+        self.next_slot, self.ended_at, self.inflight = 0, None, 0
+        self.held, self.returned = [], []
+        self.waiting, self.asked_stop = {}, False
+        self.stats.schedules_started += 1
+        log.info("fabric: group '%s' follows schedule %d (%d slots) from op #%d", schedule.group, schedule.epoch,
+                 len(schedule.slots), schedule.start_seq)
+        for op, placement, key in reported:
+            self._take(op, placement, key)
+        if others_waiting:
+            self.stop()
+
+    def stop(self) -> None:
+        """End the schedule at the next slot not yet released here (a slot that cannot agree)."""
+        if not self.active or self.stopping:
+            return
+        self.stopping = True
+        self._release(self.next_slot, None, None, -1)
+        self.next_slot += 1
+
+    def tick(self, now: float) -> None:
+        """An op that waited its timeout in its slot's agreement: some rank elsewhere is late.  Ask
+        the coordinator to end the schedule; the op then goes back to negotiation with the time it
+        waited, where it times out (naming the late ranks) or meets them, as if it had never left."""
+        if not self.active or self.asked_stop or self.schedule is None:
+            return
+        if any(now - since >= timeout for since, timeout in self.waiting.values()):
+            self.asked_stop = True
+            self.send_up(wire.StopSchedule(self.schedule.epoch))
+
+    def offer(self, op: ReadyOp, placement: GroupPlacement, key: tuple) -> bool:
+        """Take a ready op onto the schedule (True), or leave it to negotiation (False; an op of
+        another group, which ends the schedule so that it can be ordered)."""
+        if not self.active:
+            return False
+        if op.group != self.schedule.group:  # type: ignore[union-attr]
+            self.stop()
+            return False
+        self._take(op, placement, key)
+        return True
+
+    def lost(self) -> list[ReadyOp]:
+        """The coordinator is gone: the ops held here, to fail; the slots queued fail on their own."""
+        ops = [op for op, _, _ in self.held] + [op for op, _ in self.returned]
+        self.held, self.returned = [], []
+        self.active = False
+        return ops
+
+    # ---- slots -------------------------------------------------------------------------
+    def _take(self, op: ReadyOp, placement: GroupPlacement, key: tuple) -> None:
+        if self.stopping:
+            self.held.append((op, placement, key))
+            return
+        sched = self.schedule
+        assert sched is not None
+        index = self.next_slot
+        slot = sched.slots[index % len(sched.slots)]
+        cid = self.cache.get(key)
+        matches = op.seq == sched.start_seq + index and cid == slot.cache_id
+        self.next_slot += 1
+        if not matches:
+            self.stopping = True
+        self._release(index, op, placement, slot.cache_id if matches else -1, slot)
+
+    def _release(self, index: int, op: ReadyOp | None, placement: GroupPlacement | None, stamp: int,
+                 slot: wire.ScheduleSlot | None = None) -> None:
+        """Queue slot ``index`` on the tcp lane's worker: agree, then run ``op`` (None: agree only)."""
+        sched = self.schedule
+        assert sched is not None
+        order = sched.order + index
+        nodes = tuple(sched.nodes)
+        lane = self.fabric.lanes[LANE]
+        tracer = self.node.tracer
+        program = None
+        if op is not None and slot is not None and stamp >= 0:
+            op.lane = slot.lane
+            op.codec = slot.codec or ""
+            if slot.algo is not None and slot.algo_hash is not None:
+                program = Chosen.lookup(self.fabric.catalog, slot.algo, slot.algo_hash, len(nodes))
+                op.algo = slot.algo
+            if tracer.on:
+                tracer.mark(op, "scheduled")
+        timeout = max(x.timeout for x in op.subs) if op is not None else self.peer_timeout
+        # the agreement waits a peer timeout longer than the op: a late rank's node joins it with
+        # -1 once the schedule is stopped (``tick``), well before
+        agree_timeout = timeout + self.peer_timeout
+        resolve = self.runner.resolver()
+
+        def work(cap: float) -> None:
+            if self.ended_at is not None and index >= self.ended_at:
+                raise ScheduleDeviated()
+            try:
+                agreed = lane.agree(nodes, (order, stamp), min(agree_timeout, cap))
+            except LaneError:
+                self._ended(index)
+                raise
+            if not agreed or stamp < 0 or op is None or placement is None:
+                self._ended(index)
+                raise ScheduleDeviated()
+            if tracer.on:
+                tracer.mark(op, "agreed")
+            run(op, placement, lane, resolve, min(timeout, cap), program)
+
+        if op is not None:
+            work = tracer.wrap((op,), work)
+
+        def done(error: str | None, code: str) -> None:
+            self.inflight -= 1
+            self.waiting.pop(index, None)
+            if error is not None and code == DEVIATED:
+                if op is not None and placement is not None:
+                    self.returned.append((op, placement))
+                    self.stats.schedule_fallback += 1
+            elif op is not None:
+                self.stats.scheduled += 1
+                self.runner.done(op, error, code)
+            self._maybe_end()
+
+        self.inflight += 1
+        if op is not None:
+            self.waiting[index] = (op.ready_at, timeout)
+        run_now = self.runner.enqueue(LANE, False, sched.group, work, done, op.nbytes if op is not None else 0,
+                                      NEVER_INLINE)
+        assert run_now is None  # (NEVER_INLINE)
+
+    def _ended(self, index: int) -> None:
+        """On the lane worker: slot ``index`` did not agree; no later slot runs."""
+        if self.ended_at is None or index < self.ended_at:
+            self.ended_at = index
+
+    def _maybe_end(self) -> None:
+        """Once every queued slot is back and one of them ended the schedule: tell the
+        coordinator where, then report every op not run on it, in sequence order."""
+        if not self.active or self.inflight or (self.ended_at is None and not self.stopping):
+            return
+        sched = self.schedule
+        assert sched is not None
+        end = self.ended_at if self.ended_at is not None else self.next_slot
+        self.active = False
+        self.stats.schedules_ended += 1
+        log.info("fabric: schedule %d of group '%s' ended at its slot %d (order %d)", sched.epoch, sched.group, end,
+                 sched.order + end)
+        self.send_up(wire.ScheduleEnded(sched.epoch, sched.order + end))
+        waiting = self.returned + [(op, placement) for op, placement, _ in self.held]
+        self.held, self.returned = [], []
+        now = time.monotonic()
+        for op, placement in sorted(waiting, key=lambda entry: entry[0].seq):
+            self.renegotiate(op, placement, now - op.ready_at)
+
+    # ---- status ------------------------------------------------------------------------
+    def status(self) -> dict[str, Any] | None:
+        sched = self.schedule
+        if sched is None:
+            return None
+        return {"epoch": sched.epoch, "group": sched.group, "slots": len(sched.slots), "active": self.active,
+                "next_slot": self.next_slot, "ended_at_slot": self.ended_at}

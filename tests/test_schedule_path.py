@@ -1,0 +1,187 @@
+"""The schedule path (fabric/scheduled.py): a loop that repeats itself runs without the coordinator.
+
+Live: 2 nodes x 2 ranks on loopback, every result against NumPy, the same mismatch error
+on the schedule as on negotiation, every kind of deviation, and no control message at all
+for the ops that follow the schedule.  In process: the cycle finder and the coordinator's
+side of a schedule (publish, stale reports, what waits for the end).
+"""
+
+from __future__ import annotations
+
+import re
+
+import fabric_workers as fw
+import pytest
+
+from commd.protocol.fabric import (
+    OpPattern,
+    P2pMatch,
+    P2pSend,
+    Ready,
+    RemoteSend,
+    Schedule,
+    ScheduleEnded,
+    ScheduleSlot,
+    StopSchedule,
+)
+from commd.scheduler.config import SchedulerConfig
+from commd.scheduler.coordinator import Coordinator, Outbox
+from commd.scheduler.cycles import MIN_WINDOW, CycleDetector
+
+
+class AnyLane:
+    def can_run(self, primitive, dtype, reduce_op, nodes):
+        return None
+
+
+LANES = {"tcp": AnyLane()}
+
+
+def test_a_repeating_loop_runs_on_the_schedule_and_leaves_it_cleanly(cluster) -> None:
+    c = cluster()
+    results = c.join(c.start_workers(fw.schedule_path, 3, 10), timeout=240)
+    seq = re.compile(r"#\d+")
+    for rank, value in results.items():
+        # the same message, whichever path found the mismatch (the op's number aside)
+        assert "'count' differs" in value["scheduled_mismatch"], (rank, value)
+        assert seq.sub("#N", value["scheduled_mismatch"]) == seq.sub("#N", value["negotiated_mismatch"]), value
+        before, after = value["before"], value["after"]
+        # 10 steps of 3 ops after the warm-up: every one released on the schedule, not one control item
+        assert after["paths"]["scheduled"] - before["paths"]["scheduled"] == 30, value
+        assert after["paths"]["negotiated"] == before["paths"]["negotiated"], value
+        assert after["control"] == before["control"], value
+        assert value["final"]["paths"]["fallback"] >= 1, value
+    for node in (0, 1):
+        schedules = c.status(node)["fabric"]["schedules"]
+        assert schedules["started"] >= 4 and schedules["ended"] >= 4, schedules  # one per deviation
+
+
+# ---- in process --------------------------------------------------------------------------
+
+def slot(cid: int) -> ScheduleSlot:
+    return ScheduleSlot(cid, "tcp")
+
+
+def test_the_cycle_finder_needs_the_same_cycle_twice_in_consecutive_ops() -> None:
+    finder = CycleDetector()
+    found = [finder.released("g", seq, slot(cid)) for seq, cid in enumerate([9, 1, 2, 3, 1, 2])]
+    assert found == [None] * 6
+    cycle = finder.released("g", 6, slot(3))
+    assert cycle is not None and cycle.start_seq == 7 and [s.cache_id for s in cycle.slots] == [1, 2, 3]
+    # a gap in the sequence numbers, another group or an unschedulable release starts again
+    for interrupt in (lambda f: f.released("g", 99, slot(1)), lambda f: f.released("h", 0, slot(1)),
+                      lambda f: f.released("g", 7, None)):
+        finder = CycleDetector()
+        for seq in range(3):
+            finder.released("g", seq, slot(1))
+        interrupt(finder)
+        assert finder.released("g", 100, slot(1)) is None
+    # one op repeated: a cycle of one once the window is long enough; a schedule that ended doubles it
+    finder = CycleDetector()
+    found = [finder.released("g", seq, slot(4)) for seq in range(MIN_WINDOW)]
+    assert found[:-1] == [None] * (MIN_WINDOW - 1) and found[-1] is not None and len(found[-1].slots) == 1
+    finder.backoff()
+    found = [finder.released("g", seq, slot(4)) for seq in range(2 * MIN_WINDOW)]
+    assert found.index(next(f for f in found if f is not None)) == 2 * MIN_WINDOW - 1
+
+
+SIG = {"lane": "", "dtype": "float32", "count": 4, "reduce_op": "sum", "scale": 1.0}
+
+
+def pattern(node: int) -> OpPattern:
+    return OpPattern(kind="allreduce", signature=SIG, ranks=[0, 1], placement=[0, 1], nodes=[0, 1], mine=[node],
+                     nbytes=16, timeout=30.0)
+
+
+def coordinator() -> Coordinator:
+    return Coordinator(2, SchedulerConfig(), LANES)
+
+
+def run_ops(coord: Coordinator, seqs: range, cid: int | None) -> Outbox:
+    """Each op in its own dispatch (as ops waited for one by one are: nothing fuses)."""
+    every = Outbox()
+    for seq in seqs:
+        out = Outbox()
+        for node in (0, 1):
+            item = Ready("g", seq, pattern(node)) if cid is None else Ready("g", seq, None, cid)
+            coord.report(node, [item], out)
+        for node, messages in out.messages.items():
+            every.messages.setdefault(node, []).extend(messages)
+    return every
+
+
+def test_the_coordinator_publishes_a_schedule_and_orders_what_waits_after_its_end() -> None:
+    coord = coordinator()
+    run_ops(coord, range(1), None)
+    cid = next(iter(coord.cache))
+    out = run_ops(coord, range(1, MIN_WINDOW), cid)
+    published = [m for m in out.messages[1] if isinstance(m, Schedule)]
+    assert len(published) == 1 and published[0].start_seq == MIN_WINDOW and published[0].nodes == [0, 1]
+    assert published[0].order == coord.order + 1 and [s.cache_id for s in published[0].slots] == [cid]
+    # reports sent before a node had the schedule are dropped: the node runs those ops itself
+    out = Outbox()
+    coord.report(1, [Ready("g", MIN_WINDOW, None, cid)], out)
+    assert not out.messages and coord.stats.coord_stale_reports == 1 and not coord.pending
+    # an op of another group waits for the end, and stops the schedule on every node
+    other = Ready("h", 0, OpPattern(kind="broadcast", signature={"dtype": "uint8", "count": 1, "root": 0},
+                                    ranks=[0, 1], placement=[0, 1], nodes=[0, 1], mine=[0], nbytes=1, timeout=30.0))
+    out = Outbox()
+    coord.report(0, [other], out)
+    assert [type(m) for m in out.messages[0]] == [StopSchedule] and [type(m) for m in out.messages[1]] == [StopSchedule]
+    # so does a transfer to order
+    send = P2pSend(key=1, dst_node=1, group="g", src=0, dst=1, tag=0, dtype="uint8", count=1, nbytes=1, timeout=30.0,
+                   lane_hint=None)
+    out = Outbox()
+    coord.p2p_send(0, send, out)
+    assert [type(m) for m in out.messages[1]] == [RemoteSend]
+    coord.p2p_match(1, P2pMatch(sender_node=0, key=1), out)
+    assert len(out.messages[1]) == 1  # (the match waits; the schedule is already stopping)
+    # the first node to end it: what waited takes the places from the first one the schedule did not run
+    end = published[0].order + 7
+    out = Outbox()
+    coord.schedule_end(1, ScheduleEnded(published[0].epoch, end), out)
+    assert not coord.schedule_active and ("h", 0) in coord.pending  # (replayed: waits for node 1's report)
+    p2p_go = [m for m in out.messages[0] if type(m).__name__ == "P2pGo"]
+    assert p2p_go and p2p_go[0].order == end
+    # node 0 has not ended yet: its report of a scheduled op is still one it runs itself
+    out = Outbox()
+    coord.report(0, [Ready("g", MIN_WINDOW + 1, None, cid)], out)
+    assert coord.stats.coord_stale_reports == 2
+    coord.schedule_end(0, ScheduleEnded(published[0].epoch, end), out)
+    out = Outbox()
+    coord.report(0, [Ready("g", MIN_WINDOW + 7, None, cid)], out)
+    coord.report(1, [Ready("g", MIN_WINDOW + 7, None, cid)], out)
+    gos = [m for m in out.messages[1] if type(m).__name__ == "Go"]
+    assert len(gos) == 1 and gos[0].order > end
+
+
+@pytest.mark.parametrize("why", ["node_dead", "rank_died"])
+def test_a_failure_stops_a_running_schedule(why: str) -> None:
+    coord = Coordinator(3, SchedulerConfig(), LANES)
+    coord.schedule = Schedule(1, "g", [0, 1, 2], 5, 3, [slot(1)])
+    coord.schedule_active = True
+    out = Outbox()
+    if why == "node_dead":
+        coord.node_dead(2, "vanished", out)
+    else:
+        coord.rank_died(2, 5, "killed", out)
+    assert all(any(isinstance(m, StopSchedule) for m in out.messages[n]) for n in (0, 1))
+
+
+def test_a_late_rank_on_the_schedule_times_out_as_on_negotiation(cluster) -> None:
+    """The op timeout runs from when an op was ready, whatever path holds it: the on-time ranks
+    fail after about the timeout naming the late ranks, the late ones fail on arrival."""
+    timeout = 1.0
+    c = cluster(op_timeout=timeout)
+    results = c.join(c.start_workers(fw.late_on_schedule, 6, 1.5 * timeout), timeout=120)
+    for rank, value in results.items():
+        assert "did not submit it within the op timeout" in value["message"], (rank, value)
+        assert "(global ranks [2, 3])" in value["message"], (rank, value)
+        paths = value["counters"]["paths"]
+        if rank >= 2:
+            assert value["waited"] < timeout / 2, (rank, value)  # late: fails on arrival
+        else:  # the on-time node held the op on the schedule, then handed it back to negotiation
+            assert timeout * 0.9 < value["waited"] < timeout + 1.0, (rank, value)
+            assert paths["fallback"] >= 1, value
+        assert paths["scheduled"] > 0, value
+    assert "asks to end schedule" in c.logs()
