@@ -67,10 +67,34 @@ def _fill(buf: Any, value: float) -> None:
         buf.fill(value)
 
 
+def process_cost(daemon_pid: int | None = None) -> dict[str, float]:
+    """CPU seconds and context switches so far: this rank's (``getrusage``) and, when given, its host's
+    daemon's (``/proc``: every thread's, voluntary and involuntary switches)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    cost = {"rank_cpu_s": usage.ru_utime + usage.ru_stime, "rank_csw": float(usage.ru_nvcsw + usage.ru_nivcsw)}
+    if daemon_pid is not None:
+        try:
+            fields = Path(f"/proc/{daemon_pid}/stat").read_text().rsplit(")", 1)[1].split()
+            ticks = os.sysconf("SC_CLK_TCK")
+            cost["daemon_cpu_s"] = (int(fields[11]) + int(fields[12])) / ticks
+            switches = 0
+            for task in Path(f"/proc/{daemon_pid}/task").iterdir():
+                for line in (task / "status").read_text().splitlines():
+                    if line.endswith("ctxt_switches:") or "ctxt_switches:" in line:
+                        switches += int(line.split(":")[1])
+            cost["daemon_csw"] = float(switches)
+        except (OSError, ValueError, IndexError):
+            pass
+    return cost
+
+
 def measure(
     cfg: dict[str, Any], rank: int, world: int, make: Callable[[int], Any],
     reduce_fn: Callable[[Any], None], agree_max: Callable[[float], float], barrier: Callable[[], None],
     what: str, after_size: Callable[[], Any] | None = None, counters: Callable[[], Any] | None = None,
+    daemon_pid: int | None = None,
 ) -> list[dict[str, Any]]:
     """Time ``reduce_fn`` on tensors of each size; iteration counts from the per-size time budget.
 
@@ -102,15 +126,18 @@ def measure(
         barrier()
         seen = counters() if counters is not None else None
         before = link_counters()
+        cost_before = process_cost(daemon_pid)
         times = []
         clock = time.perf_counter
         for _ in range(iters):
             t0 = clock()
             reduce_fn(buf)
             times.append(clock() - t0)
+        cost_after = process_cost(daemon_pid)
         after = link_counters()
         link = {k: after[k] - before[k] for k in after} if before and after else None
-        row = {"bytes": nbytes, "times": times, "warmup": 1 + extra_warmup, "link": link}
+        row = {"bytes": nbytes, "times": times, "warmup": 1 + extra_warmup, "link": link,
+               "cost": {k: cost_after[k] - cost_before[k] for k in cost_after if k in cost_before}}
         if counters is not None:
             row["counters"] = {"before": seen, "after": counters()}
         if after_size is not None:
@@ -120,8 +147,15 @@ def measure(
     return results
 
 
+def _daemon_pid(paths: Any) -> int | None:
+    from commd.client.status import query_status
+
+    return query_status(paths, timeout=20.0).get("pid")
+
+
 def _measure_torch(cfg: dict[str, Any], rank: int, world: int, what: str,
-                   counters: Callable[[], dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+                   counters: Callable[[], dict[str, Any]] | None = None,
+                   daemon_pid: int | None = None) -> list[dict[str, Any]]:
     """``measure`` through the initialised torch.distributed default group (commd or Gloo)."""
     import torch
     import torch.distributed as dist
@@ -135,7 +169,7 @@ def _measure_torch(cfg: dict[str, Any], rank: int, world: int, what: str,
 
     return measure(cfg, rank, world, make=lambda count: torch.empty(count, dtype=torch.float32),
                    reduce_fn=lambda t: dist.all_reduce(t), agree_max=agree, barrier=dist.barrier, what=what,
-                   counters=counters)
+                   counters=counters, daemon_pid=daemon_pid)
 
 
 def _finish(cfg: dict[str, Any], rank: int, value: dict[str, Any]) -> None:
@@ -183,6 +217,7 @@ def run_commd(cfg: dict[str, Any], rank: int) -> None:
                 barrier=lambda lane=lane: ops.barrier(client, lane=lane).wait(timeout),
                 what=f"commd lane {lane}",
                 after_size=(lambda: _fabric_snapshot(paths)) if local_first else None,
+                daemon_pid=_daemon_pid(paths) if local_first else None,
             )
         if cfg.get("local_probe_bytes"):
             out["local"] = _local_latency(cfg, client, rank)
@@ -285,7 +320,8 @@ def run_torch(cfg: dict[str, Any]) -> None:
     try:
         warmed = _torch_warmup(dist, torch, rank, cfg["torch_warmup_s"])
         results = _measure_torch(cfg, rank, world, "torch commd",
-                                 (lambda: _daemon_counters(paths)) if local_first else None)
+                                 (lambda: _daemon_counters(paths)) if local_first else None,
+                                 _daemon_pid(paths) if local_first else None)
     finally:
         dist.destroy_process_group()
     _finish(cfg, rank, {"results": results, "warmup_ops": warmed,

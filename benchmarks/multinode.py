@@ -499,7 +499,21 @@ def summarize(per_rank: list[dict[str, Any]], world: int) -> dict[int, dict[str,
         counted = [r["results"][i]["counters"] for r in per_rank if r["results"][i].get("counters")]
         if counted:
             rows[size]["daemon_per_op"] = _daemon_per_op(counted, len(slowest))
+        costs = [r["results"][i]["cost"] for r in per_rank if r["results"][i].get("cost")]
+        if costs:
+            rows[size]["cost"] = _cost_per_op(costs, len(slowest))
     return rows
+
+
+def _cost_per_op(costs: list[dict[str, float]], iters: int) -> dict[str, float]:
+    """CPU time per op summed over every process of the job (ranks and daemons), and context switches
+    per op per process: figures that do not depend on how many cores run the job."""
+    processes = len(costs) + sum(1 for c in costs if "daemon_cpu_s" in c)
+    cpu = sum(c.get("rank_cpu_s", 0.0) + c.get("daemon_cpu_s", 0.0) for c in costs)
+    daemons = sum(c.get("daemon_cpu_s", 0.0) for c in costs)
+    switches = sum(c.get("rank_csw", 0.0) + c.get("daemon_csw", 0.0) for c in costs)
+    return {"cpu_us_per_op": cpu / iters * 1e6, "daemon_cpu_us_per_op": daemons / iters * 1e6,
+            "csw_per_op_per_process": switches / iters / processes, "processes": processes}
 
 
 def _daemon_per_op(counted: list[dict[str, Any]], iters: int) -> dict[str, Any]:
@@ -677,6 +691,17 @@ def print_setting(name: str, data: dict[str, Any], paths: list[str], sizes: list
     for size in sizes:
         line = f"{human(size):>9} {_fmt(bound, 'bw'):>{w}}"
         line += "".join(f"{_fmt(results.get(p, {}).get(size, {}).get('busbw_gbps'), 'bw'):>{cw[p]}}" for p in paths)
+        print(line)
+    print("\nCPU per op (us) summed over every process of the job (ranks and daemons; in brackets the daemons'), "
+          "and context switches per op per process")
+    print(f"{'size':>9} " + "".join(f"{p:>{cw[p] + 12}}" for p in paths))
+    for size in sizes:
+        line = f"{human(size):>9} "
+        for p in paths:
+            cost = results.get(p, {}).get(size, {}).get("cost")
+            cell = (f"{cost['cpu_us_per_op']:.0f} [{cost['daemon_cpu_us_per_op']:.0f}] "
+                    f"{cost['csw_per_op_per_process']:.1f}") if cost else "-"
+            line += f"{cell:>{cw[p] + 12}}"
         print(line)
     lane_paths = [p for p in COMMD_PATHS if p in paths]
     others = [p for p in DIRECT_PATHS if p in paths]

@@ -136,7 +136,8 @@ def _two_nodes(cluster: Any, ring: str, what: str, repeat: int = 1) -> dict[int,
     c = cluster(2, 1, op_timeout=TIMEOUT_S)
     results = c.join(c.start_workers(two_node_main, free_port(), ring, what, repeat), timeout=RUN_LIMIT_S)
     out = {r: json.loads(value) for r, value in results.items()}
-    out[0]["paths"] = [c.status(node)["fabric"]["paths"] for node in (0, 1)]
+    if isinstance(out[0], dict):
+        out[0]["paths"] = [c.status(node)["fabric"]["paths"] for node in (0, 1)]
     return out
 
 

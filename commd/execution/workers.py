@@ -66,6 +66,10 @@ class WorkerPool:
         """Ops queued or running on threads, over every key."""
         return sum(self._busy.values())
 
+    def key_busy(self, key: str) -> bool:
+        """True if an op is queued or running on ``key``'s thread."""
+        return bool(self._busy.get(key))
+
     def group_done(self, group: str) -> bool:
         """True if every op submitted for ``group`` has finished."""
         tail = self._group_tail.get(group)

@@ -84,6 +84,7 @@ class Collectives:
         #: Ops that follow a published schedule run without a report (fabric/scheduled.py).
         self.scheduled = ScheduledPath(node, fabric, stats, runner, send_up, self.neg_cache, self._negotiate,
                                        runner.peer_timeout)
+        self.scheduled.solo_inline_bytes = SOLO_INLINE_BYTES
 
     # ---- report -----------------------------------------------------------------
     def negotiate(self, op: ReadyOp, placement: GroupPlacement) -> None:

@@ -28,6 +28,7 @@ ARCHITECTURE.md (one global order on every lane of every node) holds unchanged.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Callable
@@ -36,8 +37,10 @@ from typing import TYPE_CHECKING, Any
 from commd.algorithms.catalog import Chosen
 from commd.core.ops import ReadyOp
 from commd.execution.hierarchy import GroupPlacement, run
+from commd.execution.workers import worker_key
 from commd.lanes.base import LaneError
 from commd.protocol import fabric as wire
+from commd.protocol import schema as s
 
 if TYPE_CHECKING:
     from commd.fabric.rendezvous import Fabric
@@ -54,6 +57,8 @@ DEVIATED = "schedule_deviated"
 LANE = "tcp"
 #: Never run on the event loop: a scheduled op waits in its agreement for the other nodes.
 NEVER_INLINE = -1
+#: The worker that runs the schedule's slots (the tcp lane's, CPU ops).
+WORKER_KEY = worker_key(LANE, False)
 
 Entry = tuple[ReadyOp, GroupPlacement, tuple]
 
@@ -79,6 +84,8 @@ class ScheduledPath:
         self.cache = cache  # pattern key -> cache id (the releases' ids, kept by Collectives)
         self.renegotiate = renegotiate
         self.peer_timeout = peer_timeout
+        #: The most bytes a slot runs on the event loop when its peer is already waiting (set by Collectives).
+        self.solo_inline_bytes = NEVER_INLINE
         self.schedule: wire.Schedule | None = None
         self.active = False  # taking the group's ready ops
         self.stopping = False  # no more slots released here; ends once the queued ones are back
@@ -92,6 +99,11 @@ class ScheduledPath:
         #: schedule because one of them waited its timeout (a late rank elsewhere).
         self.waiting: dict[int, tuple[float, float]] = {}
         self.asked_stop = False
+        #: Slots released here and not yet started (each starts after the one before it).
+        self._queued: collections.deque[tuple] = collections.deque()
+        #: A 2-node slot whose part was sent, waiting on the event loop for the peer's: (slot, deadline,
+        #: give up).  Later slots wait in ``_queued`` meanwhile: the lane's stream is between two halves.
+        self._armed: tuple[int, float, Callable[[str], None]] | None = None
 
     # ---- start and end -------------------------------------------------------------
     def start(self, schedule: wire.Schedule, reported: list[Entry], others_waiting: bool) -> None:
@@ -125,7 +137,11 @@ class ScheduledPath:
     def tick(self, now: float) -> None:
         """An op that waited its timeout in its slot's agreement: some rank elsewhere is late.  Ask
         the coordinator to end the schedule; the op then goes back to negotiation with the time it
-        waited, where it times out (naming the late ranks) or meets them, as if it had never left."""
+        waited, where it times out (naming the late ranks) or meets them, as if it had never left.
+        A split agreement whose peer never answered within its deadline gives up (a lane timeout)."""
+        armed = self._armed
+        if armed is not None and now >= armed[1]:
+            armed[2]("the other node never sent its part of the schedule's agreement")
         if not self.active or self.asked_stop or self.schedule is None:
             return
         if any(now - since >= timeout for since, timeout in self.waiting.values()):
@@ -168,7 +184,20 @@ class ScheduledPath:
 
     def _release(self, index: int, op: ReadyOp | None, placement: GroupPlacement | None, stamp: int,
                  slot: wire.ScheduleSlot | None = None) -> None:
-        """Queue slot ``index`` on the tcp lane's worker: agree, then run ``op`` (None: agree only)."""
+        """Slot ``index``: agree, then run ``op`` (None: agree only), after every earlier slot."""
+        self.inflight += 1
+        if op is not None:
+            self.waiting[index] = (op.ready_at, max(x.timeout for x in op.subs))
+        self._queued.append((index, op, placement, stamp, slot))
+        self._launch_queued()
+
+    def _launch_queued(self) -> None:
+        """Start the queued slots in order; a split agreement holds the lane until its peer answers."""
+        while self._queued and self._armed is None:
+            self._launch(*self._queued.popleft())
+
+    def _launch(self, index: int, op: ReadyOp | None, placement: GroupPlacement | None, stamp: int,
+                slot: wire.ScheduleSlot | None) -> None:
         sched = self.schedule
         assert sched is not None
         order = sched.order + index
@@ -189,24 +218,27 @@ class ScheduledPath:
         # -1 once the schedule is stopped (``tick``), well before
         agree_timeout = timeout + self.peer_timeout
         resolve = self.runner.resolver()
+        peer = (nodes[0] if nodes[1] == self.fabric.node_rank else nodes[1]) if len(nodes) == 2 else None
 
-        def work(cap: float) -> None:
+        def agreed(cap: float, accept: bool) -> None:
+            """The agreement (or, after ``lane.offer``, its second half), then the op."""
             if self.ended_at is not None and index >= self.ended_at:
                 raise ScheduleDeviated()
             try:
-                agreed = lane.agree(nodes, (order, stamp), min(agree_timeout, cap))
+                if accept:
+                    assert peer is not None
+                    same = lane.accept(peer, (order, stamp), min(agree_timeout, cap))
+                else:
+                    same = lane.agree(nodes, (order, stamp), min(agree_timeout, cap))
             except LaneError:
                 self._ended(index)
                 raise
-            if not agreed or stamp < 0 or op is None or placement is None:
+            if not same or stamp < 0 or op is None or placement is None:
                 self._ended(index)
                 raise ScheduleDeviated()
             if tracer.on:
                 tracer.mark(op, "agreed")
             run(op, placement, lane, resolve, min(timeout, cap), program)
-
-        if op is not None:
-            work = tracer.wrap((op,), work)
 
         def done(error: str | None, code: str) -> None:
             self.inflight -= 1
@@ -220,12 +252,54 @@ class ScheduledPath:
                 self.runner.done(op, error, code)
             self._maybe_end()
 
-        self.inflight += 1
-        if op is not None:
-            self.waiting[index] = (op.ready_at, timeout)
-        run_now = self.runner.enqueue(LANE, False, sched.group, work, done, op.nbytes if op is not None else 0,
-                                      NEVER_INLINE)
-        assert run_now is None  # (NEVER_INLINE)
+        def enqueue(accept: bool, inline_bytes: int) -> None:
+            def work(cap: float) -> None:
+                agreed(cap, accept)
+
+            run_now = self.runner.enqueue(LANE, False, sched.group, tracer.wrap((op,), work) if op else work, done,
+                                          op.nbytes if op is not None else 0, inline_bytes)
+            if run_now is not None:
+                run_now()
+
+        workers = self.runner.workers
+        if peer is None or workers.key_busy(WORKER_KEY) or not workers.group_done(sched.group):
+            enqueue(False, NEVER_INLINE)  # on the worker, in its order
+            return
+        if lane.peer_waiting(peer):
+            enqueue(False, self.solo_inline_bytes)  # the peer's part is here: nothing to wait for
+            return
+        fd = lane.peer_fileno(peer)
+        if fd is None or (self.ended_at is not None and index >= self.ended_at):
+            enqueue(False, NEVER_INLINE)
+            return
+        # Two nodes, the lane idle, the peer not there yet: send this node's part now, and run the
+        # rest on the event loop when the peer's part arrives (no thread, no blocked loop).
+        try:
+            lane.offer(peer, (order, stamp), agree_timeout)
+        except LaneError as exc:
+            self._ended(index)
+            done(str(exc), exc.code)
+            return
+        loop = workers.loop
+
+        def answered() -> None:
+            if self._armed is None or self._armed[0] != index:
+                return
+            loop.remove_reader(fd)
+            self._armed = None
+            enqueue(True, self.solo_inline_bytes)
+            self._launch_queued()
+
+        def give_up(why: str) -> None:
+            loop.remove_reader(fd)
+            self._armed = None
+            self._ended(index)
+            lane.abandon(peer, why)
+            done(f"tcp agree with node {peer}: {why}", s.E_TIMEOUT)
+            self._launch_queued()
+
+        self._armed = (index, time.monotonic() + agree_timeout, give_up)
+        loop.add_reader(fd, answered)
 
     def _ended(self, index: int) -> None:
         """On the lane worker: slot ``index`` did not agree; no later slot runs."""

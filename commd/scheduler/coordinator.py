@@ -90,6 +90,7 @@ class Pending:
     group: str
     seq: int
     nodes: tuple[int, ...]
+    members: frozenset[int] = frozenset()  # the nodes, for membership tests (a tuple scan per report is O(N))
     entries: dict[int, OpPattern] = field(default_factory=dict)  # node -> its full report
     cids: dict[int, int] = field(default_factory=dict)  # node -> cache id it sent
     data: dict[int, bytes] = field(default_factory=dict)  # node -> its contribution (tiny all-reduces)
@@ -263,7 +264,7 @@ class Coordinator:
                 continue
             if pending is None:
                 nodes = tuple(entry.nodes)
-                pending = self.pending[key] = Pending(key[0], key[1], nodes, timeout=entry.timeout,
+                pending = self.pending[key] = Pending(key[0], key[1], nodes, frozenset(nodes), timeout=entry.timeout,
                                                       first_at=time.monotonic() - item.waited)
                 dead = [n for n in nodes if n in self.dead]
                 if dead:
@@ -283,7 +284,7 @@ class Coordinator:
             if item.no_fusion:
                 pending.no_fusion = True
             pending.timeout = min(pending.timeout, entry.timeout)
-            if node not in pending.nodes:
+            if node not in pending.members:
                 self._complete_mismatch(pending, out, extra=[node])
                 continue
             if node == HOME_NODE and len(pending.entries) == 1:

@@ -116,6 +116,25 @@ def _codec_takes(what: str, codec: Codec, dtype: str) -> None:
         raise LaneError(f"tcp {what}: {exc}") from None
 
 
+def _packed(values: tuple[int, ...]) -> memoryview:
+    """An agreement's bytes: each value and its negation, as int64 (the maximum of both is the
+    maximum and the minus minimum)."""
+    packed = memoryview(bytearray(16 * len(values))).cast("q")
+    for i, value in enumerate(values):
+        packed[2 * i], packed[2 * i + 1] = value, -value
+    return packed
+
+
+def _send_only(ex: Exchange, peer: int, packed: memoryview) -> None:
+    ex.post_send(peer, packed.cast("B"))
+    ex.wait()
+
+
+def _recv_only(ex: Exchange, peer: int, theirs: memoryview) -> None:
+    ex.post_recv(peer, theirs.cast("B"))
+    ex.wait()
+
+
 class TcpLane:
     """commd's own inter-node lane: point-to-point TCP between the job's daemons.
 
@@ -529,6 +548,37 @@ class TcpLane:
             return
         self._run("barrier", "barrier", nodes, timeout, lambda ex: algorithms.dissemination_barrier(ex, nodes, me))
 
+    def peer_waiting(self, peer: int) -> bool:
+        """True if ``peer`` has already sent this node bytes that no call has read: with nothing
+        else outstanding between the two, it has entered the next call they share.  The schedule
+        path runs a 2-node slot on the event loop then (its agreement will not wait); a peek, safe
+        only while no call runs on this lane."""
+        return self._connected and not self._closed and self._mesh.readable(peer)
+
+    def peer_fileno(self, peer: int) -> int | None:
+        """The socket of ``peer``'s stream, for an event loop to watch while a split agreement waits."""
+        found = self._mesh.peers.get(peer)
+        return found.sock.fileno() if found is not None and found.sock is not None else None
+
+    def offer(self, peer: int, values: tuple[int, ...], timeout: float) -> None:
+        """The first half of a two-node ``agree``: send this node's values and return at once (the
+        bytes a full ``agree`` sends, so the peer may run either half or the whole)."""
+        nodes, _ = self._check_nodes("agree", (self.node_rank, peer) if peer > self.node_rank else (peer, self.node_rank))
+        packed = _packed(values)
+        self._run(f"agree({len(values)} values)", "agree", nodes, timeout, lambda ex: _send_only(ex, peer, packed))
+
+    def accept(self, peer: int, values: tuple[int, ...], timeout: float) -> bool:
+        """The second half: read the peer's values (sent by its ``offer`` or ``agree``) and compare."""
+        nodes, _ = self._check_nodes("agree", (self.node_rank, peer) if peer > self.node_rank else (peer, self.node_rank))
+        theirs = memoryview(bytearray(16 * len(values))).cast("q")
+        self._run(f"agree({len(values)} values)", "agree", nodes, timeout, lambda ex: _recv_only(ex, peer, theirs))
+        return all(theirs[2 * i] == value and theirs[2 * i + 1] == -value for i, value in enumerate(values))
+
+    def abandon(self, peer: int, why: str) -> None:
+        """A split agreement gives up (its peer never answered): the stream is out of step from now on."""
+        with self._op_lock:
+            self._mesh.break_peers([peer], LaneError(f"tcp lane: {why}", "timeout"))
+
     def agree(self, nodes: tuple[int, ...], values: tuple[int, ...], timeout: float) -> bool:
         """True if every node of ``nodes`` called this with the same ``values`` (ints), else False.
 
@@ -537,9 +587,7 @@ class TcpLane:
         node, so every node draws the same conclusion; a disagreement moves the same bytes as an
         agreement, so the streams stay in step either way."""
         nodes, me = self._check_nodes("agree", nodes)
-        packed = memoryview(bytearray(16 * len(values))).cast("q")
-        for i, value in enumerate(values):
-            packed[2 * i], packed[2 * i + 1] = value, -value
+        packed = _packed(values)
         if len(nodes) > 1:
             self._run(f"agree({len(values)} values)", "agree", nodes, timeout,
                       lambda ex: algorithms.dissemination_max(ex, nodes, me, packed))

@@ -98,6 +98,18 @@ class Mesh:
     def add(self, rank: int, sock: socket.socket) -> None:
         self.peers[rank] = Peer(rank, sock)
 
+    def readable(self, rank: int) -> bool:
+        """True if bytes from ``rank`` wait in the socket, unread (a peek: nothing is consumed)."""
+        peer = self.peers.get(rank)
+        if peer is None or peer.sock is None or peer.recvq:
+            return False
+        try:
+            return bool(peer.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return False
+
     # ---- posting ------------------------------------------------------------------------
     def send(self, rank: int, view: memoryview, kind: int, on_done: Done | None = None) -> None:
         """Queue ``view`` for ``rank`` (after everything queued before it); ``on_done`` when all is out."""
