@@ -556,3 +556,27 @@ def late_on_schedule(ctx: Any, warm: int, late_s: float) -> dict[str, Any]:
     for i in range(warm):
         step(100 + i)
     return {"message": message, "waited": waited, "counters": _fabric_counters(ctx)}
+
+
+def fault_on_schedule(ctx: Any, warm: int) -> str:
+    """A repeating all-reduce goes onto the schedule; then the test kills node 1's daemon or one of
+    its ranks while node 0's ranks wait in the next op: they get an error naming what died, not a hang."""
+    from commd.client.errors import CommdError
+
+    client = ctx.connect()
+    t = torch.ones(64)
+    for _ in range(warm):
+        t.fill_(1.0)
+        ops.all_reduce(client, t).wait(60)
+    counters = _fabric_counters(ctx)
+    ctx.event("warm", counters["paths"])
+    if ctx.rank >= ctx.world_size // 2:
+        ctx.command()  # node 1's ranks wait here until killed
+        return "unreachable"
+    handle = ops.all_reduce(client, t, timeout=60)
+    ctx.event("submitted")
+    try:
+        handle.wait(90)
+        return "no error"
+    except CommdError as exc:
+        return f"{type(exc).__name__}: {exc}"

@@ -104,6 +104,8 @@ CASES: list[tuple[Any, dict[str, Any], dict[str, Any]]] = [
       "sl": [[5, "tcp", None, None, None], [6, "tcp", "ring", "a" * 64, None], [7, "tcp", None, None, "blosc-lz4"]]},
      TO_MEMBER),
     (StopSchedule(3), {"t": "sched_stop", "e": 3}, TO_MEMBER),
+    (StopSchedule(4), {"t": "sched_stop", "e": 4}, TO_COORDINATOR),
+    (Ready("g", 3, None, 7, None, False, 1.25), {"t": "ready", "g": "g", "s": 3, "c": 7, "w": 1.25}, TO_COORDINATOR),
     (ScheduleEnded(3, 52), {"t": "sched_end", "e": 3, "o": 52}, TO_COORDINATOR),
     (RemoteSend(SEND, sender_node=0),
      {"t": "remote_send", "key": 9, "dn": 1, "g": "pp", "src": 0, "dst": 3, "tag": 7, "dtype": "bfloat16",

@@ -297,6 +297,12 @@ def test_a_frozen_daemon_says_it_was_not_scheduled(cluster: Any) -> None:
         wait_until(lambda: not c.status(0)["fabric"]["nodes"][1]["alive"], 60, "node 0 to declare node 1 dead")
     finally:
         os.kill(frozen, signal.SIGCONT)
+        resumed = time.monotonic()
+    # the coordinator told node 1 it was given up; node 1 reads that as soon as it runs again
+    wait_until(lambda: c.status(1)["fabric"]["broken"] is not None, 10, "node 1 to learn it was declared dead")
+    learnt = time.monotonic() - resumed
+    assert learnt < 1.0 + 0.5, f"node 1 learnt it was declared dead {learnt:.2f}s after it resumed"  # (+ the query)
+    assert "declared this node dead" in c.status(1)["fabric"]["broken"]
     for w in workers:
         for rank in w.procs:
             w.send(rank, "go")

@@ -8,7 +8,10 @@ side of a schedule (publish, stale reports, what waits for the end).
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import time
 
 import fabric_workers as fw
 import pytest
@@ -185,3 +188,26 @@ def test_a_late_rank_on_the_schedule_times_out_as_on_negotiation(cluster) -> Non
             assert paths["fallback"] >= 1, value
         assert paths["scheduled"] > 0, value
     assert "asks to end schedule" in c.logs()
+
+
+@pytest.mark.parametrize("victim", ["daemon", "rank"])
+def test_a_death_on_the_schedule_fails_the_waiting_ranks_in_bounded_time(cluster, victim: str) -> None:
+    """Node 0's ranks wait in a scheduled op when node 1's daemon, or one of its ranks, is SIGKILLed:
+    they raise an error naming what died, well within the peer timeout plus the op timeout."""
+    c = cluster(peer_timeout=2.0, op_timeout=30.0)
+    workers = c.start_workers(fw.fault_on_schedule, 6)
+    for w in workers:
+        for rank in w.procs:
+            assert w.wait_event(rank, "warm")["scheduled"] > 0  # (on the schedule before the fault)
+    for rank in (0, 1):
+        workers[0].wait_event(rank, "submitted")
+    started = time.monotonic()
+    if victim == "daemon":
+        os.kill(c.daemon_pid(1), signal.SIGKILL)
+    else:
+        os.kill(workers[1].procs[3].pid, signal.SIGKILL)
+    results = workers[0].join(timeout=60)
+    assert time.monotonic() - started < 20, "the error took longer than the peer timeout allows"
+    for rank, text in results.items():
+        assert "PeerDied" in text, (rank, text)
+        assert ("node 1" in text or "n1" in text) if victim == "daemon" else "rank 3" in text, (rank, text)

@@ -85,6 +85,7 @@ class Collectives:
         self.scheduled = ScheduledPath(node, fabric, stats, runner, send_up, self.neg_cache, self._negotiate,
                                        runner.peer_timeout)
         self.scheduled.solo_inline_bytes = SOLO_INLINE_BYTES
+        self.scheduled.eager_bytes = EAGER_BYTES
 
     # ---- report -----------------------------------------------------------------
     def negotiate(self, op: ReadyOp, placement: GroupPlacement) -> None:

@@ -247,7 +247,10 @@ class FabricMember:
                 self.p2p.failed(m)
             elif type(m) is wire.NodeDead:
                 self.collectives.scheduled.stop()
-                self.liveness.node_dead(m.node, m.why)
+                if m.node == self.me:  # the coordinator gave this node up (it was stopped, or cut off)
+                    self.liveness.coordinator_lost(f"declared this node dead: it {m.why}{self.liveness.freeze_note()}")
+                else:
+                    self.liveness.node_dead(m.node, m.why)
             elif type(m) is wire.RankDied:
                 self.node.fail_ops_waiting_on(m.rank, m.why)
             elif type(m) is wire.CoordinatorHeartbeat:

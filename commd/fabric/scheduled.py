@@ -36,8 +36,9 @@ from typing import TYPE_CHECKING, Any
 
 from commd.algorithms.catalog import Chosen
 from commd.core.ops import ReadyOp
-from commd.execution.hierarchy import GroupPlacement, run
+from commd.execution.hierarchy import GroupPlacement, apply_result, run
 from commd.execution.workers import worker_key
+from commd.kernels import eager
 from commd.lanes.base import LaneError
 from commd.protocol import fabric as wire
 from commd.protocol import schema as s
@@ -84,8 +85,10 @@ class ScheduledPath:
         self.cache = cache  # pattern key -> cache id (the releases' ids, kept by Collectives)
         self.renegotiate = renegotiate
         self.peer_timeout = peer_timeout
-        #: The most bytes a slot runs on the event loop when its peer is already waiting (set by Collectives).
+        #: The most bytes a slot runs on the event loop when its peer is already waiting, and the largest
+        #: all-reduce whose contribution rides a 2-node agreement (both set by Collectives).
         self.solo_inline_bytes = NEVER_INLINE
+        self.eager_bytes = 0
         self.schedule: wire.Schedule | None = None
         self.active = False  # taking the group's ready ops
         self.stopping = False  # no more slots released here; ends once the queued ones are back
@@ -104,6 +107,9 @@ class ScheduledPath:
         #: A 2-node slot whose part was sent, waiting on the event loop for the peer's: (slot, deadline,
         #: give up).  Later slots wait in ``_queued`` meanwhile: the lane's stream is between two halves.
         self._armed: tuple[int, float, Callable[[str], None]] | None = None
+        #: How the slots ran: on the lane's worker, on the event loop at once (the peer's part was
+        #: there), or split (this node's part sent, the rest on the loop when the peer's came).
+        self.modes = {"worker": 0, "inline": 0, "split": 0}
 
     # ---- start and end -------------------------------------------------------------
     def start(self, schedule: wire.Schedule, reported: list[Entry], others_waiting: bool) -> None:
@@ -220,16 +226,32 @@ class ScheduledPath:
         resolve = self.runner.resolver()
         peer = (nodes[0] if nodes[1] == self.fabric.node_rank else nodes[1]) if len(nodes) == 2 else None
 
-        def agreed(cap: float, accept: bool) -> None:
-            """The agreement (or, after ``lane.offer``, its second half), then the op."""
+        tiny = (op is not None and stamp >= 0 and peer is not None and op.kind == "allreduce" and not op.on_gpu
+                and 0 < op.nbytes <= self.eager_bytes)
+        offered: list[bytes] = []  # this node's payload, once its part of a 2-node agreement is sent
+
+        def offer(cap: float) -> None:
+            """Send this node's part of a 2-node agreement: the values, and a tiny all-reduce's
+            contribution (read now: every earlier op of the group is done)."""
+            assert peer is not None
+            payload = self._contribution(op) if tiny and op is not None else b""
+            lane.offer(peer, (order, stamp), min(agree_timeout, cap), payload)
+            offered.append(payload)
+
+        def agreed(cap: float) -> None:
+            """The agreement (its second half, when this node's part went out already), then the op:
+            on 2 nodes a tiny all-reduce is done then (both contributions combined in node order,
+            the bits the coordinator's release would carry)."""
             if self.ended_at is not None and index >= self.ended_at:
                 raise ScheduleDeviated()
+            theirs = b""
             try:
-                if accept:
-                    assert peer is not None
-                    same = lane.accept(peer, (order, stamp), min(agree_timeout, cap))
-                else:
+                if peer is None:
                     same = lane.agree(nodes, (order, stamp), min(agree_timeout, cap))
+                else:
+                    if not offered:
+                        offer(cap)
+                    same, theirs = lane.accept(peer, (order, stamp), min(agree_timeout, cap))
             except LaneError:
                 self._ended(index)
                 raise
@@ -238,6 +260,14 @@ class ScheduledPath:
                 raise ScheduleDeviated()
             if tracer.on:
                 tracer.mark(op, "agreed")
+            mine = offered[0] if offered else b""
+            if tiny and len(theirs) == len(mine) == op.nbytes:
+                first = op.subs[0]
+                parts = [mine, theirs] if self.fabric.node_rank < peer else [theirs, mine]  # type: ignore[operator]
+                result = eager.combine(parts, first.dtype, first.reduce_op)
+                apply_result(op, placement, result,
+                             self.runner.resolver(as_array=eager.on_numpy(first.dtype, first.reduce_op)))
+                return
             run(op, placement, lane, resolve, min(timeout, cap), program)
 
         def done(error: str | None, code: str) -> None:
@@ -252,9 +282,9 @@ class ScheduledPath:
                 self.runner.done(op, error, code)
             self._maybe_end()
 
-        def enqueue(accept: bool, inline_bytes: int) -> None:
+        def enqueue(inline_bytes: int) -> None:
             def work(cap: float) -> None:
-                agreed(cap, accept)
+                agreed(cap)
 
             run_now = self.runner.enqueue(LANE, False, sched.group, tracer.wrap((op,), work) if op else work, done,
                                           op.nbytes if op is not None else 0, inline_bytes)
@@ -263,19 +293,23 @@ class ScheduledPath:
 
         workers = self.runner.workers
         if peer is None or workers.key_busy(WORKER_KEY) or not workers.group_done(sched.group):
-            enqueue(False, NEVER_INLINE)  # on the worker, in its order
+            self.modes["worker"] += 1
+            enqueue(NEVER_INLINE)  # on the worker, in its order
             return
         if lane.peer_waiting(peer):
-            enqueue(False, self.solo_inline_bytes)  # the peer's part is here: nothing to wait for
+            self.modes["inline"] += 1
+            enqueue(self.solo_inline_bytes)  # the peer's part is here: nothing to wait for
             return
         fd = lane.peer_fileno(peer)
         if fd is None or (self.ended_at is not None and index >= self.ended_at):
-            enqueue(False, NEVER_INLINE)
+            self.modes["worker"] += 1
+            enqueue(NEVER_INLINE)
             return
+        self.modes["split"] += 1
         # Two nodes, the lane idle, the peer not there yet: send this node's part now, and run the
         # rest on the event loop when the peer's part arrives (no thread, no blocked loop).
         try:
-            lane.offer(peer, (order, stamp), agree_timeout)
+            offer(float("inf"))
         except LaneError as exc:
             self._ended(index)
             done(str(exc), exc.code)
@@ -287,7 +321,7 @@ class ScheduledPath:
                 return
             loop.remove_reader(fd)
             self._armed = None
-            enqueue(True, self.solo_inline_bytes)
+            enqueue(self.solo_inline_bytes)
             self._launch_queued()
 
         def give_up(why: str) -> None:
@@ -300,6 +334,12 @@ class ScheduledPath:
 
         self._armed = (index, time.monotonic() + agree_timeout, give_up)
         loop.add_reader(fd, answered)
+
+    def _contribution(self, op: ReadyOp) -> bytes:
+        """This node's ranks of a tiny all-reduce reduced locally (``kernels.eager``), as bytes."""
+        first = op.subs[0]
+        resolve = self.runner.resolver(as_array=eager.on_numpy(first.dtype, first.reduce_op))
+        return eager.contribution([resolve(x, "buf") for x in op.subs], first.reduce_op, first.scale)
 
     def _ended(self, index: int) -> None:
         """On the lane worker: slot ``index`` did not agree; no later slot runs."""
@@ -331,4 +371,4 @@ class ScheduledPath:
         if sched is None:
             return None
         return {"epoch": sched.epoch, "group": sched.group, "slots": len(sched.slots), "active": self.active,
-                "next_slot": self.next_slot, "ended_at_slot": self.ended_at}
+                "next_slot": self.next_slot, "ended_at_slot": self.ended_at, "slots_run": dict(self.modes)}

@@ -204,6 +204,7 @@ class Coordinator:
         # cache id -> (each node's pattern, lane, (fusion key, bytes) or None)
         self.cache: dict[int, tuple[dict[int, OpPattern], str, tuple[tuple, int] | None]] = {}
         self.dead: dict[int, str] = {}  # node -> why
+        self.dead_ranks: dict[int, tuple[int, str]] = {}  # global rank -> (its node, why): later ops fail at once
         self.p2p: dict[tuple[int, int], tuple[int, int, P2pSend]] = {}  # key -> (src node, dst node, send)
         self.partial: dict[int, dict[tuple[str, int], list[int]]] = {}  # node -> (g, s) -> missing global ranks
         #: (group, seq) -> (code, message) of ops that timed out: a late node's report fails on arrival,
@@ -271,6 +272,13 @@ class Coordinator:
                     self._fail(pending, out, s.E_PEER_DIED,
                                f"{entry.kind} #{key[1]} on group '{key[0]}' cannot run: {self.node(dead[0])} "
                                f"{self.dead[dead[0]]}", extra=[node])
+                    continue
+                gone = [r for r in entry.ranks if r in self.dead_ranks] if self.dead_ranks else []
+                if gone:  # (an op a schedule handed back after one of its ranks died)
+                    where, why = self.dead_ranks[gone[0]]
+                    self._fail(pending, out, s.E_PEER_DIED,
+                               f"{entry.kind} #{key[1]} on group '{key[0]}' cannot run: rank {gone[0]} (on "
+                               f"{self.node(where)}) {why}", extra=[node])
                     continue
             if node in pending.entries:
                 out.add(node, Fail(key[0], key[1], s.E_PROTOCOL,
@@ -594,10 +602,14 @@ class Coordinator:
         for other in range(self.nnodes):
             if other != node and other not in self.dead:
                 out.add(other, NodeDead(node, why))
+        # and the node itself, if it can still hear: a daemon that was only stopped reads this the moment
+        # it runs again, instead of waiting out a peer timeout of the coordinator's silence
+        out.add(node, NodeDead(node, why))
 
     def rank_died(self, node: int, rank: int, why: str, out: Outbox) -> None:
         self._stop_schedule(out)
         self.cycles.reset()
+        self.dead_ranks[rank] = (node, why)
         for pending in list(self.pending.values()):
             first = next(iter(pending.entries.values()), None)
             if first is not None and rank in first.ranks:

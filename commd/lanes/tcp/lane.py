@@ -125,14 +125,27 @@ def _packed(values: tuple[int, ...]) -> memoryview:
     return packed
 
 
-def _send_only(ex: Exchange, peer: int, packed: memoryview) -> None:
+def _send_only(ex: Exchange, peer: int, packed: memoryview, payload: bytes) -> None:
     ex.post_send(peer, packed.cast("B"))
+    ex.post_send(peer, memoryview(payload))
     ex.wait()
 
 
-def _recv_only(ex: Exchange, peer: int, theirs: memoryview) -> None:
+def _recv_only(ex: Exchange, peer: int, theirs: memoryview) -> bytes:
+    """The peer's values, then its payload, whose length is the last value (checked: at most 16 MiB)."""
     ex.post_recv(peer, theirs.cast("B"))
     ex.wait()
+    length = theirs[-2]
+    if not 0 <= length <= MAX_AGREE_PAYLOAD or theirs[-1] != -length:
+        raise TransportError(peer, "protocol", f"node {peer} sent an agreement with a payload of {length} bytes")
+    payload = bytearray(length)
+    ex.post_recv(peer, memoryview(payload))
+    ex.wait()
+    return bytes(payload)
+
+
+#: The largest payload a two-node agreement carries (a tiny all-reduce's contribution, 4 KiB, in practice).
+MAX_AGREE_PAYLOAD = 16 << 20
 
 
 class TcpLane:
@@ -560,19 +573,26 @@ class TcpLane:
         found = self._mesh.peers.get(peer)
         return found.sock.fileno() if found is not None and found.sock is not None else None
 
-    def offer(self, peer: int, values: tuple[int, ...], timeout: float) -> None:
-        """The first half of a two-node ``agree``: send this node's values and return at once (the
-        bytes a full ``agree`` sends, so the peer may run either half or the whole)."""
-        nodes, _ = self._check_nodes("agree", (self.node_rank, peer) if peer > self.node_rank else (peer, self.node_rank))
-        packed = _packed(values)
-        self._run(f"agree({len(values)} values)", "agree", nodes, timeout, lambda ex: _send_only(ex, peer, packed))
+    def offer(self, peer: int, values: tuple[int, ...], timeout: float, payload: bytes = b"") -> None:
+        """A two-node agreement's first half: send this node's values, then ``payload`` (its length
+        rides with the values, so the peer reads it whatever it expected), and return at once."""
+        nodes = (min(peer, self.node_rank), max(peer, self.node_rank))
+        self._check_nodes("agree", nodes)
+        packed = _packed((*values, len(payload)))
+        self._run(f"agree({len(values)} values)", "agree", nodes, timeout,
+                  lambda ex: _send_only(ex, peer, packed, payload))
 
-    def accept(self, peer: int, values: tuple[int, ...], timeout: float) -> bool:
-        """The second half: read the peer's values (sent by its ``offer`` or ``agree``) and compare."""
-        nodes, _ = self._check_nodes("agree", (self.node_rank, peer) if peer > self.node_rank else (peer, self.node_rank))
-        theirs = memoryview(bytearray(16 * len(values))).cast("q")
-        self._run(f"agree({len(values)} values)", "agree", nodes, timeout, lambda ex: _recv_only(ex, peer, theirs))
-        return all(theirs[2 * i] == value and theirs[2 * i + 1] == -value for i, value in enumerate(values))
+    def accept(self, peer: int, values: tuple[int, ...], timeout: float) -> tuple[bool, bytes]:
+        """The second half: read the peer's values and payload (sent by its ``offer``); whether its
+        values are this node's, and its payload."""
+        nodes = (min(peer, self.node_rank), max(peer, self.node_rank))
+        self._check_nodes("agree", nodes)
+        theirs = memoryview(bytearray(16 * (len(values) + 1))).cast("q")
+        box: list[bytes] = []
+        self._run(f"agree({len(values)} values)", "agree", nodes, timeout,
+                  lambda ex: box.append(_recv_only(ex, peer, theirs)))
+        same = all(theirs[2 * i] == value and theirs[2 * i + 1] == -value for i, value in enumerate(values))
+        return same, box[0]
 
     def abandon(self, peer: int, why: str) -> None:
         """A split agreement gives up (its peer never answered): the stream is out of step from now on."""
