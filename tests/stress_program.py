@@ -5,7 +5,8 @@ kind on random groups (world and random subsets spanning random nodes), with
 random sizes, dtypes, roots, lanes and (for tcp-lane all-reduces) library programs.  Each rank submits its ops
 asynchronously in program order, sleeping at random points (its own seeded
 stream, so ranks drift apart), then waits on its handles in a random order
-and checks every result against a NumPy reference it computes itself.
+and checks every result against a NumPy reference it computes itself.  Every program ends with a
+loop that repeats, then deviates, then repeats again: the fabric's schedule path in the mix.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class Op:
     codec: str | None = None  # a broadcast's codec (groups within one node ignore it)
     arena: bool = False  # the buffer lives in the client's arena (zero copy) rather than being copied
     twice: bool = False  # all-reduce the same buffer twice in a row (program order across a fused set)
+    drain: bool = False  # wait for every op submitted before this one first (a loop starts after them)
 
 
 def make_groups(seed: int, world: int) -> dict[str, list[int]]:
@@ -100,9 +102,31 @@ def make_program(seed: int, world: int, lanes: list[str], length: int) -> tuple[
                            reduce_op=op.reduce_op, arena=rng.random() < 0.5, twice=rng.random() < 0.25,
                            algo=op.algo)
                 program.append(small)
+    program += _loop(random.Random(seed * 15485863 + 11), groups["world"])
     for index, op in enumerate(program):
         op.index = index
     return groups, program
+
+
+def _loop(rng: random.Random, world: list[int]) -> list[Op]:
+    """The program's tail: a training loop's step (a few all-reduces and broadcasts on the world
+    group) repeated, so that the fabric's schedule path takes it (fabric/scheduled.py), with one
+    step that deviates mid-stream (another size) and the loop again after it.  Its own random
+    stream: the ops before it stay what each seed always made."""
+    # (all-reduces past the fusion threshold: a burst of small ones is fused, and fused sets never
+    # form a schedule; broadcasts of any size)
+    step = []
+    for _ in range(rng.randint(1, 3)):
+        kind = rng.choice(["allreduce", "broadcast"])
+        n = 20_000 if kind == "allreduce" else rng.choice([1, 17, 1000, 20_000])
+        step.append((kind, n, rng.choice(DTYPES), rng.randrange(len(world)), rng.choice([None, "tcp"])))
+    deviate_at = rng.randint(4, 6)
+    ops_: list[Op] = []
+    for repeat in range(14):
+        for k, (kind, n, dtype, root, lane) in enumerate(step):
+            size = n + 1 if repeat == deviate_at and k == len(step) - 1 else n
+            ops_.append(Op(0, kind, "world", world, size, dtype, lane, root=root, drain=not ops_))
+    return ops_
 
 
 def _data(op: Op, grank: int, n: int) -> np.ndarray:
@@ -181,6 +205,18 @@ def _submit(client: Any, op: Op, me: int) -> tuple[Any, Any, np.ndarray | None]:
     return None, None, None
 
 
+def _check_done(op: Op, handle: Any, out: Any, want: np.ndarray | None, seed: int) -> None:
+    """Wait for one op and check its result against NumPy."""
+    handle.wait(180)
+    if want is not None:
+        got = out.numpy()
+        if got.shape != want.shape or not np.array_equal(got, want):
+            raise AssertionError(
+                f"seed {seed} op {op.index} {op.kind} on {op.group} lane {op.lane} algo {op.algo} codec {op.codec} "
+                f"n={op.n}: got {got[:6]} want {want[:6]}"
+            )
+
+
 def run_programs(ctx: Any, seeds: list[int], lanes: list[str], length: int, max_delay_ms: float) -> list[str]:
     """Worker: run every seeded program; return one line per program."""
     lines = []
@@ -194,8 +230,15 @@ def run_programs(ctx: Any, seeds: list[int], lanes: list[str], length: int, max_
                 client.register_group(f"{name}.{seed}", members)
         rng = random.Random(seed * 1_000_003 + ctx.rank)
         pending = []
+        count = 0
         started = time.monotonic()
         for op in program:
+            if op.drain:
+                rng.shuffle(pending)
+                for done in pending:
+                    _check_done(*done, seed=seed)
+                count += len(pending)
+                pending = []
             if ctx.rank not in op.members:
                 continue
             if op.group != "world":
@@ -206,16 +249,10 @@ def run_programs(ctx: Any, seeds: list[int], lanes: list[str], length: int, max_
             if handle is not None:
                 pending.append((op, handle, out, want))
         rng.shuffle(pending)
-        for op, handle, out, want in pending:
-            handle.wait(180)
-            if want is not None:
-                got = out.numpy()
-                if got.shape != want.shape or not np.array_equal(got, want):
-                    raise AssertionError(
-                        f"seed {seed} op {op.index} {op.kind} on {op.group} lane {op.lane} algo {op.algo} codec {op.codec} n={op.n}: "
-                        f"got {got[:6]} want {want[:6]}"
-                    )
-        lines.append(f"seed {seed}: {len(pending)} ops ok in {time.monotonic() - started:.1f}s")
+        for done in pending:
+            _check_done(*done, seed=seed)
+            count += 1
+        lines.append(f"seed {seed}: {count} ops ok in {time.monotonic() - started:.1f}s")
     if client is not None:
         client.close()
     return lines

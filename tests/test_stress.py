@@ -48,6 +48,9 @@ def test_random_programs_finish_and_match_numpy(sim_hosts, tmp_path, monkeypatch
         for line in results[0]:
             print(" ", line)
         assert all(len(lines) == PROGRAMS for lines in results.values())
+        paths = [cluster.status(node)["fabric"]["paths"] for node in range(HOSTS)]
+        print(f"ops across nodes per path, node by node: {paths}")
+        assert all(p["scheduled"] > 0 for p in paths), paths  # the programs' loops ran on the schedule path
     finally:
         cluster.stop()
         print(cluster.logs(15))

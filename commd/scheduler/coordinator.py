@@ -397,8 +397,15 @@ class Coordinator:
                        and not self.schedule_active)
         slot = ScheduleSlot(cid, lane, *(algo or (None, None)), codec) if schedulable else None
         cycle = self.cycles.released(pending.group, pending.seq, slot)
-        if cycle is None or self.pending or self.p2p or not self.schedules_on:
+        if cycle is None or self.p2p or not self.schedules_on:
             return
+        # Ops of the group some nodes reported already (a burst) join the schedule: their reports are
+        # dropped and the nodes run them on it.  Not one that carries a contribution (node 0's may have
+        # gone to the other node early, which may have completed it); nor anything of another group.
+        if any(p.group != cycle.group or p.data for p in self.pending.values()):
+            return
+        for key in [k for k in self.pending if k[0] == cycle.group]:
+            del self.pending[key]
         epoch = self.schedule.epoch + 1 if self.schedule is not None else 1
         self.schedule = Schedule(epoch, cycle.group, live, self.order + 1, cycle.start_seq, list(cycle.slots))
         self.schedule_active, self.schedule_stopping = True, False
