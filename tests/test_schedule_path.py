@@ -71,14 +71,21 @@ def test_the_cycle_finder_needs_the_same_cycle_twice_in_consecutive_ops() -> Non
     assert found == [None] * 6
     cycle = finder.released("g", 6, slot(3))
     assert cycle is not None and cycle.start_seq == 7 and [s.cache_id for s in cycle.slots] == [1, 2, 3]
-    # a gap in the sequence numbers, another group or an unschedulable release starts again
-    for interrupt in (lambda f: f.released("g", 99, slot(1)), lambda f: f.released("h", 0, slot(1)),
+    # a sequence number that goes back, another group or an unschedulable release starts again (a gap
+    # does not: the group's ops on an exchange ring take numbers too)
+    for interrupt in (lambda f: f.released("g", 0, slot(1)), lambda f: f.released("h", 0, slot(1)),
                       lambda f: f.released("g", 7, None)):
         finder = CycleDetector()
         for seq in range(3):
             finder.released("g", seq, slot(1))
         interrupt(finder)
         assert finder.released("g", 100, slot(1)) is None
+    finder = CycleDetector()
+    found = [finder.released("g", 10 * seq, slot(cid)) for seq, cid in enumerate([5, 6, 5, 6])]
+    assert found[-1] is not None and found[-1].start_seq == 31  # (gaps: the ring's ops between)
+    # a cycle of one op repeats over the whole window, not just twice ([8, 8] within [7, 8, 8, 9] is none)
+    finder = CycleDetector()
+    assert not any(finder.released("g", seq, slot(cid)) for seq, cid in enumerate([7, 8, 8, 9, 7, 8, 8]))
     # one op repeated: a cycle of one once the window is long enough; a schedule that ended doubles it
     finder = CycleDetector()
     found = [finder.released("g", seq, slot(4)) for seq in range(MIN_WINDOW)]

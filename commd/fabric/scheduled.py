@@ -2,8 +2,9 @@
 
 When the coordinator has released the same cycle of op patterns of a group twice
 (``scheduler/cycles.py``), it publishes a :class:`~commd.protocol.fabric.Schedule`:
-op ``start_seq + i`` of the group takes place ``order + i`` of the global order and
-should match slot ``i % len(slots)``.  From then on each node releases those ops
+the group's i-th op from sequence number ``start_seq`` on that reaches the fabric (its
+ops on an exchange ring leave gaps, the same on every node) takes place ``order + i`` of
+the global order and should match slot ``i % len(slots)``.  From then on each node releases those ops
 itself, in that order, without a report or a release:
 
 1. the op's local ranks are ready → it is queued on the tcp lane's worker at its
@@ -93,6 +94,7 @@ class ScheduledPath:
         self.active = False  # taking the group's ready ops
         self.stopping = False  # no more slots released here; ends once the queued ones are back
         self.next_slot = 0
+        self.last_seq = -1  # the sequence number of the op in the latest slot
         #: The first slot that did not agree (written on the lane worker, which runs the slots in order).
         self.ended_at: int | None = None
         self.inflight = 0
@@ -122,6 +124,7 @@ class ScheduledPath:
         self.schedule = schedule
         self.active, self.stopping = True, False
         self.next_slot, self.ended_at, self.inflight = 0, None, 0
+        self.last_seq = schedule.start_seq - 1
         self.held, self.returned = [], []
         self.waiting, self.asked_stop = {}, False
         self.stats.schedules_started += 1
@@ -182,7 +185,10 @@ class ScheduledPath:
         index = self.next_slot
         slot = sched.slots[index % len(sched.slots)]
         cid = self.cache.get(key)
-        matches = op.seq == sched.start_seq + index and cid == slot.cache_id
+        # the group's ops that reach the fabric, in order (those an exchange ring runs leave gaps in
+        # the sequence numbers, the same on every node); the agreement compares the numbers too
+        matches = op.seq > self.last_seq and cid == slot.cache_id
+        self.last_seq = max(self.last_seq, op.seq)
         self.next_slot += 1
         if not matches:
             self.stopping = True
@@ -207,6 +213,7 @@ class ScheduledPath:
         sched = self.schedule
         assert sched is not None
         order = sched.order + index
+        seq = op.seq if op is not None else -1
         nodes = tuple(sched.nodes)
         lane = self.fabric.lanes[LANE]
         tracer = self.node.tracer
@@ -235,7 +242,7 @@ class ScheduledPath:
             contribution (read now: every earlier op of the group is done)."""
             assert peer is not None
             payload = self._contribution(op) if tiny and op is not None else b""
-            lane.offer(peer, (order, stamp), min(agree_timeout, cap), payload)
+            lane.offer(peer, (order, stamp, seq), min(agree_timeout, cap), payload)
             offered.append(payload)
 
         def agreed(cap: float) -> None:
@@ -247,11 +254,11 @@ class ScheduledPath:
             theirs = b""
             try:
                 if peer is None:
-                    same = lane.agree(nodes, (order, stamp), min(agree_timeout, cap))
+                    same = lane.agree(nodes, (order, stamp, seq), min(agree_timeout, cap))
                 else:
                     if not offered:
                         offer(cap)
-                    same, theirs = lane.accept(peer, (order, stamp), min(agree_timeout, cap))
+                    same, theirs = lane.accept(peer, (order, stamp, seq), min(agree_timeout, cap))
             except LaneError:
                 self._ended(index)
                 raise

@@ -690,8 +690,8 @@ MAX_SCHEDULE_SLOTS = 1024
 @dataclass(slots=True)
 class Schedule:
     """The coordinator saw group ``group`` repeat the same cycle of op patterns twice: from its
-    sequence number ``start_seq`` on, every node releases the group's ops itself, op
-    ``start_seq + i`` at place ``order + i`` of the global order, if it matches slot ``i % len(slots)``
+    sequence number ``start_seq`` on, every node releases the group's ops itself, the i-th that
+    reaches the fabric at place ``order + i`` of the global order, if it matches slot ``i % len(slots)``
     (``fabric/scheduled.py``)."""
 
     TYPE: ClassVar[str] = "sched"

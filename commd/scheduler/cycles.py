@@ -1,9 +1,10 @@
 """Finding the cycle a training loop repeats, so that its ops can skip the coordinator.
 
 The coordinator feeds every release of a collective to a :class:`CycleDetector`.  When
-one group's releases, in consecutive sequence numbers, end with the same run of op
-patterns twice in a row (at least ``min_window`` releases long), that run is the group's
-*cycle*: the coordinator publishes it as a schedule (``protocol.fabric.Schedule``) and
+one group's releases (in increasing sequence numbers; the group's ops that take an
+exchange ring leave gaps) end with the same run of op patterns twice in a row (at least
+``min_window`` releases long), that run is the group's *cycle* (a cycle of one op must repeat over the whole window, not just twice): the
+coordinator publishes it as a schedule (``protocol.fabric.Schedule``) and
 every node releases the group's next ops itself (``fabric/scheduled.py``).
 
 Only what every node can run alone in the global order qualifies: a release with a
@@ -63,7 +64,7 @@ class CycleDetector:
         if slot is None:
             self.reset()
             return None
-        if group != self.group or seq != self.next_seq or len(self.history) >= MAX_WINDOW:
+        if group != self.group or seq < self.next_seq or len(self.history) >= MAX_WINDOW:
             self.reset()
             self.group = group
         self.next_seq = seq + 1
@@ -74,11 +75,12 @@ class CycleDetector:
         found = None
         for place in reversed(places[-CANDIDATES:]):
             period = n - place
-            length = 2 * period
-            if n + 1 < max(length, self.min_window) or period > MAX_SCHEDULE_SLOTS:
+            repeats = max(2, -(-self.min_window // period))  # the cycle, whole, over the window at least
+            if n + 1 < repeats * period or period > MAX_SCHEDULE_SLOTS:
                 continue
-            if self.history[n + 1 - length:n + 1 - period] == self.history[n + 1 - period:]:
-                found = Cycle(group, seq + 1, tuple(self.history[n + 1 - period:]))
+            last = self.history[n + 1 - period:]
+            if all(self.history[n + 1 - (r + 1) * period:n + 1 - r * period] == last for r in range(1, repeats)):
+                found = Cycle(group, seq + 1, tuple(last))
                 break
         places.append(n)
         return found
