@@ -1,0 +1,94 @@
+"""The torch backend across 2 simulated hosts x 2 ranks, schedule path on and off, interleaved.
+
+Each run is one job under `commd launch` (COMMD_LOCAL_RING=0: every op through the
+daemons) that times back-to-back ``dist.all_reduce`` calls of one size on ordinary float32
+tensors.  For each size, ``--repeats`` runs with the schedule path (the default) alternate
+with as many with ``COMMD_SCHEDULE=0`` (every op negotiated through node 0), so the load's
+drift falls on both alike.  Per run: the slower node's median latency; the CPU per op
+summed over the job's processes (2 daemons, 4 ranks: each node's first rank stands for
+both of its ranks); the daemons' context switches per op; ops per path.  Needs root.
+
+    sudo .venv/bin/python benchmarks/schedule_ab.py                       # 1 KiB, 64 KiB, 1 MiB; 3 each
+    sudo .venv/bin/python benchmarks/schedule_ab.py --sizes 1K --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from _launch import run_job
+
+from commd.runtime import new_secret, parse_bytes
+
+WORKER = Path(__file__).with_name("_schedule_ab_worker.py")
+SETTINGS = {"schedule": "1", "negotiated": "0"}
+
+
+def one_run(sim: Any, work: Path, elements: int, iters: int, schedule: str, timeout: float) -> dict[str, Any]:
+    cfg = {"elements": elements, "iters": iters, "warmup": 50}
+    env = {"COMMD_LOCAL_RING": "0", "COMMD_SCHEDULE": schedule}
+    pointer = run_job(WORKER, cfg, env, work, f"ab-{schedule}", timeout, sim)
+    nodes = [json.loads(Path(pointer["rank0"].replace("-r0.json", f"-r{r}.json")).read_text()) for r in (0, 2)]
+    return {"latency_us": max(n["median_us"] for n in nodes),
+            "cpu_us": sum(n["daemon_cpu_us"] + 2 * n["rank_cpu_us"] for n in nodes),
+            "daemon_csw": statistics.mean(n["daemon_csw"] for n in nodes),
+            "paths": [n["paths"] for n in nodes], "control": [n["control"] for n in nodes],
+            "load": os.getloadavg()[0]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="1K,64K,1M", help="message sizes (default 1K,64K,1M)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per size and setting (default 3)")
+    parser.add_argument("--iters", type=int, default=400, help="timed all-reduces per run (default 400)")
+    parser.add_argument("--timeout", type=float, default=180.0, help="seconds one run may take")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    try:
+        sizes = [parse_bytes(s) for s in args.sizes.split(",") if s.strip()]
+    except ValueError:
+        parser.error(f"--sizes: {args.sizes!r} is not a list of sizes")
+    if not sizes or any(s < 4 or s % 4 for s in sizes) or args.repeats < 1 or args.iters < 10:
+        parser.error("sizes must be multiples of 4 bytes; --repeats >= 1; --iters >= 10")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("schedule_ab: terminated"))
+    os.environ.setdefault("COMMD_SECRET", new_secret())  # the hosts' daemons share it (never in the store)
+    from commd.sim.hosts import SimulatedHosts
+
+    results: dict[int, dict[str, list[dict[str, Any]]]] = {}
+    load = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="commd-ab-") as tmp, SimulatedHosts(2) as sim:
+        work = Path(tmp)
+        for size in sizes:
+            results[size] = {name: [] for name in SETTINGS}
+            for rep in range(args.repeats):
+                for name in (list(SETTINGS) if rep % 2 == 0 else list(SETTINGS)[::-1]):
+                    print(f"[{size} B, {rep + 1}/{args.repeats}] {name} ...", file=sys.stderr, flush=True)
+                    results[size][name].append(one_run(sim, work, size // 4, args.iters, SETTINGS[name],
+                                                       args.timeout))
+    print(f"\nall_reduce through the torch backend, 2 simulated hosts x 2 ranks, COMMD_LOCAL_RING=0, "
+          f"{args.iters} ops per run, medians of {args.repeats} interleaved runs "
+          f"(load {load[0]:.2f} before, {os.getloadavg()[0]:.2f} after)\n")
+    print(f"{'size':>9} {'setting':<11} {'latency us':>11} {'CPU us/op':>10} {'daemon csw/op':>14}   runs' latencies")
+    for size, by_setting in results.items():
+        for name, runs in by_setting.items():
+            print(f"{size:>9} {name:<11} {statistics.median(r['latency_us'] for r in runs):>11.0f} "
+                  f"{statistics.median(r['cpu_us'] for r in runs):>10.0f} "
+                  f"{statistics.median(r['daemon_csw'] for r in runs):>14.2f}   "
+                  f"{[round(r['latency_us']) for r in runs]}")
+        last = by_setting["schedule"][-1]
+        print(f"{'':>9} (schedule: ops per path on node 0 {last['paths'][0]}, control items {last['control'][0]})")
+    if args.json:
+        Path(args.json).write_text(json.dumps({str(k): v for k, v in results.items()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
