@@ -22,8 +22,8 @@ import torch.nn as nn
 import commd  # noqa: F401  (registers the backend)
 
 
-def main() -> int:
-    cfg = json.loads(open(sys.argv[1]).read())
+def setup(cfg: dict) -> tuple[int, nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor]:
+    """Join the job (backend commd) and build the DDP-wrapped MLP, its optimizer and this rank's batch."""
     torch.manual_seed(cfg["seed"])
     torch.set_num_threads(1)
     dist.init_process_group("commd")
@@ -36,7 +36,12 @@ def main() -> int:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(cfg["seed"] * 100 + rank)
     x = torch.randn(cfg["batch"], cfg["inputs"], generator=g)
-    y = x[:, :4].sum(1, keepdim=True)
+    return rank, model, opt, x, x[:, :4].sum(1, keepdim=True)
+
+
+def main() -> int:
+    cfg = json.loads(open(sys.argv[1]).read())
+    rank, model, opt, x, y = setup(cfg)
     times, loss = [], None
     for _ in range(cfg["steps"]):
         started = time.perf_counter()

@@ -17,29 +17,19 @@ import os
 import sys
 import time
 
-import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 import commd  # noqa: F401  (registers the backend)
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _ddp_lanes_worker import setup  # noqa: E402
+
 
 def main() -> int:
     cfg = json.loads(open(sys.argv[1]).read())
-    torch.manual_seed(cfg["seed"])
-    torch.set_num_threads(1)
-    dist.init_process_group("commd")
-    rank = dist.get_rank()
+    rank, model, opt, x, y = setup(cfg)  # (the lane benchmark's model, batch and optimizer)
     local_first = int(os.environ.get("LOCAL_RANK", "0")) == 0
-    layers: list[nn.Module] = [nn.Linear(cfg["inputs"], cfg["width"]), nn.ReLU()]
-    for _ in range(cfg["layers"] - 1):
-        layers += [nn.Linear(cfg["width"], cfg["width"]), nn.ReLU()]
-    layers.append(nn.Linear(cfg["width"], 1))
-    model = nn.parallel.DistributedDataParallel(nn.Sequential(*layers), bucket_cap_mb=cfg["bucket_mb"])
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    g = torch.Generator().manual_seed(cfg["seed"] * 100 + rank)
-    x = torch.randn(cfg["batch"], cfg["inputs"], generator=g)
-    y = x[:, :4].sum(1, keepdim=True)
     paths = None
     if local_first:
         from commd.client.status import query_status

@@ -70,7 +70,11 @@ class FabricMember:
         self.matched = self.p2p.matched
         self.fail_remote = self.p2p.fail_remote
         self.group_registered = self.p2p.group_registered
-        self.rank_died = self.liveness.rank_died
+
+    def rank_died(self, rank: int, why: str) -> None:
+        """A rank of this node is gone: tell the coordinator; the schedule's ops with it fail here."""
+        self.liveness.rank_died(rank, why)
+        self.collectives.scheduled.rank_died(rank, why)
 
     def forward_send(self, sub: Submission, placement: GroupPlacement) -> None:
         """A send to another node: a transfer to order, so a running schedule ends first."""
@@ -253,6 +257,7 @@ class FabricMember:
                     self.liveness.node_dead(m.node, m.why)
             elif type(m) is wire.RankDied:
                 self.node.fail_ops_waiting_on(m.rank, m.why)
+                self.collectives.scheduled.rank_died(m.rank, m.why)
             elif type(m) is wire.CoordinatorHeartbeat:
                 self.liveness.fabric_stalls = m.stalls
             elif type(m) is wire.Shutdown:

@@ -104,6 +104,7 @@ class ScheduledPath:
         #: schedule because one of them waited its timeout (a late rank elsewhere).
         self.waiting: dict[int, tuple[float, float]] = {}
         self.asked_stop = False
+        self.dead_ranks: dict[int, str] = {}  # global rank -> why, for this schedule's ops
         #: Slots released here and not yet started (each starts after the one before it).
         self._queued: collections.deque[tuple] = collections.deque()
         #: A 2-node slot whose part was sent, waiting on the event loop for the peer's: (slot, deadline,
@@ -127,6 +128,7 @@ class ScheduledPath:
         self.last_seq = schedule.start_seq - 1
         self.held, self.returned = [], []
         self.waiting, self.asked_stop = {}, False
+        self.dead_ranks = {}
         self.stats.schedules_started += 1
         log.info("fabric: group '%s' follows schedule %d (%d slots) from op #%d", schedule.group, schedule.epoch,
                  len(schedule.slots), schedule.start_seq)
@@ -167,6 +169,27 @@ class ScheduledPath:
             return False
         self._take(op, placement, key)
         return True
+
+    def rank_died(self, rank: int, why: str) -> None:
+        """A rank is gone: the schedule ends (the coordinator stops it too), and the ops held here or
+        handed back that involve it fail instead of being negotiated again (the coordinator has already
+        failed what it held of them)."""
+        self.dead_ranks[rank] = why
+        self.stop()
+        keep = []
+        for entry in self.held:
+            if not self._fail_if_dead(entry[0], entry[1]):
+                keep.append(entry)
+        self.held = keep
+        self.returned = [(op, p) for op, p in self.returned if not self._fail_if_dead(op, p)]
+
+    def _fail_if_dead(self, op: ReadyOp, placement: GroupPlacement) -> bool:
+        for rank in placement.ranks:
+            if rank in self.dead_ranks:
+                self.node.fail_op(op.subs, s.E_PEER_DIED,
+                                  f"{op.describe()} cannot run: rank {rank} {self.dead_ranks[rank]}")
+                return True
+        return False
 
     def lost(self) -> list[ReadyOp]:
         """The coordinator is gone: the ops held here, to fail; the slots queued fail on their own."""
@@ -370,7 +393,8 @@ class ScheduledPath:
         self.held, self.returned = [], []
         now = time.monotonic()
         for op, placement in sorted(waiting, key=lambda entry: entry[0].seq):
-            self.renegotiate(op, placement, now - op.ready_at)
+            if not self._fail_if_dead(op, placement):
+                self.renegotiate(op, placement, now - op.ready_at)
 
     # ---- status ------------------------------------------------------------------------
     def status(self) -> dict[str, Any] | None:

@@ -175,6 +175,21 @@ def _not_node_major(pending: Pending) -> str | None:
 _UNFIT = {"alltoall": _unequal_blocks, "allgather": _unequal_gather, "alltonext": _not_node_major}
 
 
+def _frozen(value: Any) -> Any:
+    if isinstance(value, list | tuple):
+        return tuple(_frozen(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+    return value
+
+
+def _pattern_key(pending: Pending) -> tuple:
+    """Every node's full report of an op, hashable (what a cache id stands for)."""
+    return (pending.group, tuple(
+        (node, e.kind, _frozen(e.signature), tuple(e.ranks), tuple(e.placement), tuple(e.nodes), tuple(e.mine),
+         e.nbytes, e.timeout, _frozen(e.alltoall_splits)) for node, e in sorted(pending.entries.items())))
+
+
 def _op(pending: Pending) -> str:
     """'allreduce #3 on group 'g'' (the kind as the first report gave it; '#3' alone before any)."""
     first = next(iter(pending.entries.values()), None)
@@ -203,8 +218,10 @@ class Coordinator:
         self.pending: dict[tuple[str, int], Pending] = {}
         # cache id -> (each node's pattern, lane, (fusion key, bytes) or None)
         self.cache: dict[int, tuple[dict[int, OpPattern], str, tuple[tuple, int] | None]] = {}
+        #: every node's report, frozen -> its cache id: the same pattern keeps one id however often it
+        #: is reported in full, so a burst of repeats still shows its cycle (scheduler/cycles.py)
+        self.cache_ids: dict[tuple, int] = {}
         self.dead: dict[int, str] = {}  # node -> why
-        self.dead_ranks: dict[int, tuple[int, str]] = {}  # global rank -> (its node, why): later ops fail at once
         self.p2p: dict[tuple[int, int], tuple[int, int, P2pSend]] = {}  # key -> (src node, dst node, send)
         self.partial: dict[int, dict[tuple[str, int], list[int]]] = {}  # node -> (g, s) -> missing global ranks
         #: (group, seq) -> (code, message) of ops that timed out: a late node's report fails on arrival,
@@ -272,13 +289,6 @@ class Coordinator:
                     self._fail(pending, out, s.E_PEER_DIED,
                                f"{entry.kind} #{key[1]} on group '{key[0]}' cannot run: {self.node(dead[0])} "
                                f"{self.dead[dead[0]]}", extra=[node])
-                    continue
-                gone = [r for r in entry.ranks if r in self.dead_ranks] if self.dead_ranks else []
-                if gone:  # (an op a schedule handed back after one of its ranks died)
-                    where, why = self.dead_ranks[gone[0]]
-                    self._fail(pending, out, s.E_PEER_DIED,
-                               f"{entry.kind} #{key[1]} on group '{key[0]}' cannot run: rank {gone[0]} (on "
-                               f"{self.node(where)}) {why}", extra=[node])
                     continue
             if node in pending.entries:
                 out.add(node, Fail(key[0], key[1], s.E_PROTOCOL,
@@ -365,9 +375,14 @@ class Coordinator:
             algo = (program.name, program.digest) if program is not None else None
             # a program or a codec runs one op per lane call: never fused, never reduced here
             fuse_key = self._fusion_key(pending.group, first, nbytes, lane) if algo is None and codec is None else None
-            if len(self.cache) < MAX_CACHE_ENTRIES:
+            same = _pattern_key(pending)
+            known = self.cache_ids.get(same)
+            if known is not None:  # reported in full again (a burst sent before the id came back): one id
+                cid = known
+            elif len(self.cache) < MAX_CACHE_ENTRIES:
                 cid = len(self.cache) + 1
                 self.cache[cid] = (dict(pending.entries), lane, fuse_key)
+                self.cache_ids[same] = cid
                 if algo is not None:
                     self.cache_algo[cid] = algo
                 if codec is not None:
@@ -616,7 +631,6 @@ class Coordinator:
     def rank_died(self, node: int, rank: int, why: str, out: Outbox) -> None:
         self._stop_schedule(out)
         self.cycles.reset()
-        self.dead_ranks[rank] = (node, why)
         for pending in list(self.pending.values()):
             first = next(iter(pending.entries.values()), None)
             if first is not None and rank in first.ranks:
