@@ -23,7 +23,7 @@ from commd.fabric.scheduled import ScheduledPath
 from commd.kernels import eager
 from commd.protocol import fabric as wire
 from commd.protocol import schema as s
-from commd.scheduler.agreement import agreed_values
+from commd.scheduler.agreement import agreed_values, frozen
 from commd.scheduler.coordinator import HOME_NODE
 from commd.scheduler.overlap import PendingRanges
 
@@ -47,14 +47,6 @@ SOLO_INLINE_BYTES = 4 << 20
 #: timeout from the contribution's arrival.  Later, the coordinator decides (the op may have timed
 #: out on node 0: it is then failed here too, never completed on one node and failed on the other).
 EARLY_WINDOW = 0.5
-
-
-def _frozen(value: Any) -> Any:
-    if isinstance(value, list | tuple):
-        return tuple(_frozen(v) for v in value)
-    if isinstance(value, dict):
-        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
-    return value
 
 
 class Collectives:
@@ -104,7 +96,7 @@ class Collectives:
         # placement is fixed per group name, so the name stands for members and placement.
         key: tuple = (op.group, first.signature, tuple(x.group_rank for x in op.subs), op.nbytes, timeout)
         if op.kind == "alltoall" or op.kind in COUNTED:
-            key = _frozen([key, [[x.splits_in, x.splits_out] for x in op.subs]])
+            key = frozen([key, [[x.splits_in, x.splits_out] for x in op.subs]])
         if self.scheduled.active and self.scheduled.offer(op, placement, key):
             return
         self.negotiating[(op.group, op.seq)] = (op, placement, key)

@@ -272,3 +272,12 @@ def find_mismatch(subs: list[Submission]) -> str | None:
                         f"rank {b.group_rank}, which expects {b.splits_out[a.group_rank]}"
                     )
     return "; ".join(problems) if problems else None
+
+
+def frozen(value: Any) -> Any:
+    """``value`` (lists, tuples and maps, nested) as a hashable tuple: what keys a pattern by value."""
+    if isinstance(value, list | tuple):
+        return tuple(frozen(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, frozen(v)) for k, v in value.items()))
+    return value

@@ -62,6 +62,7 @@ from commd.protocol.fabric import (
     ToMember,
 )
 from commd.runtime import env_int
+from commd.scheduler.agreement import frozen
 from commd.scheduler.config import SchedulerConfig
 from commd.scheduler.cycles import CycleDetector
 from commd.scheduler.selection import (
@@ -175,19 +176,11 @@ def _not_node_major(pending: Pending) -> str | None:
 _UNFIT = {"alltoall": _unequal_blocks, "allgather": _unequal_gather, "alltonext": _not_node_major}
 
 
-def _frozen(value: Any) -> Any:
-    if isinstance(value, list | tuple):
-        return tuple(_frozen(v) for v in value)
-    if isinstance(value, dict):
-        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
-    return value
-
-
 def _pattern_key(pending: Pending) -> tuple:
     """Every node's full report of an op, hashable (what a cache id stands for)."""
     return (pending.group, tuple(
-        (node, e.kind, _frozen(e.signature), tuple(e.ranks), tuple(e.placement), tuple(e.nodes), tuple(e.mine),
-         e.nbytes, e.timeout, _frozen(e.alltoall_splits)) for node, e in sorted(pending.entries.items())))
+        (node, e.kind, frozen(e.signature), tuple(e.ranks), tuple(e.placement), tuple(e.nodes), tuple(e.mine),
+         e.nbytes, e.timeout, frozen(e.alltoall_splits)) for node, e in sorted(pending.entries.items())))
 
 
 def _op(pending: Pending) -> str:
