@@ -75,9 +75,7 @@ class Collectives:
         self._completed_early: set[tuple[str, int]] = set()
         #: Ops that follow a published schedule run without a report (fabric/scheduled.py).
         self.scheduled = ScheduledPath(node, fabric, stats, runner, send_up, self.neg_cache, self._negotiate,
-                                       runner.peer_timeout)
-        self.scheduled.solo_inline_bytes = SOLO_INLINE_BYTES
-        self.scheduled.eager_bytes = EAGER_BYTES
+                                       runner.peer_timeout, SOLO_INLINE_BYTES, EAGER_BYTES)
 
     # ---- report -----------------------------------------------------------------
     def negotiate(self, op: ReadyOp, placement: GroupPlacement) -> None:

@@ -77,7 +77,8 @@ class ScheduledPath:
 
     def __init__(self, node: NodeServices, fabric: Fabric, stats: FabricStats, runner: LaneRunner,
                  send_up: Callable[[wire.ToCoordinator], None], cache: dict[tuple, int],
-                 renegotiate: Callable[[ReadyOp, GroupPlacement, float], None], peer_timeout: float) -> None:
+                 renegotiate: Callable[[ReadyOp, GroupPlacement, float], None], peer_timeout: float,
+                 solo_inline_bytes: int, eager_bytes: int) -> None:
         self.node = node
         self.fabric = fabric
         self.stats = stats
@@ -87,9 +88,9 @@ class ScheduledPath:
         self.renegotiate = renegotiate
         self.peer_timeout = peer_timeout
         #: The most bytes a slot runs on the event loop when its peer is already waiting, and the largest
-        #: all-reduce whose contribution rides a 2-node agreement (both set by Collectives).
-        self.solo_inline_bytes = NEVER_INLINE
-        self.eager_bytes = 0
+        #: all-reduce whose contribution rides a 2-node agreement (Collectives' own limits).
+        self.solo_inline_bytes = solo_inline_bytes
+        self.eager_bytes = eager_bytes
         self.schedule: wire.Schedule | None = None
         self.active = False  # taking the group's ready ops
         self.stopping = False  # no more slots released here; ends once the queued ones are back
@@ -316,7 +317,7 @@ class ScheduledPath:
             def work(cap: float) -> None:
                 agreed(cap)
 
-            run_now = self.runner.enqueue(LANE, False, sched.group, tracer.wrap((op,), work) if op else work, done,
+            run_now = self.runner.enqueue(LANE, False, sched.group, tracer.wrap((op,), work) if op is not None else work, done,
                                           op.nbytes if op is not None else 0, inline_bytes)
             if run_now is not None:
                 run_now()
