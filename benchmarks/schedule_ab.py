@@ -4,12 +4,15 @@ Each run is one job under `commd launch` (COMMD_LOCAL_RING=0: every op through t
 daemons) that times back-to-back ``dist.all_reduce`` calls of one size on ordinary float32
 tensors.  For each size, ``--repeats`` runs with the schedule path (the default) alternate
 with as many with ``COMMD_SCHEDULE=0`` (every op negotiated through node 0), so the load's
-drift falls on both alike.  Per run: the slower node's median latency; the CPU per op
+drift falls on both alike; ``--settings ring`` adds the torch backend's default path (small
+all-reduces on the bridged exchange ring, COMMD_LOCAL_RING=1).  ``--syscalls`` counts node
+0's daemon's and first rank's system calls per op (``strace -c``, which slows them).  Per run: the slower node's median latency; the CPU per op
 summed over the job's processes (2 daemons, 4 ranks: each node's first rank stands for
 both of its ranks); the daemons' context switches per op; ops per path.  Needs root.
 
     sudo .venv/bin/python benchmarks/schedule_ab.py                       # 1 KiB, 64 KiB, 1 MiB; 3 each
     sudo .venv/bin/python benchmarks/schedule_ab.py --sizes 1K --repeats 5
+    sudo .venv/bin/python benchmarks/schedule_ab.py --sizes 1K --repeats 1 --iters 2000 --syscalls
 """
 
 from __future__ import annotations
@@ -29,19 +32,37 @@ from _launch import run_job
 from commd.runtime import new_secret, parse_bytes
 
 WORKER = Path(__file__).with_name("_schedule_ab_worker.py")
-SETTINGS = {"schedule": "1", "negotiated": "0"}
+#: Each setting's environment: the schedule path, every op negotiated, and the torch backend's
+#: default (small all-reduces on the bridged exchange ring, the rest on the schedule path).
+SETTINGS = {"schedule": {"COMMD_LOCAL_RING": "0", "COMMD_SCHEDULE": "1"},
+            "negotiated": {"COMMD_LOCAL_RING": "0", "COMMD_SCHEDULE": "0"},
+            "ring": {"COMMD_LOCAL_RING": "1", "COMMD_SCHEDULE": "1"}}
 
 
-def one_run(sim: Any, work: Path, elements: int, iters: int, schedule: str, timeout: float) -> dict[str, Any]:
-    cfg = {"elements": elements, "iters": iters, "warmup": 50}
-    env = {"COMMD_LOCAL_RING": "0", "COMMD_SCHEDULE": schedule}
-    pointer = run_job(WORKER, cfg, env, work, f"ab-{schedule}", timeout, sim)
+def one_run(sim: Any, work: Path, elements: int, iters: int, setting: str, timeout: float,
+            syscalls: bool) -> dict[str, Any]:
+    cfg = {"elements": elements, "iters": iters, "warmup": 50, "strace": syscalls}
+    pointer = run_job(WORKER, cfg, SETTINGS[setting], work, f"ab-{setting}", timeout, sim)
     nodes = [json.loads(Path(pointer["rank0"].replace("-r0.json", f"-r{r}.json")).read_text()) for r in (0, 2)]
     return {"latency_us": max(n["median_us"] for n in nodes),
             "cpu_us": sum(n["daemon_cpu_us"] + 2 * n["rank_cpu_us"] for n in nodes),
             "daemon_csw": statistics.mean(n["daemon_csw"] for n in nodes),
             "paths": [n["paths"] for n in nodes], "control": [n["control"] for n in nodes],
-            "load": os.getloadavg()[0]}
+            "syscalls": nodes[0].get("syscalls"), "load": os.getloadavg()[0]}
+
+
+def print_syscalls(runs: dict[str, list[dict[str, Any]]]) -> None:
+    """Node 0's system calls per op, by name, in each setting's last run."""
+    counted = {name: r[-1]["syscalls"] for name, r in runs.items() if r and r[-1].get("syscalls")}
+    if not counted:
+        return
+    for who in ("daemon", "rank"):
+        names = sorted({c for calls in counted.values() for c in calls.get(who, {})},
+                       key=lambda c: -max(calls.get(who, {}).get(c, 0) for calls in counted.values()))
+        print(f"{'':>9} node 0's {who}, system calls per op: " + "; ".join(
+            f"{name}: " + ", ".join(f"{c} {calls[who].get(c, 0):.2f}" for c in names
+                                    if calls[who].get(c, 0) >= 0.05 or c == "total")
+            for name, calls in counted.items()))
 
 
 def main() -> int:
@@ -50,8 +71,15 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="runs per size and setting (default 3)")
     parser.add_argument("--iters", type=int, default=400, help="timed all-reduces per run (default 400)")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds one run may take")
+    parser.add_argument("--settings", default="schedule,negotiated",
+                        help=f"comma-separated, from {','.join(SETTINGS)} (default schedule,negotiated)")
+    parser.add_argument("--syscalls", action="store_true",
+                        help="also count node 0's daemon's and first rank's system calls per op (strace -c)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    settings = [name for name in args.settings.split(",") if name]
+    if not settings or any(name not in SETTINGS for name in settings):
+        parser.error(f"--settings: choose from {','.join(SETTINGS)}")
     try:
         sizes = [parse_bytes(s) for s in args.sizes.split(",") if s.strip()]
     except ValueError:
@@ -67,13 +95,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="commd-ab-") as tmp, SimulatedHosts(2) as sim:
         work = Path(tmp)
         for size in sizes:
-            results[size] = {name: [] for name in SETTINGS}
+            results[size] = {name: [] for name in settings}
             for rep in range(args.repeats):
-                for name in (list(SETTINGS) if rep % 2 == 0 else list(SETTINGS)[::-1]):
+                for name in (settings if rep % 2 == 0 else settings[::-1]):
                     print(f"[{size} B, {rep + 1}/{args.repeats}] {name} ...", file=sys.stderr, flush=True)
-                    results[size][name].append(one_run(sim, work, size // 4, args.iters, SETTINGS[name],
-                                                       args.timeout))
-    print(f"\nall_reduce through the torch backend, 2 simulated hosts x 2 ranks, COMMD_LOCAL_RING=0, "
+                    results[size][name].append(one_run(sim, work, size // 4, args.iters, name, args.timeout,
+                                                       args.syscalls))
+    print(f"\nall_reduce through the torch backend, 2 simulated hosts x 2 ranks, COMMD_LOCAL_RING=0 (but 'ring'), "
           f"{args.iters} ops per run, medians of {args.repeats} interleaved runs "
           f"(load {load[0]:.2f} before, {os.getloadavg()[0]:.2f} after)\n")
     print(f"{'size':>9} {'setting':<11} {'latency us':>11} {'CPU us/op':>10} {'daemon csw/op':>14}   runs' latencies")
@@ -83,8 +111,10 @@ def main() -> int:
                   f"{statistics.median(r['cpu_us'] for r in runs):>10.0f} "
                   f"{statistics.median(r['daemon_csw'] for r in runs):>14.2f}   "
                   f"{[round(r['latency_us']) for r in runs]}")
-        last = by_setting["schedule"][-1]
-        print(f"{'':>9} (schedule: ops per path on node 0 {last['paths'][0]}, control items {last['control'][0]})")
+        for name, runs in by_setting.items():
+            print(f"{'':>9} ({name}: ops per path on node 0 {runs[-1]['paths'][0]}, control items "
+                  f"{runs[-1]['control'][0]})")
+        print_syscalls(by_setting)
     if args.json:
         Path(args.json).write_text(json.dumps({str(k): v for k, v in results.items()}, indent=1))
     return 0

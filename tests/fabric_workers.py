@@ -463,6 +463,38 @@ def _fabric_counters(ctx: Any) -> dict[str, Any]:
     return {"paths": fabric["paths"], "control": fabric["control_items"]}
 
 
+def schedule_gather(ctx: Any, steps: int) -> dict[str, Any]:
+    """A loop of a tiny float32 sum, a tiny int64 max and a 64 KiB sum, repeated on the same data,
+    goes onto the schedule: every tiny sum's bits equal the first one's (negotiated: the coordinator
+    combined the contributions in node order), the others exact against NumPy."""
+    from pathlib import Path
+
+    from helpers import job_paths
+
+    from commd.client.status import query_status
+
+    client = ctx.connect()
+    me, world = ctx.rank, ctx.world_size
+    mine = np.random.default_rng(100 + me).standard_normal(256).astype(np.float32)  # 1 KiB
+    stack = np.stack([np.random.default_rng(100 + r).standard_normal(256).astype(np.float32) for r in range(world)])
+    sums = []
+    for i in range(steps):
+        t = _t(mine)
+        ops.all_reduce(client, t, "sum").wait(60)
+        sums.append(t.numpy().tobytes())
+        np.testing.assert_allclose(t.numpy(), stack.sum(0), rtol=1e-5, atol=1e-5)
+        u = _t(data(me, 100, np.int64, i % 3))
+        ops.all_reduce(client, u, "max").wait(60)
+        _check(f"step {i} max", u, np.stack([data(r, 100, np.int64, i % 3) for r in range(world)]).max(0))
+        v = _t(data(me, 16384, np.float32, 7))
+        ops.all_reduce(client, v, "sum").wait(60)
+        _check(f"step {i} 64 KiB", v, np.stack([data(r, 16384, np.float32, 7) for r in range(world)]).sum(0))
+    fabric = query_status(job_paths(Path(ctx.runtime_dir), ctx.job), timeout=10.0)["fabric"]
+    client.close()
+    return {"bitwise_equal_steps": sum(s == sums[0] for s in sums), "paths": fabric["paths"],
+            "schedule": fabric["schedule"]}
+
+
 def schedule_path(ctx: Any, warm: int, steady: int) -> dict[str, Any]:
     """A loop that repeats itself (two all-reduces and a broadcast per step) goes onto the schedule
     path; then it deviates from it in every way a program can — a mismatch, another pattern, an op

@@ -28,6 +28,7 @@ from commd.lanes.tcp.algorithms import (
     direct_allreduce,
     direct_broadcast,
     dissemination_barrier,
+    dissemination_gather,
     pairwise_alltoallv,
     recv_from,
     ring_allgatherv,
@@ -188,6 +189,31 @@ def test_point_to_point_and_barrier_on_fake_nodes() -> None:
 
     transports = network(5)
     run_ok([lambda i=i: dissemination_barrier(transports[i], (0, 1, 2, 3, 4), i) for i in range(5)])
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 13])
+def test_the_gathered_agreement_gives_every_node_every_block_in_node_order(n: int) -> None:
+    """Blocks of different lengths (empty ones too: a node off its schedule sends no payload)
+    reach every node, in the order of ``nodes``, in ceil(log2 n) rounds of one send each way."""
+    nodes = tuple(range(n))
+    blocks = [bytes([i]) * (0 if i % 3 == 1 else 7 * i + 1) for i in range(n)]
+    transports = network(n)
+    results = run_ok([lambda i=i: dissemination_gather(transports[i], nodes, i, blocks[i], 1 << 10)
+                      for i in range(n)])
+    for i, gathered in enumerate(results):
+        assert gathered == blocks, f"node {i}"
+    rounds = (n - 1).bit_length()
+    # per round: the lengths out, the blocks out (when any) and the lengths in, the blocks in
+    assert all(t.posted <= 4 * rounds for t in transports), [t.posted for t in transports]
+
+
+def test_a_gathered_block_longer_than_the_limit_is_refused() -> None:
+    transports = network(3, wait_s=1.0)
+    results = on_nodes([lambda i=i: dissemination_gather(transports[i], (0, 1, 2), i, b"x" * (100 if i == 1 else 4), 16)
+                        for i in range(3)])
+    assert all(isinstance(r, TransportError) for r in results), results  # no node goes on, none hangs
+    assert results[0].code == results[2].code == "protocol", results  # both received node 1's block
+    assert "node 1 sent blocks of [100] bytes" in results[0].message, results
 
 
 def test_a_node_that_never_comes_is_a_transport_error_not_a_hang() -> None:

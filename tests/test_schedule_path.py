@@ -2,7 +2,8 @@
 
 Live: 2 nodes x 2 ranks on loopback, every result against NumPy, the same mismatch error
 on the schedule as on negotiation, every kind of deviation, and no control message at all
-for the ops that follow the schedule.  In process: the cycle finder and the coordinator's
+for the ops that follow the schedule; 3 nodes, tiny all-reduces done in their agreement
+with the coordinator's bits.  In process: the cycle finder and the coordinator's
 side of a schedule (publish, stale reports, what waits for the end).
 """
 
@@ -57,6 +58,18 @@ def test_a_repeating_loop_runs_on_the_schedule_and_leaves_it_cleanly(cluster) ->
     for node in (0, 1):
         schedules = c.status(node)["fabric"]["schedules"]
         assert schedules["started"] >= 4 and schedules["ended"] >= 4, schedules  # one per deviation
+
+
+def test_tiny_all_reduces_on_three_nodes_ride_the_agreement_with_the_coordinators_bits(cluster) -> None:
+    """On more than 2 nodes a tiny all-reduce's contributions are gathered by its slot's agreement
+    and combined in node order: the same bits as the coordinator's combination on negotiation."""
+    c = cluster(3, 1)
+    steps = 12
+    results = c.join(c.start_workers(fw.schedule_gather, steps), timeout=240)
+    for rank, value in results.items():
+        assert value["bitwise_equal_steps"] == steps, (rank, value)
+        assert value["paths"]["scheduled"] >= 3 * 4, (rank, value)  # at least 4 steps on the schedule
+        assert value["schedule"]["reduced_in_agreement"] >= 2 * 4, (rank, value)  # their 2 tiny ops each
 
 
 # ---- in process --------------------------------------------------------------------------

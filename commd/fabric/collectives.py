@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("commd.fabric")
 
 #: All-reduces up to this size travel with the negotiation (reduced by the coordinator).
-EAGER_BYTES = 4096
+EAGER_BYTES = eager.MAX_BYTES
 #: A released op this large at most runs on the event loop when no other op of this node is
 #: being negotiated (a program waiting for each op in turn): a medium op's fixed cost is then
 #: one thread hop to the lane worker and one back fewer.  In a burst the lane worker keeps

@@ -114,6 +114,8 @@ class ScheduledPath:
         #: How the slots ran: on the lane's worker, on the event loop at once (the peer's part was
         #: there), or split (this node's part sent, the rest on the loop when the peer's came).
         self.modes = {"worker": 0, "inline": 0, "split": 0}
+        #: Tiny all-reduces done in their slot's agreement (the contributions rode it: no lane call).
+        self.reduced_in_agreement = 0
 
     # ---- start and end -------------------------------------------------------------
     def start(self, schedule: wire.Schedule, reported: list[Entry], others_waiting: bool) -> None:
@@ -257,8 +259,11 @@ class ScheduledPath:
         resolve = self.runner.resolver()
         peer = (nodes[0] if nodes[1] == self.fabric.node_rank else nodes[1]) if len(nodes) == 2 else None
 
-        tiny = (op is not None and stamp >= 0 and peer is not None and op.kind == "allreduce" and not op.on_gpu
-                and 0 < op.nbytes <= self.eager_bytes)
+        # a tiny all-reduce's contribution rides the agreement: always on 2 nodes, on more when the slot
+        # says its agreement gathers (every node takes the same kind of agreement for a slot)
+        gathers = peer is None and sched.slots[index % len(sched.slots)].gather
+        tiny = (op is not None and stamp >= 0 and (peer is not None or gathers) and op.kind == "allreduce"
+                and not op.on_gpu and 0 < op.nbytes <= self.eager_bytes)
         offered: list[bytes] = []  # this node's payload, once its part of a 2-node agreement is sent
 
         def offer(cap: float) -> None:
@@ -275,14 +280,18 @@ class ScheduledPath:
             the bits the coordinator's release would carry)."""
             if self.ended_at is not None and index >= self.ended_at:
                 raise ScheduleDeviated()
-            theirs = b""
+            parts: list[bytes] = []  # every node's contribution, in node order
             try:
-                if peer is None:
+                if peer is None and gathers:
+                    mine = self._contribution(op) if tiny and op is not None else b""
+                    same, parts = lane.agree_gather(nodes, (order, stamp, seq), min(agree_timeout, cap), mine)
+                elif peer is None:
                     same = lane.agree(nodes, (order, stamp, seq), min(agree_timeout, cap))
                 else:
                     if not offered:
                         offer(cap)
                     same, theirs = lane.accept(peer, (order, stamp, seq), min(agree_timeout, cap))
+                    parts = [offered[0], theirs] if self.fabric.node_rank < peer else [theirs, offered[0]]
             except LaneError:
                 self._ended(index)
                 raise
@@ -291,11 +300,11 @@ class ScheduledPath:
                 raise ScheduleDeviated()
             if tracer.on:
                 tracer.mark(op, "agreed")
-            mine = offered[0] if offered else b""
-            if tiny and len(theirs) == len(mine) == op.nbytes:
+            # every node sees the same parts: all of them whole, or every node runs the op on the lane
+            if tiny and parts and all(len(part) == op.nbytes for part in parts):
                 first = op.subs[0]
-                parts = [mine, theirs] if self.fabric.node_rank < peer else [theirs, mine]  # type: ignore[operator]
                 result = eager.combine(parts, first.dtype, first.reduce_op)
+                self.reduced_in_agreement += 1
                 apply_result(op, placement, result,
                              self.runner.resolver(as_array=eager.on_numpy(first.dtype, first.reduce_op)))
                 return
@@ -403,4 +412,5 @@ class ScheduledPath:
         if sched is None:
             return None
         return {"epoch": sched.epoch, "group": sched.group, "slots": len(sched.slots), "active": self.active,
-                "next_slot": self.next_slot, "ended_at_slot": self.ended_at, "slots_run": dict(self.modes)}
+                "next_slot": self.next_slot, "ended_at_slot": self.ended_at, "slots_run": dict(self.modes),
+                "reduced_in_agreement": self.reduced_in_agreement}

@@ -20,6 +20,13 @@ import numpy as np
 from commd.kernels import small
 from commd.kernels.split import split_reduce
 
+#: All-reduces up to this size travel with the negotiation (reduced by the coordinator), or with a
+#: schedule's agreement (reduced by every node).
+MAX_BYTES = 4096
+#: On more than 2 nodes, a scheduled tiny all-reduce rides its slot's agreement only while every
+#: node's contribution together is at most this: each node receives all of them (an all-gather).
+MAX_GATHERED_BYTES = 64 << 10
+
 
 def on_numpy(dtype: str, reduce_op: str) -> bool:
     """Whether NumPy runs an eager all-reduce of ``dtype``/``reduce_op`` (else torch).

@@ -660,22 +660,27 @@ class RingPart:
 
 @dataclass(slots=True)
 class ScheduleSlot:
-    """One place of a schedule's cycle: the op pattern (cache id) expected there and how it runs."""
+    """One place of a schedule's cycle: the op pattern (cache id) expected there and how it runs.
+
+    ``gather``: the slot's agreement also gathers each node's contribution (a tiny all-reduce on
+    more than 2 nodes, ``TcpLane.agree_gather``); every node takes the same kind of agreement
+    for a slot, whatever op it has there."""
 
     cache_id: int
     lane: str
     algo: str | None = None
     algo_hash: str | None = None
     codec: str | None = None
+    gather: bool = False
 
     def to_wire(self) -> list[Any]:
-        return [self.cache_id, self.lane, self.algo, self.algo_hash, self.codec]
+        return [self.cache_id, self.lane, self.algo, self.algo_hash, self.codec, self.gather]
 
     @classmethod
     def from_wire(cls, value: Any) -> ScheduleSlot:
-        if (type(value) is not list or len(value) != 5 or type(value[0]) is not int or type(value[1]) is not str
-                or not all(v is None or type(v) is str for v in value[2:])):
-            _bad("sched", "sl", "slots", "a list of [cache id, lane, program, its sha256, codec]", value)
+        if (type(value) is not list or len(value) != 6 or type(value[0]) is not int or type(value[1]) is not str
+                or not all(v is None or type(v) is str for v in value[2:5]) or type(value[5]) is not bool):
+            _bad("sched", "sl", "slots", "a list of [cache id, lane, program, its sha256, codec, gather]", value)
         slot = cls(*value)
         if (slot.algo is None) != (slot.algo_hash is None) or (
                 slot.algo_hash is not None and not SHA256_HEX.fullmatch(slot.algo_hash)):

@@ -403,7 +403,8 @@ class Coordinator:
         live = [n for n in range(self.nnodes) if n not in self.dead]
         schedulable = (cid is not None and lane == "tcp" and not fused and list(pending.nodes) == live
                        and not self.schedule_active)
-        slot = ScheduleSlot(cid, lane, *(algo or (None, None)), codec) if schedulable else None
+        slot = (ScheduleSlot(cid, lane, *(algo or (None, None)), codec, self._gathers(cid, algo, len(live)))
+                if schedulable else None)
         cycle = self.cycles.released(pending.group, pending.seq, slot)
         if cycle is None or self.p2p or not self.schedules_on:
             return
@@ -424,6 +425,16 @@ class Coordinator:
                  cycle.group, len(cycle.slots), cycle.start_seq, epoch)
         for node in live:
             out.add(node, self.schedule)
+
+    def _gathers(self, cid: int | None, algo: tuple[str, str] | None, nnodes: int) -> bool:
+        """Whether a slot's agreement gathers the nodes' contributions: a tiny all-reduce with no
+        program, on more than 2 nodes (2 nodes always carry them), all of them together small."""
+        cached = self.cache.get(cid) if cid is not None else None
+        if cached is None or algo is not None or nnodes <= 2:
+            return False
+        pattern = next(iter(cached[0].values()))
+        return (pattern.kind == "allreduce" and 0 < pattern.nbytes <= eager.MAX_BYTES
+                and nnodes * pattern.nbytes <= eager.MAX_GATHERED_BYTES)
 
     def _stop_schedule(self, out: Outbox) -> None:
         """Something must be ordered outside the running schedule: every node ends it at its next slot."""

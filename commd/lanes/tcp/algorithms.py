@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from commd.kernels.reduce import reduce_into
-from commd.lanes.base import Done, Transport, memory_view
+from commd.lanes.base import Done, Transport, TransportError, memory_view
 
 
 def chunks(offset: int, length: int, chunk: int) -> list[tuple[int, int]]:
@@ -188,3 +188,49 @@ def dissemination_max(tp: Transport, nodes: tuple[int, ...], me: int, values: me
             if value > mine[i]:
                 mine[i] = value
         d *= 2
+
+
+def dissemination_gather(tp: Transport, nodes: tuple[int, ...], me: int, block: bytes,
+                         limit: int) -> list[bytes]:
+    """Every node's ``block`` (of any length up to ``limit`` bytes), in the order of ``nodes``:
+    Bruck's all-gather, ceil(log2 n) rounds at distance 1, 2, 4 ....  In each round a node sends
+    the blocks it holds that the receiver lacks, their lengths first, so blocks of different
+    lengths (a node that deviates from a schedule sends no payload) need no round more.  The
+    receiver posts the blocks' read from the lengths' completion: both directions progress
+    together, whatever the sizes."""
+    n, held, d = len(nodes), [bytes(block)], 1
+    while d < n:
+        count = min(d, n - d)
+        to, frm = nodes[(me - d) % n], nodes[(me + d) % n]
+        out_lengths = memoryview(bytearray(8 * count)).cast("q")
+        for i in range(count):
+            out_lengths[i] = len(held[i])
+        in_lengths = memoryview(bytearray(8 * count)).cast("q")
+        got: list[tuple[list[int], bytearray]] = []
+
+        def lengths_in(in_lengths: memoryview = in_lengths, frm: int = frm,
+                       got: list[tuple[list[int], bytearray]] = got) -> None:
+            sizes = list(in_lengths)
+            if any(not 0 <= size <= limit for size in sizes):
+                got.append((sizes, bytearray()))  # refused after the wait: the stream is out of step
+                return
+            body = bytearray(sum(sizes))
+            got.append((sizes, body))
+            if body:
+                tp.post_recv(frm, memoryview(body))
+
+        tp.post_send(to, out_lengths.cast("B"))
+        if any(out_lengths):
+            tp.post_send(to, memoryview(b"".join(held[:count])))
+        tp.post_recv(frm, in_lengths.cast("B"), lengths_in)
+        tp.wait()
+        sizes, body = got[0]
+        if any(not 0 <= size <= limit for size in sizes):
+            raise TransportError(frm, "protocol", f"node {frm} sent blocks of {sizes} bytes "
+                                 f"(at most {limit} each) in an all-gather")
+        offset = 0
+        for size in sizes:
+            held.append(bytes(body[offset:offset + size]))
+            offset += size
+        d *= 2
+    return [held[(i - me) % n] for i in range(n)]

@@ -615,6 +615,26 @@ class TcpLane:
             self._usable("agree", nodes)
         return all(packed[2 * i] == -packed[2 * i + 1] for i in range(len(values)))
 
+    def agree_gather(self, nodes: tuple[int, ...], values: tuple[int, ...], timeout: float,
+                     payload: bytes = b"") -> tuple[bool, list[bytes]]:
+        """``agree`` that also gathers every node's ``payload`` (in the order of ``nodes``), in the
+        same ceil(log2 N) rounds: whether every node gave the same values, and the payloads.
+
+        The schedule path's tiny all-reduce on more than 2 nodes: the contributions ride the
+        agreement, and every node combines all of them in node order (``dissemination_gather``)."""
+        nodes, me = self._check_nodes("agree", nodes)
+        head = b"".join(value.to_bytes(8, "little", signed=True) for value in values)
+        gathered = [head + payload]
+        if len(nodes) > 1:
+            limit = len(head) + MAX_AGREE_PAYLOAD
+            self._run(f"agree({len(values)} values, gathered)", "agree", nodes, timeout,
+                      lambda ex: gathered.__setitem__(
+                          slice(None), algorithms.dissemination_gather(ex, nodes, me, head + payload, limit)))
+        else:
+            self._usable("agree", nodes)
+        same = all(block[:len(head)] == head for block in gathered)
+        return same, [block[len(head):] for block in gathered]
+
     def close(self) -> None:
         """Close every socket; a pending call fails with LaneError, later calls are refused.  Idempotent."""
         if self._closed:
