@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv docs device-check demo test test-all stress equivalence conformance conformance-gloo-gates conformance-full bench bench-multinode bench-algorithms bench-ddp lint clean
+.PHONY: venv docs device-check demo test test-extended test-all stress equivalence conformance conformance-gloo-gates conformance-full bench bench-multinode bench-algorithms bench-ddp lint clean
 
 venv: $(STAMP)
 
@@ -26,7 +26,12 @@ BYTECODE := $(PY) -m compileall -q -j 0 commd tests benchmarks > /dev/null
 
 test: venv
 	$(BYTECODE)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow and not extended"
+
+# The rest of the tests CI runs (longer model-based and end-to-end ones; make test stays under 15 min).
+test-extended: venv
+	$(BYTECODE)
+	$(PY) -m pytest -q -m "extended and not slow"
 
 test-all: venv
 	$(BYTECODE)
@@ -40,7 +45,7 @@ stress: venv
 
 # One op model on every path: random schedules of ops and faults against a model of the contract,
 # on 1 node (2 and 3 ranks, staged tensors too) and 2, exchange rings on and off
-# (tests/test_path_equivalence.py; make test runs 150 on one node, ring on and off).
+# (tests/test_path_equivalence.py; make test-extended runs 150 on one node, ring on and off, and on the schedule path).
 EQUIVALENCE_SCHEDULES ?= 5000
 equivalence: venv
 	EQUIVALENCE_ALL=1 EQUIVALENCE_SCHEDULES=$(EQUIVALENCE_SCHEDULES) $(PY) -m pytest -q -s tests/test_path_equivalence.py

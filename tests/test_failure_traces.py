@@ -109,6 +109,7 @@ def test_mismatch_timeout_and_dead_peer_each_leave_one_log_line(daemon: DaemonPr
 
 
 # ---- f. a flooding client costs a bounded number of log lines ---------------------------
+@pytest.mark.extended  # make test-extended (CI runs it after make test)
 @pytest.mark.timeout(120)
 def test_a_flood_of_bad_messages_is_rate_limited(daemon: DaemonProcess) -> None:
     flood = 500

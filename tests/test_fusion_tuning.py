@@ -19,6 +19,8 @@ from cluster import Cluster
 from commd.cli.status import format_status, human_bytes
 from commd.scheduler.tuning import TuningTable
 
+pytestmark = pytest.mark.extended  # make test-extended (CI runs it after make test)
+
 
 def _burst(c: Cluster, lane: str, seed: int, count: int) -> dict[int, list[str]]:
     results = c.join(c.start_workers(fw.fused_burst, lane, seed, count), timeout=120)

@@ -2,8 +2,9 @@
 model's (tests/path_equivalence.py), whatever path runs them — the group's exchange ring or the
 daemon, on one node or on a bridged ring across two — and never a value that mixes two ops.
 
-``make test`` runs ``EQUIVALENCE_SCHEDULES`` schedules (default 150) on one node, ring on and off,
-and the issue's schedule on one node and on two; ``make equivalence`` runs thousands, on every
+``make test`` runs the issue's schedule on one node and on two; ``make test-extended`` (run by CI
+after it) runs ``EQUIVALENCE_SCHEDULES`` random schedules (default 150) on one node, ring on and
+off, and on the schedule path; ``make equivalence`` runs thousands, on every
 configuration (two nodes, three ranks, staged tensors).  The issue's own schedule (a caught timeout, then a late rank)
 is a regression test of its own, on every configuration.
 """
@@ -173,19 +174,21 @@ def _check_equivalence(results: dict[int, Any], where: str, path: str, group_eve
         assert results[0]["on_ring"] == 0
 
 
+@pytest.mark.extended  # make test-extended, make equivalence (CI runs both after make test)
 @pytest.mark.timeout(RUN_LIMIT_S + 60)
 @pytest.mark.parametrize("path", list(ONE_NODE) if EVERY_CONFIG else sorted(RING))
 def test_random_schedules_give_the_model_outcomes_on_one_node(backend_env: Any, tmp_path: Path, path: str) -> None:
     _check_equivalence(_one_node(tmp_path, path, "schedules"), "one node", path)
 
 
-@pytest.mark.slow  # make equivalence, make test-all (make test: one node, and the issue's schedule on two)
+@pytest.mark.slow  # make equivalence, make test-all (make test-extended: one node and the schedule path)
 @pytest.mark.timeout(RUN_LIMIT_S + 60)
 @pytest.mark.parametrize("path", sorted(RING))
 def test_random_schedules_give_the_model_outcomes_across_two_nodes(cluster: Any, path: str) -> None:
     _check_equivalence(_two_nodes(cluster, RING[path], "schedules"), "two nodes", path, GROUP_EVERY)
 
 
+@pytest.mark.extended  # make test-extended (CI runs it after make test)
 @pytest.mark.timeout(RUN_LIMIT_S + 60)
 def test_random_schedules_give_the_model_outcomes_on_the_schedule_path(cluster: Any) -> None:
     """Across two nodes through the daemons, the schedules in blocks that repeat: the fabric's

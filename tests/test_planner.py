@@ -77,6 +77,7 @@ def test_the_exact_solvers_find_what_brute_force_finds(dag: bool) -> None:
             or problem.is_chain()
 
 
+@pytest.mark.extended  # make test-extended (CI runs it after make test)
 def test_descent_with_windows_of_three_from_32_starts_finds_the_optimum_of_200_random_chains_and_graphs() -> None:
     for seed in range(200):
         for dag in (False, True):
@@ -85,6 +86,7 @@ def test_descent_with_windows_of_three_from_32_starts_finds_the_optimum_of_200_r
             assert search.descent(problem, window=3, random_starts=32).total == pytest.approx(optimum, rel=1e-9), f"seed {seed}, dag {dag}"
 
 
+@pytest.mark.extended  # make test-extended (CI runs it after make test)
 def test_the_planners_descent_finds_the_exact_optimum_on_200_random_models() -> None:
     """Windows of two from the planner's starts, on models of every family, random sizes and costs,
     1-D and 2-D meshes: ``--search both`` never finds a gap."""

@@ -286,6 +286,7 @@ def _two_d_rank(rank: int, plans: dict[str, dict[str, Any]]) -> None:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.extended  # make test-extended (CI runs it after make test)
 def test_megatron_plans_applied_on_commd_train_like_one_process(backend_env: Path) -> None:
     plans = {"mlp": forced_plan("mlp", (2,), (8, 32)),
              "sp_mlp": forced_plan("sp_mlp", (2,), (2, 4, 8), {"3": ("seq",)})}
@@ -293,6 +294,7 @@ def test_megatron_plans_applied_on_commd_train_like_one_process(backend_env: Pat
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.extended  # make test-extended (CI runs it after make test)
 def test_an_fsdp_plan_on_a_1d_mesh_applied_on_commd_trains_like_one_process(backend_env: Path) -> None:
     graph = trace(planner_models.mlp, (8, 32))
     made = forced_plan("mlp", (2,), (8, 32), {x.name: ("fsdp",) if x.kind == "linear" else ("dp",)
@@ -311,6 +313,7 @@ def test_a_dp_by_tp_plan_applied_on_commd_trains_like_one_process(backend_env: P
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.extended  # make test-extended (CI runs it after make test)
 def test_a_mixed_cnn_plan_applied_on_commd_trains_like_one_process(backend_env: Path) -> None:
     """The planner's optimum (whole output: the data-parallel convolutions' gradients summed), its row-split
     variant, the optimum with its convolutions fully sharded (summed by reduce-scatter), and with its tail
@@ -334,6 +337,7 @@ def _split_gpt_rank(rank: int, made: dict[str, Any]) -> None:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.extended  # make test-extended (CI runs it after make test)
 def test_megatron_splits_separate_projection_attention_by_heads_and_trains_like_one_process(
         backend_env: Path) -> None:
     """q, k, v column layers, their views, transposes and attention split by heads, the output projection
@@ -410,6 +414,7 @@ def _encoder_rank(rank: int, plans: dict[str, dict[str, Any]]) -> None:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.extended  # make test-extended (CI runs it after make test)
 def test_torchs_transformer_encoder_applied_on_commd_trains_like_one_process(backend_env: Path) -> None:
     """nn.TransformerEncoder as torch builds it by default (sequence-first, packed attention projections):
     the planner's own plan where compute is dear (plain DDP, the batch split on its dimension 1, as for the

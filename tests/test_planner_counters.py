@@ -25,6 +25,8 @@ from commd.planner import plan as planner
 from commd.planner.apply import apply
 from commd.planner.trace import trace
 
+pytestmark = pytest.mark.extended  # make test-extended (CI runs it after make test)
+
 #: (factory, mesh shape, input shape, strategy overrides, the choice overridden): a Megatron MLP,
 #: Megatron-SP, dp x tp (FSDP2's replicate or fully_shard on dp: a row layer's bias is whole on tp), and
 #: the planner's own optimum for a VGG-like CNN (data-parallel convolutions, a Megatron classifier: the

@@ -19,6 +19,8 @@ from cluster import Cluster
 
 from commd.sim.hosts import netns_unavailable
 
+pytestmark = pytest.mark.extended  # make test-extended (CI runs it after make test)
+
 PROGRAMS = int(os.environ.get("STRESS_PROGRAMS", "1"))
 HOSTS = int(os.environ.get("STRESS_HOSTS", "3"))
 LENGTH = int(os.environ.get("STRESS_LENGTH", "24"))

@@ -400,6 +400,7 @@ def test_a_daemon_that_dies_is_a_dist_network_error(backend_env: Path) -> None:
         assert "daemon" in got["message"] and "died" in got["message"], (when, got)
 
 
+@pytest.mark.extended  # make test-extended (CI runs it after make test)
 @pytest.mark.parametrize("backend", ["commd", "gloo"])
 def test_a_rank_that_never_initializes_is_a_dist_store_error_naming_it(backend_env: Path, tmp_path: Path,
                                                                        backend: str) -> None:
@@ -415,6 +416,7 @@ def test_a_rank_that_never_initializes_is_a_dist_store_error_naming_it(backend_e
 
 
 # ---- monitored_barrier ------------------------------------------------------------------------
+@pytest.mark.extended  # make test-extended (CI runs it after make test)
 @pytest.mark.parametrize(("away", "wait_all_ranks"), [([1], False), ([1, 2], True)], ids=["first", "all"])
 def test_monitored_barrier_names_the_ranks_that_stay_away_as_gloo_does(
     backend_env: Path, away: list[int], wait_all_ranks: bool
@@ -434,6 +436,7 @@ def test_monitored_barrier_names_the_ranks_that_stay_away_as_gloo_does(
         assert 0.9 <= seen["elapsed"] < 11, (rank, seen)
 
 
+@pytest.mark.extended  # make test-extended (CI runs it after make test)
 def test_a_groups_own_monitored_barrier_names_the_missing_rank_as_gloos_does(backend_env: Path) -> None:
     """``ProcessGroup.monitored_barrier`` (which torch does not refuse) on a commd group is commd's."""
     gloo = run_ranks(_group_monitored, 2, [0], "gloo", [1])[0]
