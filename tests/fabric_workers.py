@@ -590,9 +590,10 @@ def late_on_schedule(ctx: Any, warm: int, late_s: float) -> dict[str, Any]:
     return {"message": message, "waited": waited, "counters": _fabric_counters(ctx)}
 
 
-def fault_on_schedule(ctx: Any, warm: int) -> str:
-    """A repeating all-reduce goes onto the schedule; then the test kills node 1's daemon or one of
-    its ranks while node 0's ranks wait in the next op: they get an error naming what died, not a hang."""
+def fault_on_schedule(ctx: Any, warm: int, victims: int = 0) -> str:
+    """A repeating all-reduce goes onto the schedule; then the test kills the last node's daemon or
+    one of its ranks (``victims`` of them, default half the world) while the other ranks wait in the
+    next op: they get an error naming what died, not a hang."""
     from commd.client.errors import CommdError
 
     client = ctx.connect()
@@ -602,8 +603,8 @@ def fault_on_schedule(ctx: Any, warm: int) -> str:
         ops.all_reduce(client, t).wait(60)
     counters = _fabric_counters(ctx)
     ctx.event("warm", counters["paths"])
-    if ctx.rank >= ctx.world_size // 2:
-        ctx.command()  # node 1's ranks wait here until killed
+    if ctx.rank >= ctx.world_size - (victims or ctx.world_size // 2):
+        ctx.command()  # the victim node's ranks wait here until killed
         return "unreachable"
     handle = ops.all_reduce(client, t, timeout=60)
     ctx.event("submitted")

@@ -70,6 +70,28 @@ def test_tiny_all_reduces_on_three_nodes_ride_the_agreement_with_the_coordinator
         assert value["bitwise_equal_steps"] == steps, (rank, value)
         assert value["paths"]["scheduled"] >= 3 * 4, (rank, value)  # at least 4 steps on the schedule
         assert value["schedule"]["reduced_in_agreement"] >= 2 * 4, (rank, value)  # their 2 tiny ops each
+        # ops waited one at a time: the lane is idle at each tiny op, whose rounds run on the event loop
+        assert value["schedule"]["slots_run"]["split"] >= 2 * 4, (rank, value)
+
+
+def test_a_dead_node_fails_a_gathered_agreement_on_three_nodes_in_bounded_time(cluster) -> None:
+    """3 nodes: the tiny all-reduce's agreement runs its rounds on the event loops when node 2's
+    daemon is SIGKILLed; the other nodes' ranks raise an error naming it, not a hang."""
+    c = cluster(3, 2, peer_timeout=2.0, op_timeout=30.0)
+    workers = c.start_workers(fw.fault_on_schedule, 6, 2)
+    for w in workers:
+        for rank in w.procs:
+            assert w.wait_event(rank, "warm")["scheduled"] > 0  # (on the schedule before the fault)
+    for node in (0, 1):
+        for rank in workers[node].procs:
+            workers[node].wait_event(rank, "submitted")
+    started = time.monotonic()
+    os.kill(c.daemon_pid(2), signal.SIGKILL)
+    results = {**workers[0].join(timeout=60), **workers[1].join(timeout=60)}
+    assert time.monotonic() - started < 20, "the error took longer than the peer timeout allows"
+    assert sorted(results) == [0, 1, 2, 3], results
+    for rank, text in results.items():
+        assert "PeerDied" in text and ("node 2" in text or "n2" in text), (rank, text)
 
 
 # ---- in process --------------------------------------------------------------------------

@@ -7,10 +7,12 @@ ops on an exchange ring leave gaps, the same on every node) takes place ``order 
 the global order and should match slot ``i % len(slots)``.  From then on each node releases those ops
 itself, in that order, without a report or a release:
 
-1. the op's local ranks are ready → it is queued on the tcp lane's worker at its
-   place (never run on the event loop: the other nodes may not be ready yet);
-2. on the worker, the op's nodes first *agree* (``TcpLane.agree``: a dissemination
-   maximum, log2 N rounds of 32 bytes) on (place, cache id); a node whose op does not
+1. the op's local ranks are ready → it is queued at its place, on the tcp lane's
+   worker, or, when the lane is idle and the agreement can wait for its peers on the
+   event loop (2 nodes, or a tiny all-reduce's gathered agreement), on the loop;
+2. the op's nodes first *agree* (``TcpLane.agree``: a dissemination maximum, log2 N
+   rounds of 32 bytes; ``offer``/``accept`` on 2 nodes; ``agree_gather`` for a tiny
+   all-reduce on more) on (place, cache id, sequence number); a node whose op does not
    match its slot sends cache id -1;
 3. all equal → the op runs like a released one; anything else → every node of the
    op sees the same disagreement at the same place, the schedule ends there on every
@@ -41,6 +43,8 @@ from commd.execution.hierarchy import GroupPlacement, apply_result, run
 from commd.execution.workers import worker_key
 from commd.kernels import eager
 from commd.lanes.base import LaneError
+from commd.lanes.tcp.algorithms import gather_rounds
+from commd.lanes.tcp.lane import gather_head, gathered_agreement
 from commd.protocol import fabric as wire
 from commd.protocol import schema as s
 
@@ -265,6 +269,7 @@ class ScheduledPath:
         tiny = (op is not None and stamp >= 0 and (peer is not None or gathers) and op.kind == "allreduce"
                 and not op.on_gpu and 0 < op.nbytes <= self.eager_bytes)
         offered: list[bytes] = []  # this node's payload, once its part of a 2-node agreement is sent
+        gathered: list[list[bytes]] = []  # every node's block, once the event loop ran a gather's rounds
 
         def offer(cap: float) -> None:
             """Send this node's part of a 2-node agreement: the values, and a tiny all-reduce's
@@ -282,7 +287,9 @@ class ScheduledPath:
                 raise ScheduleDeviated()
             parts: list[bytes] = []  # every node's contribution, in node order
             try:
-                if peer is None and gathers:
+                if peer is None and gathers and gathered:
+                    same, parts = gathered_agreement((order, stamp, seq), gathered[0])
+                elif peer is None and gathers:
                     mine = self._contribution(op) if tiny and op is not None else b""
                     same, parts = lane.agree_gather(nodes, (order, stamp, seq), min(agree_timeout, cap), mine)
                 elif peer is None:
@@ -332,16 +339,79 @@ class ScheduledPath:
                 run_now()
 
         workers = self.runner.workers
-        if peer is None or workers.key_busy(WORKER_KEY) or not workers.group_done(sched.group):
+        late = self.ended_at is not None and index >= self.ended_at
+        if (peer is None and not gathers) or late or workers.key_busy(WORKER_KEY) or not workers.group_done(sched.group):
             self.modes["worker"] += 1
             enqueue(NEVER_INLINE)  # on the worker, in its order
+            return
+        loop = workers.loop
+        if peer is None:
+            # A gathered agreement on more than 2 nodes, the lane idle: its rounds run on the event
+            # loop, each as soon as the peer's part is there (no thread hop, no blocked loop).
+            self.modes["split"] += 1
+            me = nodes.index(self.fabric.node_rank)
+            mine = self._contribution(op) if tiny and op is not None else b""
+            held = [gather_head((order, stamp, seq)) + mine]
+            rounds = collections.deque(gather_rounds(len(nodes), me))
+            sent = [False]
+            woken = [False]  # the loop saw the round's peer readable: its part, or its end (EOF)
+            deadline = time.monotonic() + agree_timeout
+
+            def advance() -> str:
+                """Run the rounds whose peer's part has arrived: 'done', 'armed' (waiting for a
+                peer's part on the loop) or 'failed' (the slot is done, with the lane's error)."""
+                try:
+                    while rounds:
+                        count, to, frm = rounds[0]
+                        if not sent[0]:
+                            lane.gather_send(nodes, nodes[to], held[:count], agree_timeout)
+                            sent[0] = True
+                        if not woken[0] and not lane.peer_waiting(nodes[frm]):
+                            fd = lane.peer_fileno(nodes[frm])
+                            if fd is None:
+                                raise LaneError(f"tcp agree: node {nodes[frm]}'s stream is closed", s.E_PEER_DIED)
+                            arm(fd, nodes[frm])
+                            return "armed"
+                        held.extend(lane.gather_recv(nodes, nodes[frm], count, max(0.0, deadline - time.monotonic())))
+                        rounds.popleft()
+                        sent[0] = woken[0] = False
+                except LaneError as exc:
+                    self._ended(index)
+                    done(str(exc), exc.code)
+                    return "failed"
+                gathered.append([held[(i - me) % len(nodes)] for i in range(len(nodes))])
+                enqueue(self.solo_inline_bytes)
+                return "done"
+
+            def arm(fd: int, frm: int) -> None:
+                def readable() -> None:
+                    if self._armed is None or self._armed[0] != index:
+                        return
+                    loop.remove_reader(fd)
+                    self._armed = None
+                    woken[0] = True  # read now: the part, or the lane's error for a closed stream
+                    if advance() != "armed":
+                        self._launch_queued()
+
+                def give_up(why: str) -> None:
+                    loop.remove_reader(fd)
+                    self._armed = None
+                    self._ended(index)
+                    lane.abandon(frm, why)
+                    done(f"tcp agree with node {frm}: {why}", s.E_TIMEOUT)
+                    self._launch_queued()
+
+                self._armed = (index, deadline, give_up)
+                loop.add_reader(fd, readable)
+
+            advance()
             return
         if lane.peer_waiting(peer):
             self.modes["inline"] += 1
             enqueue(self.solo_inline_bytes)  # the peer's part is here: nothing to wait for
             return
         fd = lane.peer_fileno(peer)
-        if fd is None or (self.ended_at is not None and index >= self.ended_at):
+        if fd is None:
             self.modes["worker"] += 1
             enqueue(NEVER_INLINE)
             return
@@ -354,7 +424,6 @@ class ScheduledPath:
             self._ended(index)
             done(str(exc), exc.code)
             return
-        loop = workers.loop
 
         def answered() -> None:
             if self._armed is None or self._armed[0] != index:

@@ -197,40 +197,64 @@ def dissemination_gather(tp: Transport, nodes: tuple[int, ...], me: int, block: 
     the blocks it holds that the receiver lacks, their lengths first, so blocks of different
     lengths (a node that deviates from a schedule sends no payload) need no round more.  The
     receiver posts the blocks' read from the lengths' completion: both directions progress
-    together, whatever the sizes."""
-    n, held, d = len(nodes), [bytes(block)], 1
-    while d < n:
-        count = min(d, n - d)
-        to, frm = nodes[(me - d) % n], nodes[(me + d) % n]
-        out_lengths = memoryview(bytearray(8 * count)).cast("q")
-        for i in range(count):
-            out_lengths[i] = len(held[i])
-        in_lengths = memoryview(bytearray(8 * count)).cast("q")
-        got: list[tuple[list[int], bytearray]] = []
-
-        def lengths_in(in_lengths: memoryview = in_lengths, frm: int = frm,
-                       got: list[tuple[list[int], bytearray]] = got) -> None:
-            sizes = list(in_lengths)
-            if any(not 0 <= size <= limit for size in sizes):
-                got.append((sizes, bytearray()))  # refused after the wait: the stream is out of step
-                return
-            body = bytearray(sum(sizes))
-            got.append((sizes, body))
-            if body:
-                tp.post_recv(frm, memoryview(body))
-
-        tp.post_send(to, out_lengths.cast("B"))
-        if any(out_lengths):
-            tp.post_send(to, memoryview(b"".join(held[:count])))
-        tp.post_recv(frm, in_lengths.cast("B"), lengths_in)
+    together, whatever the sizes.  An event loop may run the same rounds one at a time
+    (``gather_send``, ``gather_recv``): the bytes on the wire are the same."""
+    n, held = len(nodes), [bytes(block)]
+    for count, to, frm in gather_rounds(n, me):
+        gather_send(tp, nodes[to], held[:count])
+        finish = gather_recv(tp, nodes[frm], count, limit)
         tp.wait()
+        held.extend(finish())
+    return [held[(i - me) % n] for i in range(n)]
+
+
+def gather_rounds(n: int, me: int) -> list[tuple[int, int, int]]:
+    """The rounds of ``dissemination_gather`` on ``n`` nodes for index ``me``: (blocks sent, the
+    index sent to, the index received from)."""
+    rounds, d = [], 1
+    while d < n:
+        rounds.append((min(d, n - d), (me - d) % n, (me + d) % n))
+        d *= 2
+    return rounds
+
+
+def gather_send(tp: Transport, to: int, blocks: list[bytes]) -> None:
+    """Post one round's send of ``dissemination_gather``: the blocks' lengths, then the blocks."""
+    lengths = memoryview(bytearray(8 * len(blocks))).cast("q")
+    for i, block in enumerate(blocks):
+        lengths[i] = len(block)
+    tp.post_send(to, lengths.cast("B"))
+    if any(lengths):
+        tp.post_send(to, memoryview(b"".join(blocks)))
+
+
+def gather_recv(tp: Transport, frm: int, count: int, limit: int) -> Callable[[], list[bytes]]:
+    """Post one round's receive of ``dissemination_gather`` (``count`` blocks from ``frm``); after
+    the wait, the returned function gives the blocks (TransportError: a length over ``limit``)."""
+    lengths = memoryview(bytearray(8 * count)).cast("q")
+    got: list[tuple[list[int], bytearray]] = []
+
+    def lengths_in() -> None:
+        sizes = list(lengths)
+        if any(not 0 <= size <= limit for size in sizes):
+            got.append((sizes, bytearray()))  # refused after the wait: the stream is out of step
+            return
+        body = bytearray(sum(sizes))
+        got.append((sizes, body))
+        if body:
+            tp.post_recv(frm, memoryview(body))
+
+    tp.post_recv(frm, lengths.cast("B"), lengths_in)
+
+    def blocks() -> list[bytes]:
         sizes, body = got[0]
         if any(not 0 <= size <= limit for size in sizes):
             raise TransportError(frm, "protocol", f"node {frm} sent blocks of {sizes} bytes "
                                  f"(at most {limit} each) in an all-gather")
-        offset = 0
+        out, offset = [], 0
         for size in sizes:
-            held.append(bytes(body[offset:offset + size]))
+            out.append(bytes(body[offset:offset + size]))
             offset += size
-        d *= 2
-    return [held[(i - me) % n] for i in range(n)]
+        return out
+
+    return blocks

@@ -146,6 +146,19 @@ def _recv_only(ex: Exchange, peer: int, theirs: memoryview) -> bytes:
 
 #: The largest payload a two-node agreement carries (a tiny all-reduce's contribution, 4 KiB, in practice).
 MAX_AGREE_PAYLOAD = 16 << 20
+#: The longest block of a gathered agreement: its values (at most 8) and a payload.
+GATHER_LIMIT = 64 + MAX_AGREE_PAYLOAD
+
+
+def gather_head(values: tuple[int, ...]) -> bytes:
+    """The values that open each node's block of a gathered agreement."""
+    return b"".join(value.to_bytes(8, "little", signed=True) for value in values)
+
+
+def gathered_agreement(values: tuple[int, ...], blocks: list[bytes]) -> tuple[bool, list[bytes]]:
+    """From every node's block (in node order): whether all opened with ``values``, and their payloads."""
+    head = gather_head(values)
+    return all(block[:len(head)] == head for block in blocks), [block[len(head):] for block in blocks]
 
 
 class TcpLane:
@@ -623,17 +636,36 @@ class TcpLane:
         The schedule path's tiny all-reduce on more than 2 nodes: the contributions ride the
         agreement, and every node combines all of them in node order (``dissemination_gather``)."""
         nodes, me = self._check_nodes("agree", nodes)
-        head = b"".join(value.to_bytes(8, "little", signed=True) for value in values)
+        head = gather_head(values)
         gathered = [head + payload]
         if len(nodes) > 1:
-            limit = len(head) + MAX_AGREE_PAYLOAD
             self._run(f"agree({len(values)} values, gathered)", "agree", nodes, timeout,
                       lambda ex: gathered.__setitem__(
-                          slice(None), algorithms.dissemination_gather(ex, nodes, me, head + payload, limit)))
+                          slice(None), algorithms.dissemination_gather(ex, nodes, me, head + payload, GATHER_LIMIT)))
         else:
             self._usable("agree", nodes)
-        same = all(block[:len(head)] == head for block in gathered)
-        return same, [block[len(head):] for block in gathered]
+        return gathered_agreement(values, gathered)
+
+    def gather_send(self, nodes: tuple[int, ...], to: int, blocks: list[bytes], timeout: float) -> None:
+        """One round's send of ``agree_gather``, for an event loop that runs its rounds one at a time
+        (``algorithms.gather_rounds``); the blocks are small, so the socket takes them at once."""
+        self._check_nodes("agree", nodes)
+        self._run("agree (gathered: a round's send)", "agree", nodes, timeout,
+                  lambda ex: (algorithms.gather_send(ex, to, blocks), ex.wait()))
+
+    def gather_recv(self, nodes: tuple[int, ...], frm: int, count: int, timeout: float) -> list[bytes]:
+        """One round's receive of ``agree_gather``: the ``count`` blocks ``frm`` sent (call it once
+        ``peer_waiting(frm)``, and it does not wait)."""
+        self._check_nodes("agree", nodes)
+        box: list[list[bytes]] = []
+
+        def body(ex: Exchange) -> None:
+            finish = algorithms.gather_recv(ex, frm, count, GATHER_LIMIT)
+            ex.wait()
+            box.append(finish())
+
+        self._run("agree (gathered: a round's receive)", "agree", nodes, timeout, body)
+        return box[0]
 
     def close(self) -> None:
         """Close every socket; a pending call fails with LaneError, later calls are refused.  Idempotent."""
