@@ -112,7 +112,7 @@ class ScheduledPath:
         self.dead_ranks: dict[int, str] = {}  # global rank -> why, for this schedule's ops
         #: Slots released here and not yet started (each starts after the one before it).
         self._queued: collections.deque[tuple] = collections.deque()
-        #: A 2-node slot whose part was sent, waiting on the event loop for the peer's: (slot, deadline,
+        #: A slot whose part was sent, waiting on the event loop for a peer's: (slot, deadline,
         #: give up).  Later slots wait in ``_queued`` meanwhile: the lane's stream is between two halves.
         self._armed: tuple[int, float, Callable[[str], None]] | None = None
         #: How the slots ran: on the lane's worker, on the event loop at once (the peer's part was
@@ -344,7 +344,6 @@ class ScheduledPath:
             self.modes["worker"] += 1
             enqueue(NEVER_INLINE)  # on the worker, in its order
             return
-        loop = workers.loop
         if peer is None:
             # A gathered agreement on more than 2 nodes, the lane idle: its rounds run on the event
             # loop, each as soon as the peer's part is there (no thread hop, no blocked loop).
@@ -370,7 +369,7 @@ class ScheduledPath:
                             fd = lane.peer_fileno(nodes[frm])
                             if fd is None:
                                 raise LaneError(f"tcp agree: node {nodes[frm]}'s stream is closed", s.E_PEER_DIED)
-                            arm(fd, nodes[frm])
+                            self._wait_for_part(index, deadline, fd, nodes[frm], resume, done)
                             return "armed"
                         held.extend(lane.gather_recv(nodes, nodes[frm], count, max(0.0, deadline - time.monotonic())))
                         rounds.popleft()
@@ -383,26 +382,10 @@ class ScheduledPath:
                 enqueue(self.solo_inline_bytes)
                 return "done"
 
-            def arm(fd: int, frm: int) -> None:
-                def readable() -> None:
-                    if self._armed is None or self._armed[0] != index:
-                        return
-                    loop.remove_reader(fd)
-                    self._armed = None
-                    woken[0] = True  # read now: the part, or the lane's error for a closed stream
-                    if advance() != "armed":
-                        self._launch_queued()
-
-                def give_up(why: str) -> None:
-                    loop.remove_reader(fd)
-                    self._armed = None
-                    self._ended(index)
-                    lane.abandon(frm, why)
-                    done(f"tcp agree with node {frm}: {why}", s.E_TIMEOUT)
+            def resume() -> None:
+                woken[0] = True  # read now: the part, or the lane's error for a closed stream
+                if advance() != "armed":
                     self._launch_queued()
-
-                self._armed = (index, deadline, give_up)
-                loop.add_reader(fd, readable)
 
             advance()
             return
@@ -426,23 +409,35 @@ class ScheduledPath:
             return
 
         def answered() -> None:
+            enqueue(self.solo_inline_bytes)
+            self._launch_queued()
+
+        self._wait_for_part(index, time.monotonic() + agree_timeout, fd, peer, answered, done)
+
+    def _wait_for_part(self, index: int, deadline: float, fd: int, peer: int, resume: Callable[[], None],
+                       done: Callable[[str | None, str], None]) -> None:
+        """Slot ``index`` waits on the event loop for ``peer``'s part of its agreement (its socket
+        ``fd`` readable: ``resume``); later slots wait behind it.  Past ``deadline`` (``tick``) it
+        gives up: the stream is out of step, the slot fails with a timeout, the schedule ends."""
+        loop = self.runner.workers.loop
+
+        def readable() -> None:
             if self._armed is None or self._armed[0] != index:
                 return
             loop.remove_reader(fd)
             self._armed = None
-            enqueue(self.solo_inline_bytes)
-            self._launch_queued()
+            resume()
 
         def give_up(why: str) -> None:
             loop.remove_reader(fd)
             self._armed = None
             self._ended(index)
-            lane.abandon(peer, why)
+            self.fabric.lanes[LANE].abandon(peer, why)
             done(f"tcp agree with node {peer}: {why}", s.E_TIMEOUT)
             self._launch_queued()
 
-        self._armed = (index, time.monotonic() + agree_timeout, give_up)
-        loop.add_reader(fd, answered)
+        self._armed = (index, deadline, give_up)
+        loop.add_reader(fd, readable)
 
     def _contribution(self, op: ReadyOp) -> bytes:
         """This node's ranks of a tiny all-reduce reduced locally (``kernels.eager``), as bytes."""
