@@ -120,7 +120,7 @@ def two_node_main(ctx: Any, port: int, ring: str, what: str, repeat: int = 1) ->
                             world_size=ctx.world_size, timeout=timedelta(seconds=TIMEOUT_S))
     try:
         result: Any = (issue_schedule(ctx.rank) if what == "issue"
-                       else run(ctx.rank, 2, SEED, SCHEDULES, dist, torch, GROUP_EVERY, repeat))
+                       else run(ctx.rank, ctx.world_size, SEED, SCHEDULES, dist, torch, GROUP_EVERY, repeat))
         dist.barrier()
         return json.dumps(result)
     finally:
@@ -133,12 +133,12 @@ def _one_node(tmp_path: Path, config: str, what: str) -> dict[int, Any]:
     return {r: json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world)}
 
 
-def _two_nodes(cluster: Any, ring: str, what: str, repeat: int = 1) -> dict[int, Any]:
-    c = cluster(2, 1, op_timeout=TIMEOUT_S)
+def _two_nodes(cluster: Any, ring: str, what: str, repeat: int = 1, nodes: int = 2) -> dict[int, Any]:
+    c = cluster(nodes, 1, op_timeout=TIMEOUT_S)
     results = c.join(c.start_workers(two_node_main, free_port(), ring, what, repeat), timeout=RUN_LIMIT_S)
     out = {r: json.loads(value) for r, value in results.items()}
     if isinstance(out[0], dict):
-        out[0]["paths"] = [c.status(node)["fabric"]["paths"] for node in (0, 1)]
+        out[0]["paths"] = [c.status(node)["fabric"]["paths"] for node in range(nodes)]
     return out
 
 
@@ -190,8 +190,11 @@ def test_random_schedules_give_the_model_outcomes_across_two_nodes(cluster: Any,
 
 @pytest.mark.extended  # make test-extended (CI runs it after make test)
 @pytest.mark.timeout(RUN_LIMIT_S + 60)
-def test_random_schedules_give_the_model_outcomes_on_the_schedule_path(cluster: Any) -> None:
-    """Across two nodes through the daemons, the schedules in blocks that repeat: the fabric's
-    schedule path runs them (counted on both nodes), and the faults in each block's last schedule
-    make it leave the path: mismatches, another kind, a late rank — every outcome the model's."""
-    _check_equivalence(_two_nodes(cluster, "0", "schedules", REPEAT), "two nodes", "schedule", GROUP_EVERY, REPEAT)
+@pytest.mark.parametrize("nodes", [2, 3])
+def test_random_schedules_give_the_model_outcomes_on_the_schedule_path(cluster: Any, nodes: int) -> None:
+    """Across nodes through the daemons, the schedules in blocks that repeat: the fabric's schedule
+    path runs them (counted on every node), and the faults in each block's last schedule make it
+    leave the path: mismatches, another kind, a late rank — every outcome the model's.  On 3 nodes
+    a tiny all-reduce's contributions ride its gathered agreement."""
+    _check_equivalence(_two_nodes(cluster, "0", "schedules", REPEAT, nodes), f"{nodes} nodes", "schedule",
+                       GROUP_EVERY, REPEAT)
