@@ -463,6 +463,50 @@ def _fabric_counters(ctx: Any) -> dict[str, Any]:
     return {"paths": fabric["paths"], "control": fabric["control_items"]}
 
 
+def ddp_fault_on_schedule(ctx: Any, port: int, fail_step: int) -> dict[str, Any]:
+    """DDP through the torch backend, every all-reduce through the daemons: once the steps run on
+    the schedule, rank 1 dies at ``fail_step``.  The others record what DDP raised, then what an
+    all-reduce's ``get_future()`` and ``wait()`` raise after it."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import commd  # noqa: F401 - registers the backend
+
+    os.environ["COMMD_LOCAL_RING"] = "0"
+    os.environ["COMMD_JOB"] = ctx.job
+    dist.init_process_group("commd", init_method=f"tcp://127.0.0.1:{port}", rank=ctx.rank,
+                            world_size=ctx.world_size, timeout=timedelta(seconds=30))
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    out: dict[str, Any] = {"steps": []}
+    try:
+        for step in range(fail_step + 5):
+            if step == fail_step:
+                out["paths"] = _fabric_counters(ctx)["paths"]
+                ctx.event("on schedule", out["paths"])
+                if ctx.rank == 1:
+                    ctx.command()  # the test kills this rank here
+            x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step * ctx.world_size + ctx.rank))
+            optimizer.zero_grad()
+            model(x).sum().backward()
+            optimizer.step()
+            out["steps"].append(step)
+        out["ddp"] = "no error"
+    except Exception as exc:
+        out["ddp"] = f"{type(exc).__name__}: {exc}"
+    for api in ("future", "wait"):
+        work = dist.all_reduce(torch.ones(16), async_op=True)
+        try:
+            work.get_future().wait() if api == "future" else work.wait()
+            out[api] = "no error"
+        except Exception as exc:
+            out[api] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
 def schedule_gather(ctx: Any, steps: int) -> dict[str, Any]:
     """A loop of a tiny float32 sum, a tiny int64 max and a 64 KiB sum, repeated on the same data,
     goes onto the schedule: every tiny sum's bits equal the first one's (negotiated: the coordinator

@@ -94,6 +94,26 @@ def test_a_dead_node_fails_a_gathered_agreement_on_three_nodes_in_bounded_time(c
         assert "PeerDied" in text and ("node 2" in text or "n2" in text), (rank, text)
 
 
+def test_a_rank_that_dies_under_ddp_on_the_schedule_fails_ddp_and_every_api_on_the_others(cluster) -> None:
+    """DDP's buckets through the daemons go onto the schedule; rank 1 is SIGKILLed before a step:
+    rank 0's backward raises naming rank 1, and so do a later all-reduce's future and wait()."""
+    from cluster import free_port
+
+    c = cluster(2, 1, peer_timeout=2.0, op_timeout=30.0)
+    fail_step = 10
+    workers = c.start_workers(fw.ddp_fault_on_schedule, free_port(), fail_step)
+    for w in workers:
+        for rank in w.procs:
+            assert w.wait_event(rank, "on schedule")["scheduled"] > 0  # (the buckets run on the schedule)
+    started = time.monotonic()
+    os.kill(workers[1].procs[1].pid, signal.SIGKILL)
+    result = workers[0].join(timeout=90)[0]
+    assert time.monotonic() - started < 30, "the error took longer than the peer timeout allows"
+    assert result["steps"] == list(range(fail_step)), result
+    for api in ("ddp", "future", "wait"):
+        assert "rank 1" in result[api] and "died" in result[api], (api, result)
+
+
 # ---- in process --------------------------------------------------------------------------
 
 def slot(cid: int) -> ScheduleSlot:
