@@ -43,7 +43,7 @@ from commd.execution.hierarchy import GroupPlacement, apply_result, run
 from commd.execution.workers import worker_key
 from commd.kernels import eager
 from commd.lanes.base import LaneError
-from commd.lanes.tcp.algorithms import gather_rounds
+from commd.lanes.tcp.algorithms import gather_rounds, in_node_order
 from commd.lanes.tcp.lane import gather_head, gathered_agreement
 from commd.protocol import fabric as wire
 from commd.protocol import schema as s
@@ -271,13 +271,17 @@ class ScheduledPath:
         offered: list[bytes] = []  # this node's payload, once its part of a 2-node agreement is sent
         gathered: list[list[bytes]] = []  # every node's block, once the event loop ran a gather's rounds
 
+        def payload() -> bytes:
+            """What this node's part of the agreement carries: a tiny all-reduce's contribution, read
+            when the part is sent (every earlier op of the group is done by then), else nothing."""
+            return self._contribution(op) if tiny and op is not None else b""
+
         def offer(cap: float) -> None:
-            """Send this node's part of a 2-node agreement: the values, and a tiny all-reduce's
-            contribution (read now: every earlier op of the group is done)."""
+            """Send this node's part of a 2-node agreement: the values, and its payload."""
             assert peer is not None
-            payload = self._contribution(op) if tiny and op is not None else b""
-            lane.offer(peer, (order, stamp, seq), min(agree_timeout, cap), payload)
-            offered.append(payload)
+            mine = payload()
+            lane.offer(peer, (order, stamp, seq), min(agree_timeout, cap), mine)
+            offered.append(mine)
 
         def agreed(cap: float) -> None:
             """The agreement (its second half, when this node's part went out already), then the op:
@@ -290,8 +294,7 @@ class ScheduledPath:
                 if peer is None and gathers and gathered:
                     same, parts = gathered_agreement((order, stamp, seq), gathered[0])
                 elif peer is None and gathers:
-                    mine = self._contribution(op) if tiny and op is not None else b""
-                    same, parts = lane.agree_gather(nodes, (order, stamp, seq), min(agree_timeout, cap), mine)
+                    same, parts = lane.agree_gather(nodes, (order, stamp, seq), min(agree_timeout, cap), payload())
                 elif peer is None:
                     same = lane.agree(nodes, (order, stamp, seq), min(agree_timeout, cap))
                 else:
@@ -349,23 +352,23 @@ class ScheduledPath:
             # loop, each as soon as the peer's part is there (no thread hop, no blocked loop).
             self.modes["split"] += 1
             me = nodes.index(self.fabric.node_rank)
-            mine = self._contribution(op) if tiny and op is not None else b""
-            held = [gather_head((order, stamp, seq)) + mine]
+            held = [gather_head((order, stamp, seq)) + payload()]
             rounds = collections.deque(gather_rounds(len(nodes), me))
-            sent = [False]
-            woken = [False]  # the loop saw the round's peer readable: its part, or its end (EOF)
+            sent = False  # this round's part is out
+            woken = False  # the loop saw the round's peer readable: its part, or its end (EOF)
             deadline = time.monotonic() + agree_timeout
 
             def advance() -> str:
                 """Run the rounds whose peer's part has arrived: 'done', 'armed' (waiting for a
                 peer's part on the loop) or 'failed' (the slot is done, with the lane's error)."""
+                nonlocal sent, woken
                 try:
                     while rounds:
                         count, to, frm = rounds[0]
-                        if not sent[0]:
+                        if not sent:
                             lane.gather_send(nodes, nodes[to], held[:count], agree_timeout)
-                            sent[0] = True
-                        if not woken[0] and not lane.peer_waiting(nodes[frm]):
+                            sent = True
+                        if not woken and not lane.peer_waiting(nodes[frm]):
                             fd = lane.peer_fileno(nodes[frm])
                             if fd is None:
                                 raise LaneError(f"tcp agree: node {nodes[frm]}'s stream is closed", s.E_PEER_DIED)
@@ -373,17 +376,18 @@ class ScheduledPath:
                             return "armed"
                         held.extend(lane.gather_recv(nodes, nodes[frm], count, max(0.0, deadline - time.monotonic())))
                         rounds.popleft()
-                        sent[0] = woken[0] = False
+                        sent = woken = False
                 except LaneError as exc:
                     self._ended(index)
                     done(str(exc), exc.code)
                     return "failed"
-                gathered.append([held[(i - me) % len(nodes)] for i in range(len(nodes))])
+                gathered.append(in_node_order(held, me))
                 enqueue(self.solo_inline_bytes)
                 return "done"
 
             def resume() -> None:
-                woken[0] = True  # read now: the part, or the lane's error for a closed stream
+                nonlocal woken
+                woken = True  # read now: the part, or the lane's error for a closed stream
                 if advance() != "armed":
                     self._launch_queued()
 

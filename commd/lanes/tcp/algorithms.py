@@ -205,6 +205,13 @@ def dissemination_gather(tp: Transport, nodes: tuple[int, ...], me: int, block: 
         finish = gather_recv(tp, nodes[frm], count, limit)
         tp.wait()
         held.extend(finish())
+    return in_node_order(held, me)
+
+
+def in_node_order(held: list[bytes], me: int) -> list[bytes]:
+    """The blocks a node holds after every round of ``dissemination_gather`` (its own first, then
+    those of the nodes after it), in the order of ``nodes``."""
+    n = len(held)
     return [held[(i - me) % n] for i in range(n)]
 
 
