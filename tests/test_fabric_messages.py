@@ -36,8 +36,10 @@ from commd.protocol.fabric import (
     P2pSend,
     RankDied,
     Ready,
+    ReadySet,
     RemoteSend,
     RingPart,
+    Routed,
     Schedule,
     ScheduleEnded,
     ScheduleSlot,
@@ -45,6 +47,7 @@ from commd.protocol.fabric import (
     Shutdown,
     StopSchedule,
     Trace,
+    Via,
     batch,
     decode,
     decode_batch,
@@ -108,6 +111,13 @@ CASES: list[tuple[Any, dict[str, Any], dict[str, Any]]] = [
     (StopSchedule(4), {"t": "sched_stop", "e": 4}, TO_COORDINATOR),
     (Ready("g", 3, None, 7, None, False, 1.25), {"t": "ready", "g": "g", "s": 3, "c": 7, "w": 1.25}, TO_COORDINATOR),
     (ScheduleEnded(3, 52), {"t": "sched_end", "e": 3, "o": 52}, TO_COORDINATOR),
+    (ReadySet("g", 4, 2, ((0, 3), (5, 6))), {"t": "ready_set", "g": "g", "s": 4, "c": 2, "r": [[0, 3], [5, 6]]},
+     TO_COORDINATOR),
+    (Via(5, [Ready("g", 4, cache_id=2), Heartbeat([])]),
+     {"t": "via", "n": 5, "items": [{"t": "ready", "g": "g", "s": 4, "c": 2}, {"t": "hb", "stalled": []}]},
+     TO_COORDINATOR),
+    (Routed(((1, 4),), [{"t": "go", "g": "g", "s": 3, "o": 17, "l": "tcp"}]),
+     {"t": "to", "r": [[1, 4]], "items": [{"t": "go", "g": "g", "s": 3, "o": 17, "l": "tcp"}]}, TO_MEMBER),
     (RemoteSend(SEND, sender_node=0),
      {"t": "remote_send", "key": 9, "dn": 1, "g": "pp", "src": 0, "dst": 3, "tag": 7, "dtype": "bfloat16",
       "count": 10, "nb": 20, "to": 30.0, "h": None, "sn": 0}, TO_MEMBER),
@@ -153,7 +163,7 @@ def test_received_map_decodes_to_the_message(message, expected, vocabulary) -> N
 def test_every_wire_type_is_pinned() -> None:
     pinned = {(expected["t"], vocabulary is TO_MEMBER) for _, expected, vocabulary in CASES}
     assert pinned == {(t, False) for t in TO_COORDINATOR} | {(t, True) for t in TO_MEMBER}
-    assert len({t for t, _ in pinned}) == 19  # one vocabulary of 19 types, two directions
+    assert len({t for t, _ in pinned}) == 22  # one vocabulary of 22 types, two directions
 
 
 def test_a_frame_holds_the_same_bytes_as_the_batch_map() -> None:
@@ -213,6 +223,12 @@ def test_a_frame_holds_the_same_bytes_as_the_batch_map() -> None:
          "'sched': field 'sl' (slots) must be a list of [cache id, lane, program, its sha256, codec, gather]"),
         (TO_MEMBER, {"t": "sched_stop"}, "'sched_stop': field 'e' (epoch) is missing"),
         (TO_COORDINATOR, {"t": "sched_end", "e": 1, "o": "2"}, "'sched_end': field 'o' (order) must be an integer"),
+        (TO_COORDINATOR, {"t": "ready_set", "g": "g", "s": 1, "c": 2, "r": [[3, 3]]}, "'r' (node ranges) must be"),
+        (TO_COORDINATOR, {"t": "ready_set", "g": "g", "s": 1, "c": 2, "r": [[0, 2], [1, 4]]}, "disjoint"),
+        (TO_COORDINATOR, {"t": "ready_set", "g": "g", "s": 1, "c": 2, "r": []}, "'r' (node ranges)"),
+        (TO_COORDINATOR, {"t": "via", "n": "x", "items": []}, "'via': field 'n' (node) must be an integer"),
+        (TO_COORDINATOR, {"t": "via", "n": 1, "items": 3}, "'via': field 'items'"),
+        (TO_MEMBER, {"t": "to", "r": [[0, 1]], "items": [3]}, "'to': field 'items' (items) must be a list of maps"),
         (TO_COORDINATOR, {"t": "go", "g": "g", "s": 1, "o": 1, "l": "tcp"}, "unknown type 'go'"),  # wrong direction
         (TO_COORDINATOR, {"g": "g"}, "unknown type None"),
         (TO_COORDINATOR, {"t": ["ready"]}, "unknown type ['ready']"),
@@ -265,7 +281,7 @@ def _member(node: _Node) -> tuple[FabricMember, _Link]:
     nodes = [SimpleNamespace(rank=r, name=f"n{r}", ip="127.0.0.1") for r in range(2)]
     link = _Link()
     fabric = SimpleNamespace(nnodes=2, node_rank=1, is_coordinator=False, config=None, lanes={}, nodes=nodes,
-                             links={0: link})
+                             links={0: link}, tree_links={})
     member = FabricMember(node, fabric, peer_timeout=10.0)  # type: ignore[arg-type]
     member.start(loop=None)
     return member, link

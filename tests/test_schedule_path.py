@@ -170,8 +170,7 @@ def run_ops(coord: Coordinator, seqs: range, cid: int | None) -> Outbox:
         for node in (0, 1):
             item = Ready("g", seq, pattern(node)) if cid is None else Ready("g", seq, None, cid)
             coord.report(node, [item], out)
-        for node, messages in out.messages.items():
-            every.messages.setdefault(node, []).extend(messages)
+        every.entries.extend(out.entries)
     return every
 
 

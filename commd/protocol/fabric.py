@@ -36,6 +36,9 @@ things each way):
 | ``sched_stop`` | ``StopSchedule`` | both | end the schedule at the first slot not yet released (a member asks when an op waited its timeout on it) | epoch ``e`` |
 | ``sched_end`` | ``ScheduleEnded`` | member → coordinator | this node ran the schedule up to (not including) an order | epoch ``e``, order ``o`` |
 | ``ring`` | ``RingPart`` | both | a node's part of a bridged exchange-ring all-reduce (the coordinator relays it) | group ``g``, seq ``s``, index ``i``, node ``sn``, to ``to``, dtype ``dt``, op ``o``, count ``n``, contribution ``d`` (bytes or nil); error ``e`` and message ``m`` when it failed there |
+| ``ready_set`` | ``ReadySet`` | relay → parent | the nodes in ``r`` all reported the op by one cache id (control tree) | group ``g``, seq ``s``, cache_id ``c``, node ranges ``r`` ([lo, hi) runs) |
+| ``via`` | ``Via`` | relay → parent | items of one node of the relay's subtree, in its order | node ``n``, items ``items`` |
+| ``to`` | ``Routed`` | parent → relay | items (wire maps) for the nodes in ``r`` | node ranges ``r``, items ``items`` |
 
 Plain data only: nothing here imports above ``protocol/``.  The classes are slotted
 dataclasses, not frozen ones: a frozen dataclass's constructor sets each field through
@@ -48,7 +51,7 @@ message; the code treats every message as immutable.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, NoReturn
 
 from commd.protocol.schema import ProtocolError
@@ -757,8 +760,95 @@ class ScheduleEnded:
         return cls(_int(item, "sched_end", "e", "epoch"), _int(item, "sched_end", "o", "order"))
 
 
+# ---- the control tree (scheduler/tree.py): relays between node 0 and the other nodes -------------------
+
+
+def _ranges(item: dict[str, Any], t: str) -> tuple[tuple[int, int], ...]:
+    """Node ranges ``r``: sorted, disjoint, non-empty [lo, hi) runs of non-negative node numbers (the
+    receiver checks them against its fabric)."""
+    runs = item.get("r")
+    last = 0
+    if type(runs) is not list or not runs or len(runs) > MAX_RANGES:
+        _bad(t, "r", "node ranges", f"a list of 1 to {MAX_RANGES} [lo, hi) runs", runs)
+    for run in runs:
+        if (type(run) is not list or len(run) != 2 or type(run[0]) is not int or type(run[1]) is not int
+                or not last <= run[0] < run[1]):
+            _bad(t, "r", "node ranges", "sorted, disjoint, non-empty [lo, hi) runs of node numbers", runs)
+        last = run[1]
+    return tuple((lo, hi) for lo, hi in runs)
+
+
+#: Runs in one range list at most (a group's nodes, clipped to a subtree).
+MAX_RANGES = 4096
+
+
+@dataclass(slots=True)
+class ReadySet:
+    """A relay's merge of its subtree's cached reports of one op: these nodes all reported
+    ``(group, seq)`` by cache id ``cache_id``, with nothing else."""
+
+    TYPE: ClassVar[str] = "ready_set"
+    group: str
+    seq: int
+    cache_id: int
+    ranges: tuple[tuple[int, int], ...]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": "ready_set", "g": self.group, "s": self.seq, "c": self.cache_id,
+                "r": [list(run) for run in self.ranges]}
+
+    @classmethod
+    def from_wire(cls, item: dict[str, Any]) -> ReadySet:
+        t = "ready_set"
+        return cls(_str(item, t, "g", "group"), _int(item, t, "s", "seq"), _int(item, t, "c", "cache id"),
+                   _ranges(item, t))
+
+
+@dataclass(slots=True)
+class Via:
+    """Items a relay passes up for one node of its subtree, in the order that node sent them."""
+
+    TYPE: ClassVar[str] = "via"
+    node: int
+    items: list[Any]  # messages of TO_COORDINATOR (never another Via)
+    #: What was wrong with each inner item that was dropped (not on the wire).
+    problems: list[str] = field(default_factory=list)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": "via", "n": self.node, "items": [m.to_wire() for m in self.items]}
+
+    @classmethod
+    def from_wire(cls, item: dict[str, Any]) -> Via:
+        node = _int(item, "via", "n", "node")
+        raw = item.get("items")
+        if type(raw) is not list:
+            _bad("via", "items", "items", "a list", raw)
+        messages, problems = decode_batch({"t": BATCH, "items": raw}, _ONE_NODE)
+        return cls(node, messages, problems)
+
+
+@dataclass(slots=True)
+class Routed:
+    """Messages for the nodes in ``ranges`` (a relay keeps its own and passes each child its part);
+    ``items`` are wire maps, decoded only by the nodes they are for."""
+
+    TYPE: ClassVar[str] = "to"
+    ranges: tuple[tuple[int, int], ...]
+    items: list[dict[str, Any]]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": "to", "r": [list(run) for run in self.ranges], "items": self.items}
+
+    @classmethod
+    def from_wire(cls, item: dict[str, Any]) -> Routed:
+        raw = item.get("items")
+        if type(raw) is not list or not all(type(x) is dict for x in raw):
+            _bad("to", "items", "items", "a list of maps", raw)
+        return cls(_ranges(item, "to"), raw)
+
+
 ToCoordinator = (Ready | P2pSend | P2pMatch | SendFailed | RankDied | Heartbeat | Leaving | RingPart
-                 | ScheduleEnded | StopSchedule)
+                 | ScheduleEnded | StopSchedule | ReadySet | Via)
 ToMember = (Go | Fail | Early | RemoteSend | P2pGo | P2pFail | NodeDead | RankDied | CoordinatorHeartbeat | Shutdown
             | Leaving | Trace | RingPart | Schedule | StopSchedule)
 Message = ToCoordinator | ToMember
@@ -767,13 +857,15 @@ Message = ToCoordinator | ToMember
 TO_COORDINATOR: dict[str, Any] = {
     cls.TYPE: cls
     for cls in (Ready, P2pSend, P2pMatch, SendFailed, RankDied, Heartbeat, Leaving, RingPart, ScheduleEnded,
-                StopSchedule)
+                StopSchedule, ReadySet, Via)
 }
+#: What a relay passes up for one node (a node's own items: no merges, no relayed items).
+_ONE_NODE: dict[str, Any] = {t: cls for t, cls in TO_COORDINATOR.items() if cls not in (ReadySet, Via)}
 #: What a member accepts, by wire type.
 TO_MEMBER: dict[str, Any] = {
     cls.TYPE: cls
     for cls in (Go, Fail, Early, RemoteSend, P2pGo, P2pFail, NodeDead, RankDied, CoordinatorHeartbeat, Shutdown, Leaving,
-                Trace, RingPart, Schedule, StopSchedule)
+                Trace, RingPart, Schedule, StopSchedule, Routed)
 }
 
 

@@ -53,6 +53,7 @@ from commd.protocol.fabric import (
     P2pSend,
     RankDied,
     Ready,
+    ReadySet,
     RemoteSend,
     Schedule,
     ScheduleEnded,
@@ -73,6 +74,7 @@ from commd.scheduler.selection import (
     choose_lane,
     lossy_codec,
 )
+from commd.scheduler.tree import Ranges, members, ranges_of, size, union
 
 log = logging.getLogger("commd.coordinator")
 
@@ -93,6 +95,9 @@ class Pending:
     nodes: tuple[int, ...]
     members: frozenset[int] = frozenset()  # the nodes, for membership tests (a tuple scan per report is O(N))
     entries: dict[int, OpPattern] = field(default_factory=dict)  # node -> its full report
+    #: Relays' merged reports (control tree): (cache id, the nodes as ranges), and all their nodes together.
+    sets: list[tuple[int, Ranges]] = field(default_factory=list)
+    set_nodes: Ranges = ()
     cids: dict[int, int] = field(default_factory=dict)  # node -> cache id it sent
     data: dict[int, bytes] = field(default_factory=dict)  # node -> its contribution (tiny all-reduces)
     first_at: float = field(default_factory=time.monotonic)
@@ -102,16 +107,41 @@ class Pending:
 
 @dataclass
 class Outbox:
-    """What the coordinator wants sent: per node, releases and failures, in order."""
+    """What the coordinator wants sent, in order: each message with the nodes it is for.
 
-    messages: dict[int, list[ToMember]] = field(default_factory=dict)
+    The same message object added for consecutive nodes is kept once with a range of them, so
+    a release to a group of N nodes is one entry, whatever N (a control tree routes it as such).
+    """
+
+    entries: list[tuple[Ranges, ToMember]] = field(default_factory=list)
     #: The open fused set: (fusion key, order of its first op, bytes, ops), or None.
     fusion: tuple[tuple, int, int, int] | None = None
 
     def add(self, node: int, message: ToMember) -> None:
         if type(message) is not Go:
             self.fusion = None  # anything between two releases ends a fused set
-        self.messages.setdefault(node, []).append(message)
+        entries = self.entries
+        if entries and entries[-1][1] is message and entries[-1][0][-1][1] == node:
+            ranges = entries[-1][0]
+            entries[-1] = (ranges[:-1] + ((ranges[-1][0], node + 1),), message)
+        else:
+            entries.append((((node, node + 1),), message))
+
+    def add_set(self, ranges: Ranges, message: ToMember) -> None:
+        """One message for every node in ``ranges``."""
+        if type(message) is not Go:
+            self.fusion = None
+        if ranges:
+            self.entries.append((ranges, message))
+
+    @property
+    def messages(self) -> dict[int, list[ToMember]]:
+        """Per node, its messages in order (what a star sends)."""
+        per_node: dict[int, list[ToMember]] = {}
+        for ranges, message in self.entries:
+            for node in members(ranges):
+                per_node.setdefault(node, []).append(message)
+        return per_node
 
     def fuse(self, key: tuple | None, order: int, nbytes: int, threshold: int) -> int | None:
         """Join the open fused set (returns its first op's order) or open a new one (returns None)."""
@@ -211,10 +241,13 @@ class Coordinator:
         self.pending: dict[tuple[str, int], Pending] = {}
         # cache id -> (each node's pattern, lane, (fusion key, bytes) or None)
         self.cache: dict[int, tuple[dict[int, OpPattern], str, tuple[tuple, int] | None]] = {}
+        #: cache id -> its group's nodes (tuple, set, ranges): what a merged report needs, built once
+        self.cache_nodes: dict[int, tuple[tuple[int, ...], frozenset[int], Ranges]] = {}
         #: every node's report, frozen -> its cache id: the same pattern keeps one id however often it
         #: is reported in full, so a burst of repeats still shows its cycle (scheduler/cycles.py)
         self.cache_ids: dict[tuple, int] = {}
         self.dead: dict[int, str] = {}  # node -> why
+        self.live: Ranges = ((0, nnodes),)  # the nodes not dead
         self.p2p: dict[tuple[int, int], tuple[int, int, P2pSend]] = {}  # key -> (src node, dst node, send)
         self.partial: dict[int, dict[tuple[str, int], list[int]]] = {}  # node -> (g, s) -> missing global ranks
         #: (group, seq) -> (code, message) of ops that timed out: a late node's report fails on arrival,
@@ -283,6 +316,8 @@ class Coordinator:
                                f"{entry.kind} #{key[1]} on group '{key[0]}' cannot run: {self.node(dead[0])} "
                                f"{self.dead[dead[0]]}", extra=[node])
                     continue
+            if pending.sets:
+                self._expand(pending)
             if node in pending.entries:
                 out.add(node, Fail(key[0], key[1], s.E_PROTOCOL,
                                    f"{self.node(node)} reported {entry.kind} #{key[1]} of group '{key[0]}' twice"))
@@ -301,15 +336,90 @@ class Coordinator:
             if node == HOME_NODE and len(pending.entries) == 1:
                 self._send_early(pending, item, out)
             if len(pending.entries) == len(pending.nodes):
-                try:
-                    self._complete(pending, out)
-                except Exception as exc:  # a bug here must fail the op, never leave it waiting
-                    log.exception("coordinator: completing %s failed", _op(pending))
-                    self.pending.pop(key, None)
-                    for target in pending.nodes:
-                        out.add(target, Fail(key[0], key[1], s.E_INTERNAL,
-                                             f"the coordinator ({self.node(0)}) could not release "
-                                             f"{_op(pending)}: {exc}"))
+                self._complete_guarded(pending, out)
+
+    def report_set(self, item: ReadySet, out: Outbox) -> None:
+        """A relay's merged reports: every node in ``item.ranges`` reported the op by one cache id.
+
+        The common case costs O(runs), not O(nodes): the op's nodes and pattern come from the cache,
+        and when the sets cover every node with one id the op is released to them as one entry.
+        Anything else (an unknown id, a running schedule, a node's own report of the same op, a
+        dead node, a node twice) takes the per-node path, which says what is wrong as it always has.
+        """
+        key = (item.group, item.seq)
+        cid = item.cache_id
+        known = self.cache_nodes.get(cid)
+        pending = self.pending.get(key)
+        sched = self.schedule
+        if (known is None or self.schedule_active or (sched is not None and item.group == sched.group)
+                or key in self.expired or (pending is not None and pending.entries)
+                or size(union(known[2], item.ranges)) != size(known[2])):
+            for node in members(item.ranges):
+                self.report(node, [Ready(item.group, item.seq, None, cid)], out)
+            return
+        nodes, node_set, _ = known
+        if pending is None:
+            first = self.cache[cid][0][nodes[0]]
+            pending = self.pending[key] = Pending(key[0], key[1], nodes, node_set, timeout=first.timeout)
+            dead = [n for n in self.dead if n in node_set]
+            if dead:
+                del self.pending[key]
+                for node in members(item.ranges):
+                    self.report(node, [Ready(item.group, item.seq, None, cid)], out)
+                return
+        joined = union(pending.set_nodes, item.ranges)
+        if size(joined) != size(pending.set_nodes) + size(item.ranges):  # a node twice: say so per node
+            self._expand(pending)
+            for node in members(item.ranges):
+                self.report(node, [Ready(item.group, item.seq, None, cid)], out)
+            return
+        pending.sets.append((cid, item.ranges))
+        pending.set_nodes = joined
+        if size(joined) < len(nodes):
+            return
+        if all(c == cid for c, _ in pending.sets):
+            self._release_cached(pending, cid, out)
+        else:
+            self._expand(pending)
+            self._complete_guarded(pending, out)
+
+    def _release_cached(self, pending: Pending, cid: int, out: Outbox) -> None:
+        """Every node reported ``cid`` (in merged sets): release without a comparison, as one entry."""
+        del self.pending[(pending.group, pending.seq)]
+        _, lane, fuse_key = self.cache[cid]
+        algo = self.cache_algo.get(cid)
+        codec = self.cache_codec.get(cid)
+        self.stats.coord_fast_path += 1
+        self.order += 1
+        self.stats.coord_released += 1
+        fusible = fuse_key is not None and not pending.no_fusion
+        key, size = fuse_key if fusible else (None, 0)
+        head = out.fuse(key, self.order, size, self.config.fusion_threshold_bytes)
+        out.add_set(self.cache_nodes[cid][2], Go(pending.group, pending.seq, self.order, lane, None, None, head,
+                                                 *(algo or (None, None)), codec))
+        self._find_cycle(pending, cid, lane, algo, codec, head is not None, out)
+
+    def _expand(self, pending: Pending) -> None:
+        """Turn merged sets into per-node reports (what the comparison, failures and stalls read)."""
+        for cid, ranges in pending.sets:
+            patterns = self.cache[cid][0]
+            for node in members(ranges):
+                pending.entries[node] = patterns[node]
+                pending.cids[node] = cid
+        pending.sets = []
+        pending.set_nodes = ()
+
+    def _complete_guarded(self, pending: Pending, out: Outbox) -> None:
+        key = (pending.group, pending.seq)
+        try:
+            self._complete(pending, out)
+        except Exception as exc:  # a bug here must fail the op, never leave it waiting
+            log.exception("coordinator: completing %s failed", _op(pending))
+            self.pending.pop(key, None)
+            failure = Fail(key[0], key[1], s.E_INTERNAL,
+                           f"the coordinator ({self.node(0)}) could not release {_op(pending)}: {exc}")
+            for target in pending.nodes:
+                out.add(target, failure)
 
     def _complete(self, pending: Pending, out: Outbox) -> None:
         del self.pending[(pending.group, pending.seq)]
@@ -328,9 +438,9 @@ class Coordinator:
             problem = self._mismatch(pending)
             if problem is not None:
                 self.cycles.reset()
-                message = self._mismatch_message(pending, problem)
+                failure = Fail(pending.group, pending.seq, s.E_MISMATCH, self._mismatch_message(pending, problem))
                 for node in pending.nodes:
-                    out.add(node, Fail(pending.group, pending.seq, s.E_MISMATCH, message))
+                    out.add(node, failure)
                 return
             first = pending.entries[pending.nodes[0]]
             sig = first.signature
@@ -361,9 +471,10 @@ class Coordinator:
                                      len(first.placement), asked, lane, program, self.config)
             except SelectionError as exc:
                 self.cycles.reset()
+                failure = Fail(pending.group, pending.seq, s.E_PROTOCOL, f"{_op(pending)} on "
+                               f"{self.nodes(pending.nodes)}: {exc}")
                 for node in pending.nodes:
-                    out.add(node, Fail(pending.group, pending.seq, s.E_PROTOCOL,
-                                       f"{_op(pending)} on {self.nodes(pending.nodes)}: {exc}"))
+                    out.add(node, failure)
                 return
             algo = (program.name, program.digest) if program is not None else None
             # a program or a codec runs one op per lane call: never fused, never reduced here
@@ -375,6 +486,7 @@ class Coordinator:
             elif len(self.cache) < MAX_CACHE_ENTRIES:
                 cid = len(self.cache) + 1
                 self.cache[cid] = (dict(pending.entries), lane, fuse_key)
+                self.cache_nodes[cid] = (pending.nodes, pending.members, ranges_of(pending.nodes))
                 self.cache_ids[same] = cid
                 if algo is not None:
                     self.cache_algo[cid] = algo
@@ -387,12 +499,14 @@ class Coordinator:
         fusible = fuse_key is not None and result is None and not pending.no_fusion
         key, size = fuse_key if fusible else (None, 0)
         head = out.fuse(key, self.order, size, self.config.fusion_threshold_bytes)
+        # One release for the nodes that knew the cache id, one (naming it) for those that did not;
+        # positional: this runs for every op.  Fields: cache id, result, fused with, program, its hash, codec.
+        knew = Go(pending.group, pending.seq, self.order, lane, None, result, head, *(algo or (None, None)), codec)
+        told = (Go(pending.group, pending.seq, self.order, lane, cid, result, head, *(algo or (None, None)), codec)
+                if cid is not None else knew)
+        cids = pending.cids
         for node in pending.nodes:
-            # (positional: this runs for every node of every op; fields: cache id, result, fused with,
-            # program, its hash, codec)
-            out.add(node, Go(pending.group, pending.seq, self.order, lane,
-                             cid if cid is not None and pending.cids.get(node) != cid else None, result, head,
-                             *(algo or (None, None)), codec))
+            out.add(node, knew if cids.get(node) == cid else told)
         self._find_cycle(pending, cid, lane, algo, codec, head is not None, out)
 
     # ---- the schedule path ------------------------------------------------------
@@ -400,10 +514,10 @@ class Coordinator:
                     codec: str | None, fused: bool, out: Outbox) -> None:
         """Feed a release to the cycle finder; publish the cycle it finds as a schedule when
         nothing else is being ordered (no negotiation, no transfer, no schedule)."""
-        live = [n for n in range(self.nnodes) if n not in self.dead]
-        schedulable = (cid is not None and lane == "tcp" and not fused and list(pending.nodes) == live
+        nlive = size(self.live)  # (the op's nodes are all alive: one spanning as many spans them all)
+        schedulable = (cid is not None and lane == "tcp" and not fused and len(pending.nodes) == nlive
                        and not self.schedule_active)
-        slot = (ScheduleSlot(cid, lane, *(algo or (None, None)), codec, self._gathers(cid, algo, len(live)))
+        slot = (ScheduleSlot(cid, lane, *(algo or (None, None)), codec, self._gathers(cid, algo, nlive))
                 if schedulable else None)
         cycle = self.cycles.released(pending.group, pending.seq, slot)
         if cycle is None or self.p2p or not self.schedules_on:
@@ -416,6 +530,7 @@ class Coordinator:
         for key in [k for k in self.pending if k[0] == cycle.group]:
             del self.pending[key]
         epoch = self.schedule.epoch + 1 if self.schedule is not None else 1
+        live = list(members(self.live))
         self.schedule = Schedule(epoch, cycle.group, live, self.order + 1, cycle.start_seq, list(cycle.slots))
         self.schedule_active, self.schedule_stopping = True, False
         self.schedule_ended = set()
@@ -423,8 +538,7 @@ class Coordinator:
         self.cycles.reset()
         log.info("coordinator: group '%s' repeats a cycle of %d ops: its ops from #%d on follow schedule %d",
                  cycle.group, len(cycle.slots), cycle.start_seq, epoch)
-        for node in live:
-            out.add(node, self.schedule)
+        out.add_set(self.live, self.schedule)
 
     def _gathers(self, cid: int | None, algo: tuple[str, str] | None, nnodes: int) -> bool:
         """Whether a slot's agreement gathers the nodes' contributions: a tiny all-reduce with no
@@ -441,9 +555,7 @@ class Coordinator:
         if not self.schedule_active or self.schedule_stopping or self.schedule is None:
             return
         self.schedule_stopping = True
-        for node in range(self.nnodes):
-            if node not in self.dead:
-                out.add(node, StopSchedule(self.schedule.epoch))
+        out.add_set(self.live, StopSchedule(self.schedule.epoch))
 
     def stop_requested(self, node: int, stop: StopSchedule, out: Outbox) -> None:
         """A node's op waited its timeout on the schedule (a rank is late): end it everywhere, so that
@@ -527,11 +639,13 @@ class Coordinator:
 
     def _fail(self, pending: Pending, out: Outbox, code: str, message: str, extra: list[int] | None = None) -> None:
         self.cycles.reset()
+        self._expand(pending)
         self.pending.pop((pending.group, pending.seq), None)
         targets = set(pending.entries) | set(extra or [])
+        failure = Fail(pending.group, pending.seq, code, message)
         for node in sorted(targets):
             if node not in self.dead:
-                out.add(node, Fail(pending.group, pending.seq, code, message))
+                out.add(node, failure)
 
     def _mismatch(self, pending: Pending) -> str | None:
         """Describe how the nodes' reports disagree (fields and group ranks), or None."""
@@ -617,6 +731,7 @@ class Coordinator:
         self._stop_schedule(out)
         self.cycles.reset()
         self.dead[node] = why
+        self.live = ranges_of(n for n in range(self.nnodes) if n not in self.dead)
         for pending in list(self.pending.values()):
             if node in pending.nodes:
                 self._fail(pending, out, s.E_PEER_DIED, f"{_op(pending)} cannot run: {self.node(node)} {why}")
@@ -625,30 +740,30 @@ class Coordinator:
                 del self.p2p[key]
                 if src != node:
                     out.add(src, P2pFail(key[1], None, s.E_PEER_DIED, f"send to {self.node(dst)}: that node {why}"))
-        for other in range(self.nnodes):
-            if other != node and other not in self.dead:
-                out.add(other, NodeDead(node, why))
-        # and the node itself, if it can still hear: a daemon that was only stopped reads this the moment
-        # it runs again, instead of waiting out a peer timeout of the coordinator's silence
-        out.add(node, NodeDead(node, why))
+        # every node, and the node itself, if it can still hear: a daemon that was only stopped reads
+        # this the moment it runs again, instead of waiting out a peer timeout of the coordinator's silence
+        out.add_set(union(self.live, ((node, node + 1),)), NodeDead(node, why))
 
     def rank_died(self, node: int, rank: int, why: str, out: Outbox) -> None:
         self._stop_schedule(out)
         self.cycles.reset()
         for pending in list(self.pending.values()):
+            self._expand(pending)
             first = next(iter(pending.entries.values()), None)
             if first is not None and rank in first.ranks:
                 self._fail(pending, out, s.E_PEER_DIED,
                            f"{_op(pending)} cannot run: rank {rank} (on {self.node(node)}) {why}")
-        for other in range(self.nnodes):
-            if other != node and other not in self.dead:
-                out.add(other, RankDied(rank, why))
+        died = RankDied(rank, why)
+        for other in members(self.live):
+            if other != node:
+                out.add(other, died)
 
     def expire(self, now: float, out: Outbox) -> None:
         """Fail negotiations some node never joined within the op timeout."""
         for pending in list(self.pending.values()):
             if now - pending.first_at < pending.timeout:
                 continue
+            self._expand(pending)
             missing = [n for n in pending.nodes if n not in pending.entries]
             ranks = self._missing_ranks(pending, missing)
             first = next(iter(pending.entries.values()))
@@ -679,6 +794,7 @@ class Coordinator:
             waited = now - pending.first_at
             if waited < threshold:
                 continue
+            self._expand(pending)
             missing = [n for n in pending.nodes if n not in pending.entries]
             first = next(iter(pending.entries.values()))
             rows.append({
