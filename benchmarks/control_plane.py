@@ -1,13 +1,16 @@
 """The fabric's control plane in one process, at N = 16 ... 8,192 nodes: CPU and messages per op.
 
 No sockets and no lanes.  The op stream is DDP-like: every step the same ``--ops``
-all-reduces of one group spanning every node.  Two paths, measured on the code that runs them:
+all-reduces of one group spanning every node.  Three paths, measured on the code that runs them:
 
-* **negotiated** (what every op took before the schedule path, and what a new pattern, a
-  mismatch or a failure still takes): N members' reports go to the coordinator's decision
-  code (``scheduler/coordinator.py``, which does no I/O) as the typed messages of
-  ``protocol/fabric.py``, each encoded to msgpack and decoded again as the channel would,
-  and the releases come back the same way.  The busiest process is node 0.
+* **negotiated, star** (every node's control link goes to node 0): N members' reports reach the
+  coordinator's decision code (``scheduler/coordinator.py``) and the releases come back;
+* **negotiated, tree** (``scheduler/tree.py``, fan-out ``--fanout``): relays merge their
+  subtree's cached reports into one set and pass the release down.  Both run in
+  ``commd.sim.control_plane``, the coordinator and one router per node exchanging real frames
+  (msgpack-encoded, decoded again, as the channel would), each node's CPU time measured on its own;
+  the busiest process is node 0 on a star, node 0 or a relay on a tree.  What a new pattern, a
+  mismatch or a failure takes, and every op of a job that does not repeat itself;
 * **scheduled** (``fabric/scheduled.py``): the coordinator is driven until it publishes
   the cycle as a schedule (checked: it does), after which no op reaches it.  Per op each node
   matches its op to the slot (the pattern's cache id) and runs the slot's agreement,
@@ -19,12 +22,12 @@ The first (untimed) step's full reports skip msgpack, and what it built is froze
 garbage collector's walks (``gc.freeze``), as a long-running daemon's old objects mostly are.
 
 Per N and path: CPU per op of the busiest process (median over the timed steps), the
-messages it handles per op, and the longest chain of messages on an op's critical path
+messages (frames) it handles per op, and the longest chain of messages on an op's critical path
 before its data moves.  None of these depend on the core count; the in-memory transport
 leaves out the system calls (about 2 x 5 us per message on this machine's loopback).
 
     python benchmarks/control_plane.py                      # N = 16 ... 8192
-    python benchmarks/control_plane.py --nodes 16,1024 --json out.json
+    python benchmarks/control_plane.py --nodes 16,1024 --fanout 8 --json out.json
 """
 
 from __future__ import annotations
@@ -39,21 +42,11 @@ import sys
 import time
 from typing import Any
 
-import msgpack
-
 from commd.lanes.tcp.algorithms import dissemination_max
-from commd.protocol.fabric import OpPattern, Ready, Schedule
-from commd.scheduler.config import SchedulerConfig
-from commd.scheduler.coordinator import Coordinator, Outbox
+from commd.protocol.fabric import Go, OpPattern, Ready, Schedule
+from commd.sim.control_plane import ControlPlaneModel
 
 GROUP = "g0"
-
-
-class AnyLane:
-    """A lane that can run every op (selection is not what is measured)."""
-
-    def can_run(self, *args: Any) -> None:
-        return None
 
 
 class EchoTransport:
@@ -84,68 +77,62 @@ def patterns_of(nnodes: int, nbytes: int) -> list[OpPattern]:
     return [OpPattern("allreduce", sig, everyone, everyone, everyone, [node], nbytes, 30.0) for node in everyone]
 
 
-def negotiate_step(coordinator: Coordinator, nnodes: int, ops: int, first_seq: int, cache_ids: dict[int, int],
-                   patterns: list[OpPattern], packer: msgpack.Packer) -> tuple[int, int, list[Schedule]]:
-    """One step through the coordinator; (messages in, messages out, schedules published)."""
-    messages_in = messages_out = 0
-    published: list[Schedule] = []
-    for index in range(ops):
-        seq = first_seq + index
-        out = Outbox()
-        cid = cache_ids.get(index)
-        for node in range(nnodes):
-            if cid is None:  # a full report (the first step, not timed): no trip through msgpack, whose
-                coordinator.report(node, [Ready(GROUP, seq, patterns[node])], out)  # N-long lists cost N^2
-            else:
-                frame = packer.pack([Ready(GROUP, seq, None, cid).to_wire()])  # the member's encoding
-                item = msgpack.unpackb(frame, raw=False)[0]  # the coordinator's decoding
-                coordinator.report(node, [Ready.from_wire(item)], out)
-            messages_in += 1
-        for _node, messages in out.messages.items():
-            frame = packer.pack([m.to_wire() for m in messages])
-            messages_out += 1
-            decoded = msgpack.unpackb(frame, raw=False)
-            if cid is None:
-                cache_ids[index] = decoded[0]["c"]
-            published += [m for m in messages if isinstance(m, Schedule)]
-    return messages_in, messages_out, published
-
-
-def run_negotiated(nnodes: int, steps: int, ops: int, nbytes: int) -> dict[str, Any]:
-    """Every op through the coordinator (schedules off): the figures of the steps after the first."""
-    coordinator = Coordinator(nnodes, SchedulerConfig(), {"tcp": AnyLane()})
-    coordinator.schedules_on = False
-    packer = msgpack.Packer(use_bin_type=True)
-    cache_ids: dict[int, int] = {}
+def run_negotiated(nnodes: int, steps: int, ops: int, nbytes: int, fanout: int) -> dict[str, Any]:
+    """Every op through the coordinator (schedules off), its reports and releases on a control tree
+    of ``fanout`` (a star when ``fanout >= nnodes - 1``): the figures of the steps after the first."""
+    model = ControlPlaneModel(nnodes, fanout)
+    model.coordinator.schedules_on = False
     patterns = patterns_of(nnodes, nbytes)
-    cpu: list[float] = []
-    messages = 0
-    for step in range(steps):
-        if step == 1:  # what the first step built stays: the collector need not walk it again and again
-            gc.collect()
-            gc.freeze()
-        started = time.process_time()
-        received, sent, _ = negotiate_step(coordinator, nnodes, ops, step * ops, cache_ids, patterns, packer)
-        if step > 0:
-            cpu.append(time.process_time() - started)
-            messages += received + sent
+    cache_ids: list[int] = []
+    for index in range(ops):  # the first step: full reports, untimed
+        for node in range(nnodes):
+            model.report_unencoded(node, Ready(GROUP, index, patterns[node]))
+        model.run()
+        cache_ids.append(next(m.cache_id for m in model.received[0] if m.seq == index and m.cache_id))
+    gc.collect()
+    gc.freeze()  # what the first step built stays: the collector need not walk it again and again
+    before = [(c.cpu_ns, c.frames_in + c.frames_out) for c in model.counts]
+    cpu_steps: list[list[int]] = []
+    for step in range(1, steps + 1):
+        at_start = [c.cpu_ns for c in model.counts]
+        for index in range(ops):
+            for node in range(nnodes):
+                model.report(node, [Ready(GROUP, step * ops + index, None, cache_ids[index])])
+            model.run()
+        cpu_steps.append([c.cpu_ns - a for c, a in zip(model.counts, at_start, strict=True)])
     gc.unfreeze()
-    return {"nodes": nnodes, "path": "negotiated", "cpu_us_per_op": statistics.median(cpu) / ops * 1e6,
-            "busiest_messages_per_op": messages / ((steps - 1) * ops),
-            "critical_path_messages": 2}  # a node's report to node 0, node 0's release back
+    released = sum(1 for m in model.received[nnodes - 1] if type(m) is Go)
+    if released != (steps + 1) * ops:
+        raise RuntimeError(f"N={nnodes}: node {nnodes - 1} received {released} releases, not {(steps + 1) * ops}")
+    totals = [c.cpu_ns - b[0] for c, b in zip(model.counts, before, strict=True)]
+    busiest = max(range(nnodes), key=totals.__getitem__)
+    frames = (model.counts[busiest].frames_in + model.counts[busiest].frames_out - before[busiest][1])
+    per_op_cpu = statistics.median(cpu[busiest] for cpu in cpu_steps) / ops / 1000
+    return {"nodes": nnodes, "path": "star" if model.tree.is_star else f"tree k={fanout}",
+            "cpu_us_per_op": per_op_cpu, "busiest": busiest,
+            "busiest_messages_per_op": frames / (steps * ops),
+            "node0_items_per_op": (model.counts[0].items_in) / ((steps + 1) * ops),
+            "critical_path_messages": 2 * model.tree.depth()}  # reports up the tree, releases down
 
 
 def run_scheduled(nnodes: int, steps: int, ops: int, nbytes: int) -> dict[str, Any]:
     """Negotiate until the coordinator publishes the step as a schedule, then run ``steps`` steps on it."""
-    coordinator = Coordinator(nnodes, SchedulerConfig(), {"tcp": AnyLane()})
-    packer = msgpack.Packer(use_bin_type=True)
-    cache_ids: dict[int, int] = {}
+    model = ControlPlaneModel(nnodes, nnodes - 1)
+    coordinator = model.coordinator
     patterns = patterns_of(nnodes, nbytes)
-    seq, published = 0, []
-    while not published:
+    cache_ids: dict[int, int] = {}
+    seq = 0
+    while not (published := [m for m in model.received[0] if isinstance(m, Schedule)]):
         if seq > 4 * ops + 8:
             raise RuntimeError(f"N={nnodes}: the coordinator published no schedule after {seq} ops")
-        _, _, published = negotiate_step(coordinator, nnodes, 1, seq, cache_ids, patterns, packer)
+        index = seq % ops
+        for node in range(nnodes):
+            if index in cache_ids:
+                model.report(node, [Ready(GROUP, seq, None, cache_ids[index])])
+            else:
+                model.report_unencoded(node, Ready(GROUP, seq, patterns[node]))
+        model.run()
+        cache_ids.setdefault(index, next(m.cache_id for m in model.received[0] if type(m) is Go and m.seq == seq))
         seq += 1
     schedule = published[0]
     slots = schedule.slots
@@ -183,27 +170,29 @@ def run_scheduled(nnodes: int, steps: int, ops: int, nbytes: int) -> dict[str, A
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", default="16,64,256,1024,4096,8192", help="node counts (comma-separated)")
-    parser.add_argument("--steps", type=int, default=4, help="timed steps (negotiated: one more, untimed)")
-    parser.add_argument("--ops", type=int, default=100, help="all-reduces per step (DDP buckets)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps (negotiated: one more, untimed)")
+    parser.add_argument("--ops", type=int, default=25, help="all-reduces per step (DDP buckets)")
     parser.add_argument("--bytes", type=int, default=25 << 20, help="bytes per all-reduce (no tiny-op path)")
+    parser.add_argument("--fanout", type=int, default=8, help="the control tree's fan-out (the daemons' default: 8)")
     parser.add_argument("--json", metavar="FILE", help="write the figures to FILE")
     args = parser.parse_args(argv)
     try:
         counts = [int(n) for n in args.nodes.split(",") if n.strip()]
     except ValueError:
         parser.error(f"--nodes must be comma-separated integers, not {args.nodes!r}")
-    if not counts or min(counts) < 2 or args.steps < 2 or args.ops < 1:
-        parser.error("need node counts >= 2, --steps >= 2 and --ops >= 1")
+    if not counts or min(counts) < 2 or args.steps < 2 or args.ops < 1 or args.fanout < 2:
+        parser.error("need node counts >= 2, --steps >= 2, --ops >= 1 and --fanout >= 2")
     load = os.getloadavg()
     rows: list[dict[str, Any]] = []
     print(f"{'N':>6} {'path':<11} {'CPU/op (us)':>12} {'msgs/op':>8} {'2log2N+2':>8} {'critical path':>13}")
     for n in counts:
-        for run in (run_negotiated, run_scheduled):
-            row = run(n, args.steps, args.ops, args.bytes)
+        runs = [(run_negotiated, (n - 1,)), (run_negotiated, (args.fanout,)), (run_scheduled, ())]
+        for run, extra in runs:
+            row = run(n, args.steps, args.ops, args.bytes, *extra)
             rows.append(row)
-            print(f"{n:>6} {row['path']:<11} {row['cpu_us_per_op']:>12.1f} {row['busiest_messages_per_op']:>8.0f} "
+            print(f"{n:>6} {row['path']:<11} {row['cpu_us_per_op']:>12.1f} {row['busiest_messages_per_op']:>8.1f} "
                   f"{2 * math.log2(n) + 2:>8.0f} {row['critical_path_messages']:>13}", flush=True)
-    for path in ("negotiated", "scheduled"):
+    for path in dict.fromkeys(r["path"] for r in rows):
         mine = [r for r in rows if r["path"] == path]
         base = mine[0]
         for row in mine[1:]:
@@ -211,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"x{row['cpu_us_per_op'] / base['cpu_us_per_op']:.1f}, messages per op "
                   f"x{row['busiest_messages_per_op'] / base['busiest_messages_per_op']:.1f}")
     print(f"(load average {load[0]:.2f} before, {os.getloadavg()[0]:.2f} after; {args.ops} all-reduces per step, "
-          f"{args.steps} timed steps; the busiest process: node 0 when negotiated, any node when scheduled)")
+          f"{args.steps} timed steps; the busiest process: node 0 on a star, node 0 or a relay on a tree, "
+          "any node when scheduled)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "ops": args.ops, "steps": args.steps, "load_before": load,

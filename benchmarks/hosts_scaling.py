@@ -1,7 +1,8 @@
 """The torch backend on 2, 4, 8 and 16 simulated hosts x 1 rank: what each node pays per op as the job grows.
 
-For each host count, each size and each setting — the schedule path (the default) and
-``COMMD_SCHEDULE=0`` (every op negotiated through node 0) — one job under `commd launch`
+For each host count, each size and each setting — the schedule path (the default),
+``COMMD_SCHEDULE=0`` (every op negotiated: through the control tree of fan-out 8 from 10 hosts
+on) and ``star`` (negotiated, every node reporting straight to node 0) — one job under `commd launch`
 (COMMD_LOCAL_RING=0: every op through the daemons) times back-to-back ``dist.all_reduce``
 calls on ordinary float32 tensors.  Per run: the slowest node's median latency; CPU per op
 *per node* (its daemon and its rank); the daemons' context switches per op; the daemon's and
@@ -35,7 +36,10 @@ from commd.runtime import new_secret, parse_bytes
 
 WORKER = Path(__file__).with_name("_schedule_ab_worker.py")
 MPI_WORKER = Path(__file__).with_name("_mpi_allreduce.py")
-SETTINGS = {"schedule": "1", "negotiated": "0"}
+#: What each setting sets: the schedule path; every op negotiated (through the control tree from 10
+#: hosts on); every op negotiated on a star (every node's reports straight to node 0).
+SETTINGS = {"schedule": {"COMMD_SCHEDULE": "1"}, "negotiated": {"COMMD_SCHEDULE": "0"},
+            "star": {"COMMD_SCHEDULE": "0", "COMMD_CONTROL_FANOUT": "4096"}}
 
 
 def iters_for(size: int, base: int) -> int:
@@ -45,7 +49,7 @@ def iters_for(size: int, base: int) -> int:
 
 def commd_run(hosts: Any, work: Path, size: int, iters: int, setting: str, timeout: float) -> dict[str, Any]:
     cfg = {"elements": size // 4, "iters": iters, "warmup": 30 if size <= 64 << 10 else 16}
-    env = {"COMMD_LOCAL_RING": "0", "COMMD_SCHEDULE": SETTINGS[setting]}
+    env = {"COMMD_LOCAL_RING": "0", **SETTINGS[setting]}
     pointer = run_job(WORKER, cfg, env, work, f"scale{len(hosts.hosts)}-{setting}", timeout, hosts, nproc=1)
     nodes = [json.loads(Path(pointer["rank0"].replace("-r0.json", f"-r{r}.json")).read_text())
              for r in range(len(hosts.hosts))]
@@ -89,7 +93,9 @@ def main() -> int:
     parser.add_argument("--sizes", default="1K,1M", help="message sizes (default 1K,1M)")
     parser.add_argument("--iters", type=int, default=200, help="timed all-reduces per run up to 64 KiB (default "
                         "200; an eighth of it above)")
-    parser.add_argument("--settings", default=",".join(SETTINGS), help="schedule and/or negotiated")
+    parser.add_argument("--settings", default="schedule,negotiated",
+                        help="of schedule, negotiated (through the control tree from 10 hosts on), star "
+                             "(negotiated, every node reporting to node 0)")
     parser.add_argument("--no-mpi", action="store_true", help="skip MPI directly")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one run may take")
     parser.add_argument("--json", default=None)
@@ -102,7 +108,7 @@ def main() -> int:
     settings = [s for s in args.settings.split(",") if s]
     if (not counts or counts[0] < 2 or not sizes or any(s < 4 or s % 4 for s in sizes)
             or not settings or any(s not in SETTINGS for s in settings) or args.iters < 10):
-        parser.error("host counts >= 2; sizes multiples of 4 bytes; settings from schedule,negotiated; --iters >= 10")
+        parser.error("host counts >= 2; sizes multiples of 4 bytes; settings from schedule,negotiated,star; --iters >= 10")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("hosts_scaling: terminated"))
     os.environ.setdefault("COMMD_SECRET", new_secret())  # the hosts' daemons share it (never in the store)
     from commd.sim.hosts import SimulatedHosts

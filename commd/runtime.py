@@ -79,6 +79,9 @@ ENVIRONMENT: dict[str, str] = {
                          "name, `auto` (the daemons may choose a lossy one) or `none` (default: the daemons may "
                          "choose a lossless one).",
     "COMMD_CONFIG": "The daemon's TOML config file (`commd daemon --config`).",
+    "COMMD_CONTROL_FANOUT": "Node 0 only: children per daemon in the control tree that carries reports and "
+                            "releases (default 8; a fabric of at most this many + 1 nodes is a star; wins over "
+                            "`[scheduler] control_fanout`).",
     "COMMD_CUDA_IPC": "`0`: a client stages CUDA tensors through host memory even when its daemon has a GPU "
                       "(default `1`: CUDA IPC references).",
     "COMMD_FUSION_CYCLE_MS": "How long a daemon collects ready ops before reporting them to the coordinator "

@@ -634,10 +634,10 @@ def late_on_schedule(ctx: Any, warm: int, late_s: float) -> dict[str, Any]:
     return {"message": message, "waited": waited, "counters": _fabric_counters(ctx)}
 
 
-def fault_on_schedule(ctx: Any, warm: int, victims: int = 0) -> str:
+def fault_on_schedule(ctx: Any, warm: int, victims: int | list[int] = 0) -> str:
     """A repeating all-reduce goes onto the schedule; then the test kills the last node's daemon or
-    one of its ranks (``victims`` of them, default half the world) while the other ranks wait in the
-    next op: they get an error naming what died, not a hang."""
+    one of its ranks (``victims`` of them, default half the world; or the ranks listed) while the
+    other ranks wait in the next op: they get an error naming what died, not a hang."""
     from commd.client.errors import CommdError
 
     client = ctx.connect()
@@ -647,7 +647,9 @@ def fault_on_schedule(ctx: Any, warm: int, victims: int = 0) -> str:
         ops.all_reduce(client, t).wait(60)
     counters = _fabric_counters(ctx)
     ctx.event("warm", counters["paths"])
-    if ctx.rank >= ctx.world_size - (victims or ctx.world_size // 2):
+    waiting = victims if isinstance(victims, list) else range(ctx.world_size - (victims or ctx.world_size // 2),
+                                                                  ctx.world_size)
+    if ctx.rank in waiting:
         ctx.command()  # the victim node's ranks wait here until killed
         return "unreachable"
     handle = ops.all_reduce(client, t, timeout=60)
@@ -657,3 +659,43 @@ def fault_on_schedule(ctx: Any, warm: int, victims: int = 0) -> str:
         return "no error"
     except CommdError as exc:
         return f"{type(exc).__name__}: {exc}"
+
+
+def control_tree_loop(ctx: Any, steps: int) -> dict[str, Any]:
+    """``steps`` steps of the same three all-reduces (64 KiB and up: no contribution rides the report),
+    each checked against NumPy; then this daemon's fabric counters and control tree."""
+    from pathlib import Path
+
+    from helpers import job_paths
+
+    from commd.client.status import query_status
+
+    client = ctx.connect()
+    world = range(ctx.world_size)
+    for step in range(steps):
+        for index, (n, dtype) in enumerate(((16_384, np.float32), (20_000, np.int64), (70_000, np.float64))):
+            salt = step * 3 + index
+            t = _t(data(ctx.rank, n, dtype, salt))
+            ops.all_reduce(client, t).wait(60)
+            _check(f"step {step} all_reduce {index}", t, np.sum([data(r, n, dtype, salt) for r in world], 0))
+    fabric = query_status(job_paths(Path(ctx.runtime_dir), ctx.job), timeout=10.0)["fabric"]
+    client.close()
+    return {"paths": fabric["paths"], "control": fabric["control_items"], "tree": fabric["control_tree"]}
+
+
+def mismatch_any(ctx: Any) -> dict[str, str]:
+    """Ranks below 2 submit 8 elements, the others 9: every rank gets the mismatch; the group works after."""
+    from commd.client.errors import MismatchError
+
+    client = ctx.connect()
+    t = torch.ones(8 if ctx.rank < 2 else 9)
+    try:
+        ops.all_reduce(client, t).wait(60)
+        message = "no error"
+    except MismatchError as exc:
+        message = str(exc)
+    t = torch.ones(4)
+    ops.all_reduce(client, t).wait(60)
+    assert t.tolist() == [float(ctx.world_size)] * 4, t
+    client.close()
+    return {"message": message}

@@ -53,7 +53,7 @@ def _coordinator(config: SchedulerConfig) -> tuple[FabricMember, _Node, _Link]:
     nodes = [SimpleNamespace(rank=r, name=f"n{r}", ip="127.0.0.1") for r in range(2)]
     link = _Link()
     fabric = SimpleNamespace(nnodes=2, node_rank=0, is_coordinator=True, config=config,
-                             lanes={"tcp": _Lane(), "gloo": _Lane()}, nodes=nodes, links={1: link}, catalog=None)
+                             lanes={"tcp": _Lane(), "gloo": _Lane()}, nodes=nodes, links={1: link}, tree_links={}, catalog=None)
     node = _Node()
     member = FabricMember(node, fabric, peer_timeout=600.0)  # type: ignore[arg-type]
     member.start(loop=None)

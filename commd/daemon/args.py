@@ -107,6 +107,10 @@ def fusion_settings(args: argparse.Namespace, scheduler: SchedulerConfig) -> Non
         if not 0 <= cycle <= MAX_FUSION_CYCLE_MS:
             raise ConfigError(f"--fusion-cycle-ms {cycle} must lie in [0, {MAX_FUSION_CYCLE_MS:g}]")
         scheduler.fusion_cycle_ms = cycle
+    if os.environ.get("COMMD_CONTROL_FANOUT"):
+        from commd.scheduler.config import MAX_CONTROL_FANOUT
+
+        scheduler.control_fanout = env_int("COMMD_CONTROL_FANOUT", 0, 2, MAX_CONTROL_FANOUT)
 
 
 def tuning_path(

@@ -30,7 +30,9 @@ from commd.fabric.rendezvous import Fabric
 from commd.fabric.runner import LaneRunner
 from commd.observe.stats import FabricStats
 from commd.protocol import fabric as wire
+from commd.scheduler.config import DEFAULT_CONTROL_FANOUT
 from commd.scheduler.coordinator import Coordinator, Outbox
+from commd.scheduler.tree import ControlTree, TreeRouter
 
 if TYPE_CHECKING:
     from commd.core.ops import Submission
@@ -53,7 +55,16 @@ class FabricMember:
             if fabric.is_coordinator else None
         )
         self.links = fabric.links
+        #: The control tree (scheduler/tree.py); a star (every node a child of node 0) needs no router.
+        self.tree = ControlTree(fabric.nnodes, fabric.config.control_fanout if fabric.config else DEFAULT_CONTROL_FANOUT)
+        self.router = TreeRouter(self.tree, self.me) if not self.tree.is_star else None
+        parent = self.tree.parent[self.me]
+        #: Where this node's reports go (node 0's link in a star, or its parent's), and its children's links.
+        self.up_link = (fabric.tree_links.get(parent) or fabric.links.get(parent)) if parent is not None else None
+        self.child_links = {child: fabric.tree_links.get(child) or fabric.links[child]
+                            for child in self.tree.children[self.me]} if self.router is not None else {}
         self._up: list[wire.ToCoordinator] = []
+        self._relayed: list[Any] = []  # what this relay passes up for its subtree (merged, or Via)
         self._flush_scheduled = False
         #: One thread per lane (GPU-exclusive lanes share one); program order per group.
         self.workers = WorkerPool()
@@ -105,12 +116,15 @@ class FabricMember:
         for node, conn in self.links.items():
             conn.attach(loop, lambda msg, node=node: self._on_message(node, msg),
                         lambda why, node=node: self._on_link_closed(node, why))
+        for node, conn in self.fabric.tree_links.items():
+            conn.attach(loop, lambda msg, node=node: self._on_tree_message(node, msg),
+                        lambda why, node=node: self._on_tree_link_closed(node, why))
 
     def close(self, why: str = "shut down") -> None:
         log.info("fabric: %d ops released, %d of them in %d fused sets; %d reports on the cached fast path",
                  self.stats.released, self.stats.fused_ops, self.stats.fused_sets, self.stats.reported_cached)
         # Tell the others at once rather than letting them wait out the peer timeout.
-        for node, conn in self.links.items():
+        for node, conn in (*self.links.items(), *self.fabric.tree_links.items()):
             if node not in self.liveness.dead:
                 conn.send(wire.batch([wire.Leaving(why)]))
             conn.close()
@@ -150,15 +164,32 @@ class FabricMember:
     def _flush_up(self) -> None:
         self._flush_scheduled = False
         items, self._up = self._up, []
+        relayed, self._relayed = self._relayed, []
+        if self.router is not None and self.coordinator is None:
+            relayed += self.router.up([(self.me, m) for m in items], time.monotonic())
+            items = relayed
         if not items:
             return
         if self.coordinator is not None:
             self._coordinate(self.me, items)
-        elif self.liveness.broken is None:
+        elif self.liveness.broken is None and self.up_link is not None:
             self.stats.control_sent += _op_items(items)
-            self.links[0].send(wire.batch(items))
+            self.up_link.send(wire.batch(items))
+
+    def _relay_up(self, items: list[Any]) -> None:
+        """A relay's subtree items for its parent, in the next frame."""
+        if items:
+            self._relayed.extend(items)
+            if not self._flush_scheduled:
+                self._flush_scheduled = True
+                self.loop.call_soon(self._flush_up)
 
     def _on_message(self, node: int, msg: dict[str, Any]) -> None:
+        """A frame on a star link: node 0's from a member (its parent's, when node 0's child), a
+        member's from node 0."""
+        if self.router is not None and (node in self.child_links or self.tree.parent[self.me] == node):
+            self._on_tree_message(node, msg)
+            return
         self.liveness.last_heard[node] = time.monotonic()
         try:
             vocabulary = wire.TO_COORDINATOR if self.coordinator is not None else wire.TO_MEMBER
@@ -174,11 +205,102 @@ class FabricMember:
             log.exception("control channel: bad message from node %d dropped", node)
         self.node.flush()
 
+    def _on_tree_message(self, node: int, msg: dict[str, Any]) -> None:
+        """A frame on a control tree link: from a child (its subtree's items, going up) or from the
+        parent (items for this subtree, going down)."""
+        now = time.monotonic()
+        heard = self.liveness.last_heard
+        heard[node] = now
+        router = self.router
+        try:
+            if node in self.child_links:
+                messages, problems = wire.decode_batch(msg, wire.TO_COORDINATOR)
+                entries = router.from_child(node, messages)
+                for entry in entries:
+                    if type(entry) is tuple:
+                        heard[entry[0]] = now
+                for m in messages:
+                    if type(m) is wire.Via:
+                        problems += m.problems
+                self.stats.control_received += len(entries)
+                if self.coordinator is not None:
+                    self._coordinate_tree(entries)
+                else:
+                    self._relay_up(router.up(entries, now))
+            else:
+                heard[0] = now  # the parent passes on what node 0 sends: it is alive
+                messages, problems = wire.decode_batch(msg, wire.TO_MEMBER)
+                mine, per_child = router.route_entries(router.from_parent(messages))
+                self._send_children(per_child)
+                own = []
+                for m in mine:  # (a relay's are wire maps from Routed items, a leaf's decoded already)
+                    if type(m) is not dict:
+                        own.append(m)
+                        continue
+                    try:
+                        own.append(wire.decode(m, wire.TO_MEMBER))
+                    except wire.FabricMessageError as exc:
+                        problems.append(str(exc))
+                self.stats.control_received += _op_items(own)
+                self._on_down(own)
+            for problem in problems:
+                log.error("control channel: bad item from node %d dropped: %s", node, problem)
+        except Exception:
+            log.exception("control channel: bad message from node %d dropped", node)
+        self.node.flush()
+
+    def _send_children(self, per_child: dict[int, list[Any]]) -> None:
+        dead = self.liveness.dead
+        for child, items in per_child.items():
+            if child not in dead:
+                self.child_links[child].send({"t": wire.BATCH,
+                                              "items": [m if type(m) is dict else m.to_wire() for m in items]})
+
+    def _on_tree_link_closed(self, node: int, why: str) -> None:
+        """A tree link that is not a star link closed: the parent's cuts this node off from node 0;
+        a child's is seen by node 0 too, on that child's own link, and the merges held for it end."""
+        if node == self.tree.parent[self.me]:
+            name = self.fabric.nodes[node].name
+            self.liveness.coordinator_lost(f"can no longer be reached: node {node} ({name}), this node's parent in "
+                                           f"the control tree, closed its link ({why}){self.liveness.freeze_note()}")
+            self.node.flush()
+
     def _on_link_closed(self, node: int, why: str) -> None:
         self.liveness.link_closed(node, why)
+        lo, hi = self.tree.subtree(node)
+        if self.coordinator is not None and hi - lo > 1:  # a relay: its subtree is cut off from node 0
+            out = Outbox()
+            relay = f"node {node} ({self.fabric.nodes[node].name}), its relay in the control tree"
+            for below in range(lo + 1, hi):
+                self.coordinator.node_dead(below, f"is cut off from the coordinator: {relay}, lost its control "
+                                                  f"connection ({why})", out)
+            self._dispatch(out)
         self.node.flush()
 
     # ---- coordinator side -------------------------------------------------------
+    def _coordinate_tree(self, entries: list[Any]) -> None:
+        """Node 0: a child's frame of its subtree's items, as (origin, item) runs and merged sets."""
+        run: list[Any] = []
+        origin = -1
+        for entry in entries:
+            if type(entry) is tuple and entry[0] == origin:
+                run.append(entry[1])
+                continue
+            if run:
+                self._coordinate(origin, run)
+            run, origin = [], -1
+            if type(entry) is tuple:
+                origin, run = entry[0], [entry[1]]
+            else:
+                out = Outbox()
+                started = time.thread_time_ns()
+                self.coordinator.report_set(entry, out)
+                self.stats.coord_ns += time.thread_time_ns() - started
+                self.stats.coord_items += 1
+                self._dispatch(out)
+        if run:
+            self._coordinate(origin, run)
+
     def _coordinate(self, node: int, messages: list[wire.ToCoordinator]) -> None:
         coord = self.coordinator
         out = Outbox()
@@ -214,6 +336,15 @@ class FabricMember:
     def _dispatch(self, out: Outbox) -> None:
         # Other nodes first: our own part may run inline and wait for theirs.
         dead = self.liveness.dead
+        if self.router is not None:
+            _, per_child = self.router.route_entries([(ranges, m.to_wire()) for ranges, m in out.entries])
+            for items in per_child.values():
+                self.stats.control_sent += len(items)
+            self._send_children(per_child)
+            mine = [m for ranges, m in out.entries if any(lo <= self.me < hi for lo, hi in ranges)]
+            if mine:
+                self._on_down(mine)
+            return
         for node, messages in out.messages.items():
             if node != self.me and node in self.links and node not in dead:
                 self.stats.control_sent += _op_items(messages)
@@ -290,6 +421,8 @@ class FabricMember:
     # ---- periodic ---------------------------------------------------------------
     def tick(self, now: float) -> None:
         self.liveness.check_frozen(now)
+        if self.router is not None and self.coordinator is None:
+            self._relay_up(self.router.expire(now))
         self.collectives.scheduled.tick(now)
         self.p2p.expire_early(now)
         self.liveness.tick(now)
@@ -324,6 +457,12 @@ class FabricMember:
             # Control items (heartbeats aside) this node sent to and received from the coordinator
             # (node 0: from and to every member).
             "control_items": {"sent": stats.control_sent, "received": stats.control_received},
+            # Where this node's reports go and its releases come from (scheduler/tree.py).
+            "control_tree": {
+                "fanout": self.tree.fanout, "depth": self.tree.depth(), "parent": self.tree.parent[self.me],
+                "children": list(self.tree.children[self.me]),
+                "merged_reports": self.router.merger.merged if self.router and self.router.merger else 0,
+            },
             "reported": stats.reported,
             "fast_path": stats.reported_cached,
             "completed_early": stats.completed_early,

@@ -82,6 +82,9 @@ class Fabric:
     config: SchedulerConfig | None  # the coordinator's (members learn it at join)
     #: Control connections: the coordinator holds one per member; a member holds {0: coordinator}.
     links: dict[int, Connection] = field(default_factory=dict)
+    #: The control tree's links that are not also star links (scheduler/tree.py): a node deeper than
+    #: node 0's children holds one to its parent, a relay one to each child.  Empty for a star.
+    tree_links: dict[int, Connection] = field(default_factory=dict)
     keep: list[Any] = field(default_factory=list)  # stores / communicators the lanes use
     #: This node's programs (``commd.algorithms.catalog.Catalog``; None: programs unavailable).
     catalog: Any = None
@@ -157,7 +160,7 @@ def establish(spec: FabricSpec, job: str, secret: str | None, config: SchedulerC
     tcp = TcpLane(rank, nnodes, secret, ip)
     listener = None
     ctl_port = 0
-    if rank == 0:
+    if nnodes > 1:  # node 0's for every member, a relay's for its children in the control tree
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind((ip, 0))
@@ -197,13 +200,17 @@ def establish(spec: FabricSpec, job: str, secret: str | None, config: SchedulerC
 
     # The control channel first: a node with the wrong secret learns it from the coordinator.
     fabric = Fabric(rank, nodes, secret, {}, config if rank == 0 else None, keep=keep)
-    if rank == 0:
-        try:
-            _accept_members(fabric, listener, job, deadline, config, programs)
-        finally:
+    try:
+        if rank != 0:
+            _join_coordinator(fabric, job, deadline)
+        elif listener is not None:
+            _accept_members(fabric, listener, job, deadline, set(range(1, nnodes)), fabric.links,
+                            {"t": "welcome", "config": config.to_wire(), "programs": programs})
+        if listener is not None:
+            _link_tree(fabric, listener, job, deadline)
+    finally:
+        if listener is not None:
             listener.close()
-    else:
-        _join_coordinator(fabric, job, deadline)
     try:
         tcp.connect([(n.ip, n.tcp_port) for n in nodes], max(0.1, deadline - time.monotonic()))
     except Exception as exc:
@@ -287,20 +294,41 @@ def _check_nodes(raw: list[dict[str, Any]], nnodes: int) -> list[NodeInfo]:
     return nodes
 
 
+def _link_tree(fabric: Fabric, listener: socket.socket, job: str, deadline: float) -> None:
+    """The control tree's links beyond the star: to this node's parent (unless that is node 0, whose
+    star link serves), then from its children.  A parent answers only once its own parent has, so
+    the tree forms top down and nothing waits in a circle."""
+    from commd.scheduler.tree import ControlTree
+
+    tree = ControlTree(fabric.nnodes, fabric.config.control_fanout)
+    if tree.is_star:
+        return
+    me = fabric.node_rank
+    parent = tree.parent[me]
+    if parent is not None and parent != 0:
+        _join_coordinator(fabric, job, deadline, parent)
+    children = set(tree.children[me])
+    if children and me != 0:
+        _accept_members(fabric, listener, job, deadline, children, fabric.tree_links, {"t": "welcome"})
+    log.info("fabric: control tree of fan-out %d, depth %d; node %d's parent %s, children %s",
+             tree.fanout, tree.depth(), me, parent, sorted(children))
+
+
 def _accept_members(
-    fabric: Fabric, listener: socket.socket, job: str, deadline: float, config: SchedulerConfig,
-    programs: dict[str, Any] | None = None,
+    fabric: Fabric, listener: socket.socket, job: str, deadline: float, awaited: set[int],
+    links: dict[int, Connection], welcome: dict[str, Any],
 ) -> None:
-    """Coordinator: challenge every connecting member; admit only those proving the secret."""
+    """Challenge every connecting node of ``awaited``; admit only those proving the secret (node 0:
+    every member, with node 0's config; a relay: its children in the control tree)."""
     listener.setblocking(False)
     pending: dict[int, tuple[Connection, int | None, str | None]] = {}  # fd -> (conn, node, nonce)
-    while len(fabric.links) < fabric.nnodes - 1:
+    while not awaited <= set(links):
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            missing = sorted(set(range(1, fabric.nnodes)) - set(fabric.links))
+            missing = sorted(awaited - set(links))
             for conn, _, _ in pending.values():
                 conn.close()
-            raise FabricError(f"nodes {missing} never joined the coordinator's control channel")
+            raise FabricError(f"nodes {missing} never joined node {fabric.node_rank}'s control channel")
         ready, _, _ = select.select([listener] + [c.sock for c, _, _ in pending.values()], [], [], remaining)
         for sock in ready:
             if sock is listener:
@@ -317,6 +345,9 @@ def _accept_members(
                 if msg is None:
                     continue
                 claimed = s.int_field(msg, "node", 1, fabric.nnodes - 1)
+                if claimed not in awaited:
+                    raise s.ProtocolError(f"node {claimed} is not expected on node {fabric.node_rank}'s "
+                                          "control channel")
                 if msg["t"] == "join" and node is None:
                     nonce = pysecrets.token_hex(16)
                     pending[sock.fileno()] = (conn, claimed, nonce)
@@ -327,11 +358,11 @@ def _accept_members(
                         log.warning("node %d failed authentication (wrong job secret)", node)
                         conn.send_blocking({"t": "rejected", "why": "wrong job secret"})
                         raise s.ProtocolError("wrong job secret")
-                    if node in fabric.links:
+                    if node in links:
                         raise s.ProtocolError(f"node {node} joined twice")
                     del pending[sock.fileno()]
-                    fabric.links[node] = conn
-                    conn.send_blocking({"t": "welcome", "config": config.to_wire(), "programs": programs})
+                    links[node] = conn
+                    conn.send_blocking(welcome)
                 else:
                     raise s.ProtocolError(f"unexpected {msg['t']!r} during the join")
             except (s.ProtocolError, KeyError, ChannelClosed, OSError) as exc:
@@ -340,16 +371,19 @@ def _accept_members(
                 conn.close()
 
 
-def _join_coordinator(fabric: Fabric, job: str, deadline: float) -> None:
-    coordinator = fabric.nodes[0]
+def _join_coordinator(fabric: Fabric, job: str, deadline: float, target: int = 0) -> None:
+    """Join node ``target``'s control channel: the coordinator (node 0, which sends its config), or
+    this node's parent in the control tree."""
+    coordinator = fabric.nodes[target]
     where = f"{coordinator.ip}:{coordinator.ctl_port}"
+    who = "the coordinator" if target == 0 else f"node {target}, this node's parent in the control tree,"
     while True:
         try:
             sock = socket.create_connection((coordinator.ip, coordinator.ctl_port), timeout=5)
             break
         except OSError as exc:
             if time.monotonic() > deadline:
-                raise FabricError(f"cannot reach the coordinator's control channel at {where}: {exc}") from None
+                raise FabricError(f"cannot reach the control channel of {who} at {where}: {exc}") from None
             time.sleep(0.1)
     conn = Connection(sock)
 
@@ -358,19 +392,25 @@ def _join_coordinator(fabric: Fabric, job: str, deadline: float) -> None:
             conn.send_blocking(message)
             reply = conn.recv_blocking(deadline)
         except (ChannelClosed, OSError) as exc:
-            raise FabricError(f"the coordinator at {where} closed the join: {exc}") from None
+            raise FabricError(f"{who} at {where} closed the join: {exc}") from None
         if reply is None:
-            raise FabricError(f"coordinator at {where} did not answer the join")
+            raise FabricError(f"{who} at {where} did not answer the join")
         if reply["t"] == "rejected":
-            raise FabricError(f"the coordinator refused this node: {reply.get('why')}")
+            raise FabricError(f"{who} refused this node: {reply.get('why')}")
         if reply["t"] != want:
-            raise FabricError(f"unexpected {reply['t']!r} from the coordinator during the join")
+            raise FabricError(f"unexpected {reply['t']!r} from {who} during the join")
         return reply
 
     challenge = ask({"t": "join", "node": fabric.node_rank}, "challenge")
     nonce = s.field(challenge, "nonce", str)
     welcome = ask({"t": "proof", "node": fabric.node_rank,
                    "mac": _mac(fabric.secret, "commd-join", job, fabric.node_rank, nonce)}, "welcome")
-    fabric.config = config_from_wire(welcome["config"])
+    if target != 0:
+        fabric.tree_links[target] = conn
+        return
+    try:
+        fabric.config = config_from_wire(welcome["config"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FabricError(f"the coordinator's config is not valid: {exc}") from None
     fabric.programs = welcome.get("programs")  # validated and checked by the catalogue that adopts them
     fabric.links[0] = conn

@@ -25,6 +25,9 @@ DEFAULT_LANE = "tcp"
 DEFAULT_FUSION_THRESHOLD = 64 << 10
 MAX_FUSION_THRESHOLD = 64 << 20
 MAX_FUSION_CYCLE_MS = 1000.0
+#: Children per daemon in the control tree (scheduler/tree.py): up to this many + 1 nodes it is a star.
+DEFAULT_CONTROL_FANOUT = 8
+MAX_CONTROL_FANOUT = 4096
 
 #: The tables of the daemon's TOML config file and what each holds (``[limits]`` is read by
 #: ``commd.daemon.limits``, ``[metrics]`` by ``commd.observe.settings``); any other table is refused.
@@ -48,6 +51,9 @@ SCHEDULER_KEYS: dict[str, str] = {
                               "COMMD_FUSION_THRESHOLD win)",
     "fusion_cycle_ms": "how long a node collects ready ops before reporting them (0: once per event-loop turn; "
                        f"at most {MAX_FUSION_CYCLE_MS:g}; the flag and COMMD_FUSION_CYCLE_MS win)",
+    "control_fanout": "children per daemon in the control tree that carries reports and releases between "
+                      f"node 0 and the others (2 to {MAX_CONTROL_FANOUT}; a fabric of at most this many + 1 nodes "
+                      f"is a star; default {DEFAULT_CONTROL_FANOUT}; COMMD_CONTROL_FANOUT wins)",
     "tuning": "the tuning table: a path, \"off\", or \"\" for the default table (`--tuning` and COMMD_TUNING win)",
     "algorithms_dir": "this node's directory of collective programs (\"\": none; `--algorithms-dir` and "
                       "COMMD_ALGORITHMS_DIR win)",
@@ -148,6 +154,8 @@ class SchedulerConfig:
     fusion_threshold_bytes: int = DEFAULT_FUSION_THRESHOLD
     #: How long a node collects ready ops before reporting them (0: one report per loop turn).
     fusion_cycle_ms: float = 0.0
+    #: Children per daemon in the control tree (node 0's value applies to every node).
+    control_fanout: int = DEFAULT_CONTROL_FANOUT
     #: Where the tuning table comes from: a path, "off", or "" for the default location.
     tuning: str = ""
     #: The table in force (None: none, or refused; ``tuning_note`` says which and why).
@@ -168,6 +176,7 @@ class SchedulerConfig:
             "stall_shutdown_s": self.stall_shutdown_s,
             "fusion_threshold_bytes": self.fusion_threshold_bytes,
             "fusion_cycle_ms": self.fusion_cycle_ms,
+            "control_fanout": self.control_fanout,
             "table": self.table.to_json() if self.table is not None else None,
             "tuning_note": self.tuning_note,
             "algorithm_rules": [[r.name, r.kind, r.min_bytes, r.max_bytes, r.min_group, r.max_group,
@@ -230,6 +239,10 @@ def parse_config(data: dict[str, Any], where: str = "config") -> SchedulerConfig
     config.fusion_cycle_ms = _number(sched, "fusion_cycle_ms", f"{where} [scheduler]", 0.0)
     if config.fusion_cycle_ms > MAX_FUSION_CYCLE_MS:
         raise ValueError(f"{where}: [scheduler] fusion_cycle_ms must be at most {MAX_FUSION_CYCLE_MS:g}")
+    config.control_fanout = _int(sched, "control_fanout", f"{where} [scheduler]", DEFAULT_CONTROL_FANOUT)
+    if not 2 <= config.control_fanout <= MAX_CONTROL_FANOUT:
+        raise ValueError(f"{where}: [scheduler] control_fanout must lie in [2, {MAX_CONTROL_FANOUT}], "
+                         f"got {config.control_fanout}")
     tuning = sched.get("tuning", "")
     if not isinstance(tuning, str):
         raise ValueError(f"{where}: [scheduler] tuning must be a path or \"off\", got {tuning!r}")
@@ -325,6 +338,11 @@ def config_from_wire(raw: dict[str, Any]) -> SchedulerConfig:
     if raw.get("table") is not None:
         config.table = TuningTable.from_json(raw["table"], "the coordinator's tuning table")
     config.tuning_note = str(raw.get("tuning_note", ""))
+    fanout = raw.get("control_fanout", DEFAULT_CONTROL_FANOUT)
+    if type(fanout) is not int or not 2 <= fanout <= MAX_CONTROL_FANOUT:
+        raise ValueError(f"the coordinator's control_fanout must be an integer in [2, {MAX_CONTROL_FANOUT}], "
+                         f"got {fanout!r}")
+    config.control_fanout = fanout
     config.algorithm_rules = [AlgorithmRule(*r) for r in raw.get("algorithm_rules", [])]
     config.codec_rules = [CodecRule(*r) for r in raw.get("codec_rules", [])]
     return config
