@@ -18,8 +18,9 @@ all-reduces of one group spanning every node.  Three paths, measured on the code
   hands it the peer's 32 bytes at once: ceil(log2 N) rounds, one message each way per round.
   Every node does the same, so the busiest process is any node.
 
-The first (untimed) step's full reports skip msgpack, and what it built is frozen out of the
-garbage collector's walks (``gc.freeze``), as a long-running daemon's old objects mostly are.
+The first (untimed) step's full reports skip msgpack.  The garbage collector is off while the
+model's N daemons run in one heap: a collection would land on whichever node happened to run, and
+grow with N for reasons no daemon has (the daemons freeze their old objects; ``COMMD_GC_FREEZE``).
 
 Per N and path: CPU per op of the busiest process (median over the timed steps), the
 messages (frames) it handles per op, and the longest chain of messages on an op's critical path
@@ -80,7 +81,7 @@ def patterns_of(nnodes: int, nbytes: int) -> list[OpPattern]:
 def run_negotiated(nnodes: int, steps: int, ops: int, nbytes: int, fanout: int) -> dict[str, Any]:
     """Every op through the coordinator (schedules off), its reports and releases on a control tree
     of ``fanout`` (a star when ``fanout >= nnodes - 1``): the figures of the steps after the first."""
-    model = ControlPlaneModel(nnodes, fanout)
+    model = ControlPlaneModel(nnodes, fanout, keep_received=False)
     model.coordinator.schedules_on = False
     patterns = patterns_of(nnodes, nbytes)
     cache_ids: list[int] = []
@@ -90,7 +91,7 @@ def run_negotiated(nnodes: int, steps: int, ops: int, nbytes: int, fanout: int) 
         model.run()
         cache_ids.append(next(m.cache_id for m in model.received[0] if m.seq == index and m.cache_id))
     gc.collect()
-    gc.freeze()  # what the first step built stays: the collector need not walk it again and again
+    gc.disable()  # N daemons' garbage shares one heap here: a collection would land on whichever node runs
     before = [(c.cpu_ns, c.frames_in + c.frames_out) for c in model.counts]
     cpu_steps: list[list[int]] = []
     for step in range(1, steps + 1):
@@ -100,8 +101,8 @@ def run_negotiated(nnodes: int, steps: int, ops: int, nbytes: int, fanout: int) 
                 model.report(node, [Ready(GROUP, step * ops + index, None, cache_ids[index])])
             model.run()
         cpu_steps.append([c.cpu_ns - a for c, a in zip(model.counts, at_start, strict=True)])
-    gc.unfreeze()
-    released = sum(1 for m in model.received[nnodes - 1] if type(m) is Go)
+    gc.enable()
+    released = model.releases[nnodes - 1]
     if released != (steps + 1) * ops:
         raise RuntimeError(f"N={nnodes}: node {nnodes - 1} received {released} releases, not {(steps + 1) * ops}")
     totals = [c.cpu_ns - b[0] for c, b in zip(model.counts, before, strict=True)]

@@ -76,6 +76,23 @@ def test_range_arithmetic_against_sets() -> None:
     assert not valid([[2, 2]], 5) and not valid([[0, 3], [2, 4]], 5) and not valid([[0, 6]], 5)
 
 
+def test_the_fanout_is_validated_and_travels_with_node_0s_config() -> None:
+    from commd.scheduler.config import config_from_wire, parse_config
+
+    assert parse_config({}).control_fanout == 8
+    config = parse_config({"scheduler": {"control_fanout": 3}})
+    assert config_from_wire(config.to_wire()).control_fanout == 3  # what a member learns in the welcome
+    for bad in (1, 0, -2, 5000, "4", True):
+        with pytest.raises(ValueError, match="control_fanout"):
+            parse_config({"scheduler": {"control_fanout": bad}})
+    wire_config = config.to_wire()
+    wire_config["control_fanout"] = 1
+    with pytest.raises(ValueError, match="control_fanout"):
+        config_from_wire(wire_config)
+    with pytest.raises(ValueError, match="fan-out of 2 or more"):
+        ControlTree(5, 1)
+
+
 # ---- the same op streams through a tree and through a star ------------------------------------
 
 def patterns(nnodes: int, count: int) -> list[OpPattern]:
@@ -178,7 +195,7 @@ def tree_of_five(cluster, monkeypatch):
     return make
 
 
-def test_every_op_and_a_repeated_loop_run_through_a_tree_of_relays(tree_of_five) -> None:
+def test_every_op_a_repeated_loop_and_a_mismatch_through_a_tree_of_relays(tree_of_five) -> None:
     c = tree_of_five()
     assert set(c.join(c.start_workers(fw.every_op, ["tcp", "gloo"], [5, 70_000]), timeout=240).values()) == {"ok"}
     steps = 12
@@ -190,10 +207,7 @@ def test_every_op_and_a_repeated_loop_run_through_a_tree_of_relays(tree_of_five)
         assert trees[relay]["merged_reports"] >= 2 * (steps - 2) * 3, trees[relay]
     for rank, value in results.items():
         assert value["paths"]["negotiated"] >= steps * 3, (rank, value)
-
-
-def test_a_mismatch_through_the_tree_names_the_same_fields_and_ranks(tree_of_five) -> None:
-    c = tree_of_five()
+    # a mismatch: the same message on every rank, naming the field and the ranks, as on a star
     results = c.join(c.start_workers(fw.mismatch_any), timeout=120)
     messages = {value["message"] for value in results.values()}
     assert len(messages) == 1, messages

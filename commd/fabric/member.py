@@ -170,7 +170,9 @@ class FabricMember:
             items = relayed
         if not items:
             return
-        if self.coordinator is not None:
+        if self.coordinator is not None and self.router is not None:
+            self._coordinate_tree(self.router.own_at_root(items))
+        elif self.coordinator is not None:
             self._coordinate(self.me, items)
         elif self.liveness.broken is None and self.up_link is not None:
             self.stats.control_sent += _op_items(items)

@@ -19,11 +19,14 @@ child out.  This module is pure: no I/O, no clock but the one it is given.
 from __future__ import annotations
 
 import collections
+import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from commd.protocol import fabric as wire
+
+log = logging.getLogger("commd.fabric")
 
 #: Half-open ranges of node numbers, sorted and disjoint: ((0, 4), (6, 7)) is nodes 0-3 and 6.
 Ranges = tuple[tuple[int, int], ...]
@@ -304,6 +307,14 @@ class TreeRouter:
         self.merger = ReportMerger(tree, me, hold_s) if self.children and self.parent is not None else None
 
     # ---- up -------------------------------------------------------------------------
+    def own_at_root(self, items: list[Any]) -> list[Any]:
+        """Node 0's own items for its coordinator: a report by cache id alone as a set of one node,
+        so that it joins its children's sets instead of turning the op into per-node reports."""
+        me = ((self.me, self.me + 1),)
+        return [wire.ReadySet(m.group, m.seq, m.cache_id, me)
+                if type(m) is wire.Ready and m.pattern is None and m.contribution is None and not m.no_fusion
+                and not m.waited else (self.me, m) for m in items]
+
     def from_child(self, child: int, items: list[Any]) -> list[Any]:
         """A child's decoded batch as (origin, item) pairs and merged sets, in order."""
         lo, hi = self.tree.subtree(child)
@@ -311,11 +322,17 @@ class TreeRouter:
         for item in items:
             kind = type(item)
             if kind is wire.Via:
-                if lo <= item.node < hi:
+                if lo <= item.node < hi and item.node != child:
                     entries.extend((item.node, m) for m in item.items)
+                else:
+                    log.error("control tree: node %d passed up items of node %d, not of its subtree [%d, %d): "
+                              "dropped", child, item.node, lo, hi)
             elif kind is wire.ReadySet:
                 if clip(item.ranges, lo, hi) == item.ranges:
                     entries.append(item)
+                else:
+                    log.error("control tree: node %d passed up reports of nodes %s, not all of its subtree "
+                              "[%d, %d): dropped", child, list(item.ranges), lo, hi)
             else:
                 entries.append((child, item))
         return entries

@@ -55,6 +55,9 @@ class ControlPlaneModel:
     fanout: int
     config: SchedulerConfig = field(default_factory=SchedulerConfig)
     now: float = field(default_factory=time.monotonic)  # the relays' and the coordinator's clock
+    #: False: count what each node receives (``releases``) instead of keeping it (a benchmark of
+    #: thousands of nodes would otherwise measure its own heap growing).
+    keep_received: bool = True
 
     def __post_init__(self) -> None:
         self.tree = ControlTree(self.nnodes, self.fanout)
@@ -62,6 +65,7 @@ class ControlPlaneModel:
         self.routers = [TreeRouter(self.tree, node) for node in range(self.nnodes)]
         self.counts = [NodeCounts() for _ in range(self.nnodes)]
         self.received: list[list[Any]] = [[] for _ in range(self.nnodes)]
+        self.releases = [0] * self.nnodes  # releases (go) each node received
         self.frames: collections.deque[tuple[int, int, bytes]] = collections.deque()  # (to, from, frame)
         self._packer = msgpack.Packer(use_bin_type=True)
 
@@ -70,7 +74,7 @@ class ControlPlaneModel:
         """Node ``node``'s own items for the coordinator (its reports of one loop turn)."""
         started = time.thread_time_ns()
         if node == 0:
-            self._coordinate([(0, item) for item in items])
+            self._coordinate(self.routers[0].own_at_root(items) if not self.tree.is_star else [(0, m) for m in items])
         else:
             self._send_up(node, self.routers[node].up([(node, item) for item in items], self.now))
         self.counts[node].cpu_ns += time.thread_time_ns() - started
@@ -119,8 +123,7 @@ class ControlPlaneModel:
                 router = self.routers[to]
                 mine, per_child = router.route_entries(router.from_parent(messages))
                 self._send_children(to, per_child)
-                for m in mine:
-                    self.received[to].append(wire.decode(m, wire.TO_MEMBER) if type(m) is dict else m)
+                self._deliver(to, [wire.decode(m, wire.TO_MEMBER) if type(m) is dict else m for m in mine])
                 counts.items_in += len(mine)
             if problems:
                 raise AssertionError(f"node {to} dropped bad items from node {sender}: {problems}")
@@ -157,4 +160,9 @@ class ControlPlaneModel:
     def _dispatch(self, out: Outbox) -> None:
         _, per_child = self.routers[0].route_entries([(ranges, m.to_wire()) for ranges, m in out.entries])
         self._send_children(0, per_child)
-        self.received[0].extend(m for ranges, m in out.entries if any(lo <= 0 < hi for lo, hi in ranges))
+        self._deliver(0, [m for ranges, m in out.entries if any(lo <= 0 < hi for lo, hi in ranges)])
+
+    def _deliver(self, node: int, messages: list[Any]) -> None:
+        self.releases[node] += sum(1 for m in messages if type(m) is wire.Go)
+        if self.keep_received or node == 0:
+            self.received[node].extend(messages)
