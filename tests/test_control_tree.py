@@ -208,7 +208,7 @@ def test_every_op_a_repeated_loop_and_a_mismatch_through_a_tree_of_relays(tree_o
     for rank, value in results.items():
         assert value["paths"]["negotiated"] >= steps * 3, (rank, value)
     # a mismatch: the same message on every rank, naming the field and the ranks, as on a star
-    results = c.join(c.start_workers(fw.mismatch_any), timeout=120)
+    results = c.join(c.start_workers(fw.mismatch), timeout=120)
     messages = {value["message"] for value in results.values()}
     assert len(messages) == 1, messages
     message = messages.pop()
