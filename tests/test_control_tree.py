@@ -195,6 +195,7 @@ def tree_of_five(cluster, monkeypatch):
     return make
 
 
+@pytest.mark.extended  # make test-extended (CI runs it after make test); 30 s
 def test_every_op_a_repeated_loop_and_a_mismatch_through_a_tree_of_relays(tree_of_five) -> None:
     c = tree_of_five()
     assert set(c.join(c.start_workers(fw.every_op, ["tcp", "gloo"], [5, 70_000]), timeout=240).values()) == {"ok"}
