@@ -260,7 +260,8 @@ class FabricMember:
 
     def _on_tree_link_closed(self, node: int, why: str) -> None:
         """A tree link that is not a star link closed: the parent's cuts this node off from node 0;
-        a child's is seen by node 0 too, on that child's own link, and the merges held for it end."""
+        a child's death is seen by node 0 on that child's own link, and merges waiting for it go up
+        partial when they have waited ``tree.HOLD_S``."""
         if node == self.tree.parent[self.me]:
             name = self.fabric.nodes[node].name
             self.liveness.coordinator_lost(f"can no longer be reached: node {node} ({name}), this node's parent in "
