@@ -463,10 +463,11 @@ def _fabric_counters(ctx: Any) -> dict[str, Any]:
     return {"paths": fabric["paths"], "control": fabric["control_items"]}
 
 
-def ddp_fault_on_schedule(ctx: Any, port: int, fail_step: int) -> dict[str, Any]:
+def ddp_fault_on_schedule(ctx: Any, port: int, fail_step: int, hold: bool = False) -> dict[str, Any]:
     """DDP through the torch backend, every all-reduce through the daemons: once the steps run on
     the schedule, rank 1 dies at ``fail_step``.  The others record what DDP raised, then what an
-    all-reduce's ``get_future()`` and ``wait()`` raise after it."""
+    all-reduce's ``get_future()`` and ``wait()`` raise after it; with ``hold``, they stay in the job
+    until the test says go (so that no rank's leaving is what a slower rank's error names)."""
     import os
     from datetime import timedelta
 
@@ -504,6 +505,9 @@ def ddp_fault_on_schedule(ctx: Any, port: int, fail_step: int) -> dict[str, Any]
             out[api] = "no error"
         except Exception as exc:
             out[api] = f"{type(exc).__name__}: {exc}"
+    if hold:
+        ctx.event("done")
+        ctx.command()
     return out
 
 

@@ -233,3 +233,30 @@ def test_a_relay_that_dies_fails_its_subtree_and_every_other_rank(tree_of_five) 
     for rank, text in results.items():
         assert text.startswith("PeerDiedError") and "node 1 (n1)" in text, (rank, text)
     assert "control tree" in results[2], results[2]  # node 2 is told why it is cut off
+
+
+@pytest.mark.extended  # make test-extended (CI runs it after make test); 40 s
+def test_a_relay_that_dies_under_ddp_fails_ddp_and_every_api_on_the_other_ranks(tree_of_five) -> None:
+    """DDP through the torch backend, its buckets negotiated through the tree; node 1's daemon (a
+    relay) is SIGKILLed before a step: every other rank's backward raises naming node 1, and so do a
+    later all-reduce's ``get_future()`` and ``wait()``."""
+    from cluster import free_port
+
+    c = tree_of_five(peer_timeout=2.0, op_timeout=30.0)
+    fail_step = 6
+    workers = c.start_workers(fw.ddp_fault_on_schedule, free_port(), fail_step, True)
+    for node in range(5):
+        workers[node].wait_event(node, "on schedule")
+    started = time.monotonic()
+    os.kill(c.daemon_pid(1), signal.SIGKILL)
+    for node in (0, 2, 3, 4):
+        workers[node].wait_event(node, "done")
+    assert time.monotonic() - started < 30, "the errors took longer than the peer timeout allows"
+    results = {}
+    for node in (0, 2, 3, 4):
+        workers[node].send(node, "go")
+        results.update(workers[node].join(timeout=60))
+    for rank, result in results.items():
+        assert result["steps"] == list(range(fail_step)), (rank, result)
+        for api in ("ddp", "future", "wait"):
+            assert "PeerDiedError" in result[api] and "node 1 (n1)" in result[api], (rank, api, result[api][:300].replace(chr(10), " "))
