@@ -32,7 +32,7 @@ from commd.observe.stats import FabricStats
 from commd.protocol import fabric as wire
 from commd.scheduler.config import DEFAULT_CONTROL_FANOUT
 from commd.scheduler.coordinator import Coordinator, Outbox
-from commd.scheduler.tree import ControlTree, TreeRouter
+from commd.scheduler.tree import ControlTree, TreeRouter, contains
 
 if TYPE_CHECKING:
     from commd.core.ops import Submission
@@ -344,7 +344,7 @@ class FabricMember:
             for items in per_child.values():
                 self.stats.control_sent += len(items)
             self._send_children(per_child)
-            mine = [m for ranges, m in out.entries if any(lo <= self.me < hi for lo, hi in ranges)]
+            mine = [m for ranges, m in out.entries if contains(ranges, self.me)]
             if mine:
                 self._on_down(mine)
             return

@@ -354,24 +354,19 @@ class Coordinator:
         if (known is None or self.schedule_active or (sched is not None and item.group == sched.group)
                 or key in self.expired or (pending is not None and pending.entries)
                 or size(union(known[2], item.ranges)) != size(known[2])):
-            for node in members(item.ranges):
-                self.report(node, [Ready(item.group, item.seq, None, cid)], out)
+            self._report_each(item, out)
             return
         nodes, node_set, _ = known
         if pending is None:
+            if any(n in node_set for n in self.dead):
+                self._report_each(item, out)
+                return
             first = self.cache[cid][0][nodes[0]]
             pending = self.pending[key] = Pending(key[0], key[1], nodes, node_set, timeout=first.timeout)
-            dead = [n for n in self.dead if n in node_set]
-            if dead:
-                del self.pending[key]
-                for node in members(item.ranges):
-                    self.report(node, [Ready(item.group, item.seq, None, cid)], out)
-                return
         joined = union(pending.set_nodes, item.ranges)
         if size(joined) != size(pending.set_nodes) + size(item.ranges):  # a node twice: say so per node
             self._expand(pending)
-            for node in members(item.ranges):
-                self.report(node, [Ready(item.group, item.seq, None, cid)], out)
+            self._report_each(item, out)
             return
         pending.sets.append((cid, item.ranges))
         pending.set_nodes = joined
@@ -383,6 +378,22 @@ class Coordinator:
             self._expand(pending)
             self._complete_guarded(pending, out)
 
+    def _report_each(self, item: ReadySet, out: Outbox) -> None:
+        """A merged set taken node by node, as the nodes' own reports by cache id would be."""
+        for node in members(item.ranges):
+            self.report(node, [Ready(item.group, item.seq, None, item.cache_id)], out)
+
+    def _place(self, pending: Pending, fuse_key: tuple[tuple, int] | None, result: bytes | None,
+               out: Outbox) -> int | None:
+        """Give a released op the next number of the global order; the fused set it joins (its first
+        op's order) or None.  An op the coordinator reduced itself, or one a node keeps apart, ends
+        any open set."""
+        self.order += 1
+        self.stats.coord_released += 1
+        fusible = fuse_key is not None and result is None and not pending.no_fusion
+        key, nbytes = fuse_key if fusible else (None, 0)
+        return out.fuse(key, self.order, nbytes, self.config.fusion_threshold_bytes)
+
     def _release_cached(self, pending: Pending, cid: int, out: Outbox) -> None:
         """Every node reported ``cid`` (in merged sets): release without a comparison, as one entry."""
         del self.pending[(pending.group, pending.seq)]
@@ -390,11 +401,7 @@ class Coordinator:
         algo = self.cache_algo.get(cid)
         codec = self.cache_codec.get(cid)
         self.stats.coord_fast_path += 1
-        self.order += 1
-        self.stats.coord_released += 1
-        fusible = fuse_key is not None and not pending.no_fusion
-        key, size = fuse_key if fusible else (None, 0)
-        head = out.fuse(key, self.order, size, self.config.fusion_threshold_bytes)
+        head = self._place(pending, fuse_key, None, out)
         out.add_set(self.cache_nodes[cid][2], Go(pending.group, pending.seq, self.order, lane, None, None, head,
                                                  *(algo or (None, None)), codec))
         self._find_cycle(pending, cid, lane, algo, codec, head is not None, out)
@@ -492,13 +499,8 @@ class Coordinator:
                     self.cache_algo[cid] = algo
                 if codec is not None:
                     self.cache_codec[cid] = codec
-        self.order += 1
-        self.stats.coord_released += 1
         result = self._eager_result(pending, lane) if algo is None else None
-        # An op the coordinator reduced itself, or one a node keeps apart, ends any open set.
-        fusible = fuse_key is not None and result is None and not pending.no_fusion
-        key, size = fuse_key if fusible else (None, 0)
-        head = out.fuse(key, self.order, size, self.config.fusion_threshold_bytes)
+        head = self._place(pending, fuse_key, result, out)
         # One release for the nodes that knew the cache id, one (naming it) for those that did not;
         # positional: this runs for every op.  Fields: cache id, result, fused with, program, its hash, codec.
         knew = Go(pending.group, pending.seq, self.order, lane, None, result, head, *(algo or (None, None)), codec)

@@ -206,29 +206,32 @@ class ReportMerger:
             if type(entry) is wire.ReadySet:
                 if entry.cache_id in self.expected:
                     self._merge(entry.group, entry.seq, entry.cache_id, entry.ranges, now, out)
-                    continue
-                self._flush_from(entry.ranges, out)
-                out.append(entry)
-                key = (entry.group, entry.seq)
-                self._passed(key, size(entry.ranges))
-                self._pass_if_complete(key, out)
+                else:
+                    self._pass_on(entry, entry.ranges, (entry.group, entry.seq), out)
                 continue
             origin, item = entry
             if item.TYPE == "hb":  # liveness: no order to keep with reports, no reason to end a merge
                 out.append(entry)
                 continue
-            if type(item) is wire.Ready and self.mergeable(item):
-                self._merge(item.group, item.seq, item.cache_id, ((origin, origin + 1),), now, out)
-                continue
-            self._flush_from(((origin, origin + 1),), out)
-            out.append(entry)
-            if type(item) is wire.Ready:
+            node = ((origin, origin + 1),)
+            if type(item) is not wire.Ready:
+                self._pass_on(entry, node, None, out)
+            elif self.mergeable(item):
+                self._merge(item.group, item.seq, item.cache_id, node, now, out)
+            else:
                 if item.pattern is not None:
                     self.remember(item.group, item.seq, item.pattern.nodes)
-                key = (item.group, item.seq)
-                self._passed(key, 1)
-                self._pass_if_complete(key, out)  # the merge of the others may have waited for this one
+                self._pass_on(entry, node, (item.group, item.seq), out)
         return out
+
+    def _pass_on(self, entry: Any, ranges: Ranges, op: tuple[str, int] | None, out: list[Any]) -> None:
+        """Pass an item of the nodes in ``ranges`` up as it is, after the merges holding a report of
+        theirs; a report counts towards its op (``op``), whose other reports' merge may now be whole."""
+        self._flush_from(ranges, out)
+        out.append(entry)
+        if op is not None:
+            self._passed(op, size(ranges))
+            self._pass_if_complete(op, out)
 
     def _merge(self, group: str, seq: int, cid: int, ranges: Ranges, now: float, out: list[Any]) -> None:
         key = (group, seq)
@@ -283,10 +286,10 @@ class ReportMerger:
         nodes of this subtree report that id; a failure forgets the op."""
         t = raw.get("t")
         if t == "go":
-            size = self.group_nodes.pop((raw.get("g"), raw.get("s")), None)
+            here = self.group_nodes.pop((raw.get("g"), raw.get("s")), None)
             cid = raw.get("c")
-            if size is not None and type(cid) is int and size > 0:
-                self.expected[cid] = size
+            if here is not None and type(cid) is int and here > 0:
+                self.expected[cid] = here
         elif t == "fail":
             self.group_nodes.pop((raw.get("g"), raw.get("s")), None)
 

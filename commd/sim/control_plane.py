@@ -22,7 +22,7 @@ import msgpack
 from commd.protocol import fabric as wire
 from commd.scheduler.config import SchedulerConfig
 from commd.scheduler.coordinator import Coordinator, Outbox
-from commd.scheduler.tree import ControlTree, TreeRouter
+from commd.scheduler.tree import ControlTree, TreeRouter, contains
 
 
 class AnyLane:
@@ -160,7 +160,7 @@ class ControlPlaneModel:
     def _dispatch(self, out: Outbox) -> None:
         _, per_child = self.routers[0].route_entries([(ranges, m.to_wire()) for ranges, m in out.entries])
         self._send_children(0, per_child)
-        self._deliver(0, [m for ranges, m in out.entries if any(lo <= 0 < hi for lo, hi in ranges)])
+        self._deliver(0, [m for ranges, m in out.entries if contains(ranges, 0)])
 
     def _deliver(self, node: int, messages: list[Any]) -> None:
         self.releases[node] += sum(1 for m in messages if type(m) is wire.Go)
