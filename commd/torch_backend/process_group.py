@@ -39,9 +39,10 @@ from commd.client.handle import Handle
 from commd.client.spawn import ensure_daemon
 from commd.memory.budget import check_environment
 from commd.runtime import ConfigError, JobPaths, secret_from_environment
-from commd.torch_backend import BACKEND_NAME
+from commd.torch_backend import BACKEND_NAME, record
 from commd.torch_backend.monitored import monitored_barrier_on
 from commd.torch_backend.profiling import profiled
+from commd.torch_backend.reduce_ops import reduce_op, reduce_op_name
 from commd.torch_backend.ring_ops import open_ring, ring_all_reduce
 from commd.torch_backend.sparse import all_reduce_sparse, is_sparse_call
 from commd.torch_backend.store import read_from_ranks
@@ -56,38 +57,12 @@ _client: Client | None = None
 _client_lock = threading.Lock()
 _group_generations: dict[str, int] = {}
 
-_REDUCE_OPS = [
-    (dist.ReduceOp.SUM, "sum"),
-    (dist.ReduceOp.AVG, "avg"),
-    (dist.ReduceOp.PRODUCT, "product"),
-    (dist.ReduceOp.MIN, "min"),
-    (dist.ReduceOp.MAX, "max"),
-    (dist.ReduceOp.BAND, "band"),
-    (dist.ReduceOp.BOR, "bor"),
-    (dist.ReduceOp.BXOR, "bxor"),
-]
-
 
 def current_client() -> Client:
     """The process's connected client (after ``init_process_group("commd")``)."""
     if _client is None:
         raise CommdError("no commd client: call dist.init_process_group('commd') first")
     return _client
-
-
-def _reduce_op(op: Any) -> str:
-    for torch_op, name in _REDUCE_OPS:
-        if op == torch_op:
-            return name
-    raise ValueError(f"reduce op {op} is not supported by the commd backend")
-
-
-def _reduce_op_name(op: Any) -> str:
-    """``op``'s commd name, or its torch name when commd has none (the sparse path reports it)."""
-    for torch_op, name in _REDUCE_OPS:
-        if op == torch_op:
-            return name
-    return str(op)
 
 
 class CommdWork(dist._Work):
@@ -98,6 +73,8 @@ class CommdWork(dist._Work):
         self._handles = handles
         self._result = result
         self._future: Future | None = None
+        #: The recorded requests this work completes (``record.py``; empty when not recording).
+        self.record_reqs: list[int] = []
 
     @property
     def handles(self) -> list[Handle]:
@@ -108,6 +85,15 @@ class CommdWork(dist._Work):
         """Until every op has finished (each is bounded by its own timeout), then the first op's error
         if any failed: nothing of the work still writes into the caller's tensors once this returns or
         raises, unless ``timeout`` passes first (CommTimeoutError, the work still running)."""
+        if record.active is not None and self.record_reqs:
+            started = time.perf_counter_ns()
+            try:
+                return self._wait(timeout)
+            finally:
+                record.active.waited(self.record_reqs, started, time.perf_counter_ns())
+        return self._wait(timeout)
+
+    def _wait(self, timeout: timedelta | None) -> bool:
         deadline = None
         if timeout is not None and timeout != timedelta(0):
             deadline = time.monotonic() + timeout.total_seconds()
@@ -338,10 +324,10 @@ class ProcessGroupCommd(dist.ProcessGroup):
     @profiled("all_reduce")
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> CommdWork:
         if is_sparse_call(tensors):  # sparse COO: gathered and summed (sparse.py), as on Gloo
-            op_name = _reduce_op_name(opts.reduceOp) if opts is not None else "sum"
+            op_name = reduce_op_name(opts.reduceOp) if opts is not None else "sum"
             handle = all_reduce_sparse(self._client, self._name, self.size(), tensors, op_name, self._kw)
             return self._work(handle, tensors)
-        op = _reduce_op(opts.reduceOp) if opts is not None else "sum"
+        op = reduce_op(opts.reduceOp) if opts is not None else "sum"
         if self.ring is not None and len(tensors) == 1 and not self._client.holding(self._name):
             handle = ring_all_reduce(self._client, self.ring, tensors[0], op, self._timeout, tensors)
             if handle is not None:
@@ -354,7 +340,7 @@ class ProcessGroupCommd(dist.ProcessGroup):
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> CommdWork:
         if is_sparse_call(tensors):
             raise ValueError("all_reduce_coalesced takes dense tensors only; all_reduce sparse ones one by one")
-        op = _reduce_op(opts.reduceOp) if opts is not None else "sum"
+        op = reduce_op(opts.reduceOp) if opts is not None else "sum"
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)
@@ -373,7 +359,7 @@ class ProcessGroupCommd(dist.ProcessGroup):
 
     @profiled("reduce")
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> CommdWork:
-        op = _reduce_op(opts.reduceOp)
+        op = reduce_op(opts.reduceOp)
         handle = ops.reduce(self._client, tensors[0], opts.rootRank, op, **self._kw())
         return self._work(handle, tensors)
 
@@ -388,7 +374,7 @@ class ProcessGroupCommd(dist.ProcessGroup):
                 f"reduce_scatter: output holds {out.numel()} elements, input part {self.rank()} {counts[self.rank()]}"
             )
         handle = ops.reduce_scatter(
-            self._client, out, _flatten(parts), _reduce_op(opts.reduceOp), counts, **self._kw()
+            self._client, out, _flatten(parts), reduce_op(opts.reduceOp), counts, **self._kw()
         )
         return self._work(handle, outputs)
 
@@ -400,7 +386,7 @@ class ProcessGroupCommd(dist.ProcessGroup):
                 f"{self.size()} x {output.numel()}"
             )
         handle = ops.reduce_scatter(
-            self._client, output, input, _reduce_op(opts.reduceOp), None, **self._kw()
+            self._client, output, input, reduce_op(opts.reduceOp), None, **self._kw()
         )
         return self._work(handle, output)
 
@@ -591,6 +577,7 @@ class ProcessGroupCommd(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         """Called by destroy_process_group; the process's client stays for other groups."""
+        record.save()
         if self.ring is not None:
             self._client.on_numbered(self._name, None)
             self.ring.close()
@@ -719,6 +706,7 @@ def _bootstrap(store: dist.Store, rank: int, size: int, timeout: timedelta) -> C
     """
     global _client, _bootstraps
     check_environment()  # a bad setting fails here, before any daemon is started
+    record.start_from_environment()
     round_ = _bootstraps
     _bootstraps += 1
     _private_store_file(store)
