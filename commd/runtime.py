@@ -130,6 +130,8 @@ ENVIRONMENT: dict[str, str] = {
                           "default 10).",
     "COMMD_SCHEDULE": "`0`: node 0's coordinator never publishes a schedule, so every op across nodes is "
                       "negotiated through it (default `1`: a group's ops that repeat a cycle run without it).",
+    "COMMD_RECORD": "A directory: every rank of the torch backend writes the ops it submits there as a PARAM "
+                    "comms trace, `rank<R>.json` (`commd launch --record`; replay with `commd replay`).",
     "COMMD_REGISTER": "`0`: a client never registers tensor storages, it stages them (default `1`).",
     "COMMD_REGISTER_FIRST_BYTES": "An in-place op's tensor of at least this many bytes has its storage registered "
                                   "at its first sighting (default 64 MiB).",

@@ -686,3 +686,23 @@ def control_tree_loop(ctx: Any, steps: int) -> dict[str, Any]:
     client.close()
     return {"paths": fabric["paths"], "control": fabric["control_items"], "tree": fabric["control_tree"]}
 
+
+
+def uneven_all_to_all(ctx: Any, rows: list[list[list[int]]]) -> str:
+    """One all-to-all per entry of ``rows`` (``rows[op][rank]``: the elements rank sends each rank), with
+    different bytes on different ranks; each result checked against the senders' data."""
+    client = ctx.connect()
+    me, world = ctx.rank, ctx.world_size
+    for op, per_rank in enumerate(rows):
+        send = per_rank[me]
+        recv = [per_rank[src][me] for src in range(world)]
+        mine = data(me, sum(send), np.float32, op)
+        out = torch.empty(sum(recv), dtype=torch.float32)
+        ops.all_to_all(client, out, _t(mine), send, recv).wait(60)
+        want = []
+        for src in range(world):
+            theirs = data(src, sum(per_rank[src]), np.float32, op)
+            start = sum(per_rank[src][:me])
+            want.append(theirs[start : start + per_rank[src][me]])
+        _check(f"all-to-all {op}", out, np.concatenate(want))
+    return "ok"

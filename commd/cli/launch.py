@@ -68,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="trace every op's phases into FILE (Chrome/Perfetto JSON; in a multi-node job "
                              "node k writes FILE's stem + '.node<k>'; join them with `commd trace merge`); "
                              "every op is traced, the exchange rings' all-reduces too")
+    parser.add_argument("--record", default=None, metavar="DIR",
+                        help="every rank writes the ops it submits through the commd backend as a PARAM comms "
+                             "trace, DIR/rank<R>.json (COMMD_RECORD); replay them with `commd replay DIR`")
     parser.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
                         help="seconds workers get after SIGTERM before SIGKILL (default 10)")
     parser.add_argument("--no-prefix", dest="prefix", action="store_false",
@@ -115,6 +118,13 @@ def _validate(args: argparse.Namespace) -> None:
             args.trace = check_trace_path(str(Path(args.trace).expanduser().absolute()), "--trace")
         except TraceError as exc:
             raise LaunchError(str(exc)) from None
+    if args.record is not None:
+        record = Path(args.record).expanduser().absolute()
+        try:
+            record.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise LaunchError(f"--record {args.record}: cannot create the directory: {exc.strerror or exc}") from None
+        args.record = str(record)
     if args.module:
         if not all(part.isidentifier() for part in args.script.split(".")):
             raise LaunchError(f"-m: {args.script!r} is not a module name")
@@ -290,6 +300,8 @@ def _start_workers(args: argparse.Namespace, job: str, port: int, sigs: _Signals
             return
         env = worker_env(dict(os.environ), rank, args.nproc, job, args.master_addr, port,
                          args.node_rank, args.nnodes, args.node_name)
+        if args.record is not None:
+            env["COMMD_RECORD"] = args.record
         shown = args.shown_ranks is None or rank in args.shown_ranks
         stdout = subprocess.PIPE if args.prefix and shown else None if shown else subprocess.DEVNULL
         stderr = subprocess.PIPE if args.prefix else None

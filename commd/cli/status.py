@@ -155,6 +155,15 @@ def format_status(status: dict[str, Any]) -> str:
              for kind, row in sorted(by_kind.items())],
         )
 
+    mix = status.get("mix") or []
+    if mix:
+        out.append("")
+        out.append("the mix: inter-node ops per kind and size class, by lane, program ('native': the lane's own) "
+                   "and codec")
+        out += _table(["kind", "size", "lane", "program", "codec", "ops", "bytes"],
+                      [[row["kind"], row["size"], row["lane"], row["algorithm"], row["codec"], f"{row['ops']:,}",
+                        human_bytes(row["bytes"])] for row in mix], left=5)
+
     clients = status.get("clients") or []
     out.append("")
     out.append(f"clients ({len(clients)})")

@@ -44,7 +44,7 @@ class Completions:
         if tracer.on:
             tracer.op_done(op, error)
         self.stats.finished(op.group, op.kind, op.nbytes, time.monotonic() - op.first_at, error is None, op.lane,
-                            op.algo)
+                            op.algo, op.codec)
         if error is not None:
             code = s.E_SHUTDOWN if self.state.closing else (code or s.E_INTERNAL)
             self.fail_op(op.subs, code, error)

@@ -58,6 +58,7 @@ def status_document(config: DaemonConfig, state: NodeState, stats: Stats, schedu
         "bytes_moved": stats.bytes_moved,
         "latency_us": stats.latency_table(),
         "ops_by_lane": stats.per_kind(),
+        "mix": stats.mix_rows(),
         "oldest_waiting": waiting[0] if waiting else None,
         "stalls": _stalls(config, state, waiting),
         "node": config.node_name,

@@ -27,6 +27,24 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 )
 
 
+#: Upper bounds of the size classes the mix is shown in (bytes per node's buffer), ×8 apart.
+SIZE_CLASSES: tuple[int, ...] = (1 << 10, 8 << 10, 64 << 10, 512 << 10, 4 << 20, 32 << 20)
+
+
+def size_class(nbytes: int) -> str:
+    """The class ``nbytes`` falls in: "<=1K", "1K-8K", ..., ">32M" (what the mix is counted by)."""
+    low = 0
+    for high in SIZE_CLASSES:
+        if nbytes <= high:
+            return f"<={_short(high)}" if not low else f"{_short(low)}-{_short(high)}"
+        low = high
+    return f">{_short(low)}"
+
+
+def _short(nbytes: int) -> str:
+    return f"{nbytes >> 20}M" if nbytes >= 1 << 20 else f"{nbytes >> 10}K"
+
+
 @dataclass
 class OpTotals:
     """Completed ops of one (kind, lane, group): counts, bytes and a latency histogram."""
@@ -68,6 +86,8 @@ class Stats:
     by_op: dict[tuple[str, str, str], OpTotals] = field(default_factory=dict)
     #: inter-node ops completed per algorithm: a program's name, or "native" (the lane's own)
     by_algorithm: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: the mix: (op kind, size class, lane, algorithm, codec) -> [ops, bytes], inter-node ops only
+    mix: dict[tuple[str, str, str, str, str], list[int]] = field(default_factory=dict)
     #: error replies sent to ranks, per error code (timeout, peer_died, mismatch, ...)
     error_replies: dict[str, int] = field(default_factory=dict)
     #: requests refused because a configured limit was reached, per limit name
@@ -106,7 +126,7 @@ class Stats:
             stats.executing += 1
 
     def finished(self, group: str, kind: str, nbytes: int, seconds: float, ok: bool, lane: str = "local",
-                 algo: str = "") -> None:
+                 algo: str = "", codec: str = "") -> None:
         stats = self.groups.get(group)
         if stats is not None:
             stats.executing -= 1
@@ -136,6 +156,21 @@ class Stats:
                     row = self.by_algorithm[algo or "native"] = {"ops": 0, "bytes": 0}
                 row["ops"] += 1
                 row["bytes"] += nbytes
+                key = (kind, size_class(nbytes), lane, algo or "native", codec or "none")
+                cell = self.mix.get(key)
+                if cell is None:
+                    cell = self.mix[key] = [0, 0]
+                cell[0] += 1
+                cell[1] += nbytes
+
+    def mix_rows(self) -> list[dict[str, object]]:
+        """The mix (``commd status``): per op kind and size class, the lane, program and codec that ran
+        its inter-node ops, and how many ops and bytes each took."""
+        order = {name: i for i, name in enumerate(size_class(high) for high in (*SIZE_CLASSES, 1 << 62))}
+        return [{"kind": kind, "size": size, "lane": lane, "algorithm": algo, "codec": codec, "ops": ops,
+                 "bytes": nbytes}
+                for (kind, size, lane, algo, codec), (ops, nbytes) in sorted(
+                    self.mix.items(), key=lambda item: (item[0][0], order.get(item[0][1], 99), item[0][2:]))]
 
     def per_kind(self) -> dict[str, dict[str, dict[str, int]]]:
         """Ops and bytes completed per op kind and lane (``commd status``), all groups together."""
