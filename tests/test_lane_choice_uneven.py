@@ -14,6 +14,8 @@ from pathlib import Path
 import fabric_workers as fw
 import pytest
 
+from commd.cli.status import format_status
+
 pytestmark = pytest.mark.timeout(180)
 
 LIMIT = 256  # bytes
@@ -37,3 +39,6 @@ def test_ranks_with_different_bytes_take_the_same_lane(cluster, tmp_path: Path) 
         mix = [row for row in c.status(node)["mix"] if row["kind"] == "alltoall"]
         lanes.append({row["lane"]: row["ops"] for row in mix})
     assert lanes[0] == lanes[1] == {"gloo": 1, "tcp": 2}, lanes
+    text = format_status(c.status(1))
+    table = text[text.index("the mix:"):]
+    assert "alltoall" in table and "gloo" in table and "tcp" in table, table
