@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from commd.algorithms import library
-from commd.bench.cases import make_case, pattern
+from commd.bench.cases import alltoallv_splits, make_case, pattern
 from commd.bench.spec import busbw_factor, spec_from_args
 from commd.bench.worker import SetupError, build_parser, resolve_lanes
 from commd.cli.main import main as commd_main
@@ -71,10 +71,47 @@ def test_reference_check_accepts_the_true_result_and_names_a_wrong_one() -> None
 
 def test_busbw_factors_are_the_nccl_tests_ones() -> None:
     assert busbw_factor("allreduce", 4) == pytest.approx(1.5)
-    for op in ("allgather", "reduce_scatter", "alltoall"):
+    for op in ("allgather", "reduce_scatter", "alltoall", "alltoallv"):
         assert busbw_factor(op, 4) == pytest.approx(0.75)
     for op in ("broadcast", "reduce", "sendrecv"):
         assert busbw_factor(op, 4) == 1.0
+
+
+@pytest.mark.timeout(10)
+def test_alltoallv_cases_have_the_documented_skew_and_are_checked_exactly() -> None:
+    world, nbytes = 4, 4096
+    splits = alltoallv_splits(world, nbytes // 4)
+    assert splits is not None
+    base = nbytes // 4 // 14  # the largest buffer of 4 ranks is 14 units (rank 2's input, rank 3's output)
+    for r in range(world):
+        for j in range(world):
+            extra = nbytes // 4 - 14 * base if (r, j) == (2, 2) else 0  # rank 2 keeps the remainder itself
+            assert splits[r][j] == base * (1 + (r + 2 * j) % 5) + extra
+    sent = [sum(row) for row in splits]
+    received = [sum(row[j] for row in splits) for j in range(world)]
+    assert max(sent + received) == nbytes // 4 and len(set(sent)) == world  # S: the largest buffer, exactly
+    node_to_node = {(a, b): sum(splits[r][j] for r in (2 * a, 2 * a + 1) for j in (2 * b, 2 * b + 1))
+                    for a in (0, 1) for b in (0, 1)}
+    assert len(set(node_to_node.values())) == 4  # 2 nodes x 2 ranks: the nodes send each other unequal blocks
+    cases = [make_case("alltoallv", nbytes, r, world, 4, _numpy_alloc("float32")) for r in range(world)]
+    for case in cases:
+        assert case is not None and case.nbytes == nbytes and case.splits == splits
+        case.fill()
+    for r, case in enumerate(cases):  # the exchange, written out independently of Case.expected
+        blocks = []
+        for j, peer in enumerate(cases):
+            start = sum(splits[j][:r])
+            blocks.append(peer.view["in"][start:start + splits[j][r]])
+        case.view["out"][:] = np.concatenate(blocks)
+        assert case.check("commd/local") is None
+    cases[3].view["out"][-1] += 1
+    msg = cases[3].check("mpi")
+    assert msg is not None and "alltoallv S=4096 B path mpi on rank 3" in msg
+    # too small for one element per unit: skipped (4 ranks need 14 elements)
+    assert make_case("alltoallv", 32, 0, world, 4, _numpy_alloc("float32")) is None
+    assert make_case("alltoallv", 64, 0, world, 4, _numpy_alloc("float32")) is not None
+    assert spec_from_args(build_parser().parse_args(["--ops", "all_to_all_v,alltoall"])).ops == ["alltoallv",
+                                                                                                 "alltoall"]
 
 
 @pytest.mark.parametrize("args, words", [
@@ -91,6 +128,7 @@ def test_busbw_factors_are_the_nccl_tests_ones() -> None:
     (["--ops", "broadcast", "--compression", "zip"], "--compression: unknown codec 'zip'"),
     (["--ops", "broadcast", "--compression", "bf16/twice"], "the only variant of a codec is 'per-hop'"),
     (["--ops", "alltoall", "--compression", "bf16"], "--compression: broadcast, allgather, allreduce compress; --ops has none of them"),
+    (["--ops", "alltoallv", "--algorithms", "all"], "programs run allreduce,allgather,alltoall,alltonext only"),
     (["--ops", "broadcast", "--compression", "bf16", "--dtype", "int64"], "model-like float32 data"),
 ])
 def test_bench_rejects_bad_options(args: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -148,6 +186,27 @@ def test_worker_under_a_user_launch_prints_the_table_and_the_check_catches_a_wro
     bad = _run([*worker, "--corrupt", "allreduce"])
     assert bad.returncode != 0
     assert "wrong result: allreduce S=1024 B path commd/local on rank 1" in bad.stderr, bad.stderr
+
+
+@pytest.mark.timeout(90)
+def test_alltoallv_runs_on_every_path_and_is_checked(rt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = _run(["bench", "--nproc-per-node", "2", "--ops", "alltoallv", "--compare", "gloo,mpi", "--min-bytes", "1K",
+                 "--max-bytes", "64K", "--iters", "3", "--warmup", "1", "--json", str(out)], timeout=80)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    sizes = [1 << 10, 1 << 12, 1 << 14, 1 << 16]
+    assert sorted((r["path"], r["bytes"]) for r in rows) == sorted(
+        (path, size) for path in ("commd/local", "gloo", "mpi") for size in sizes)
+    for r in rows:  # S: the requested size, exactly (the largest buffer: rank 0's input, rank 1's output)
+        assert r["op"] == "alltoallv" and r["check"] == "ok" and r["factor"] == pytest.approx(0.5)
+        assert r["busbw_gbs"] == pytest.approx(r["bytes"] / (r["median_us"] * 1e-6) / 1e9 * 0.5)
+    assert "S = largest rank's buffer" in proc.stdout and "x mpi" in proc.stdout
+    # the check is made on this op's results too: a wrong one stops the run, naming it
+    bad = _run(["launch", "--nproc-per-node", "2", "-m", "commd.bench.worker", "--ops", "alltoallv", "--min-bytes",
+                "1K", "--max-bytes", "1K", "--iters", "1", "--warmup", "0", "--corrupt", "alltoallv"], timeout=60)
+    assert bad.returncode != 0
+    assert "wrong result: alltoallv S=1024 B path commd/local on rank 1" in bad.stderr, bad.stderr
 
 
 def test_lane_choice_per_fabric() -> None:

@@ -160,3 +160,132 @@ def test_near_ties_keep_the_preferred_lane() -> None:
     assert [e.lane for e in table.entries] == ["tcp", "gloo"]  # 2% slower keeps tcp; 10% does not
     exact = TuningTable.from_measurements({"nodes": 2, "lanes": ["gloo", "tcp"]}, rows, margin=0.0)
     assert [e.lane for e in exact.entries] == ["gloo", "gloo"]
+
+
+# ---- uneven all-to-alls: the alltoallv cells ------------------------------------------------------------------
+#: elements rank r sends rank j, 2 nodes x 2 ranks (ranks 0, 1 on node 0): EVEN sends every rank 4; SKEWED
+#: sends node to node 10, 11, 13 and 14 (bench's skew); RANKS_ONLY differs rank to rank, but every node
+#: sends every node 10 elements (the coordinator compares node-to-node blocks, what the lanes move)
+EVEN = [[4] * 4 for _ in range(4)]
+SKEWED = [[1 + (r + 2 * j) % 5 for j in range(4)] for r in range(4)]
+RANKS_ONLY = [[1 + (r + 2 * j) % 4 for j in range(4)] for r in range(4)]
+
+
+def _alltoall_reports(matrix: list[list[int]], seq: int = 0) -> tuple[dict, dict]:
+    """Both nodes' reports of one all-to-all whose rank r sends rank j ``matrix[r][j]`` float32s."""
+    def item(node: int) -> dict:
+        ranks = (2 * node, 2 * node + 1)
+        a2a = [[r, matrix[r], [row[r] for row in matrix]] for r in ranks]
+        biggest = max(max(sum(sin), sum(sout)) for _, sin, sout in a2a) * 4
+        return entry(seq=seq, kind="alltoall", mine=list(ranks), sig={"reduce_op": None}, a2a=a2a, nb=biggest)
+
+    return item(0), item(1)
+
+
+def _released_lanes(config: SchedulerConfig, matrices: list[list[list[int]]], catalog: object = None) -> list[str]:
+    """The lane the coordinator releases each all-to-all on (the same on both nodes, asserted)."""
+    coord = Coordinator(2, config, LANES, catalog=catalog)
+    out = Outbox()
+    for seq, matrix in enumerate(matrices):
+        first, second = _alltoall_reports(matrix, seq)
+        coord.report(0, ready([first]), out)
+        coord.report(1, ready([second]), out)
+    lanes = [[m["l"] for m in _go_items(out, node)] for node in (0, 1)]
+    assert lanes[0] == lanes[1] and len(lanes[0]) == len(matrices), sent(out)
+    return lanes[0]
+
+
+def _alltoall_table(*, with_v: bool = True) -> TuningTable:
+    """alltoall cells won by tcp; alltoallv cells (if ``with_v``) won by gloo, at 1 KiB and 64 KiB."""
+    rows = _rows({1024: {"tcp": 50.0, "gloo": 80.0}, 65536: {"tcp": 300.0, "gloo": 400.0}}, kind="alltoall")
+    if with_v:
+        rows += _rows({1024: {"tcp": 90.0, "gloo": 60.0}, 65536: {"tcp": 500.0, "gloo": 350.0}}, kind="alltoallv")
+    return TuningTable.from_measurements({"nodes": 2, "lanes": ["gloo", "tcp"]}, rows)
+
+
+@pytest.mark.timeout(10)
+def test_an_uneven_alltoall_is_decided_by_the_alltoallv_cells() -> None:
+    table = _alltoall_table()
+    assert table.lookup("alltoall", 1024, 2) == "tcp" and table.lookup("alltoallv", 1024, 2) == "gloo"
+    assert table.lookup("alltoallv", 1 << 20, 2) == "gloo"  # the last cell reaches to any size
+    config = SchedulerConfig()
+    config.adopt_table(table, 2, ["gloo", "tcp"])
+    args = ("alltoall", "float32", None, 1024, (0, 1), 4, None, config, LANES)
+    assert choose_lane(*args) == "tcp" and choose_lane(*args, variant="alltoallv") == "gloo"
+    # the coordinator: even blocks -> the alltoall cell, node-to-node blocks that differ -> the alltoallv one
+    assert _released_lanes(config, [EVEN, SKEWED, RANKS_ONLY]) == ["tcp", "gloo", "tcp"]
+    grid = table.grid()
+    assert "alltoallv" in grid.splitlines()[3] and grid.splitlines()[4].split() == ["1", "KiB", "tcp", "gloo"]
+
+
+@pytest.mark.timeout(10)
+def test_without_alltoallv_cells_an_uneven_alltoall_falls_back_to_the_alltoall_cells(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from commd.algorithms.catalog import Catalog
+
+    # an older table: alltoall cells only, where tcp wins by a program ("alltoall") that no uneven
+    # all-to-all can run; its own (native) algorithm loses to gloo
+    rows = _rows({4096: {"tcp": 300.0, "gloo": 200.0}}, kind="alltoall")
+    rows.append({**rows[0], "algorithm": "alltoall", "median_us": 100.0})
+    older = TuningTable.from_measurements({"nodes": 2, "lanes": ["gloo", "tcp"]}, rows)
+    assert (older.entries[0].lane, older.entries[0].algorithm) == ("tcp", "alltoall")
+    assert older.lookup("alltoall", 4096, 2) == "tcp" and older.lookup_algorithm("alltoall", 4096, 2) == "alltoall"
+    assert older.lookup("alltoallv", 4096, 2) == "gloo"  # the lanes' own figures: no program runs it
+    assert older.lookup_algorithm("alltoallv", 4096, 2) is None
+    config = SchedulerConfig(table=older)
+    assert _released_lanes(config, [EVEN, SKEWED]) == ["tcp", "gloo"]
+    # the fallback is per group-size class: alltoallv cells for 2 nodes do not decide 3-node ops
+    mixed = _rows({4096: {"tcp": 50.0, "gloo": 80.0}}, kind="alltoall", nodes=3)
+    mixed += _rows({4096: {"tcp": 90.0, "gloo": 60.0}}, kind="alltoallv", nodes=2)
+    table = TuningTable.from_measurements({"nodes": 3, "lanes": ["gloo", "tcp"]}, mixed)
+    assert table.lookup("alltoallv", 4096, 2) == "gloo" and table.lookup("alltoallv", 4096, 3) == "tcp"
+    # an uneven all-to-all on the tcp lane is not offered the alltoall cells' program (no warning per op)
+    config = SchedulerConfig(table=older, rules=[LaneRule("tcp", kind="alltoall")])
+    with caplog.at_level("WARNING", logger="commd.coordinator"):
+        assert _released_lanes(config, [SKEWED], catalog=Catalog(None)) == ["tcp"]
+    assert "tuning table" not in caplog.text, caplog.text
+
+
+@pytest.mark.timeout(10)
+def test_tables_without_alltoallv_entries_still_load(tmp_path: Path) -> None:
+    entry_v2 = {"kind": "alltoall", "nodes": "2", "min_bytes": 0, "max_bytes": 1 << 62, "size": 4096,
+                "lane": "gloo", "algorithm": "native", "measured": {"tcp": {"median_us": 90.0},
+                                                                    "gloo": {"median_us": 60.0}}}
+    broadcast_v3 = {"kind": "broadcast", "nodes": "2", "min_bytes": 0, "max_bytes": 1 << 62, "size": 4096,
+                    "lane": "tcp", "algorithm": None, "measured": {"tcp": {"median_us": 50.0}},
+                    "codecs": {"lossless": {"median_us": 40.0}}, "codec_lossless": "lossless",
+                    "codec_any": "lossless"}
+    entry_v1 = {k: v for k, v in entry_v2.items() if k != "algorithm"}
+    for version, entries in ((1, [entry_v1]), (2, [entry_v2]), (3, [entry_v2, broadcast_v3])):
+        path = tmp_path / f"v{version}.json"
+        path.write_text(json.dumps({"format": "commd-tuning", "version": version, "id": f"old{version}",
+                                    "created": "then", "fabric": {"nodes": 2, "lanes": ["gloo", "tcp"]},
+                                    "entries": entries}))
+        old = TuningTable.load(path)
+        assert old.lookup("alltoallv", 4096, 2) == old.lookup("alltoall", 4096, 2) == "gloo", version
+        assert "alltoallv" not in old.grid()
+    # a table with alltoallv cells has the same shape: the version its other entries need, and it loads back
+    table = _alltoall_table()
+    table.save(tmp_path / "new.json")
+    assert json.loads((tmp_path / "new.json").read_text())["version"] == 2
+    assert TuningTable.load(tmp_path / "new.json").entries == table.entries
+
+
+@pytest.mark.timeout(10)
+def test_lane_rules_for_alltoall_serve_uneven_ones_and_alltoallv_rules_only_those() -> None:
+    from commd.scheduler.config import config_from_wire, parse_config
+
+    config = parse_config({"rules": [{"kind": "alltoallv", "lane": "gloo", "max_bytes": 2048},
+                                     {"kind": "alltoall", "lane": "tcp"}]})
+    assert [(r.kind, r.lane) for r in config.rules] == [("alltoallv", "gloo"), ("alltoall", "tcp")]
+    # a table would say otherwise (alltoall: tcp, alltoallv: gloo): the rules win
+    config.adopt_table(_alltoall_table(), 2, ["gloo", "tcp"])
+    config.rules.reverse()  # the alltoall rule first: it serves every all-to-all, even or not
+    assert _released_lanes(config, [EVEN, SKEWED]) == ["tcp", "tcp"]
+    only_v = SchedulerConfig(rules=[LaneRule("tcp", kind="alltoallv")])  # (no table: default tcp)
+    only_v.default_lane = "gloo"
+    assert _released_lanes(only_v, [EVEN, SKEWED]) == ["gloo", "tcp"]
+    assert [r.kind for r in config_from_wire(only_v.to_wire()).rules] == ["alltoallv"]
+    for table in ("algorithms", "compression"):  # programs and codecs never run uneven all-to-alls
+        with pytest.raises(ValueError, match=rf"{table}\[0\]: 'kind' 'alltoallv' is not"):
+            parse_config({table: [{"kind": "alltoallv", "name" if table == "algorithms" else "codec": "x"}]})

@@ -7,6 +7,15 @@ sums over many ranks stay exact in every benchmarked dtype, so the check is
 an exact comparison.  Buffers are allocated by the measured path (arena
 tensors for commd, ordinary tensors for Gloo, NumPy arrays for MPI); a case
 only sees them through NumPy views.
+
+The uneven all-to-all (``alltoallv``) has a fixed skew (``skew``): rank r sends rank
+j ``1 + (r + 2j) mod (n + 1)`` units of ``base`` elements, so the ranks send (and
+receive) different totals and, with the ranks placed node by node, the nodes send
+each other different bytes (what makes the coordinator decide it by its alltoallv
+cells).  S is the largest buffer of any rank, input or output (the size the
+coordinator looks the op up by): with W that buffer in units, ``base`` = S / itemsize
+// W, and the first rank whose buffer is W units keeps the remainder (under W
+elements) in the block it sends itself, so that its buffer holds exactly S.
 """
 
 from __future__ import annotations
@@ -38,19 +47,44 @@ def model_like(count: int, seed: int = 0) -> np.ndarray:
     return values
 
 
+def skew(src: int, dst: int, world: int) -> int:
+    """alltoallv's block from rank ``src`` to rank ``dst``, in units (1 to world + 1): uneven per rank
+    and, for ranks placed node by node on 2 or more nodes, node to node too."""
+    return 1 + (src + 2 * dst) % (world + 1)
+
+
+def alltoallv_splits(world: int, elements: int) -> list[list[int]] | None:
+    """``splits[src][dst]``: the elements rank src sends rank dst in an alltoallv whose largest buffer
+    (input or output) holds ``elements``; None if that is less than one element per unit."""
+    units = [[skew(src, dst, world) for dst in range(world)] for src in range(world)]
+    largest = [max(sum(units[r]), sum(row[r] for row in units)) for r in range(world)]
+    most = max(largest)
+    base = elements // most
+    if base < 1:
+        return None
+    splits = [[base * u for u in row] for row in units]
+    keeper = largest.index(most)
+    splits[keeper][keeper] += elements - base * most  # its input and output grow to exactly ``elements``
+    return splits
+
+
 class CheckError(Exception):
     """A wrong result; the message names op, size, path and rank."""
 
 
 @dataclass
 class Case:
-    """Buffers of one op on one rank; ``nbytes`` is S as nccl-tests define it (the op's total buffer)."""
+    """Buffers of one op on one rank; ``nbytes`` is S as nccl-tests define it (the op's total buffer;
+    alltoallv: the largest buffer of any rank)."""
 
     op: str
     rank: int
     world: int
     count: int  # elements per rank's block (allgather, reduce_scatter, alltoall) or of the whole buffer
+    #            (alltoallv: of this rank's input)
     nbytes: int
+    #: alltoallv: ``splits[src][dst]``, the elements rank src sends rank dst (``alltoallv_splits``)
+    splits: list[list[int]] = field(default_factory=list)
     native: dict[str, Any] = field(default_factory=dict)
     view: dict[str, np.ndarray] = field(default_factory=dict)
     #: a compressed op's codec (``commd.codecs``): model-like data instead of ``pattern``, whose small
@@ -68,6 +102,16 @@ class Case:
     def last(self) -> int:
         return self.world - 1
 
+    @property
+    def splits_in(self) -> list[int]:
+        """alltoallv: the elements this rank sends each rank."""
+        return self.splits[self.rank]
+
+    @property
+    def splits_out(self) -> list[int]:
+        """alltoallv: the elements this rank receives from each rank."""
+        return [row[self.rank] for row in self.splits]
+
     def fill(self) -> None:
         """Inputs from ``pattern``; outputs to the sentinel."""
         r, n, c = self.rank, self.world, self.count
@@ -84,6 +128,9 @@ class Case:
             v["out"][:] = SENTINEL
         elif self.op in ("reduce_scatter", "alltoall"):
             v["in"][:] = pattern(r, 0, c * n)
+            v["out"][:] = SENTINEL
+        elif self.op == "alltoallv":
+            v["in"][:] = pattern(r, 0, sum(self.splits_in))
             v["out"][:] = SENTINEL
         elif self.op == "sendrecv":
             v["send"][:] = pattern(ROOT, 0, c)
@@ -115,6 +162,9 @@ class Case:
             return {"out": sum(pattern(j, r * c, c) for j in range(n))}
         if self.op == "alltoall":
             return {"out": np.concatenate([pattern(j, r * c, c) for j in range(n)])}
+        if self.op == "alltoallv":  # rank j's block to r starts after its blocks to ranks 0..r-1
+            s = self.splits
+            return {"out": np.concatenate([pattern(j, sum(s[j][:r]), s[j][r]) for j in range(n)])}
         if self.op == "alltonext":  # rank 0's output is left as it was
             return {"out": pattern(r - 1, 0, c) if r else np.full(c, float(SENTINEL))}
         if self.op == "sendrecv" and r in (ROOT, self.last):
@@ -156,9 +206,19 @@ class Case:
 
 def make_case(op: str, nbytes: int, rank: int, world: int, itemsize: int, alloc: Alloc,
               codec: str | None = None, model: bool = False) -> Case | None:
-    """Buffers for ``op`` at requested size ``nbytes``; None if the size holds less than one element per rank."""
+    """Buffers for ``op`` at requested size ``nbytes``; None if the size holds less than one element per rank
+    (alltoallv: per unit of its skew)."""
     if op == "barrier":
         return Case(op, rank, world, 0, 0)
+    if op == "alltoallv":
+        splits = alltoallv_splits(world, nbytes // itemsize)
+        if splits is None:
+            return None
+        mine = sum(splits[rank])
+        case = Case(op, rank, world, mine, nbytes // itemsize * itemsize, splits=splits)
+        for name, n in (("in", mine), ("out", sum(row[rank] for row in splits))):
+            case.native[name], case.view[name] = alloc(n)
+        return case
     per_rank = op in ("allgather", "reduce_scatter", "alltoall")
     count = nbytes // itemsize // (world if per_rank else 1)
     if count < 1:

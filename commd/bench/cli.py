@@ -11,7 +11,7 @@ from commd.bench.spec import SpecError, add_measure_arguments, spec_from_args
 
 #: The tune sweep's defaults: every tuned kind, 1 KiB..16 MiB in steps of 4, a time budget per cell
 #: (2 hosts x 2 ranks on 2 cores stays under 3 minutes).
-TUNE_OPS = "allreduce,broadcast,allgather,alltoall,sendrecv"
+TUNE_OPS = "allreduce,broadcast,allgather,alltoall,alltoallv,sendrecv"
 TUNE_TIME_PER_SIZE = 1.0
 TUNE_WARMUP = 2
 TUNE_ITERS = 60

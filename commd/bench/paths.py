@@ -142,6 +142,8 @@ class CommdPath:
         elif op == "alltoall":
             splits = [case.count] * n
             ops.all_to_all(c, b["out"], b["in"], splits, splits, lane=h, algo=self.algo).wait(w)
+        elif op == "alltoallv":  # (no algo: programs run equal blocks only, and no path offers one here)
+            ops.all_to_all(c, b["out"], b["in"], case.splits_in, case.splits_out, lane=h).wait(w)
         elif op == "alltonext":
             ops.alltonext(c, b["out"], b["in"], lane=h, algo=self.algo).wait(w)
         elif op == "sendrecv":
@@ -198,6 +200,9 @@ class GlooPath:
             getattr(d, "reduce_scatter_single", d.reduce_scatter_tensor)(b["out"], b["in"])
         elif op == "alltoall":
             d.all_to_all_single(b["out"], b["in"])
+        elif op == "alltoallv":
+            d.all_to_all_single(b["out"], b["in"], output_split_sizes=case.splits_out,
+                                input_split_sizes=case.splits_in)
         elif op == "alltonext":  # the same transfer as send/recv pairs
             reqs = [d.isend(b["in"], self.rank + 1)] if self.rank + 1 < self.world else []
             reqs += [d.irecv(b["out"], self.rank - 1)] if self.rank else []
@@ -258,6 +263,8 @@ class MpiPath:
             comm.Reduce_scatter_block(b["in"], b["out"], op=MPI.SUM)
         elif op == "alltoall":
             comm.Alltoall(b["in"], b["out"])
+        elif op == "alltoallv":  # [buffer, counts]: mpi4py places the blocks back to back
+            comm.Alltoallv([b["in"], case.splits_in], [b["out"], case.splits_out])
         elif op == "alltonext":  # the same transfer as send/recv pairs
             nxt = self.rank + 1 if self.rank + 1 < self.world else MPI.PROC_NULL
             prv = self.rank - 1 if self.rank else MPI.PROC_NULL

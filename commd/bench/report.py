@@ -118,8 +118,7 @@ def format_table(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         if op == "barrier":
             lines.append(f"barrier  ({meta['world']} ranks, latency only)")
         else:
-            lines.append(f"{op}  ({meta['world']} ranks, busbw = algbw x {factor:.3g}; S = "
-                         f"{'total buffer' if op in ('allgather', 'reduce_scatter', 'alltoall') else 'message'} size"
+            lines.append(f"{op}  ({meta['world']} ranks, busbw = algbw x {factor:.3g}; S = {_S_IS.get(op, 'message size')}"
                          f"{'; one-way time = round trip / 2' if op == 'sendrecv' else ''})")
         table = [header]
         for r in mine:
@@ -142,6 +141,11 @@ def format_table(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     if warnings:
         lines += ["", *warnings]
     return "\n".join(lines)
+
+
+#: What S is, per op whose S is not the message size (alltoallv's skew: commd/bench/cases.py).
+_S_IS = {"allgather": "total buffer size", "reduce_scatter": "total buffer size", "alltoall": "total buffer size",
+         "alltoallv": "largest rank's buffer; rank r sends rank j 1 + (r + 2j) mod (n + 1) units"}
 
 
 def _load_lines(meta: dict[str, Any]) -> list[str]:

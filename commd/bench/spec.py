@@ -17,12 +17,12 @@ from commd.protocol.schema import LANE_NAMES
 from commd.scheduler.tuning import format_bytes
 
 #: Every op the benchmark knows, in the order tables list them.
-OPS = ("allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "alltonext", "reduce", "sendrecv",
-       "barrier")
+OPS = ("allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "alltoallv", "alltonext", "reduce",
+       "sendrecv", "barrier")
 #: Accepted spellings of op names (torch / nccl-tests style).
 OP_ALIASES = {
     "all_reduce": "allreduce", "all_gather": "allgather", "reducescatter": "reduce_scatter",
-    "all_to_all": "alltoall", "alltoallv": "alltoall", "send_recv": "sendrecv", "p2p": "sendrecv",
+    "all_to_all": "alltoall", "all_to_all_v": "alltoallv", "send_recv": "sendrecv", "p2p": "sendrecv",
     "all_to_next": "alltonext",
 }
 #: ``auto``: no lane hint (the daemons' own choice, tuning table included); ``all``: every lane of the fabric.
@@ -31,7 +31,8 @@ LANE_WORDS = ("auto", "all")
 LOCAL = "local"
 COMPARE = ("gloo", "mpi")
 DTYPES = ("float32", "float64", "float16", "int32", "int64")
-#: Ops that a program can run (on the tcp lane); ``--algorithms`` adds paths for these only.
+#: Ops that a program can run (on the tcp lane); ``--algorithms`` adds paths for these only (not
+#: alltoallv: programs run all-to-alls whose nodes send each other equal bytes).
 ALGORITHM_OPS = ("allreduce", "allgather", "alltoall", "alltonext")
 #: Ops ``--compression`` adds codec paths for.
 COMPRESSED_OPS = ("broadcast", "allgather", "allreduce")
@@ -58,10 +59,13 @@ class SpecError(ValueError):
 
 
 def busbw_factor(op: str, n: int) -> float:
-    """nccl-tests' bus bandwidth factor: what each rank's link must carry relative to S."""
+    """nccl-tests' bus bandwidth factor: what each rank's link must carry relative to S.
+
+    alltoallv (S: the largest rank's buffer) takes all-to-all's, so that at one S an alltoallv
+    row and an alltoall row compare directly: the same busbw is the same time."""
     if op == "allreduce":
         return 2 * (n - 1) / n
-    if op in ("allgather", "reduce_scatter", "alltoall"):
+    if op in ("allgather", "reduce_scatter", "alltoall", "alltoallv"):
         return (n - 1) / n
     if op == "barrier":
         return 0.0

@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
             raise orchestrate.BenchError(
                 "commd tune compares the lanes between nodes, and one host has none: use --hosts H (simulated "
                 "hosts, root), or on a cluster run `commd launch --nnodes ... -m commd.bench.worker --lanes all "
-                "--ops allreduce,broadcast,allgather,alltoall,sendrecv --tune-out FILE` on every node")
+                "--ops allreduce,broadcast,allgather,alltoall,alltoallv,sendrecv --tune-out FILE` on every node")
         meta, rows = orchestrate.run(layout, spec, desc="commd tune")
         table = table_from_rows(meta, rows)
         out = Path(args.out) if args.out else default_table_path(meta["node_names"][0], meta["nnodes"])

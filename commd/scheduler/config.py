@@ -15,7 +15,7 @@ from commd.core.ops import COMPRESSED_KINDS
 from commd.protocol import schema as s
 from commd.protocol.fabric import MAX_ALGO_NAME
 from commd.protocol.schema import LANE_NAMES
-from commd.scheduler.tuning import TuningTable
+from commd.scheduler.tuning import UNEVEN_VARIANT, TuningTable
 
 #: Every lane name a rule or hint may name.
 DEFAULT_LANE = "tcp"
@@ -68,12 +68,17 @@ RULE_TABLES: dict[str, tuple[str, str]] = {
 }
 #: The keys every rule table has beside its own, and what each bounds (a rule matches an op within all).
 RULE_RANGE_KEYS: dict[str, str] = {
-    "kind": "the op kind the rule serves, \"*\" for any (compression rules: a kind that compresses)",
+    "kind": "the op kind the rule serves, \"*\" for any (lane rules may also name \"alltoallv\": the all-to-alls "
+            "whose node-to-node blocks differ, which \"alltoall\" serves too; compression rules: a kind that "
+            "compresses)",
     "min_bytes": "the smallest op, in bytes, the rule serves",
     "max_bytes": "the largest op, in bytes, the rule serves",
     "min_group": "the smallest group (in ranks) the rule serves",
     "max_group": "the largest group (in ranks) the rule serves",
 }
+#: Kinds a lane rule may name beside the op kinds: the uneven variants, which the tuning table
+#: decides apart from their kind (``tuning.UNEVEN_VARIANT``), so a rule can too.
+LANE_RULE_VARIANTS = frozenset(UNEVEN_VARIANT.values())
 #: Boolean keys only some rule tables have: table -> key -> what it allows.
 RULE_FLAGS: dict[str, dict[str, str]] = {
     "algorithms": {"allow_order_dependent": "let the rule pick an order-dependent program (`commd algo check` says "
@@ -94,8 +99,11 @@ class LaneRule:
     min_group: int = 1
     max_group: int = s.MAX_GROUP_SIZE
 
-    def matches(self, kind: str, nbytes: int, group_size: int) -> bool:
-        if self.kind != "*" and self.kind != kind and not (self.kind == "send" and kind == "sendrecv"):
+    def matches(self, kind: str, nbytes: int, group_size: int, variant: str | None = None) -> bool:
+        """``variant``: the op's uneven variant (``alltoallv``: an all-to-all of unequal node-to-node
+        blocks), which a rule may name to serve those ops only; a rule naming the kind serves both."""
+        if (self.kind not in ("*", kind) and (variant is None or self.kind != variant)
+                and not (self.kind == "send" and kind == "sendrecv")):
             return False
         return _within(self, nbytes, group_size)
 
@@ -253,7 +261,8 @@ def parse_config(data: dict[str, Any], where: str = "config") -> SchedulerConfig
     config.algorithms_dir = algorithms_dir
     config.algorithm_rules = _algorithm_rules(data.get("algorithms", []), where)
     config.codec_rules = _codec_rules(data.get("compression", []), where)
-    for at, raw, kind, ranges in _ranged_tables(data.get("rules", []), where, "rules", "lane", s.OP_KINDS):
+    for at, raw, kind, ranges in _ranged_tables(data.get("rules", []), where, "rules", "lane",
+                                                s.OP_KINDS | LANE_RULE_VARIANTS):
         if raw.get("lane") not in LANE_NAMES:
             raise ValueError(f"{at}: 'lane' must be one of {list(LANE_NAMES)}, got {raw.get('lane')!r}")
         config.rules.append(LaneRule(lane=raw["lane"], kind=kind, **ranges))

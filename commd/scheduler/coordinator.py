@@ -19,6 +19,12 @@ Compression: with the lane and the program the coordinator decides the op's code
 choose, a ``[[compression]]`` rule's, then the tuning table's) and releases it in
 ``Go.codec``; every node runs the released codec, and a compressed op is never fused.
 
+Uneven all-to-alls: an all-to-all whose nodes send each other different byte counts
+(``_UNFIT["alltoall"]``, the test that also keeps programs off it) is decided as its
+variant ``alltoallv``: by the tuning table's alltoallv cells (its alltoall cells where the
+table has none) and by lane rules naming either kind.  The test reads every node's report,
+so the decision is one per op, made here, the same for every rank.
+
 Fusion (Horovod's tensor fusion): small all-reduces of one group, dtype,
 reduce op and lane released one after the other in the same dispatch are
 marked as one fused set (``Go.fused_with``: the order number of the set's first op),
@@ -75,6 +81,7 @@ from commd.scheduler.selection import (
     lossy_codec,
 )
 from commd.scheduler.tree import Ranges, members, ranges_of, size, union
+from commd.scheduler.tuning import UNEVEN_VARIANT
 
 log = logging.getLogger("commd.coordinator")
 
@@ -455,11 +462,14 @@ class Coordinator:
             algo_hint = sig.get("algo") or None
             asked = sig.get("codec") or ""
             named = asked if asked not in ("", s.CODEC_AUTO, s.NO_CODEC) else None  # (a codec, not a choice)
+            unfit = _UNFIT[first.kind](pending) if first.kind in _UNFIT else None
+            # an all-to-all whose blocks differ (the test that keeps programs off it) has table cells of its own
+            variant = UNEVEN_VARIANT.get(first.kind) if unfit is not None else None
             try:
                 lane = choose_lane(  # (programs and named codecs run on the tcp lane: either hint implies it)
                     first.kind, sig.get("dtype", "uint8"), sig.get("reduce_op"), nbytes, pending.nodes,
                     len(first.placement), sig.get("lane") or ("tcp" if algo_hint or named else None), self.config,
-                    self.lanes,
+                    self.lanes, variant=variant,
                 )
                 if named is not None and algo_hint is not None and lossy_codec(named):
                     raise SelectionError(f"codec {named!r} is lossy; algorithm {algo_hint!r} runs compressed with "
@@ -469,8 +479,7 @@ class Coordinator:
                                          f"{lane!r}")
                 program = choose_algorithm(
                     first.kind, sig.get("dtype", "uint8"), sig.get("reduce_op"), nbytes, pending.nodes,
-                    len(first.placement), algo_hint, lane, self.config, self.catalog,
-                    _UNFIT[first.kind](pending) if first.kind in _UNFIT else None,
+                    len(first.placement), algo_hint, lane, self.config, self.catalog, unfit, variant=variant,
                 )
                 if program is not None and algo_hint is None and named is not None and lossy_codec(named):
                     program = None  # a rule's or the table's program would round partial results at every hop

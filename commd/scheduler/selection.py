@@ -64,8 +64,14 @@ def choose_lane(
     hint: str | None,
     config: SchedulerConfig,
     lanes: dict[str, LaneCapability],
+    *,
+    variant: str | None = None,
 ) -> str:
-    """The lane for one op: hint, config rules, tuning table, default; SelectionError if a hint cannot be honoured."""
+    """The lane for one op: hint, config rules, tuning table, default; SelectionError if a hint cannot be honoured.
+
+    ``variant``: the op's uneven variant (``tuning.UNEVEN_VARIANT``: ``alltoallv`` for an
+    all-to-all whose node-to-node blocks differ), which has table cells of its own and which a
+    rule may name instead of the kind; None for any other op."""
     primitive = PRIMITIVE_FOR_KIND[kind]
     op = split_reduce(reduce_op).lane_op if primitive == "allreduce" and reduce_op else None
     prim_dtype = dtype if primitive in ("allreduce",) else "uint8"
@@ -82,10 +88,10 @@ def choose_lane(
             raise SelectionError(f"{kind} asked for lane '{hint}', which cannot run it: {reason}")
         return hint
     for rule in config.rules:
-        if rule.matches(kind, nbytes, group_size) and why_not(rule.lane) is None:
+        if rule.matches(kind, nbytes, group_size, variant) and why_not(rule.lane) is None:
             return rule.lane
     if config.table is not None:
-        tuned = config.table.lookup(kind, nbytes, len(nodes))
+        tuned = config.table.lookup(variant or kind, nbytes, len(nodes))
         if tuned is not None and why_not(tuned) is None:
             return tuned
     for name in (config.default_lane, *LANE_NAMES):
@@ -153,6 +159,7 @@ def choose_algorithm(
     unfit: str | None = None,
     *,
     library_ranges: bool = False,
+    variant: str | None = None,
 ) -> Program | None:
     """The program that runs an op on the tcp lane: the hint, then ``[[algorithms]]`` rules, then the
     tuning table's algorithm, then a program whose own size range holds the op, then None (the
@@ -162,7 +169,9 @@ def choose_algorithm(
     cannot run the op is skipped with its reason in the log, never silently.  An order-dependent
     program (``Program.determinism``) cannot run an op whose result depends on the order
     (:func:`order_refusal`) unless the rule that names it allows it.  ``unfit``: why no
-    program can run this op whatever its name (e.g. an all-to-all of unequal blocks).  The size
+    program can run this op whatever its name (e.g. an all-to-all of unequal blocks); ``variant``:
+    the kind the table is consulted for, as in :func:`choose_lane` (its ``alltoallv`` cells name
+    no program, so an uneven all-to-all is not offered the even cells' one).  The size
     range step considers user files that state ``minBytes``/``maxBytes``; the library's programs
     (ranges from ``library.describe``) join it only with ``library_ranges``, because a library
     program in the small range would take tiny all-reduces off the native path, which fuses them
@@ -201,7 +210,7 @@ def choose_algorithm(
             if found is not None:
                 return found
     if config.table is not None:
-        tuned = config.table.lookup_algorithm(kind, nbytes, len(nodes))
+        tuned = config.table.lookup_algorithm(variant or kind, nbytes, len(nodes))
         if tuned == NATIVE:
             return None  # measured: the lane's own algorithm is the fastest here
         if tuned is not None:

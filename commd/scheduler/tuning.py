@@ -27,6 +27,15 @@ lossless codec and the best codec of all, each only where it beats the plain tcp
 switch margin.  The coordinator compresses an op that lets it choose with the lossless one, or
 with the best of all where the op allowed lossy codecs.  Tables of versions 1 and 2 name no
 codec: nothing is compressed by the table.
+
+All-to-alls have two kinds of cells: ``alltoall`` (every rank sends every rank one block size,
+as ``commd bench --ops alltoall`` measures them) and ``alltoallv`` (blocks of unequal sizes and
+different bytes per rank, ``commd bench --ops alltoallv``).  The coordinator looks an all-to-all
+up as its uneven variant (``UNEVEN_VARIANT``) when the bytes its nodes send each other differ:
+such an op moves its bytes differently (no program can run it, the largest sender sets its
+time), so the even cells' winner need not be its.  A table without ``alltoallv`` cells for the
+op's group class (measured before they existed, or with ``--ops`` leaving them out) decides it
+by the ``alltoall`` cells, as before; the entries' shape is the same, so the version is too.
 """
 
 from __future__ import annotations
@@ -51,14 +60,20 @@ PROGRAM_LANE = "tcp"
 PROGRAM_KINDS = ("allreduce", "alltoall")
 
 #: The op kinds a sweep measures; every other kind is looked up as the one that shares its lane primitive.
-TUNED_KINDS = ("allreduce", "broadcast", "allgather", "alltoall", "sendrecv")
+TUNED_KINDS = ("allreduce", "broadcast", "allgather", "alltoall", "alltoallv", "sendrecv")
 _AS_TUNED = {
     "allreduce": "allreduce", "reduce": "allreduce", "reduce_scatter": "allreduce",
     "broadcast": "broadcast",
     "allgather": "allgather",
     "alltoall": "alltoall", "gather": "alltoall", "scatter": "alltoall",
+    "alltoallv": "alltoallv",
     "send": "sendrecv", "recv": "sendrecv", "sendrecv": "sendrecv",
 }
+#: Per op kind, the tuned kind its ops are looked up as when their node-to-node blocks differ
+#: (an all-to-all of unequal blocks: the coordinator's test that keeps programs off it).
+UNEVEN_VARIANT = {"alltoall": "alltoallv"}
+#: A variant's cells, where a table has none for the op's group class: its kind's (an older table).
+_VARIANT_OF = {variant: kind for kind, variant in UNEVEN_VARIANT.items()}
 _LANES = ("tcp", "gloo", "mpi", "nccl")
 #: Near ties go to the earlier lane (commd's own transport first: no extra library in the path).
 LANE_PREFERENCE = _LANES
@@ -166,8 +181,10 @@ class TuningTable:
     def lookup(self, kind: str, nbytes: int, group_nodes: int) -> str | None:
         """The measured winning lane for this op, or None where the table has no entry.
 
-        A kind no program can run (reduce, reduce-scatter, gather, scatter) gets the winner among
-        the lanes' own algorithms: the tcp lane may have won its cell only by a program."""
+        ``kind`` is an op kind or an uneven variant (``alltoallv``).  A kind no program can run
+        (reduce, reduce-scatter, gather, scatter, alltoallv) gets the winner among the lanes' own
+        algorithms: the tcp lane may have won its cell only by a program (an alltoallv decided
+        by the alltoall cells of an older table)."""
         entry = self.entry_for(kind, nbytes, group_nodes)
         if entry is None:
             return None
@@ -190,11 +207,15 @@ class TuningTable:
         return entry.codec_choices(lossy) if entry is not None else []
 
     def entry_for(self, kind: str, nbytes: int, group_nodes: int) -> TuningEntry | None:
-        """The entry whose size range holds ``nbytes`` for this op's measured kind and group class."""
+        """The entry whose size range holds ``nbytes`` for this op's measured kind and group class
+        (an uneven variant without cells of that class: its kind's)."""
         measured = _AS_TUNED.get(kind)
         if measured is None:
             return None
-        for entry in self._index.get((measured, group_class(group_nodes)), ()):
+        cells = self._index.get((measured, group_class(group_nodes)))
+        if cells is None and measured in _VARIANT_OF:
+            cells = self._index.get((_VARIANT_OF[measured], group_class(group_nodes)))
+        for entry in cells or ():
             if entry.min_bytes <= nbytes <= entry.max_bytes:
                 return entry
         return None
