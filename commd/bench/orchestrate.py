@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -76,10 +76,11 @@ class Layout:
         return self.nproc * max(1, self.hosts)
 
 
-def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options that say where the ranks run (shared by `commd bench` and `commd tune`)."""
-    parser.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc", type=int, default=2, metavar="N",
-                        help="ranks per node (default 2)")
+def add_layout_arguments(parser: argparse.ArgumentParser, nproc_default: int | None = 2,
+                         nproc_help: str = "ranks per node (default 2)") -> None:
+    """The options that say where the ranks run (shared by `commd bench`, `commd tune` and `commd replay`)."""
+    parser.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc", type=int, default=nproc_default,
+                        metavar="N", help=nproc_help)
     parser.add_argument("--hosts", type=int, default=0, metavar="H",
                         help="run on H simulated hosts (network namespaces on one bridge; needs root); "
                              "default: this host only")
@@ -220,19 +221,18 @@ class RowsFile:
         return new
 
 
-def wait_phase(procs: list[tuple[subprocess.Popen[bytes], Path, str]], rows: RowsFile, deadline: float,
-               bar: Progress, what: str, extra_total: int = 0) -> None:
-    """Until every process exited 0: progress from the rows file; the first failure or the deadline raises."""
+Watched = tuple[subprocess.Popen[bytes], Path, str]
+
+
+def wait_procs(procs: list[Watched], deadline: float, what: str, tick: Callable[[], None] | None = None,
+               failure: Callable[[], str | None] | None = None) -> None:
+    """Until every process exited 0, calling ``tick`` each poll; the first failure raises BenchError with
+    ``failure()``'s account if it gives one (the workers' own reason), else the process's log tail;
+    so does the deadline."""
     pending = list(procs)
-    sized = False
     while True:
-        new = rows.poll()
-        if rows.meta is not None and not sized:
-            bar.set_total(rows.meta["total"] + extra_total)
-            sized = True
-        if new:
-            last = rows.rows[-1]
-            bar.update(new, f"{last['op']} {last['bytes']} B {last['path']}")
+        if tick is not None:
+            tick()
         for item in list(pending):
             proc, log, name = item
             code = proc.poll()
@@ -240,18 +240,40 @@ def wait_phase(procs: list[tuple[subprocess.Popen[bytes], Path, str]], rows: Row
                 continue
             pending.remove(item)
             if code != 0:
-                rows.poll()
-                if rows.errors:  # rank 0's own account (a wrong result, a bad lane, a vanished peer)
-                    raise BenchError("\n".join(rows.errors))
+                reason = failure() if failure is not None else None
+                if reason:
+                    raise BenchError(reason)
                 raise BenchError(f"{what}: {name} exited with code {code}\n--- last lines of {log} ---\n{tail(log)}")
         if not pending:
-            rows.poll()
             return
         if time.monotonic() > deadline:
             logs = "\n".join(f"--- last lines of {log} ---\n{tail(log)}" for _, log, _ in procs)
             raise BenchError(f"{what}: not finished within --timeout; stopped it (still running: "
                              f"{', '.join(n for p, _, n in pending if p.poll() is None)})\n{logs}")
         time.sleep(POLL_S)
+
+
+def wait_phase(procs: list[Watched], rows: RowsFile, deadline: float, bar: Progress, what: str,
+               extra_total: int = 0) -> None:
+    """Until every process exited 0: progress from the rows file; the first failure or the deadline raises."""
+    sized = False
+
+    def tick() -> None:
+        nonlocal sized
+        new = rows.poll()
+        if rows.meta is not None and not sized:
+            bar.set_total(rows.meta["total"] + extra_total)
+            sized = True
+        if new:
+            last = rows.rows[-1]
+            bar.update(new, f"{last['op']} {last['bytes']} B {last['path']}")
+
+    def failure() -> str | None:
+        rows.poll()  # rank 0's own account (a wrong result, a bad lane, a vanished peer)
+        return "\n".join(rows.errors) or None
+
+    wait_procs(procs, deadline, what, tick, failure)
+    rows.poll()
 
 
 # ---- simulated hosts ---------------------------------------------------------------
@@ -279,7 +301,7 @@ def simulated_hosts(layout: Layout) -> Iterator[Any]:
 
 
 @contextmanager
-def _signals_unwind() -> Iterator[None]:
+def signals_unwind() -> Iterator[None]:
     """SIGTERM/SIGHUP unwind like Ctrl-C, through every finally: processes stopped, hosts removed."""
 
     def handler(signum: int, _frame: Any) -> None:
@@ -294,15 +316,35 @@ def _signals_unwind() -> Iterator[None]:
 
 
 # ---- phases ----------------------------------------------------------------------
-def _launch_argv(layout: Layout, spec: BenchSpec, rows: Path, node_rank: int = 0, master: str | None = None,
-                 node_name: str | None = None) -> list[str]:
+def launch_argv(layout: Layout, worker: list[str], op_timeout: float, node_rank: int = 0,
+                master: str | None = None, node_name: str | None = None) -> list[str]:
+    """`commd launch` of ``worker`` (``-m module args...``) for one node of ``layout``."""
     argv = [PY, "-m", "commd", "launch", "--nproc-per-node", str(layout.nproc),
-            "--op-timeout", repr(spec.op_timeout), "--grace", str(LAUNCH_GRACE_S)]
+            "--op-timeout", repr(op_timeout), "--grace", str(LAUNCH_GRACE_S)]
     if layout.hosts:
         argv += ["--nnodes", str(layout.hosts), "--node-rank", str(node_rank), "--master", str(master),
                  "--node-name", str(node_name)]
-    worker_spec = replace(spec, compare=[c for c in spec.compare if c != "mpi"])
-    return argv + ["-m", "commd.bench.worker", *measure_argv(worker_spec), "--rows-out", str(rows)]
+    return argv + worker
+
+
+def start_launchers(layout: Layout, sim: Any, worker: list[str], op_timeout: float, work: Path, procs: Procs,
+                    what: str = "commd launch") -> list[Watched]:
+    """One `commd launch` of ``worker`` per node (this host, or each simulated host with the job's secret,
+    node 0 hosting the store); their logs go to ``work``."""
+    if sim is None:
+        log = work / "launch.log"
+        started = procs.start(launch_argv(layout, worker, op_timeout), base_env(layout.env), log, what)
+        return [(started, log, what)]
+    master = f"{sim.hosts[0].ip}:{random.randint(20000, 60000)}"  # fresh namespace: any port is free
+    secret = new_secret()  # every node's launcher gets the job secret; it never goes into the store
+    watch = []
+    for i, host in enumerate(sim.hosts):
+        log = work / f"launch-{host.name}.log"
+        env = base_env({**layout.env, **host.env, "GLOO_SOCKET_IFNAME": "eth0", "COMMD_SECRET": secret})
+        argv = host.argv(launch_argv(layout, worker, op_timeout, i, master, host.name))
+        name = f"{what} on {host.name}"
+        watch.append((procs.start(argv, env, log, name), log, name))
+    return watch
 
 
 def _mpi_cells(spec: BenchSpec) -> int:
@@ -314,21 +356,10 @@ def run_commd_phase(layout: Layout, spec: BenchSpec, sim: Any, work: Path, bar: 
     rows = RowsFile(work / "rows-commd.jsonl")
     procs = Procs()
     extra = _mpi_cells(spec) if "mpi" in spec.compare else 0
+    worker_spec = replace(spec, compare=[c for c in spec.compare if c != "mpi"])
+    worker = ["-m", "commd.bench.worker", *measure_argv(worker_spec), "--rows-out", str(rows.path)]
     try:
-        if sim is None:
-            log = work / "launch.log"
-            started = procs.start(_launch_argv(layout, spec, rows.path), base_env(layout.env), log, "commd launch")
-            watch = [(started, log, "commd launch")]
-        else:
-            master = f"{sim.hosts[0].ip}:{random.randint(20000, 60000)}"  # fresh namespace: any port is free
-            secret = new_secret()  # every node's launcher gets the job secret; it never goes into the store
-            watch = []
-            for i, host in enumerate(sim.hosts):
-                log = work / f"launch-{host.name}.log"
-                env = base_env({**layout.env, **host.env, "GLOO_SOCKET_IFNAME": "eth0", "COMMD_SECRET": secret})
-                argv = host.argv(_launch_argv(layout, spec, rows.path, i, master, host.name))
-                what = f"commd launch on {host.name}"
-                watch.append((procs.start(argv, env, log, what), log, what))
+        watch = start_launchers(layout, sim, worker, spec.op_timeout, work, procs)
         wait_phase(watch, rows, deadline, bar, "commd bench", extra)
     finally:
         procs.stop()
@@ -347,11 +378,9 @@ def mpiexec_path() -> str:
     return which
 
 
-def run_mpi_phase(layout: Layout, spec: BenchSpec, sim: Any, work: Path, bar: Progress,
-                  deadline: float) -> RowsFile:
-    rows = RowsFile(work / "rows-mpi.jsonl")
-    worker = [PY, "-m", "commd.bench.mpi_worker", *measure_argv(replace(spec, compare=[])),
-              "--rows-out", str(rows.path)]
+def mpiexec_command(layout: Layout, sim: Any, worker: list[str]) -> tuple[list[str], dict[str, str]]:
+    """``mpiexec`` running ``worker`` (a full argv) on every rank of ``layout``, and its environment: on
+    simulated hosts, ``nproc`` consecutive ranks per host, each host one MPI node (``MPI_HOSTS_ENV``)."""
     cmd = [mpiexec_path()]
     env = base_env(layout.env)
     if sim is None:
@@ -362,6 +391,15 @@ def run_mpi_phase(layout: Layout, spec: BenchSpec, sim: Any, work: Path, bar: Pr
             if i:
                 cmd.append(":")
             cmd += ["-n", str(layout.nproc), "-env", "COMMD_NODE", host.name, *host.argv(worker)]
+    return cmd, env
+
+
+def run_mpi_phase(layout: Layout, spec: BenchSpec, sim: Any, work: Path, bar: Progress,
+                  deadline: float) -> RowsFile:
+    rows = RowsFile(work / "rows-mpi.jsonl")
+    worker = [PY, "-m", "commd.bench.mpi_worker", *measure_argv(replace(spec, compare=[])),
+              "--rows-out", str(rows.path)]
+    cmd, env = mpiexec_command(layout, sim, worker)
     log = work / "mpiexec.log"
     procs = Procs()
     try:
@@ -391,7 +429,7 @@ def run(layout: Layout, spec: BenchSpec, desc: str = "commd bench",
     bar = Progress(0, enabled=True, desc=desc)
     ok = False
     try:
-        with _signals_unwind(), simulated_hosts(layout) as sim:
+        with signals_unwind(), simulated_hosts(layout) as sim:
             where = (f"{layout.hosts} simulated hosts ({', '.join(h.ip for h in sim.hosts)}) x {layout.nproc} ranks"
                      if sim is not None else f"this host, {layout.nproc} ranks")
             print(f"{desc}: {where}", file=sys.stderr, flush=True)

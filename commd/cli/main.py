@@ -1,4 +1,4 @@
-"""The `commd` command: daemon, launch, status, trace, demo, bench, tune, algo, slurm-plan.
+"""The `commd` command: daemon, launch, status, trace, demo, bench, tune, replay, algo, slurm-plan.
 
 Only the module of the subcommand being run is imported (the others only
 lend their one-line help), so that ``commd status`` or ``commd --help`` never
@@ -34,6 +34,8 @@ COMMANDS: dict[str, Command] = {
                      "commd.bench.cli", "add_bench_arguments", "run_bench"),
     "tune": Command("measure every lane per op and size and save the winners as a tuning table",
                     "commd.bench.cli", "add_tune_arguments", "run_tune"),
+    "replay": Command("replay a recorded job's communication through commd's lanes, Gloo and MPI; compare step "
+                      "times", "commd.bench.replay", "add_arguments", "run"),
     "trace": Command("turn a running job's per-op trace on or off; merge per-node traces", "commd.cli.trace",
                      "add_arguments", "run"),
     "algo": Command("check, simulate and list collective programs (MSCCL XML files, the library)",
