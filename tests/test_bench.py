@@ -310,3 +310,227 @@ def test_compression_benchmark_judges_its_targets_from_the_rows() -> None:
     assert verdicts["C3"] == (False, "worst 0.75x at 4M (commd's plain paths); against Gloo/MPI directly: "
                                      "worst 1.20x at 1M")  # the plain chain beat the daemons' own choice
     assert all(met is None for met, _ in {n[:2]: (m_, e) for n, m_, e in bench.targets({})}.values())
+
+
+# ---- groups of some of the job's nodes (--group-nodes) ---------------------------------
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("args, words", [
+    (["--group-nodes", "1"], "--group-nodes 1: a group measures the lanes between nodes, so it spans at least 2"),
+    (["--group-nodes", "2,two"], "--group-nodes: 'two' is not a node count"),
+    (["--group-nodes", "2"], "--group-nodes 2: a group cannot span more nodes than the job; this host is one node"),
+])
+def test_bench_rejects_bad_group_nodes(args: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert commd_main(["bench", *args]) == 2
+    err = capsys.readouterr().err
+    assert words in err, err
+
+
+@pytest.mark.timeout(30)
+def test_group_nodes_fit_the_job_and_tune_sweeps_the_powers_of_two_below_it(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from commd.bench.spec import SpecError, check_group_nodes, measure_argv, sweep_group_nodes
+
+    parse = build_parser().parse_args
+    assert spec_from_args(parse([])).group_nodes is None  # the whole job only, as without the option
+    spec = spec_from_args(parse(["--group-nodes", "4,2,4"]))
+    assert spec.group_nodes == [2, 4]
+    assert spec_from_args(parse(measure_argv(spec))).group_nodes == [2, 4]  # the worker gets the same groups
+    assert "--group-nodes" not in measure_argv(spec_from_args(parse([])))
+    check_group_nodes([2, 4], 4)
+    check_group_nodes([2, 3], 3)  # the job's own count need not be a power of two
+    with pytest.raises(SpecError, match=r"--group-nodes 3: give a power of two or the job's node count \(4\)"):
+        check_group_nodes([2, 3], 4)
+    with pytest.raises(SpecError, match="--group-nodes 8: a group cannot span more nodes than the job; the job "
+                                        "has 4 nodes"):
+        check_group_nodes([8], 4)
+    assert [sweep_group_nodes(n) for n in (2, 3, 4, 6, 8)] == [[2], [2, 3], [2, 4], [2, 4, 6], [2, 4, 8]]
+    # commd tune refuses a group that does not fit its hosts before it makes any
+    assert commd_main(["tune", "--hosts", "4", "--group-nodes", "3"]) == 2
+    assert "--group-nodes 3: give a power of two or the job's node count (4)" in capsys.readouterr().err
+
+
+class _GroupRank:
+    """One rank of a group, alone in this process: its op leaves what NumPy says the group's op would."""
+
+    via, lane, label, algorithm = "commd", "tcp", "commd/tcp", None
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+
+    def alloc(self, count: int) -> tuple[np.ndarray, np.ndarray]:
+        a = np.empty(count, dtype=np.float32)
+        return a, a
+
+    def run(self, case) -> None:  # noqa: ANN001
+        for name, want in case.expected().items():
+            case.view[name][:] = want
+
+    def barrier(self) -> None:
+        pass
+
+
+class _Alone:
+    """A sync of one rank: every agreement is its own values."""
+
+    def max_each(self, values: list[float]) -> list[float]:
+        return list(values)
+
+    def gather_errors(self, error: str | None) -> list[str]:
+        return [error] if error else []
+
+    def barrier(self) -> None:
+        pass
+
+
+def _group_rows(nodes: list[str], count: int, ops: list[str], nbytes: int = 4096) -> list[dict]:
+    """Rank 0's rows of ``ops`` measured on the group of the first ``count`` of ``nodes``'s nodes."""
+    from argparse import Namespace
+
+    from commd.bench import report
+    from commd.bench.worker import BenchGroup, RowSink, group_label, group_ranks, measure_block
+
+    ranks = group_ranks(nodes, count)
+    nnodes = len(set(nodes))
+    group = BenchGroup(count, ranks, len(ranks) == len(nodes), True, "g", group_label(count, nnodes),
+                       [nodes[r] for r in ranks], sync=_Alone())
+    spec = spec_from_args(build_parser().parse_args(["--iters", "3", "--warmup", "0"]))
+    sink = RowSink(None)
+    for op in ops:
+        measure_block(Namespace(corrupt=None), spec, group, op, nbytes, [_GroupRank(0, len(ranks))], 4, sink, 0,
+                      report.progress(0, enabled=False), {}, set())
+    return sink.rows
+
+
+@pytest.mark.timeout(30)
+def test_rows_of_a_subgroup_carry_its_nodes_ranks_and_label() -> None:
+    from commd.bench import report, tune
+    from commd.bench.worker import group_ranks
+
+    nodes = ["a", "a", "b", "b", "c", "c", "d", "d"]  # 4 nodes x 2 ranks
+    assert group_ranks(nodes, 2) == [0, 1, 2, 3] and group_ranks(nodes, 4) == list(range(8))
+    assert group_ranks(["b", "a", "b", "a", "c"], 2) == [0, 1, 2, 3]  # the first nodes by their first rank
+    sub = _group_rows(nodes, 2, ["allreduce", "sendrecv"])
+    world = _group_rows(nodes, 4, ["allreduce", "sendrecv"])
+    got = {(r["group"], r["op"]): (r["nodes"], r["group_nodes"], r["world"], r["factor"], r["check"])
+           for r in sub + world}
+    assert got == {("nodes 0-1", "allreduce"): (2, 2, 4, 1.5, "ok"), ("nodes 0-1", "sendrecv"): (2, 2, 4, 1.0, "ok"),
+                   ("world", "allreduce"): (4, 4, 8, 1.75, "ok"), ("world", "sendrecv"): (2, 4, 8, 1.0, "ok")}
+    # the printed table: a block per op and group, each row naming its group
+    meta = {"world": 8, "nnodes": 4, "node_names": ["a", "b", "c", "d"], "ranks_per_node": [2] * 4,
+            "spec": {"dtype": "float32"}}
+    text = report.format_table(meta, sub + world)
+    assert "allreduce  (group nodes 0-1: 4 ranks on 2 nodes, busbw = algbw x 1.5;" in text
+    assert "allreduce  (group world: 8 ranks on 4 nodes, busbw = algbw x 1.75;" in text
+    assert next(line for line in text.splitlines() if "commd/tcp" in line).split()[:3] == ["4K", "nodes", "0-1"]
+    # the sweep's table: a cell per group-size class; a send joins 2 nodes in either group (the largest kept)
+    lanes = [dict(r, lane=lane, path=f"commd/{lane}", median_us=r["median_us"] * (2.0 if slow else 1.0))
+             for r in sub + world for lane, slow in (("tcp", r["group"] == "world"), ("gloo", r["group"] != "world"))]
+    table = tune.table_from_rows(meta | {"fabric_lanes": ["gloo", "tcp"]}, lanes)
+    assert sorted((e.kind, e.nodes, e.lane) for e in table.entries) == [
+        ("allreduce", "2", "tcp"), ("allreduce", "3-4", "gloo"), ("sendrecv", "2", "gloo")]
+    (send,) = [e for e in table.entries if e.kind == "sendrecv"]
+    (kept,) = [r for r in world if r["op"] == "sendrecv"]
+    assert send.measured["tcp"]["median_us"] == kept["median_us"] * 2.0
+
+
+@pytest.mark.timeout(30)
+def test_a_table_with_2_and_3_4_node_cells_answers_a_2_node_op_from_its_2_node_cells() -> None:
+    """The coordinator of a 4-node fabric looks an op up by the nodes its group spans: an all-reduce of
+    a group on 2 nodes takes the 2-node cell's lane, one of the whole job the 3-4-node cell's."""
+    from test_coordinator import LANES, entry, ready, sent
+
+    from commd.bench import tune
+    from commd.scheduler.config import SchedulerConfig
+    from commd.scheduler.coordinator import Coordinator, Outbox
+
+    def row(nodes: int, lane: str, median: float) -> dict:
+        return {"op": "allreduce", "bytes": 4096, "via": "commd", "lane": lane, "path": f"commd/{lane}",
+                "algorithm": None, "nodes": nodes, "group_nodes": nodes, "median_us": median, "p95_us": median,
+                "busbw_gbs": 1.0, "check": "ok"}
+
+    meta = {"nnodes": 4, "fabric_lanes": ["gloo", "tcp"], "ranks_per_node": [2] * 4, "node_names": list("abcd")}
+    table = tune.table_from_rows(meta, [row(2, "tcp", 90.0), row(2, "gloo", 40.0), row(4, "tcp", 50.0),
+                                        row(4, "gloo", 95.0)])
+    assert sorted((e.nodes, e.lane) for e in table.entries) == [("2", "gloo"), ("3-4", "tcp")]
+    assert table.lookup("allreduce", 4096, 2) == "gloo" and table.lookup("allreduce", 4096, 4) == "tcp"
+    config = SchedulerConfig()
+    config.adopt_table(table, 4, ["gloo", "tcp"])
+    assert config.table is table
+    coord = Coordinator(4, config, LANES)
+    out = Outbox()
+    # group "pair": ranks 0-3 on nodes 0 and 1; group "all": ranks 0-7 on nodes 0-3
+    pair = {"group": "pair", "count": 1024, "ranks": (0, 1, 2, 3), "pl": (0, 0, 1, 1)}
+    whole = {"group": "all", "count": 1024, "ranks": tuple(range(8)), "pl": (0, 0, 1, 1, 2, 2, 3, 3)}
+    for node in range(4):
+        items = [entry(**pair, mine=[2 * node, 2 * node + 1])] if node < 2 else []
+        coord.report(node, ready([*items, entry(**whole, mine=[2 * node, 2 * node + 1])]), out)
+    lanes = {(node, m["g"]): m["l"] for node, messages in sent(out).items() for m in messages if m["t"] == "go"}
+    assert lanes == {(0, "pair"): "gloo", (1, "pair"): "gloo",
+                     (0, "all"): "tcp", (1, "all"): "tcp", (2, "all"): "tcp", (3, "all"): "tcp"}, sent(out)
+
+
+@pytest.mark.timeout(60)
+def test_mpi_phase_measures_a_subgroup_and_the_ranks_outside_wait(tmp_path: Path) -> None:
+    """The MPI-direct phase on 3 nodes (named by COMMD_NODE, as on simulated hosts) with --group-nodes 2,3:
+    the first 2 nodes' ranks measure on their own communicator, checked against NumPy; node 2's ranks
+    only meet them after each cell."""
+    mpiexec = Path(sys.executable).with_name("mpiexec")
+    if not mpiexec.exists():
+        pytest.skip("mpiexec (the mpich wheel) is not installed")
+    rows_out = tmp_path / "rows.jsonl"
+    worker = [sys.executable, "-m", "commd.bench.mpi_worker", "--ops", "allreduce,sendrecv", "--min-bytes", "1K",
+              "--max-bytes", "4K", "--iters", "2", "--warmup", "0", "--group-nodes", "2,3", "--rows-out",
+              str(rows_out)]
+    argv = [str(mpiexec)]
+    for node, n in (("n0", 1), ("n1", 1), ("n2", 2)):
+        argv += [*([":"] if node != "n0" else []), "-n", str(n), "-env", "COMMD_NODE", node, *worker]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in rows_out.read_text().splitlines()]
+    got = sorted((r["op"], r["bytes"], r["group"], r["world"], r["nodes"], r["group_nodes"], r["check"]) for r in rows)
+    assert got == sorted((op, size, group, world, 2 if op == "sendrecv" or group != "world" else 3, count, "ok")
+                         for op in ("allreduce", "sendrecv") for size in (1024, 4096)
+                         for group, world, count in (("nodes 0-1", 2, 2), ("world", 4, 3)))
+
+
+@pytest.mark.extended  # ~30 s on a loaded 2-core machine: 3 nodes' daemons and ranks
+@pytest.mark.timeout(150)
+def test_bench_worker_measures_subgroups_on_three_loopback_nodes_and_tunes_each_class(tmp_path: Path) -> None:
+    """The worker on 3 nodes x 1 rank (loopback processes, as `commd launch --nnodes` runs them on one
+    host) with --tune-out and no --group-nodes: the sweep's groups, the first 2 nodes and the whole job,
+    through commd's lanes and Gloo directly, every result checked; the table has a cell per class."""
+    from cluster import free_port
+
+    from commd.runtime import new_secret
+    from commd.scheduler.tuning import TuningTable
+
+    port, secret = free_port(), new_secret()
+    table_path, out = tmp_path / "table.json", tmp_path / "bench.json"
+    procs = []
+    for i in range(3):
+        runtime = tmp_path / f"node{i}"
+        runtime.mkdir()
+        env = dict(os.environ, COMMD_RUNTIME_DIR=str(runtime), COMMD_NODE=f"n{i}", COMMD_SECRET=secret)
+        env.pop("COMMD_JOB", None)
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "commd", "launch", "--nnodes", "3", "--node-rank", str(i), "--master",
+             f"127.0.0.1:{port}", "--nproc-per-node", "1", "-m", "commd.bench.worker", "--ops", "allreduce,sendrecv",
+             "--min-bytes", "4K", "--max-bytes", "4K", "--iters", "2", "--warmup", "0", "--lanes", "all",
+             "--compare", "gloo", "--tune-out", str(table_path), "--json", str(out)],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        outputs = [proc.communicate(timeout=120)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    assert [p.returncode for p in procs] == [0, 0, 0], "\n".join(outputs)
+    rows = json.loads(out.read_text())["rows"]
+    got = {(r["group"], r["op"], r["path"]): (r["world"], r["nodes"], r["check"]) for r in rows}
+    assert got == {(group, op, path): (world, 2 if op == "sendrecv" else nodes, "ok")
+                   for group, world, nodes in (("nodes 0-1", 2, 2), ("world", 3, 3))
+                   for op in ("allreduce", "sendrecv") for path in ("commd/gloo", "commd/tcp", "gloo")}
+    assert "allreduce  (group nodes 0-1: 2 ranks on 2 nodes" in outputs[0]
+    table = TuningTable.load(table_path)
+    assert sorted({(e.kind, e.nodes) for e in table.entries}) == [("allreduce", "2"), ("allreduce", "3-4"),
+                                                                 ("sendrecv", "2")]

@@ -7,7 +7,7 @@ import sys
 
 from commd.bench import orchestrate
 from commd.bench.orchestrate import add_layout_arguments, layout_from_args
-from commd.bench.spec import SpecError, add_measure_arguments, spec_from_args
+from commd.bench.spec import SpecError, add_measure_arguments, check_group_nodes, spec_from_args
 
 #: The tune sweep's defaults: every tuned kind, 1 KiB..16 MiB in steps of 4, a time budget per cell
 #: (2 hosts x 2 ranks on 2 cores stays under 3 minutes).
@@ -30,6 +30,8 @@ def run_bench(args: argparse.Namespace) -> int:
     try:
         spec = spec_from_args(args)
         layout = layout_from_args(args)
+        if spec.group_nodes:  # before anything starts (the worker checks again, against the nodes it finds)
+            check_group_nodes(spec.group_nodes, max(1, layout.hosts))
         if args.plot:
             if not args.plot.lower().endswith(".png"):
                 raise SpecError(f"--plot {args.plot!r}: give a .png file name")

@@ -1,8 +1,10 @@
 """What a benchmark run shows: the table (per op, rows by size and path), the JSON file, the plot, progress.
 
 Ratios set each commd row beside the direct peers measured in the same run:
-``x gloo`` = commd's busbw / Gloo direct's busbw at the same op and size
-(above 1: commd is faster).
+``x gloo`` = commd's busbw / Gloo direct's busbw at the same op, size and
+group (above 1: commd is faster).  A run that measured several groups
+(``--group-nodes``) shows one block per op and group, each row naming its
+group: their busbw factors and rank counts differ.
 """
 
 from __future__ import annotations
@@ -58,8 +60,13 @@ def _size(nbytes: int) -> str:
     return human(nbytes) if nbytes else "-"
 
 
-def _direct(rows: list[dict[str, Any]]) -> dict[tuple[str, int, str], dict[str, Any]]:
-    return {(r["op"], r["bytes"], r["via"]): r for r in rows if r["via"] != "commd"}
+def group_of(row: dict[str, Any]) -> str:
+    """The group a row measured ("world": the whole job, as every row before --group-nodes)."""
+    return str(row.get("group") or "world")
+
+
+def _direct(rows: list[dict[str, Any]]) -> dict[tuple[str, int, str, str], dict[str, Any]]:
+    return {(r["op"], r["bytes"], r["via"], group_of(r)): r for r in rows if r["via"] != "commd"}
 
 
 def measured(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -73,19 +80,20 @@ def native_ratio(row: dict[str, Any], rows: list[dict[str, Any]]) -> float | Non
     if row.get("algorithm") == "native" or (row.get("algorithm") is None and row.get("lane") != "auto"):
         return None
     native = next((r for r in rows if r["op"] == row["op"] and r["bytes"] == row["bytes"]
-                   and r.get("algorithm") == "native" and r.get("check") != "skipped"), None)
+                   and group_of(r) == group_of(row) and r.get("algorithm") == "native"
+                   and r.get("check") != "skipped"), None)
     if native is None or not native["median_us"]:
         return None
     return native["median_us"] / row["median_us"]
 
 
-def ratios(row: dict[str, Any], direct: dict[tuple[str, int, str], dict[str, Any]]) -> dict[str, float | None]:
-    """commd's speed relative to each direct peer at the same op and size (time ratio for barrier)."""
+def ratios(row: dict[str, Any], direct: dict[tuple[str, int, str, str], dict[str, Any]]) -> dict[str, float | None]:
+    """commd's speed relative to each direct peer at the same op, size and group (time ratio for barrier)."""
     out: dict[str, float | None] = {}
     if row["via"] != "commd":
         return out
     for peer in ("gloo", "mpi"):
-        theirs = direct.get((row["op"], row["bytes"], peer))
+        theirs = direct.get((row["op"], row["bytes"], peer, group_of(row)))
         if theirs is None:
             continue
         if row["op"] == "barrier" or not theirs["busbw_gbs"]:
@@ -96,51 +104,70 @@ def ratios(row: dict[str, Any], direct: dict[tuple[str, int, str], dict[str, Any
 
 
 def format_table(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
-    """One block per op; sizes grow down, paths side by side at each size."""
+    """One block per op (and per group, when several were measured); sizes grow down, paths side by
+    side at each size."""
     skipped = [r for r in rows if r.get("check") == "skipped"]
     rows = measured(rows)
     peers = [p for p in ("gloo", "mpi") if any(r["via"] == p for r in rows)]
     direct = _direct(rows)
     natives = any(r.get("algorithm") == "native" for r in rows)
-    header = list(COLUMNS) + [f"x {p}" for p in peers] + (["x native"] if natives else [])
+    several = any(group_of(r) != "world" for r in rows + skipped)  # then every row names its group
+    header = (["size", "group"] if several else ["size"]) + list(COLUMNS[1:]) + [f"x {p}" for p in peers] \
+        + (["x native"] if natives else [])
     lines = [_layout(meta), *_load_lines(meta)]
     for op in OPS:
-        mine = [r for r in rows if r["op"] == op]
-        if not mine:
-            for r in skipped:
-                if r["op"] == op:
-                    lines += ["", f"{op}: skipped {r['path']}: {r['reason']}"]
-            continue
-        order = {label: i for i, label in enumerate(dict.fromkeys(r["path"] for r in mine))}
-        mine.sort(key=lambda r: (r["bytes"], order[r["path"]]))
-        factor = mine[0]["factor"]
-        lines.append("")
-        if op == "barrier":
-            lines.append(f"barrier  ({meta['world']} ranks, latency only)")
-        else:
-            lines.append(f"{op}  ({meta['world']} ranks, busbw = algbw x {factor:.3g}; S = {_S_IS.get(op, 'message size')}"
-                         f"{'; one-way time = round trip / 2' if op == 'sendrecv' else ''})")
-        table = [header]
-        for r in mine:
-            cells = [_size(r["bytes"]), r["path"], str(r["iters"]), f"{r['median_us']:.1f}", f"{r['p95_us']:.1f}",
-                     f"{r['algbw_gbs']:.3f}", f"{r['busbw_gbs']:.3f}", r["check"]]
-            ratio = ratios(r, direct)
-            cells += [f"{ratio[p]:.2f}" if ratio.get(p) else "" for p in peers]
-            if natives:
-                x = native_ratio(r, mine)
-                cells.append(f"{x:.2f}" if x else "")
-            table.append(cells)
-        widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-        for row in table:
-            lines.append("  ".join(c.rjust(w) if i != 1 else c.ljust(w) for i, (c, w) in enumerate(
-                zip(row, widths, strict=True))).rstrip())
-        for r in skipped:
-            if r["op"] == op:
-                lines.append(f"skipped {r['path']} (not measured at any size): {r['reason']}")
+        labels = list(dict.fromkeys(group_of(r) for r in rows + skipped if r["op"] == op))
+        for label in labels:
+            lines += _op_block(meta, op, label, several, header, peers, natives, direct,
+                               [r for r in rows if r["op"] == op and group_of(r) == label],
+                               [r for r in skipped if r["op"] == op and group_of(r) == label])
     warnings = (meta.get("load") or {}).get("warnings") or []
     if warnings:
         lines += ["", *warnings]
     return "\n".join(lines)
+
+
+def _op_block(meta: dict[str, Any], op: str, label: str, several: bool, header: list[str], peers: list[str],
+              natives: bool, direct: dict[tuple[str, int, str, str], dict[str, Any]], mine: list[dict[str, Any]],
+              skipped: list[dict[str, Any]]) -> list[str]:
+    """The lines of one op on one group: a title naming the group (when several), then the rows."""
+    where = f" on group {label}" if several else ""
+    if not mine:
+        return [line for r in skipped for line in ("", f"{op}{where}: skipped {r['path']}: {r['reason']}")]
+    order = {path: i for i, path in enumerate(dict.fromkeys(r["path"] for r in mine))}
+    mine.sort(key=lambda r: (r["bytes"], order[r["path"]]))
+    factor, ranks = mine[0]["factor"], mine[0].get("world", meta["world"])
+    who = f"group {label}: {ranks} ranks on {_group_nodes(mine[0], meta)} nodes" if several else f"{ranks} ranks"
+    lines = [""]
+    if op == "barrier":
+        lines.append(f"barrier  ({who}, latency only)")
+    else:
+        lines.append(f"{op}  ({who}, busbw = algbw x {factor:.3g}; S = {_S_IS.get(op, 'message size')}"
+                     f"{'; one-way time = round trip / 2' if op == 'sendrecv' else ''})")
+    table = [header]
+    for r in mine:
+        cells = [_size(r["bytes"]), *([label] if several else []), r["path"], str(r["iters"]),
+                 f"{r['median_us']:.1f}", f"{r['p95_us']:.1f}", f"{r['algbw_gbs']:.3f}", f"{r['busbw_gbs']:.3f}",
+                 r["check"]]
+        ratio = ratios(r, direct)
+        cells += [f"{ratio[p]:.2f}" if ratio.get(p) else "" for p in peers]
+        if natives:
+            x = native_ratio(r, mine)
+            cells.append(f"{x:.2f}" if x else "")
+        table.append(cells)
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    left = {header.index("path"), *([header.index("group")] if several else [])}
+    for row in table:
+        lines.append("  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(
+            zip(row, widths, strict=True))).rstrip())
+    for r in skipped:
+        lines.append(f"skipped {r['path']} (not measured at any size): {r['reason']}")
+    return lines
+
+
+def _group_nodes(row: dict[str, Any], meta: dict[str, Any]) -> int:
+    """The nodes a row's group spans (rows from before --group-nodes: the whole job)."""
+    return int(row.get("group_nodes") or meta.get("nnodes") or len(meta.get("node_names", [])) or 1)
 
 
 #: What S is, per op whose S is not the message size (alltoallv's skew: commd/bench/cases.py).
@@ -246,11 +273,14 @@ def figure(meta: dict[str, Any], rows: list[dict[str, Any]]) -> Any:
     cols = min(3, len(ops))
     bands = (len(ops) + cols - 1) // cols  # each band: a busbw row above a latency row
     fig, axes = plt.subplots(2 * bands, cols, figsize=(5.2 * cols, 3.6 * 2 * bands), squeeze=False)
+    several = len({group_of(r) for r in rows}) > 1
     for i, op in enumerate(ops):
         bw_ax, lat_ax = axes[2 * (i // cols)][i % cols], axes[2 * (i // cols) + 1][i % cols]
         mine = [r for r in rows if r["op"] == op]
-        for label in dict.fromkeys(r["path"] for r in mine):
-            pts = sorted((r["bytes"], r["busbw_gbs"], r["median_us"], r["p95_us"]) for r in mine if r["path"] == label)
+        for path, group in dict.fromkeys((r["path"], group_of(r)) for r in mine):
+            label = f"{path} [{group}]" if several else path
+            pts = sorted((r["bytes"], r["busbw_gbs"], r["median_us"], r["p95_us"]) for r in mine
+                         if r["path"] == path and group_of(r) == group)
             sizes = [p[0] for p in pts]
             line = lat_ax.plot(sizes, [p[2] for p in pts], marker="o", label=f"{label} median")[0]
             lat_ax.plot(sizes, [p[3] for p in pts], linestyle=":", color=line.get_color(), label=f"{label} p95")

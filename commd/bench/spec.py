@@ -122,6 +122,9 @@ class BenchSpec:
     blocks: bool = False  # time each path's iterations in one block instead of in alternation
     algorithms: list[str] | None = None  # tcp-lane programs to measure (NATIVE: no hint); None: none
     compression: list[str] | None = None  # codecs of the compressed ops' tcp paths (one path each); None: none
+    #: node counts of the groups measured, each the first g nodes with all their ranks, ascending (the job's
+    #: own count: the whole job); None: not given, the whole job only (``commd tune``: ``sweep_group_nodes``)
+    group_nodes: list[int] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -169,6 +172,11 @@ def add_measure_arguments(parser: argparse.ArgumentParser, *, ops_default: str =
                              "e.g. --compare gloo,mpi")
     parser.add_argument("--op-timeout", type=float, default=DEFAULT_OP_TIMEOUT,
                         help=f"seconds one op may wait for its peers (default {DEFAULT_OP_TIMEOUT:g})")
+    parser.add_argument("--group-nodes", default="",
+                        help="comma-separated node counts g of the groups to measure the ops on, e.g. 2,4: each "
+                             "group is the first g nodes with all their ranks (the job's node count: the whole "
+                             "job); each g a power of two or the job's node count, 2 <= g <= nodes. Default: the "
+                             "whole job only (commd tune: the whole job and every power of two below it)")
     parser.add_argument("--blocks", action="store_true",
                         help="time each path's iterations in one block (default: the paths of a size in "
                              "alternation, iteration by iteration, so they see the same machine load)")
@@ -228,7 +236,45 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     return BenchSpec(ops=ops, sizes=message_sizes(low, high, args.step_factor), lanes=lanes,
                      warmup=args.warmup, iters=args.iters, time_per_size=args.time_per_size, dtype=dtype,
                      compare=list(dict.fromkeys(compare)), op_timeout=args.op_timeout, blocks=args.blocks,
-                     algorithms=algorithms, compression=compression)
+                     algorithms=algorithms, compression=compression,
+                     group_nodes=parse_group_nodes(getattr(args, "group_nodes", "") or ""))
+
+
+def parse_group_nodes(text: str) -> list[int] | None:
+    """``--group-nodes``: node counts, ascending, duplicates dropped (None: not given).
+
+    One node is refused: a group on one node never takes a lane (its ops stay in the node's shared
+    memory), so it has no cell in a tuning table; ``commd bench`` on this host measures that."""
+    counts: list[int] = []
+    for part in split_list(text):
+        if not part.isdigit():
+            raise SpecError(f"--group-nodes: {part!r} is not a node count (give numbers such as 2,4)")
+        g = int(part)
+        if g < 2:
+            raise SpecError(f"--group-nodes {g}: a group measures the lanes between nodes, so it spans at least "
+                            "2 nodes (a group on one node takes no lane; `commd bench` on one host measures it)")
+        counts.append(g)
+    return sorted(set(counts)) or None
+
+
+def check_group_nodes(counts: list[int], nnodes: int) -> None:
+    """Every count fits a job of ``nnodes`` nodes: 2 <= g <= nnodes, a power of two or nnodes itself
+    (the group sizes whose table classes a job's groups look up: 2, 3-4, 5-8, ...)."""
+    for g in counts:
+        if g > nnodes:
+            where = "this host is one node (use --hosts H)" if nnodes == 1 else f"the job has {nnodes} nodes"
+            raise SpecError(f"--group-nodes {g}: a group cannot span more nodes than the job; {where}")
+        if not _is_pow2(g) and g != nnodes:
+            raise SpecError(f"--group-nodes {g}: give a power of two or the job's node count ({nnodes})")
+
+
+def sweep_group_nodes(nnodes: int) -> list[int]:
+    """``commd tune``'s groups: every power of two from 2 below ``nnodes``, and the whole job."""
+    counts, g = [], 2
+    while g < nnodes:
+        counts.append(g)
+        g *= 2
+    return [*counts, nnodes]
 
 
 def parse_compression(text: str) -> list[str] | None:
@@ -273,4 +319,6 @@ def measure_argv(spec: BenchSpec) -> list[str]:
         argv.append("--blocks")
     argv += ["--algorithms", ",".join(spec.algorithms or [])]
     argv += ["--compression", ",".join(spec.compression or [])]
+    if spec.group_nodes:
+        argv += ["--group-nodes", ",".join(map(str, spec.group_nodes))]
     return argv

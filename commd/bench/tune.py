@@ -16,6 +16,13 @@ with its reason.  ``--compression lossless,bf16`` adds the tcp lane's compressed
 broadcasts and all-gathers (``commd-tcp+CODEC``, model-like float32 data); the
 table keeps each codec's figures and the best lossless codec and the best codec
 of all where they beat the plain tcp path (per-hop baselines are not kept).
+
+The table keys its cells by the number of nodes an op's group spans (its
+class: 2, 3-4, 5-8, ...), and a job's expert-, tensor- and data-parallel groups
+span fewer nodes than the job.  So the sweep measures the whole job and, by
+default, groups of the first 2, 4, 8, ... nodes below it (``--group-nodes``
+overrides that): the table then has a cell for each class a job's groups look
+up, where the whole job alone gives one class only.
 """
 
 from __future__ import annotations
@@ -26,21 +33,31 @@ from pathlib import Path
 from typing import Any
 
 from commd.bench import orchestrate
-from commd.bench.spec import LOCAL, SpecError, spec_from_args
+from commd.bench.spec import LOCAL, SpecError, check_group_nodes, spec_from_args, sweep_group_nodes
 
 
 def table_from_rows(meta: dict[str, Any], rows: list[dict[str, Any]]) -> Any:
     """A TuningTable from the lane rows of a sweep (auto, local and direct-peer rows are not lanes),
-    the codec rows among them (per-hop baselines are no choice the daemons make)."""
-    from commd.scheduler.tuning import TUNED_KINDS, TuningTable
+    the codec rows among them (per-hop baselines are no choice the daemons make), each keyed by the
+    nodes its op spans (``nodes``: its group's, a send's 2).
 
+    Two groups can measure one cell: a send joins 2 nodes in every group.  The largest group's row
+    is kept, the one whose ping-pong joins node 0 and the job's last node."""
+    from commd.scheduler.tuning import TUNED_KINDS, TuningTable, group_class
+
+    lane_rows = [
+        r for r in rows
+        if r["via"] == "commd" and r["lane"] not in ("auto", LOCAL) and r["op"] in TUNED_KINDS and r["bytes"] > 0
+        and r.get("check") != "skipped" and "/" not in (r.get("codec") or "")
+    ]
+    kept: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for r in sorted(lane_rows, key=lambda r: r.get("group_nodes") or meta["nnodes"]):  # (stable: run order)
+        kept[(r["op"], group_class(r["nodes"]), r["bytes"], r["lane"], r.get("algorithm"), r.get("codec"))] = r
     measured = [
         {"kind": r["op"], "nodes": r["nodes"], "bytes": r["bytes"], "lane": r["lane"], "median_us": r["median_us"],
          "p95_us": r["p95_us"], "busbw_gbs": r["busbw_gbs"], "algorithm": r.get("algorithm"),
          **({"codec": r["codec"]} if r.get("codec") else {})}
-        for r in rows
-        if r["via"] == "commd" and r["lane"] not in ("auto", LOCAL) and r["op"] in TUNED_KINDS and r["bytes"] > 0
-        and r.get("check") != "skipped" and "/" not in (r.get("codec") or "")
+        for r in kept.values()
     ]
     if not measured:
         raise orchestrate.BenchError("the sweep measured no lane (a single node has none: use --hosts H or "
@@ -95,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
                 "commd tune compares the lanes between nodes, and one host has none: use --hosts H (simulated "
                 "hosts, root), or on a cluster run `commd launch --nnodes ... -m commd.bench.worker --lanes all "
                 "--ops allreduce,broadcast,allgather,alltoall,alltoallv,sendrecv --tune-out FILE` on every node")
+        spec.group_nodes = spec.group_nodes or sweep_group_nodes(layout.hosts)  # a cell per group-size class
+        check_group_nodes(spec.group_nodes, layout.hosts)
         meta, rows = orchestrate.run(layout, spec, desc="commd tune")
         table = table_from_rows(meta, rows)
         out = Path(args.out) if args.out else default_table_path(meta["node_names"][0], meta["nnodes"])

@@ -11,6 +11,14 @@ connects to its node's daemon and measures every (op, commd lane / Gloo,
 size) cell.  Rank 0 appends each row to ``--rows-out`` as one JSON line as
 soon as it is measured (the orchestrator's progress and results); run by a
 user, rank 0 prints the table instead.
+
+With ``--group-nodes`` the cells are measured on groups of the first g nodes
+too (``BenchGroup``), as a job's expert-, tensor- and data-parallel groups span
+only some of its nodes: the tuning table has a cell per group-size class.  At
+each (op, size) the groups take turns; a subgroup's members agree through the
+subgroup's own Gloo group, and every rank then meets at a barrier of the whole
+job (``_wait_for``), so the ranks outside wait there and the next cell starts
+on every rank together.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import json
 import os
 import socket
 import sys
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TextIO
@@ -27,7 +36,7 @@ from typing import Any, TextIO
 from commd.bench import report
 from commd.bench.cases import CheckError, make_case
 from commd.bench.measure import measure_cell, measure_interleaved
-from commd.bench.paths import BenchPath, CommdPath, GlooPath, GlooSync
+from commd.bench.paths import BenchPath, CommdPath, GlooPath, GlooSync, Sync
 from commd.bench.spec import (
     ALGORITHM_OPS,
     COMPRESSED_OPS,
@@ -37,7 +46,9 @@ from commd.bench.spec import (
     BenchSpec,
     SpecError,
     add_measure_arguments,
+    check_group_nodes,
     spec_from_args,
+    sweep_group_nodes,
 )
 from commd.client.errors import CommdError
 
@@ -48,6 +59,10 @@ EXIT_SETUP = 2
 
 class SetupError(Exception):
     """The run cannot start (bad lane for this fabric, no commd job); the message says why."""
+
+
+class GroupWaitError(Exception):
+    """A rank waiting outside a subgroup lost the job (a member failed or left); the message says so."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,13 +161,24 @@ def plan_cells(spec: BenchSpec, paths: list[BenchPath],
     the compared paths alike).  An algorithm path measures only the ops ``algorithms`` gives it."""
     cells = []
     for op in spec.ops:
-        mine = [p for p in paths if (getattr(p, "algorithm", None) is None
-                                     or p.algorithm in (algorithms or {}).get(op, ()))  # type: ignore[attr-defined]
-                and _compresses(getattr(p, "compression", None), op)]
-        for size in [0] if op == "barrier" else spec.sizes:
+        mine = [p for p in paths if _measures(p, op, algorithms)]
+        for size in op_sizes(spec, op):
             for path in mine:
                 cells.append((op, path, size))
     return cells
+
+
+def op_sizes(spec: BenchSpec, op: str) -> list[int]:
+    """The requested sizes of ``op`` (a barrier has none: one cell of size 0)."""
+    return [0] if op == "barrier" else list(spec.sizes)
+
+
+def _measures(path: BenchPath, op: str, algorithms: dict[str, list[str]] | None) -> bool:
+    """Whether ``path`` measures ``op``: an algorithm path only the ops ``algorithms`` gives it, a codec
+    path only the ops its codec compresses."""
+    algorithm = getattr(path, "algorithm", None)
+    return ((algorithm is None or algorithm in (algorithms or {}).get(op, ()))
+            and _compresses(getattr(path, "compression", None), op))
 
 
 def _compresses(choice: str | None, op: str) -> bool:
@@ -161,8 +187,74 @@ def _compresses(choice: str | None, op: str) -> bool:
 
 
 def nodes_in(op: str, nodes: list[str]) -> int:
-    """Nodes taking part in one op of the world group (sendrecv: rank 0's and the last rank's)."""
+    """Nodes taking part in one op of a group whose rank i runs on ``nodes[i]`` (sendrecv: the group's
+    rank 0's and last rank's, as the daemons look a send up by the 2 nodes it joins)."""
     return len({nodes[ROOT], nodes[-1]}) if op == "sendrecv" else len(set(nodes))
+
+
+def group_ranks(nodes: list[str], count: int) -> list[int]:
+    """The job ranks of the first ``count`` nodes (in the order of their first rank), all of each
+    node's ranks: a group of ``count`` nodes, as a job's parallel groups take whole nodes."""
+    first = set(list(dict.fromkeys(nodes))[:count])
+    return [r for r, name in enumerate(nodes) if name in first]
+
+
+def group_label(count: int, nnodes: int) -> str:
+    """A row's ``group``: "world" for the whole job, else the nodes it spans ("nodes 0-1")."""
+    return "world" if count >= nnodes else f"nodes 0-{count - 1}"
+
+
+def resolve_group_nodes(spec: BenchSpec, nnodes: int, sweep: bool = False) -> list[int]:
+    """The node counts of the groups to measure: ``--group-nodes``, else the whole job (``sweep``, a
+    tuning run: the whole job and every power of two below it); SpecError if one does not fit."""
+    counts = spec.group_nodes or (sweep_group_nodes(nnodes) if sweep else [nnodes])
+    check_group_nodes(counts, nnodes)
+    return counts
+
+
+@dataclass
+class BenchGroup:
+    """One group the cells are measured on: the first ``count`` nodes of the job with all their ranks.
+
+    The whole job is commd's "world" group and the default Gloo group; a subgroup is registered with
+    the members' clients and has its own Gloo group (``sync``), so the ranks outside it take part
+    in nothing but the barrier after each of its cells."""
+
+    count: int  # nodes it spans
+    ranks: list[int]  # its job ranks (group rank i = ranks[i])
+    whole: bool  # the whole job
+    member: bool  # this rank is one of ``ranks``
+    name: str  # commd's group name
+    label: str  # the rows' "group"
+    node_names: list[str]  # the node of each group rank
+    sync: Sync | None = None  # members only: how its cells agree (iteration counts, times, checks)
+    pg: Any = None  # a subgroup's Gloo group (None: the default group, every rank)
+    paths: list[BenchPath] = field(default_factory=list)  # members only
+
+
+def _wait_for(group: BenchGroup, waiter: Any, error: str | None) -> None:
+    """Every rank meets here after each cell of ``group`` (a subgroup): its members when done, with
+    their check's failure if any (``error``), the others at once; a failure then stops every rank.
+    ``waiter``: a Gloo group of the whole job whose timeout is the longest the members may take
+    (``wait_bound``), so a rank outside never waits forever; a member that failed or left ends
+    the wait sooner (its connections close)."""
+    import torch.distributed as dist
+
+    errors: list[str | None] = [None] * dist.get_world_size()
+    try:
+        dist.all_gather_object(errors, error, group=waiter)
+    except RuntimeError as exc:
+        why = "the group's cell" if group.member else "the group's members"
+        raise GroupWaitError(f"waiting for {why} on group {group.label} failed: {exc}") from None
+    failed = [e for e in errors if e]
+    if failed:
+        raise CheckError(failed[0])
+
+
+def wait_bound(spec: BenchSpec, npaths: int) -> float:
+    """Seconds the ranks outside a subgroup may wait for one (op, size) of it: each path's checked op,
+    its probe, its first timed op, its warm-ups and its iterations, each bounded by --op-timeout."""
+    return spec.op_timeout * max(1, npaths) * (4 + spec.warmup + spec.iters) + 60.0
 
 
 class RowSink:
@@ -215,8 +307,9 @@ def run(args: argparse.Namespace, spec: BenchSpec) -> int:
                 fabric_lanes = _fabric_lanes(job) if multi else []
                 lanes = resolve_lanes(spec, multi, fabric_lanes)
                 decided[0] = {"lanes": lanes, "fabric_lanes": fabric_lanes,
-                              "algorithms": resolve_algorithms(spec, multi, fabric_lanes, lanes)}
-            except SetupError as exc:
+                              "algorithms": resolve_algorithms(spec, multi, fabric_lanes, lanes),
+                              "groups": resolve_group_nodes(spec, len(set(nodes)), sweep=bool(args.tune_out))}
+            except (SetupError, SpecError) as exc:
                 decided[0] = {"error": str(exc)}
         dist.broadcast_object_list(decided, src=0)
         if "error" in decided[0]:
@@ -225,6 +318,7 @@ def run(args: argparse.Namespace, spec: BenchSpec) -> int:
             raise SetupError(decided[0]["error"])
         lanes, fabric_lanes = decided[0]["lanes"], decided[0]["fabric_lanes"]
         algorithms: dict[str, list[str]] = decided[0]["algorithms"]
+        counts: list[int] = decided[0]["groups"]
         if args.tune_out and not multi:
             raise SetupError("--tune-out: a single node has no inter-node lanes to tune; run it across nodes")
         biggest = max(spec.sizes)
@@ -232,25 +326,24 @@ def run(args: argparse.Namespace, spec: BenchSpec) -> int:
                         arena_bytes=max(64 << 20, 2 * biggest + (4 << 20)), nodes=nodes if multi else None)
         try:
             client.register_group("world", list(range(world)))
-            paths: list[BenchPath] = [CommdPath(client, lane, dtype, spec.op_timeout) for lane in lanes]
-            for name in dict.fromkeys(n for names in algorithms.values() for n in names):
-                paths.append(CommdPath(client, "tcp", dtype, spec.op_timeout, algorithm=name))
-            for choice in spec.compression or []:
-                if not multi or "tcp" not in fabric_lanes:
-                    raise SetupError("--compression: broadcasts compress between nodes, on the tcp lane; run "
-                                     "across nodes whose fabric has it, e.g. `commd bench --hosts 4`")
-                paths.append(CommdPath(client, "tcp", dtype, spec.op_timeout, compression=choice))
-            if "gloo" in spec.compare:
-                paths.append(GlooPath(dtype))
-            cells = plan_cells(spec, paths, algorithms)
+            if spec.compression and (not multi or "tcp" not in fabric_lanes):
+                raise SetupError("--compression: broadcasts compress between nodes, on the tcp lane; run "
+                                 "across nodes whose fabric has it, e.g. `commd bench --hosts 4`")
+            groups = make_groups(counts, nodes, rank, client, spec)
+            for group in groups:
+                if group.member:
+                    group.paths = make_paths(client, group, lanes, algorithms, spec, dtype)
+            npaths = path_count(lanes, algorithms, spec)
+            total = sum(len(plan_cells(spec, group.paths, algorithms)) for group in groups)
             distinct = list(dict.fromkeys(nodes))
             meta = {"world": world, "nnodes": len(distinct), "node_names": distinct,
                     "ranks_per_node": [nodes.count(n) for n in distinct], "nodes": nodes,
                     "fabric_lanes": fabric_lanes, "lanes": lanes, "algorithms": algorithms,
-                    "paths": [p.label for p in paths],
-                    "total": len(cells), "spec": spec.to_json()}
+                    "paths": [p.label for p in groups[0].paths],
+                    "groups": [{"group": g.label, "nodes": g.count, "ranks": g.ranks} for g in groups],
+                    "total": total, "spec": spec.to_json()}
             sink.emit({"meta": meta})
-            _measure_all(args, spec, cells, nodes, itemsize, sink, rank)
+            _measure_all(args, spec, groups, algorithms, itemsize, sink, rank, total, wait_bound(spec, npaths))
         finally:
             client.close()
         if rank == 0 and not args.rows_out:
@@ -272,7 +365,7 @@ def run(args: argparse.Namespace, spec: BenchSpec) -> int:
             sink.emit({"error": str(exc)})
             print(f"commd bench: {exc}", file=sys.stderr)
         return EXIT_CHECK
-    except CommdError as exc:
+    except (CommdError, GroupWaitError) as exc:
         # A peer vanished or an op timed out: every wait is bounded, so it ends here with the reason.
         sink.emit({"error": f"rank {rank}: {type(exc).__name__}: {exc}"})
         print(f"commd bench: rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -283,53 +376,130 @@ def run(args: argparse.Namespace, spec: BenchSpec) -> int:
     return 0
 
 
-def _measure_all(args: argparse.Namespace, spec: BenchSpec, cells: list[tuple[str, BenchPath, int]],
-                 nodes: list[str], itemsize: int, sink: RowSink, rank: int) -> None:
-    sync = GlooSync()
-    bar = report.progress(len(cells), enabled=rank == 0 and not args.rows_out)
-    groups: dict[tuple[str, int], list[BenchPath]] = {}
-    for op, path, size in cells:
-        groups.setdefault((op, size), []).append(path)
-    skipped: dict[tuple[str, str], str] = {}  # (op, path label) -> why its program cannot run the op
-    probed: set[tuple[str, str]] = set()
+def make_groups(counts: list[int], nodes: list[str], rank: int, client: Any, spec: BenchSpec) -> list[BenchGroup]:
+    """The groups of ``counts`` nodes, ascending.  Every rank creates every subgroup's Gloo group (torch
+    needs all of them to), only the members register it with their client."""
+    import torch.distributed as dist
+
+    nnodes, groups = len(set(nodes)), []
+    for count in counts:
+        ranks = group_ranks(nodes, count)
+        whole = len(ranks) == len(nodes)
+        member = rank in ranks
+        name = "world" if whole else f"bench-nodes{count}"
+        pg = None if whole else dist.new_group(ranks, timeout=timedelta(seconds=spec.op_timeout))
+        group = BenchGroup(count, ranks, whole, member, name, group_label(count, nnodes),
+                           [nodes[r] for r in ranks], pg=pg)
+        if member:
+            if not whole:
+                client.register_group(name, ranks)
+            group.sync = GlooSync(pg)
+        groups.append(group)
+    return groups
+
+
+def path_count(lanes: list[str], algorithms: dict[str, list[str]], spec: BenchSpec) -> int:
+    """How many paths ``make_paths`` makes per group (known to the ranks outside a group too)."""
+    programs = dict.fromkeys(n for names in algorithms.values() for n in names)
+    return len(lanes) + len(programs) + len(spec.compression or []) + ("gloo" in spec.compare)
+
+
+def make_paths(client: Any, group: BenchGroup, lanes: list[str], algorithms: dict[str, list[str]],
+               spec: BenchSpec, dtype: Any) -> list[BenchPath]:
+    """``group``'s paths (on its members): one per lane, per algorithm, per codec, and Gloo directly
+    if compared."""
+    name = group.name
+    paths: list[BenchPath] = [CommdPath(client, lane, dtype, spec.op_timeout, group=name) for lane in lanes]
+    for algo in dict.fromkeys(n for names in algorithms.values() for n in names):
+        paths.append(CommdPath(client, "tcp", dtype, spec.op_timeout, algorithm=algo, group=name))
+    for choice in spec.compression or []:
+        paths.append(CommdPath(client, "tcp", dtype, spec.op_timeout, compression=choice, group=name))
+    if "gloo" in spec.compare:
+        paths.append(GlooPath(dtype, group.pg))
+    return paths
+
+
+def _measure_all(args: argparse.Namespace, spec: BenchSpec, groups: list[BenchGroup],
+                 algorithms: dict[str, list[str]], itemsize: int, sink: RowSink, rank: int, total: int,
+                 bound: float) -> None:
+    """Op by op, sizes growing, at each size every group in turn (its paths timed together); after a
+    subgroup's cell every rank meets in ``_wait_for``."""
+    import torch.distributed as dist
+
+    # every rank creates it (or none does): whether a subgroup exists is the same everywhere
+    waiter = (dist.new_group(list(range(dist.get_world_size())), timeout=timedelta(seconds=bound))
+              if not all(g.whole for g in groups) else None)
+    bar = report.progress(total, enabled=rank == 0 and not args.rows_out)
+    skipped: dict[tuple[str, str, str], str] = {}  # (group, op, path label) -> why its program cannot run the op
+    probed: set[tuple[str, str, str]] = set()
     try:
-        for (op, size), paths in groups.items():
-            for path in paths:
-                if getattr(path, "algo", None) and (op, path.label) not in probed:
-                    probed.add((op, path.label))
-                    reason = probe(path, op, size, itemsize, sync)
-                    if reason is not None:
-                        skipped[(op, path.label)] = reason
-                        if rank == 0:
-                            sink.row(skipped_row(op, path, reason, nodes_in(op, nodes)))
-            skipped_here = [p for p in paths if (op, p.label) in skipped]
-            bar.update(len(skipped_here))
-            paths = [p for p in paths if (op, p.label) not in skipped]
-            if not paths:
-                continue
-            model = bool(spec.compression) and op in COMPRESSED_OPS  # every commd path moves the same data
-            cases = [(path, make_case(op, size, path.rank, path.world, itemsize, path.alloc,
-                                      getattr(path, "codec", None), model)) for path in paths]
-            if any(case is None for _, case in cases):  # fewer bytes than one element per rank: skipped alike
-                bar.update(len(paths))
-                continue
-            if not spec.blocks:
-                rows = measure_interleaved(cases, sync, spec, corrupt=lambda p, op=op: (
-                    args.corrupt == op and p.rank == p.world - 1))
-            else:
-                rows = [measure_cell(path, sync, case, spec, corrupt=args.corrupt == op and path.rank == path.world - 1)
-                        for path, case in cases]
-            for row in rows:
-                row.update(dtype=spec.dtype, nodes=nodes_in(op, nodes))
-                if rank == 0:
-                    sink.row(row)
-            bar.update(len(paths))
-            del cases
+        for op in spec.ops:
+            for size in op_sizes(spec, op):
+                for group in groups:
+                    paths = [p for p in group.paths if _measures(p, op, algorithms)]
+                    block = (args, spec, group, op, size, paths, itemsize, sink, rank, bar, skipped, probed)
+                    if group.whole:
+                        measure_block(*block)
+                        continue
+                    error = None
+                    if group.member:
+                        try:
+                            measure_block(*block)
+                        except CheckError as exc:  # every member has it; the others learn it next
+                            error = str(exc)
+                    _wait_for(group, waiter, error)
     finally:
         bar.close()
 
 
-def probe(path: BenchPath, op: str, size: int, itemsize: int, sync: GlooSync) -> str | None:
+def measure_block(args: argparse.Namespace, spec: BenchSpec, group: BenchGroup, op: str, size: int,
+                   paths: list[BenchPath], itemsize: int, sink: RowSink, rank: int, bar: Any,
+                   skipped: dict[tuple[str, str, str], str], probed: set[tuple[str, str, str]]) -> None:
+    """One (op, size) of one group's paths, on its members: probe algorithm paths, check, time, rows."""
+    sync = group.sync
+    assert sync is not None
+    nnodes = nodes_in(op, group.node_names)
+    for path in paths:
+        key = (group.label, op, path.label)
+        if getattr(path, "algo", None) and key not in probed:
+            probed.add(key)
+            reason = probe(path, op, size, itemsize, sync)
+            if reason is not None:
+                skipped[key] = reason
+                if rank == 0:
+                    sink.row(skipped_row(op, path, reason, nnodes) | _group_fields(group))
+    skipped_here = [p for p in paths if (group.label, op, p.label) in skipped]
+    bar.update(len(skipped_here))
+    paths = [p for p in paths if (group.label, op, p.label) not in skipped]
+    if not paths:
+        return
+    model = bool(spec.compression) and op in COMPRESSED_OPS  # every commd path moves the same data
+    cases = [(path, make_case(op, size, path.rank, path.world, itemsize, path.alloc,
+                              getattr(path, "codec", None), model)) for path in paths]
+    if any(case is None for _, case in cases):  # fewer bytes than one element per rank: skipped alike
+        bar.update(len(paths))
+        return
+    if not spec.blocks:
+        rows = measure_interleaved(cases, sync, spec, corrupt=lambda p, op=op: (
+            args.corrupt == op and p.rank == p.world - 1))
+    else:
+        rows = [measure_cell(path, sync, case, spec, corrupt=args.corrupt == op and path.rank == path.world - 1)
+                for path, case in cases]
+    for row in rows:
+        row.update(dtype=spec.dtype, nodes=nnodes, **_group_fields(group))
+        if rank == 0:
+            sink.row(row)
+    bar.update(len(paths))
+    del cases
+
+
+def _group_fields(group: BenchGroup) -> dict[str, Any]:
+    """What a row says of its group: its label and the nodes it spans (``nodes`` is the op's own count,
+    which a send's 2 nodes make smaller than the group's)."""
+    return {"group": group.label, "group_nodes": group.count}
+
+
+def probe(path: BenchPath, op: str, size: int, itemsize: int, sync: Sync) -> str | None:
     """Run one op of ``path`` (an algorithm path) before measuring it: None if it ran on every rank,
     else the reason it failed (the coordinator's: the program cannot run this op, and why)."""
     error: str | None = None
