@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv docs device-check demo test test-extended test-all stress equivalence conformance conformance-gloo-gates conformance-full bench bench-multinode bench-algorithms bench-ddp lint clean
+.PHONY: venv docs device-check demo test test-extended test-all stress equivalence conformance conformance-gloo-gates conformance-full bench bench-multinode bench-algorithms bench-ddp bench-workloads lint clean
 
 venv: $(STAMP)
 
@@ -78,6 +78,11 @@ bench-algorithms: venv
 # DDP training step time and all-reduce bandwidth: commd vs Gloo vs MPI (benchmarks/ddp.py).
 bench-ddp: venv
 	$(PY) benchmarks/ddp.py
+
+# MoE, DLRM and Megatron steps on 2x2 and 4x1 simulated hosts, three link settings: commd's mix against
+# each lane, Gloo and MPI, and the replay of each recorded trace (root; benchmarks/workloads/compare.py).
+bench-workloads: venv
+	$(PY) benchmarks/workloads/compare.py --tables $${COMMD_TABLES:-out/tables} --tune --json out/workloads.json
 
 # The GPU machine's check (benchmarks/device_check.py, docs/device-check.md): the GPU tests, CUDA IPC
 # through the daemon, the GPU codecs, commd vs NCCL and Gloo on CUDA tensors, the multi-host benchmarks;

@@ -56,6 +56,7 @@ from commd.bench.replay_worker import (
     Plan,
     ReplayError,
     build_plan,
+    check_passes,
 )
 from commd.bench.report import arguments_json, host, versions
 from commd.protocol.param_trace import TraceError, load_dir, match_collectives
@@ -136,12 +137,7 @@ class Setup:
 def prepare(args: argparse.Namespace) -> Setup:
     """The run's settings, every input checked; ReplayError / BenchError / TraceError say what is wrong."""
     paths = parse_paths(args.paths)
-    if not 1 <= args.iters <= 100_000:
-        raise ReplayError(f"--iters {args.iters} must lie in [1, 100000]")
-    if not 0 <= args.warmup <= 100_000:
-        raise ReplayError(f"--warmup {args.warmup} must lie in [0, 100000]")
-    if not 0 < args.op_timeout <= 7 * 24 * 3600:
-        raise ReplayError(f"--op-timeout {args.op_timeout} must lie in (0, 604800] seconds")
+    check_passes(args)
     json_path = Path(args.json).expanduser().absolute() if args.json else None
     if json_path is not None and not json_path.parent.is_dir():
         raise ReplayError(f"--json {args.json}: no directory {json_path.parent}")

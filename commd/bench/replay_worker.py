@@ -529,10 +529,15 @@ def check_replay_arguments(args: argparse.Namespace) -> None:
         raise ReplayError(f"--out {args.out!r} must contain {{rank}} (each rank writes its own file)")
     if not Path(args.out.replace("{rank}", "0")).parent.is_dir():
         raise ReplayError(f"--out {args.out!r}: no directory {Path(args.out).parent}")
-    if not 1 <= args.iters <= 1_000_000:
-        raise ReplayError(f"--iters {args.iters} must lie in [1, 1000000]")
-    if not 0 <= args.warmup <= 1_000_000:
-        raise ReplayError(f"--warmup {args.warmup} must lie in [0, 1000000]")
+    check_passes(args)
+
+
+def check_passes(args: argparse.Namespace) -> None:
+    """``--iters``, ``--warmup`` and ``--op-timeout`` in their ranges (the command's and each worker's)."""
+    if not 1 <= args.iters <= 100_000:
+        raise ReplayError(f"--iters {args.iters} must lie in [1, 100000]")
+    if not 0 <= args.warmup <= 100_000:
+        raise ReplayError(f"--warmup {args.warmup} must lie in [0, 100000]")
     if not 0 < args.op_timeout <= 7 * 24 * 3600:
         raise ReplayError(f"--op-timeout {args.op_timeout} must lie in (0, 604800] seconds")
 
