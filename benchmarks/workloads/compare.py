@@ -6,7 +6,7 @@ capacity-padded and with dropless routing, DLRM, Megatron tensor x data parallel
 training job per path, all in one run:
 
   commd        the torch backend "commd", the daemons' own choice per op (rules, tuning table,
-               default): the mix; this run also records the job's PARAM trace (COMMD_RECORD);
+               default): the mix (a short run before it records the job's PARAM trace, COMMD_RECORD);
   commd-LANE   the same with every group pinned to one lane (``Options(lane=LANE)``);
   gloo         torch.distributed Gloo directly;
   mpi          MPI directly: torch has no MPI backend in its CPU build, so the recorded trace
@@ -21,8 +21,13 @@ commd's mix to the best single lane and to Gloo, MPI's replayed step, and which 
 took per op kind and size class (node 0's ``commd status``).  Every process shares this
 machine's cores: the load average is printed beside the table.  Needs root.
 
+The mix is only as good as the tuning table node 0 loads: ``--tables DIR`` names one per setting
+(``DIR/LINK-HxK.json``), ``--tune`` measures a missing one first with ``commd tune`` (the op kinds
+the workloads issue, every group size from 2 nodes up); without ``--tables`` the daemons run on
+their defaults.
+
     sudo .venv/bin/python benchmarks/workloads/compare.py --layouts 2x2 --links unshaped --workloads dlrm
-    sudo .venv/bin/python benchmarks/workloads/compare.py --json out.json     # every cell (long)
+    sudo .venv/bin/python benchmarks/workloads/compare.py --tables out/tables --tune --json out.json  # all (~1 h)
 """
 
 from __future__ import annotations
@@ -188,10 +193,15 @@ def cell(sim: Any, nproc: int, name: str, args: argparse.Namespace, work: Path,
             row["errors"][path] = str(exc)
             print(f"  {path}: {exc}", file=sys.stderr, flush=True)
 
+    def record() -> None:
+        cfg = {**base, "backend": "commd", "lane": None, "steps": 3, "warmup": 1,
+               "out": str(work / f"{tag}-record-{{rank}}.out.json")}
+        run_commd(sim, nproc, cfg, work, f"{tag}-record", args.timeout, trace, table)
+
     def commd_path(lane: str | None) -> None:
         path = f"commd-{lane}" if lane else "commd"
         cfg = {**base, "backend": "commd", "lane": lane, "out": str(work / f"{tag}-{path}-{{rank}}.out.json")}
-        results = run_commd(sim, nproc, cfg, work, f"{tag}-{path}", args.timeout, None if lane else trace, table)
+        results = run_commd(sim, nproc, cfg, work, f"{tag}-{path}", args.timeout, None, table)
         row["paths"][path] = step_median(results)
         if lane is None:
             row["losses"] = results[0].get("losses")
@@ -204,6 +214,8 @@ def cell(sim: Any, nproc: int, name: str, args: argparse.Namespace, work: Path,
         row["paths"]["gloo"] = step_median(results)
         row["gloo_losses"] = results[0].get("losses")
 
+    if not args.no_replay:
+        attempt("record", record)  # (its own short job: the timed ones do not pay for recording)
     attempt("commd", lambda: commd_path(None))
     for lane in args.lanes:
         attempt(f"commd-{lane}", lambda lane=lane: commd_path(lane))
