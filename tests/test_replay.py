@@ -50,7 +50,6 @@ DURATION_NS = 50_000
 #: Ops of the test trace per rank, and those a pass checks (barriers carry no data).
 OPS = 11
 CHECKED = 9
-RECORD = ROOT / "commd" / "torch_backend" / "record.py"
 
 
 # ---- traces ------------------------------------------------------------------------------------
@@ -359,6 +358,7 @@ def _commd(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
                           timeout=timeout, env=dict(os.environ))
 
 
+@pytest.mark.extended  # (make test runs the same command through docs/tuning.md's example)
 @pytest.mark.timeout(180)
 def test_c_replay_commd_gloo_mpi_side_by_side(runtime_dir: Path, tmp_path: Path) -> None:
     trace = write_job(tmp_path / "trace", gap_ns=100_000)
@@ -409,7 +409,6 @@ def _recording_rank(rank: int, directory: str) -> None:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.skipif(not RECORD.exists(), reason="the recorder (commd/torch_backend/record.py) is not there")
 def test_d_a_recorded_job_replays_as_the_same_ops(backend_env: Path, tmp_path: Path) -> None:
     from test_torch_backend import spawn
 
