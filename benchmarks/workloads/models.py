@@ -282,6 +282,18 @@ class Workload:
                 return name
         return "?"
 
+    def _token_step(self, step: int, stream: str, own_rank: int, before_step: Any = None) -> float:
+        """One step of a token model: the mean cross-entropy over this rank's batch (or, in the one-process
+        reference, over every data rank's), then the optimizer step."""
+        self.log.steps += 1
+        self.optimizer.zero_grad()
+        losses = []
+        for data_rank in range(self.data_ranks) if self.data_ranks > 1 else [own_rank]:
+            tokens, targets = _token_batch(self.cfg, stream, step, data_rank)
+            logits = self.ddp(tokens)
+            losses.append(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)))
+        return self._optimize(torch.stack(losses).mean(), before_step)
+
     def _optimize(self, loss: torch.Tensor, before_step: Any = None) -> float:
         assert self.optimizer is not None
         loss.backward()
@@ -447,14 +459,7 @@ class MoEWorkload(Workload):
             g.copy_(part.view_as(g))
 
     def step(self, step: int) -> float:
-        self.log.steps += 1
-        self.optimizer.zero_grad()
-        losses = []
-        for data_rank in range(self.data_ranks) if self.data_ranks > 1 else [self.groups.rank]:
-            tokens, targets = _token_batch(self.cfg, "moe-data", step, data_rank)
-            logits = self.ddp(tokens)
-            losses.append(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)))
-        return self._optimize(torch.stack(losses).mean(), self._reduce_expert_grads)
+        return self._token_step(step, "moe-data", self.groups.rank, self._reduce_expert_grads)
 
     def reference_name(self, name: str) -> str | None:
         """Local expert l of this rank is expert ep_rank * local + l of the whole model."""
@@ -706,14 +711,7 @@ class MegatronWorkload(Workload):
 
     def step(self, step: int) -> float:
         """Every rank of a TP group trains on its DP replica's batch (seeded by the DP rank)."""
-        self.log.steps += 1
-        self.optimizer.zero_grad()
-        losses = []
-        for data_rank in range(self.data_ranks) if self.data_ranks > 1 else [self.groups.dp_rank]:
-            tokens, targets = _token_batch(self.cfg, "gpt-data", step, data_rank)
-            logits = self.ddp(tokens)
-            losses.append(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)))
-        return self._optimize(torch.stack(losses).mean())
+        return self._token_step(step, "gpt-data", self.groups.dp_rank)
 
 
 WORKLOAD_CLASSES: dict[str, type[Workload]] = {"moe": MoEWorkload, "dlrm": DLRMWorkload, "megatron": MegatronWorkload}
