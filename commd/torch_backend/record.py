@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from commd.protocol.param_trace import CommEntry, rank_path, write_rank
+from commd.kernels.reduce import DTYPE_NAMES
+from commd.protocol.param_trace import DTYPES, CommEntry, rank_path, write_rank
 from commd.runtime import ConfigError
 from commd.torch_backend.reduce_ops import reduce_op
 
@@ -34,15 +35,18 @@ ENV = "COMMD_RECORD"
 
 log = logging.getLogger("commd.record")
 
-_DTYPES = {torch.float32: "float", torch.float64: "double", torch.float16: "half", torch.bfloat16: "bfloat16",
-           torch.int32: "int", torch.int64: "long", torch.uint8: "byte", torch.int8: "char", torch.bool: "bool",
-           torch.int16: "short"}
+#: commd's dtype names (``kernels.reduce``) as PARAM's (``param_trace.DTYPES``, read the other way).
+_PARAM_NAMES = {name: param for param, name in DTYPES.items()}
 
 
 def _dtype(tensor: torch.Tensor) -> str:
-    name = _DTYPES.get(tensor.dtype)
+    return _dtype_name(tensor.dtype)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _PARAM_NAMES.get(DTYPE_NAMES.get(dtype, ""))
     if name is None:
-        raise _Unrecordable(f"dtype {tensor.dtype}")
+        raise _Unrecordable(f"dtype {dtype}")
     return name
 
 
@@ -109,7 +113,7 @@ class Recorder:
 
     def _tag(self, work: Any, first: int) -> None:
         """The requests ``work`` completes: the entries recorded since ``first``."""
-        reqs = [e.req for e in self.entries[first:] if e.req is not None]
+        reqs = [e.req for e in self.entries[first:] if e.req is not None and e.comms != "wait"]
         if reqs and work is not None:
             work.record_reqs = reqs
 
@@ -203,7 +207,7 @@ def _all_reduce_coalesced(group: Any, tensors: list[torch.Tensor], opts: Any = N
     by_dtype: dict[torch.dtype, int] = {}
     for t in tensors:
         by_dtype[t.dtype] = by_dtype.get(t.dtype, 0) + t.numel()
-    return [dict(comms="all_reduce", in_msg_size=n, out_msg_size=n, dtype=_dtype(torch.empty(0, dtype=d)),
+    return [dict(comms="all_reduce", in_msg_size=n, out_msg_size=n, dtype=_dtype_name(d),
                  reduce_op=_reduce(opts)) for d, n in by_dtype.items()]
 
 
