@@ -49,7 +49,6 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
-from commd.runtime import new_secret  # noqa: E402
 
 PY = sys.executable
 WORKER = HERE / "worker.py"
@@ -60,6 +59,10 @@ LINKS = {"unshaped": (None, None), "10gbit": ("10gbit", 0.1), "1gbit": ("1gbit",
 PIN_LANES = ("tcp", "gloo")
 #: The op kinds the workloads issue between nodes, as `commd tune` names them.
 TUNE_OPS = "allreduce,alltoall,alltoallv,allgather,broadcast"  # the lanes a `commd launch` fabric has (the mpi lane needs daemons under mpiexec)
+
+
+#: Seconds one op of a workload may wait for its peers.
+OP_TIMEOUT_S = 120.0
 
 
 class RunFailed(RuntimeError):
@@ -113,25 +116,25 @@ def tune(hosts: int, nproc: int, link: str, table: Path, args: argparse.Namespac
 
 def run_commd(sim: Any, nproc: int, cfg: dict[str, Any], work: Path, tag: str, timeout: float,
               record: Path | None = None, table: Path | None = None) -> list[dict[str, Any]]:
-    """One job under `commd launch` on every simulated host (the user's path); ``table``: the tuning
-    table node 0's daemon loads (else none: the daemons' defaults)."""
+    """One job under `commd launch` on every simulated host (the user's path), started as `commd bench`
+    starts its own; ``table``: the tuning table node 0's daemon loads (else none: the daemons' defaults)."""
+    from commd.bench.orchestrate import BenchError, Layout, Procs, start_launchers, wait_procs
+
     cfg_path = work / f"{tag}.json"
     cfg_path.write_text(json.dumps(cfg))
-    master = f"{sim.hosts[0].ip}:{random.randint(20000, 40000)}"
-    env = {**os.environ, "COMMD_SECRET": new_secret(), "GLOO_SOCKET_IFNAME": "eth0",
-           "COMMD_TUNING": str(table) if table is not None else "off"}
-    env.pop("COMMD_JOB", None)
-    procs = []
-    for i, host in enumerate(sim.hosts):
-        argv = [PY, "-m", "commd", "launch", "--nnodes", str(len(sim.hosts)), "--node-rank", str(i), "--master",
-                master, "--node-name", host.name, "--nproc-per-node", str(nproc)]
-        if record is not None:
-            argv += ["--record", str(record)]
-        with open(work / f"{tag}-n{i}.log", "w") as log:
-            procs.append(host.popen([*argv, str(WORKER), str(cfg_path)], env={**env, **host.env},
-                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-    _wait(procs, timeout, tag, f"{work}/{tag}-n*.log")
-    return _results(cfg, len(sim.hosts) * nproc)
+    logs = work / tag
+    logs.mkdir()
+    layout = Layout(nproc=nproc, hosts=len(sim.hosts), env={"COMMD_TUNING": str(table) if table else "off"})
+    worker = (["--record", str(record)] if record is not None else []) + [str(WORKER), str(cfg_path)]
+    procs = Procs()
+    try:
+        watch = start_launchers(layout, sim, worker, OP_TIMEOUT_S, logs, procs, tag)
+        wait_procs(watch, time.monotonic() + timeout, tag)
+    except BenchError as exc:
+        raise RunFailed(f"{exc} (logs in {logs})") from None
+    finally:
+        procs.stop()
+    return _results(cfg, layout.world)
 
 
 def run_gloo(sim: Any, nproc: int, cfg: dict[str, Any], work: Path, tag: str, timeout: float) -> list[dict[str, Any]]:
