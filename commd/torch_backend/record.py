@@ -92,7 +92,7 @@ class Recorder:
             return
         try:
             shapes = extract(group, *args, **kwargs)
-        except _Unrecordable as exc:
+        except Exception as exc:  # the op is already submitted: recording must never take its work away
             if name not in self.skipped:
                 self.skipped.add(name)
                 log.warning("%s: %s cannot be recorded as a PARAM trace entry (%s); left out", ENV, name, exc)
