@@ -282,6 +282,7 @@ def test_alltonext_and_allgather_programs_from_torch(fabric: Callable[..., OpsCl
     assert counts["alltonext"]["ops"] == 1 and counts["ag"]["ops"] == 2, counts
 
 
+@pytest.mark.extended
 def test_torch_broadcasts_of_a_group_with_a_codec_run_compressed(fabric: Callable[..., OpsCluster]) -> None:
     """``commd.Options(compression="bf16")``: the group's float32 broadcasts between nodes are coded
     (checked in the workers against torch's rounding, sync, async and future; int64 and the default

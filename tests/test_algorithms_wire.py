@@ -559,6 +559,7 @@ def test_two_nodes_rule_picks_a_user_file_and_bad_hints_fail_every_rank(
     assert "  split: refused: this node's copy" in said and "  racy: refused:" in said
 
 
+@pytest.mark.extended
 def test_three_nodes_hinted_programs_equal_numpy(fabric: Callable[..., ProgramCluster], tmp_path: Path) -> None:
     """Each all-reduce program by hint on 3 nodes (the library's, and a user file) equals NumPy on
     several sizes, uneven ones included; the library's all-to-all by hint moves every block right."""

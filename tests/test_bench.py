@@ -149,6 +149,7 @@ def test_tune_needs_several_nodes(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 # ---- runs ------------------------------------------------------------------------------
+@pytest.mark.extended
 def test_single_node_bench_rows_json_and_plot(rt: Path, tmp_path: Path) -> None:
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     n = 3
@@ -177,6 +178,7 @@ def test_single_node_bench_rows_json_and_plot(rt: Path, tmp_path: Path) -> None:
     assert "allgather" in proc.stdout and "commd/local" in proc.stdout and "x gloo" in proc.stdout
 
 
+@pytest.mark.extended
 def test_worker_under_a_user_launch_prints_the_table_and_the_check_catches_a_wrong_result(rt: Path) -> None:
     worker = ["launch", "--nproc-per-node", "2", "-m", "commd.bench.worker", "--ops", "broadcast,allreduce",
               "--min-bytes", "1K", "--max-bytes", "1K", "--iters", "2", "--warmup", "0"]
@@ -189,6 +191,7 @@ def test_worker_under_a_user_launch_prints_the_table_and_the_check_catches_a_wro
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.extended
 def test_alltoallv_runs_on_every_path_and_is_checked(rt: Path, tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     proc = _run(["bench", "--nproc-per-node", "2", "--ops", "alltoallv", "--compare", "gloo,mpi", "--min-bytes", "1K",

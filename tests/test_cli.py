@@ -238,6 +238,7 @@ def test_free_port_is_bindable_and_falls_back_for_a_foreign_address() -> None:
             server.bind(("127.0.0.1", port))  # raises if the port were taken
 
 
+@pytest.mark.extended
 def test_demo_tiny_runs_both_backends(rt: Path) -> None:
     proc = _commd(["demo", "--nproc", "2", "--steps", "3", "--size", "64", "--layers", "1",
                    "--bench-iters", "1", "--timeout", "80"], timeout=180)

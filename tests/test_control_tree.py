@@ -216,6 +216,7 @@ def test_every_op_a_repeated_loop_and_a_mismatch_through_a_tree_of_relays(tree_o
     assert "'count' differs: ranks [0, 1] 8, ranks [2, 3, 4] 9" in message, message
 
 
+@pytest.mark.extended
 def test_a_relay_that_dies_fails_its_subtree_and_every_other_rank(tree_of_five) -> None:
     """Node 1 relays node 2's reports: its daemon is SIGKILLed while the others wait in an op; every
     rank left (node 2's, cut off from node 0, too) raises an error naming node 1, within bounds."""

@@ -875,6 +875,7 @@ def _ns(host: object) -> list[str]:
 
 @needs_slurm_env
 @pytest.mark.timeout(400)
+@pytest.mark.extended
 def test_slurm_two_hosts(two_slurm_nodes: tuple[SlurmSite, list, list[str]]) -> None:
     """Two nodes: each prolog returns without waiting for the other; the daemons form a fabric with the
     job secret derived from the site secret; a rank per node all_reduces across them; epilogs stop both."""

@@ -131,6 +131,7 @@ def test_trim_summarizes_raw_times_only() -> None:
         "times": {"n": 101, "median": 50.0, "min": 0.0, "max": 100.0}, "sizes": [1, 2, 3], "1024": {"median_us": 5.0}}
 
 
+@pytest.mark.extended
 def test_cuda_ipc_program_on_host_tensors(tmp_path: Path) -> None:
     """The cuda-ipc part's program end to end on host tensors (daemon, 2 ranks, checked results, the
     daemon's bytes by path): what runs on the GPU machine with CUDA tensors."""

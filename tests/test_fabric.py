@@ -128,11 +128,13 @@ def test_tiny_allreduces_complete_on_node_0s_early_contribution(cluster) -> None
     assert c.status(0)["fabric"]["completed_early"] == 0  # node 0 always waits for the release
 
 
+@pytest.mark.extended
 def test_large_buffers_use_parallel_local_phases(cluster) -> None:
     c = cluster()
     assert set(c.join(c.start_workers(fw.large_ops, "tcp")).values()) == {"ok"}
 
 
+@pytest.mark.extended
 def test_rules_choose_a_codec_for_broadcasts_that_name_none(cluster, tmp_path: Path) -> None:
     """Node 0's [[compression]] rules (bf16, then lossless, broadcasts from 1 MiB) reach the
     coordinator: a broadcast that names no codec runs with lossless (the root's bits), one with
@@ -153,6 +155,7 @@ def test_rules_choose_a_codec_for_broadcasts_that_name_none(cluster, tmp_path: P
         assert "compressed ops, bf16: 1" in format_status(c.status(node))
 
 
+@pytest.mark.extended
 def test_compressed_broadcasts_across_nodes_and_their_status(cluster) -> None:
     """Every codec end to end through the client library on 2 nodes x 2 ranks (checked in the workers
     against the root's data or torch's rounding), and compressed all-gathers; disagreements fail

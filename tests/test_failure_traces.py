@@ -285,6 +285,7 @@ def op_after_go(ctx: Any) -> str:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.extended
 def test_a_frozen_daemon_says_it_was_not_scheduled(cluster: Any) -> None:
     c = cluster(nnodes=2, nproc=1, peer_timeout=2.0)
     workers = c.start_workers(op_after_go)

@@ -85,6 +85,7 @@ def _train_rank(rank: int, runtime_dir: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.extended
 def test_a_job_under_a_150_character_runtime_directory_trains(backend_env: Path, tmp_path: Path) -> None:
     runtime = _deep(tmp_path, 150)
     spawn(_train_rank, (str(runtime),))

@@ -310,6 +310,7 @@ def run_ranks(argv: list[str], env: dict[str, str], timeout: float = 100.0) -> l
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("backend", ["gloo", "commd"])
+@pytest.mark.extended
 def test_b_torch_executor_replays_and_checks_every_op(backend_env: Path, tmp_path: Path, backend: str) -> None:
     trace = write_job(tmp_path / "trace")
     iters = 3

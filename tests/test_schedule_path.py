@@ -60,6 +60,7 @@ def test_a_repeating_loop_runs_on_the_schedule_and_leaves_it_cleanly(cluster) ->
         assert schedules["started"] >= 4 and schedules["ended"] >= 4, schedules  # one per deviation
 
 
+@pytest.mark.extended
 def test_tiny_all_reduces_on_three_nodes_ride_the_agreement_with_the_coordinators_bits(cluster) -> None:
     """On more than 2 nodes a tiny all-reduce's contributions are gathered by its slot's agreement
     and combined in node order: the same bits as the coordinator's combination on negotiation."""
@@ -74,6 +75,7 @@ def test_tiny_all_reduces_on_three_nodes_ride_the_agreement_with_the_coordinator
         assert value["schedule"]["slots_run"]["split"] >= 2 * 4, (rank, value)
 
 
+@pytest.mark.extended
 def test_a_dead_node_fails_a_gathered_agreement_on_three_nodes_in_bounded_time(cluster) -> None:
     """3 nodes: the tiny all-reduce's agreement runs its rounds on the event loops when node 2's
     daemon is SIGKILLed; the other nodes' ranks raise an error naming it, not a hang."""
@@ -272,3 +274,31 @@ def test_a_death_on_the_schedule_fails_the_waiting_ranks_in_bounded_time(cluster
     for rank, text in results.items():
         assert "PeerDied" in text, (rank, text)
         assert ("node 1" in text or "n1" in text) if victim == "daemon" else "rank 3" in text, (rank, text)
+
+
+def test_a_report_that_crossed_a_rank_death_fails_when_the_death_arrives() -> None:
+    """A node reported an op (say, handed back by the schedule path) after the coordinator had
+    handled a rank's death, so the coordinator's failures missed it and no node will complete it:
+    the node fails it itself when the death reaches it, naming the rank; ops of groups without
+    that rank stay reported."""
+    from types import SimpleNamespace
+
+    from commd.core.placement import GroupPlacement
+    from commd.fabric.collectives import Collectives
+    from commd.observe.stats import FabricStats
+    from commd.protocol import schema as s
+
+    failed: list[tuple[list, str, str]] = []
+    node = SimpleNamespace(fail_op=lambda subs, code, message: failed.append((list(subs), code, message)))
+    runner = SimpleNamespace(peer_timeout=2.0)
+    collectives = Collectives(node, SimpleNamespace(node_rank=0), FabricStats(), runner, lambda m: None,
+                              lambda nodes: None)
+    world = GroupPlacement("world", (0, 1, 2, 3), (0, 0, 1, 1), 0)
+    pair = GroupPlacement("pair", (0, 2), (0, 1), 0)
+    for group, seq, placement in (("world", 6, world), ("pair", 1, pair)):
+        op = SimpleNamespace(group=group, seq=seq, subs=[f"{group}-sub"], describe=lambda g=group, q=seq:
+                             f"allreduce #{q} on group '{g}'")
+        collectives.negotiating[(group, seq)] = (op, placement, ())
+    collectives.fail_rank(3, "(pid 99) died")
+    assert failed == [(["world-sub"], s.E_PEER_DIED, "allreduce #6 on group 'world' cannot run: rank 3 (pid 99) died")]
+    assert list(collectives.negotiating) == [("pair", 1)]

@@ -305,6 +305,7 @@ def failures_rank_main(rank: int) -> None:
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.extended
 def test_mismatched_batches_fail_on_every_rank_through_every_api(backend_env: Path) -> None:
     spawn(failures_rank_main, (), nprocs=2, timeout=150)
 

@@ -157,9 +157,11 @@ def _dp_tp_rank(rank: int) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.extended
 def test_sequence_parallel_matches_gloo_and_one_process(backend_env: Path) -> None:
     spawn(_sequence_parallel_rank, ())
 
 
+@pytest.mark.extended
 def test_dp_by_tp_mesh_matches_gloo_and_one_process(backend_env: Path) -> None:
     spawn(_dp_tp_rank, (), timeout=240, nprocs=4)

@@ -187,6 +187,7 @@ def test_workload_commd_matches_gloo_at_world_4(backend_env: Path, case: str) ->
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.extended
 def test_worker_under_commd_launch_matches_one_process(runtime_dir: Path, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """worker.py, as the benchmarks run it: Megatron with tp=2, dp=1 under ``commd launch``; both

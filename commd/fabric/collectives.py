@@ -336,6 +336,17 @@ class Collectives:
                 self._outstanding[op.group] -= 1
                 self._fail_op(op, s.E_PEER_DIED, f"{op.describe()} cannot run: {message}")
 
+    def fail_rank(self, rank: int, why: str) -> None:
+        """A rank of another node died: fail every reported op of a group with it.  The coordinator
+        failed those it held when it heard of the death; these are the reports that crossed it on
+        the way (an op handed back by the schedule path just then), which no node will complete."""
+        for key, (op, placement, _) in list(self.negotiating.items()):
+            if rank in placement.ranks:
+                self._end_negotiation(key)
+                if self._outstanding.get(op.group):
+                    self._outstanding[op.group] -= 1
+                self._fail_op(op, s.E_PEER_DIED, f"{op.describe()} cannot run: rank {rank} {why}")
+
     def fail_all(self, broken: str) -> None:
         """The coordinator is lost: fail every reported op."""
         for _key, (op, _placement, _) in list(self.negotiating.items()):

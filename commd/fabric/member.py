@@ -391,6 +391,7 @@ class FabricMember:
                     self.liveness.node_dead(m.node, m.why)
             elif type(m) is wire.RankDied:
                 self.node.fail_ops_waiting_on(m.rank, m.why)
+                self.collectives.fail_rank(m.rank, m.why)
                 self.collectives.scheduled.rank_died(m.rank, m.why)
             elif type(m) is wire.CoordinatorHeartbeat:
                 self.liveness.fabric_stalls = m.stalls
