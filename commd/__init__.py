@@ -20,6 +20,7 @@ from commd.client.errors import (  # noqa: E402
     MismatchError,
     PeerDiedError,
     StoreError,
+    UnrecoverableError,
 )
 from commd.torch_backend.autoregister import register_when_torch_loads  # noqa: E402
 
@@ -85,4 +86,4 @@ def batch_isend_irecv(p2p_op_list):  # type: ignore[no-untyped-def]
 
 
 __all__ = ["Client", "CommTimeoutError", "CommdError", "MismatchError", "Options", "PeerDiedError", "StoreError",
-           "alltonext", "batch_isend_irecv", "empty", "monitored_barrier"]
+           "UnrecoverableError", "alltonext", "batch_isend_irecv", "empty", "monitored_barrier"]

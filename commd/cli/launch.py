@@ -71,6 +71,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--record", default=None, metavar="DIR",
                         help="every rank writes the ops it submits through the commd backend as a PARAM comms "
                              "trace, DIR/rank<R>.json (COMMD_RECORD); replay them with `commd replay DIR`")
+    parser.add_argument("--keep-going", action="store_true",
+                        help="a worker that fails does not stop the others: for training loops under "
+                             "commd.ft.Guard, whose survivors go on without it.  The launcher hosts the job's "
+                             "store (so any rank may die) and exits 0 once every worker has exited, if one "
+                             "of them finished cleanly")
     parser.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
                         help="seconds workers get after SIGTERM before SIGKILL (default 10)")
     parser.add_argument("--no-prefix", dest="prefix", action="store_false",
@@ -300,6 +305,8 @@ def _start_workers(args: argparse.Namespace, job: str, port: int, sigs: _Signals
             return
         env = worker_env(dict(os.environ), rank, args.nproc, job, args.master_addr, port,
                          args.node_rank, args.nnodes, args.node_name)
+        if args.keep_going:  # the launcher hosts the store: a rank's death must not take it along
+            env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
         if args.record is not None:
             env["COMMD_RECORD"] = args.record
         shown = args.shown_ranks is None or rank in args.shown_ranks
@@ -321,9 +328,12 @@ def _start_workers(args: argparse.Namespace, job: str, port: int, sigs: _Signals
         sigs.workers.append(worker)
 
 
-def _supervise(workers: list[Worker], sigs: _Signals, grace: float, daemon: subprocess.Popen | None) -> int:
-    """Wait for all workers; on the first failure stop the rest. Returns the launcher's exit code."""
+def _supervise(workers: list[Worker], sigs: _Signals, grace: float, daemon: subprocess.Popen | None,
+               keep_going: bool = False) -> int:
+    """Wait for all workers; on the first failure stop the rest (``keep_going``: report it and wait for
+    the others). Returns the launcher's exit code."""
     daemon_reported = False
+    reported: set[int] = set()
     while True:
         if sigs.received:
             stop_workers(workers, grace, None)  # the handler forwarded the signal already
@@ -335,6 +345,15 @@ def _supervise(workers: list[Worker], sigs: _Signals, grace: float, daemon: subp
             if w.exited_at is None and w.code is not None:
                 w.exited_at = now
         failed = sorted((w for w in workers if w.code not in (None, 0)), key=lambda w: w.exited_at or now)
+        if keep_going:
+            for w in failed:
+                if w.global_rank not in reported:
+                    reported.add(w.global_rank)
+                    print(f"commd launch: rank {w.global_rank} (pid {w.proc.pid}) {describe_exit(w.proc.returncode)}; "
+                          "the others go on (--keep-going)", file=sys.stderr)
+            if all(w.code is not None for w in workers):
+                return 0 if any(w.code == 0 for w in workers) else exit_code(failed[0].proc.returncode)
+            failed = []
         if failed:
             first = failed[0]
             code = first.proc.returncode
@@ -401,6 +420,17 @@ def _host_or_join_store(args: argparse.Namespace, job: str | None) -> tuple[Any,
     return store, agreed, secret
 
 
+def _host_store(addr: str, port: int) -> Any:
+    """One node under --keep-going: the launcher hosts the job's TCPStore (as torchrun's agent does),
+    so that the store outlives any rank."""
+    from torch.distributed import TCPStore
+
+    try:
+        return TCPStore(addr, port, None, True, timedelta(seconds=MULTI_NODE_START_TIMEOUT_S), wait_for_workers=False)
+    except Exception as exc:
+        raise LaunchError(f"cannot host the job's store at {addr}:{port}: {exc}") from None
+
+
 def _start_or_reuse_daemon(
     args: argparse.Namespace, paths: JobPaths, secret: str | None = None
 ) -> subprocess.Popen | None:
@@ -448,6 +478,8 @@ def run(args: argparse.Namespace) -> int:
             store, job, secret = _host_or_join_store(args, args.job)
         else:
             job = args.job or f"launch-{uuid.uuid4().hex[:12]}"
+            if args.keep_going:
+                store = _host_store(args.master_addr, port)
         paths = JobPaths.for_job(job)
     except (LaunchError, ConfigError) as exc:
         print(f"commd launch: {exc}", file=sys.stderr)
@@ -464,7 +496,7 @@ def run(args: argparse.Namespace) -> int:
         daemon = _start_or_reuse_daemon(args, paths, secret)
         if not sigs.received:
             _start_workers(args, job, port, sigs)
-        code = _supervise(sigs.workers, sigs, args.grace, daemon)
+        code = _supervise(sigs.workers, sigs, args.grace, daemon, args.keep_going)
     except LaunchError as exc:
         print(f"commd launch: {exc}", file=sys.stderr)
     except OSError as exc:
@@ -485,4 +517,5 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
     if code != 0 and daemon is not None:
         print(f"commd launch: the daemon log of job {job!r} is {paths.log_file}", file=sys.stderr)
+    del store  # the job's store (hosted or joined) lived until every worker was gone
     return code

@@ -255,6 +255,15 @@ def format_status(status: dict[str, Any]) -> str:
     else:
         out.append("  (none)")
 
+    membership = status.get("membership") or {}
+    gone = membership.get("gone_ranks") or {}
+    if gone:  # what commd.ft reads to agree on the survivors
+        out.append("")
+        out.append(f"membership epoch {membership.get('epoch', 0)}: ranks gone ({len(gone)})")
+        for rank, info in sorted(gone.items(), key=lambda item: int(item[0])):
+            stamp = time.strftime("%H:%M:%S", time.localtime(float(info.get("time", 0))))
+            out.append(f"  {stamp}  rank {rank} {info.get('why')}")
+
     departures = status.get("departures") or []
     if departures:
         out.append("")

@@ -21,6 +21,7 @@ from commd.client.errors import (
     MismatchError,
     PeerDiedError,
     RequestError,
+    UnrecoverableError,
     UntrustedDaemonError,
 )
 
@@ -50,5 +51,5 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "AuthError", "Client", "CommTimeoutError", "CommdError", "ConnectError", "DaemonDiedError",
     "DaemonShutdownError", "Handle", "LimitExceededError", "MismatchError", "PeerDiedError", "RequestError",
-    "UntrustedDaemonError", "ensure_daemon", "ops",
+    "UnrecoverableError", "UntrustedDaemonError", "ensure_daemon", "ops",
 ]

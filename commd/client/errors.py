@@ -106,6 +106,13 @@ class DaemonDiedError(CommdError):
     Raised on every rank of the node, for each op it has pending and for every later one."""
 
 
+class UnrecoverableError(CommdError):
+    """``commd.ft`` could not carry the job past a failure: the survivors did not agree, too few are left,
+    this rank is not among them, or the job's store went with the failed rank.
+
+    Raised on every surviving rank that tried to recover, naming why; nothing was applied to the model."""
+
+
 #: The torch.distributed types (by name) each class takes as bases once torch is loaded, its commd
 #: parent class first; the parent classes come first in this table.
 _TORCH_BASES: tuple[tuple[type[CommdError], tuple[type, ...], tuple[str, ...]], ...] = (

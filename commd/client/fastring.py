@@ -369,6 +369,9 @@ class ExchangeRing:
                         if r == self.bridge:
                             self._progress()  # a pending op the bridge failed fails as the bridge says
                             self._bridge_failed(None)
+                        elif words[index] >= fr.DEAD_LINE:  # it left because a rank died: name that rank
+                            dead = words[index] - fr.DEAD_LINE
+                            self._break(self._died(dead), dead=dead)
                         else:
                             self._break(CommdError(f"group {self.group!r}: group rank {self.members[r]} left the "
                                                    "exchange ring"))
@@ -543,7 +546,7 @@ class ExchangeRing:
         while (state := words[h + fr.STATE]) == fr.WITHDRAWING:
             if pid and not pid_alive(pid):
                 raise self._break(PeerDiedError(f"group {self.group!r}: group rank {self.members[r]} (pid {pid}) "
-                                                "died while it withdrew an op"))
+                                                "died while it withdrew an op"), dead=r)
             time.sleep(20e-6)
         return state
 
@@ -658,7 +661,12 @@ class ExchangeRing:
         """Peers sent the head's collective to the daemon: fail it here with a MismatchError,
         leave the ring (every rank follows to the daemon path), and tell the daemon
         (``on_diverged``): the peers wait for this rank's op there and get the daemon's
-        MismatchError, naming the fields that differ."""
+        MismatchError, naming the fields that differ.  A rank that died explains it instead (the
+        peers left the ring on seeing it, before this op): PeerDiedError naming it, as on the daemon."""
+        dead = self._dead_line()
+        if dead is not None:
+            self._break(self._died(dead), dead=dead)
+            return
         ring = [self.members[r] for r in range(self.nranks) if r not in daemon and r != self.bridge]
         dtype, op = fr.DTYPES[head.dtype], fr.REDUCE_OPS[head.op]
         self._break(MismatchError(
@@ -703,17 +711,34 @@ class ExchangeRing:
         except CommdError as exc:  # the daemon is gone or stuck: this rank's waits see it and fail
             log.warning("group %s: could not reach the daemon for the exchange ring: %s", self.group, exc)
 
+    def _dead_line(self) -> int | None:
+        """A ring line whose process died, as a line that left says or as its pid shows; None if none."""
+        words = self._words
+        for r in range(self.nranks):
+            if r != self.bridge and words[self._abandoned_at[r]] >= fr.DEAD_LINE:
+                return int(words[self._abandoned_at[r]] - fr.DEAD_LINE)
+        for r in range(self.nranks):
+            pid = int(self.control[r, fr.PID])
+            if r != self.bridge and pid and not pid_alive(pid):
+                return r
+        return None
+
+    def _died(self, line: int) -> PeerDiedError:
+        pid = int(self.control[line, fr.PID])
+        return PeerDiedError(f"group {self.group!r}: group rank {self.members[line]} (pid {pid}) died")
+
     def _break(self, error: CommdError, tell: bool = True, number: int | None = None,
-               only: int | None = None) -> CommdError:
+               only: int | None = None, dead: int | None = None) -> CommdError:
         """The ring is out of step: fail everything pending and leave the ring (``usable()``: the
         group's later ops take the daemon path, on every rank once it sees the flag).  A bridged
         ring also tells the daemon (``tell``), whose bridge fails the op on the other nodes, and
         with the op's ``number`` the daemons fail a late rank's op of that number on arrival.
         ``only``: the collective index of the one op that failed (a bridged ring's bridge decided it:
-        no rank completes the others on the ring); the others are handed over to the daemon."""
+        no rank completes the others on the ring); the others are handed over to the daemon.
+        ``dead``: the ring line whose process died, if that is why (the others then name it too)."""
         if self.broken is None:
             self.broken = error
-            self._words[self._abandoned_at[self.me]] = 1
+            self._words[self._abandoned_at[self.me]] = fr.LEFT if dead is None else fr.DEAD_LINE + dead
             self._ring_bell()
             if tell and self.bridged and self.on_left is not None:
                 self._tell_daemon(self.on_left, _ERROR_CODES.get(type(error), "internal"), str(error), number)
@@ -866,7 +891,7 @@ class ExchangeRing:
                 continue  # the daemon's line: checked below
             pid = int(self.control[r, fr.PID])
             if pid and not pid_alive(pid):
-                raise self._break(PeerDiedError(f"group {self.group!r}: group rank {self.members[r]} (pid {pid}) died"))
+                raise self._break(self._died(r), dead=r)
         if not pid_alive(self.daemon_pid):
             raise self._break(DaemonDiedError(f"commd daemon (pid {self.daemon_pid}) died"))
 

@@ -177,6 +177,7 @@ class ControlIngress:
                 "sealed memfd attached"
             )
         client = self.clients.add(identity, rank, local_rank, world_size, pid, placement)
+        self.stats.rank_back(rank)
         log.info("client rank %d (pid %d) connected", rank, pid)
         self.send(
             identity,

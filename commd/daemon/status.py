@@ -65,6 +65,8 @@ def status_document(config: DaemonConfig, state: NodeState, stats: Stats, schedu
         "fabric": member.status() if member is not None else None,
         "last_errors": list(stats.errors),
         "departures": list(stats.departures),
+        "membership": {"epoch": stats.membership_epoch,
+                       "gone_ranks": {str(rank): info for rank, info in sorted(stats.gone_ranks.items())}},
         "limits": config.limits.to_status(),
         "limits_hit": dict(stats.limits_hit),
         "observe": observers.status(),

@@ -96,6 +96,7 @@ class Watchdog:
 
     def fail_ops_waiting_on(self, rank: int, why: str) -> None:
         """Rank ``rank`` (of this node or another) is gone: fail what waits for it here."""
+        self.stats.rank_gone(rank, why)
         self.completions.fail_each(self.scheduler.rank_died(rank, why), s.E_PEER_DIED)
         if self.state.member is not None:  # and the bridged rings of its groups
             self.state.member.bridges.rank_died(rank, why)

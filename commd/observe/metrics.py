@@ -77,6 +77,12 @@ class DaemonCollector:
         yield GaugeMetricFamily("commd_clients", "Ranks connected to this daemon",
                                 value=len(status.get("clients") or []))
         yield from self._groups(status.get("groups") or {})
+        membership = status.get("membership") or {}
+        yield GaugeMetricFamily("commd_membership_epoch", "Losses of a rank this daemon has seen (each starts a "
+                                "membership epoch; commd.ft agrees on the survivors from them)",
+                                value=membership.get("epoch", 0))
+        yield GaugeMetricFamily("commd_ranks_gone", "Ranks of the job known to have died or left",
+                                value=len(membership.get("gone_ranks") or {}))
         yield GaugeMetricFamily("commd_stalled_ops", "Ops waiting longer than the stall threshold "
                                 "(stall_warning_s) for ranks to submit them", value=len(status.get("stalls") or []))
         errors = CounterMetricFamily("commd_error_replies", "Error replies sent to ranks, per error code",

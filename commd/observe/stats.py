@@ -15,6 +15,7 @@ import collections
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -79,6 +80,9 @@ class Stats:
     latencies: dict[str, collections.deque] = field(default_factory=dict)
     errors: collections.deque = field(default_factory=lambda: collections.deque(maxlen=20))
     departures: collections.deque = field(default_factory=lambda: collections.deque(maxlen=20))
+    #: global rank -> {time, why, epoch}: the ranks known to be gone (``rank_gone``).
+    gone_ranks: dict[int, dict[str, Any]] = field(default_factory=dict)
+    membership_epoch: int = 0
     latency_counts: dict[str, int] = field(default_factory=dict)  # op kind -> ops completed, all time
     ops_done: int = 0
     bytes_moved: int = 0
@@ -196,6 +200,17 @@ class Stats:
     def departed(self, message: str) -> None:
         """A rank left normally (bye): shown apart from the errors."""
         self.departures.append({"time": time.time(), "message": message})
+
+    def rank_gone(self, rank: int, why: str) -> None:
+        """A rank of the job (this node's or another's) died or left: ``commd.ft`` reads these to agree
+        on the survivors.  Each new loss starts a membership epoch."""
+        if rank not in self.gone_ranks:
+            self.membership_epoch += 1
+            self.gone_ranks[rank] = {"time": time.time(), "why": why, "epoch": self.membership_epoch}
+
+    def rank_back(self, rank: int) -> None:
+        """A process connected as ``rank`` again (a later job on the same daemon, or a replacement)."""
+        self.gone_ranks.pop(rank, None)
     def error_reply(self, code: str) -> None:
         """An ERROR reply with ``code`` went to a rank (one per rank and failed op)."""
         self.error_replies[code] = self.error_replies.get(code, 0) + 1

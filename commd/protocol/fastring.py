@@ -94,6 +94,9 @@ BRIDGE_ERRORS = ("mismatch", "peer_died", "timeout", "internal", "diverged")
 
 # Control line fields: i64 indices inside a rank's line, and the bell's byte offset.
 PID, POSTED, CONSUMED, SLEEPING, SUBMITTED, ABANDONED = 0, 1, 2, 4, 5, 6
+#: A rank line's ``ABANDONED``: 0 while in the ring; ``LEFT`` once it left; ``DEAD_LINE + r`` when it
+#: left because line r's process died (so the ranks that follow it out name the dead rank too).
+LEFT, DEAD_LINE = 1, 2
 #: The bridge's line only: the collective index (an entry's ``INDEX``) of the op it failed, written
 #: before ``abandoned``; 0: the failure names no op (every op from its next result fails).
 FAILED = 7

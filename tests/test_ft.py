@@ -1,0 +1,127 @@
+"""commd.ft: a rank dies and the survivors go on training on a shrunk group, without a restart.
+
+Four spawned ranks on one node train a small MLP under ``commd.ft.Guard``; rank 3 SIGKILLs
+itself at step 3, before its forward or in the middle of its backward (one DDP bucket's
+all-reduce already submitted, the next not).  The survivors' parameters must equal a
+single-process model trained on the same batches: every rank's for the steps before the
+redone one, the survivors' from it on.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from ft_workers import reference
+
+pytestmark = pytest.mark.timeout(240)
+
+WORLD = 4
+VICTIM = 3
+FAIL_STEP = 3
+STEPS = 6
+#: Bound on the ranks of one test; recovery itself takes well under a second.
+RANKS_BOUND_S = 150.0
+
+
+def _rank_main(rank: int, port: int, where: str, min_ranks: int, out_dir: str) -> None:
+    from ft_workers import guarded_training, sigkill_self
+
+    def kill(step: int, at: str) -> None:
+        if rank == VICTIM and step == FAIL_STEP and at == where:
+            sigkill_self()
+
+    try:
+        out = guarded_training(rank, WORLD, f"tcp://127.0.0.1:{port}", STEPS, kill, min_ranks)
+    except BaseException as exc:  # reported to the test, which judges it
+        out = {"error": f"{type(exc).__name__}: {exc}"}
+    torch.save(out, f"{out_dir}/rank{rank}.part")
+    os.rename(f"{out_dir}/rank{rank}.part", f"{out_dir}/rank{rank}.pt")
+    os._exit(0)  # without exit handlers: the failed group's client may not close cleanly
+
+
+def _run(tmp_path: Path, where: str, min_ranks: int = 1) -> dict[int, dict[str, Any]]:
+    """Start the ranks, wait (bounded) for all of them to exit, and read what the survivors wrote."""
+    from cluster import free_port
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, port, where, min_ranks, str(tmp_path))) for r in range(WORLD)]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + RANKS_BOUND_S
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    hung = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+    assert not hung, f"ranks {hung} did not finish within {RANKS_BOUND_S:.0f}s"
+    assert procs[VICTIM].exitcode == -signal.SIGKILL
+    results = {rank: torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD)
+               if (tmp_path / f"rank{rank}.pt").exists()}
+    assert sorted(results) == [r for r in range(WORLD) if r != VICTIM], f"ranks that reported: {sorted(results)}"
+    return results
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_the_survivors_redo_the_step_and_train_as_one_process_would(backend_env, tmp_path: Path, where: str) -> None:
+    results = _run(tmp_path, where)
+    survivors = [r for r in range(WORLD) if r != VICTIM]
+    errors = [f"rank {rank}: {out['error']}" for rank, out in results.items() if "error" in out]
+    if errors:
+        pytest.fail("\n".join(errors), pytrace=False)
+    for rank, out in results.items():
+        assert len(out["recoveries"]) == 1, (rank, out["recoveries"])
+        step, gone, kept, seconds = out["recoveries"][0]
+        assert (step, list(gone), list(kept)) == (FAIL_STEP, [VICTIM], survivors), (rank, out["recoveries"])
+        assert seconds < 10, (rank, seconds)
+    expected = reference(STEPS, WORLD, FAIL_STEP, survivors)
+    for rank, out in results.items():
+        for got, want in zip(out["params"], expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m, r=rank: f"rank {r}: {m}")
+    first = results[survivors[0]]["params"]
+    for rank in survivors[1:]:  # the survivors hold the same bits
+        assert all(torch.equal(a, b) for a, b in zip(first, results[rank]["params"], strict=True)), rank
+
+
+def test_too_few_survivors_fail_every_survivor_loudly(backend_env, tmp_path: Path) -> None:
+    results = _run(tmp_path, "forward", min_ranks=WORLD)
+    for rank, out in results.items():
+        assert out.get("error", "").startswith("UnrecoverableError: 3 of 4 ranks survive (ranks [0, 1, 2])"), (rank, out)
+
+
+@pytest.mark.parametrize("victim", ["rank", "node"])
+def test_across_nodes_the_survivors_go_on_without_a_dead_rank_or_node(cluster, victim: str) -> None:
+    """2 simulated nodes x 2 ranks: rank 3 is SIGKILLed, or node 1's daemon with both its ranks; the
+    survivors learn who is gone from their daemons (a dead node's ranks included) and go on."""
+    import ft_workers as fw
+    from cluster import free_port
+
+    c = cluster(2, 2, peer_timeout=2.0, op_timeout=30.0)
+    victims = [3] if victim == "rank" else [2, 3]
+    workers = c.start_workers(fw.ft_on_nodes, free_port(), STEPS, FAIL_STEP, victims)
+    for rank in victims:
+        workers[1].wait_event(rank, "at fail step")
+    if victim == "node":
+        os.kill(c.daemon_pid(1), signal.SIGKILL)
+    for rank in victims:
+        os.kill(workers[1].procs[rank].pid, signal.SIGKILL)
+    results = workers[0].join(timeout=120)
+    if victim == "rank":
+        results.update(workers[1].join(timeout=60, ranks=[2]))
+    survivors = [r for r in range(4) if r not in victims]
+    assert sorted(results) == survivors
+    expected = reference(STEPS, 4, FAIL_STEP, survivors)
+    for out in results.values():
+        step, gone, kept, _seconds = out["recoveries"][0]
+        assert (len(out["recoveries"]), step, list(gone), list(kept)) == (1, FAIL_STEP, victims, survivors), out
+        for got, want in zip(out["params"], expected, strict=True):
+            torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)
