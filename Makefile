@@ -79,6 +79,11 @@ bench-algorithms: venv
 bench-ddp: venv
 	$(PY) benchmarks/ddp.py
 
+# commd.ft: a random rank SIGKILLed at a random point of a guarded DDP step (time to the error, to the
+# survivors' first step), and the guard's failure-free overhead (benchmarks/ft.py, docs/fault-tolerance.md).
+bench-ft: venv
+	$(PY) benchmarks/ft.py
+
 # MoE, DLRM and Megatron steps on 2x2 and 4x1 simulated hosts, three link settings: commd's mix against
 # each lane, Gloo and MPI, and the replay of each recorded trace (root; benchmarks/workloads/compare.py).
 bench-workloads: venv

@@ -60,6 +60,7 @@ class Recovery:
     survivors: tuple[int, ...]  # the group's global ranks from now on
     seconds: float  # from the failure reaching this rank to the rebuilt group
     error: str  # what the step raised
+    failed_at: float  # when the failure reached this rank (time.time(), to compare across processes)
 
 
 def is_peer_failure(exc: BaseException) -> bool:
@@ -117,7 +118,6 @@ class Guard:
         If a rank dies before the commit, rebuild on the survivors and run ``fn`` again.
         Returns what ``fn`` returned."""
         while True:
-            failed_at = None
             try:
                 self.optimizer.zero_grad(set_to_none=True)
                 result = fn(self.model, *args, **kwargs)
@@ -125,15 +125,14 @@ class Guard:
             except Exception as exc:
                 if not is_peer_failure(exc):
                     raise
-                failed_at = time.monotonic()
-                self._recover(exc, failed_at)
+                self._recover(exc, time.monotonic(), time.time())
                 continue
             self.optimizer.step()
             self.steps += 1
             return result
 
     # ---- recovery --------------------------------------------------------------------
-    def _recover(self, error: BaseException, started: float) -> None:
+    def _recover(self, error: BaseException, started: float, wall: float) -> None:
         deadline = started + self.recover_timeout
         me = dist.get_rank()
         known: set[int] = set()
@@ -173,7 +172,7 @@ class Guard:
         gone = tuple(r for r in self.ranks if r not in survivors)
         self.model, self.group, self.ranks = model, group, tuple(survivors)
         recovery = Recovery(len(self.recoveries) + 1, self.steps, gone, self.ranks,
-                            time.monotonic() - started, f"{type(error).__name__}: {error}")
+                            time.monotonic() - started, f"{type(error).__name__}: {error}", wall)
         self.recoveries.append(recovery)
         log.warning("commd.ft: rank %d: ranks %s lost; going on with %d ranks %s (%.2fs); redoing step %d",
                     me, list(gone), len(survivors), survivors, recovery.seconds, self.steps)

@@ -257,10 +257,14 @@ class _Node:
 
     def __init__(self) -> None:
         self.failed_waiting_on: list[tuple[int, str]] = []
+        self.failed_nodes: list[tuple[int, str]] = []
         self.flushes = 0
 
     def fail_ops_waiting_on(self, rank: int, why: str) -> None:
         self.failed_waiting_on.append((rank, why))
+
+    def fail_ops_of_node(self, node: int, message: str) -> None:
+        self.failed_nodes.append((node, message))
 
     def fail_seq(self, group: str, seq: int, code: str, message: str) -> None:
         raise AssertionError(f"no bridged ring here, yet op #{seq} of group {group!r} failed on one: {message}")
@@ -298,6 +302,7 @@ def test_a_member_logs_and_drops_a_malformed_item_and_acts_on_the_rest(caplog) -
         link.deliver(envelope)
     assert node.failed_waiting_on == [(4, "exited")]
     assert member.dead == {0: "stopped answering"}
+    assert node.failed_nodes == [(0, "node 0 (n0) stopped answering")]  # its ranks' waiting ops fail too
     assert any("bad item from node 0 dropped" in r.getMessage() and "'rank_died': field 'rank'" in r.getMessage()
                for r in caplog.records), caplog.text
     assert node.flushes == 1

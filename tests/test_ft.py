@@ -92,13 +92,14 @@ def test_the_survivors_redo_the_step_and_train_as_one_process_would(backend_env,
         assert all(torch.equal(a, b) for a, b in zip(first, results[rank]["params"], strict=True)), rank
 
 
+@pytest.mark.extended
 def test_too_few_survivors_fail_every_survivor_loudly(backend_env, tmp_path: Path) -> None:
     results = _run(tmp_path, "forward", min_ranks=WORLD)
     for rank, out in results.items():
         assert out.get("error", "").startswith("UnrecoverableError: 3 of 4 ranks survive (ranks [0, 1, 2])"), (rank, out)
 
 
-@pytest.mark.parametrize("victim", ["rank", "node"])
+@pytest.mark.parametrize("victim", ["rank", pytest.param("node", marks=pytest.mark.extended)])
 def test_across_nodes_the_survivors_go_on_without_a_dead_rank_or_node(cluster, victim: str) -> None:
     """2 simulated nodes x 2 ranks: rank 3 is SIGKILLed, or node 1's daemon with both its ranks; the
     survivors learn who is gone from their daemons (a dead node's ranks included) and go on."""
@@ -125,3 +126,15 @@ def test_across_nodes_the_survivors_go_on_without_a_dead_rank_or_node(cluster, v
         assert (len(out["recoveries"]), step, list(gone), list(kept)) == (1, FAIL_STEP, victims, survivors), out
         for got, want in zip(out["params"], expected, strict=True):
             torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)
+    # node 0's daemon lists what it saw go, as commd status shows it (a dead node's ranks: through the
+    # fabric's view of the nodes instead)
+    from commd.cli.status import format_status
+
+    status = c.status(0)
+    gone = status["membership"]["gone_ranks"]  # the survivors' own departures follow the victims'
+    for rank in victims:
+        assert gone[str(rank)]["epoch"] <= len(victims), status["membership"]
+        assert ("died" if victim == "rank" else "is gone with its node: node 1 (n1)") in gone[str(rank)]["why"], gone
+    assert "ranks gone" in format_status(status), format_status(status)
+    if victim == "node":
+        assert [n["alive"] for n in status["fabric"]["nodes"]] == [True, False], status["fabric"]["nodes"]

@@ -232,5 +232,10 @@ class Daemon:
     def fail_ops_waiting_on(self, rank: int, why: str) -> None:
         self.watchdog.fail_ops_waiting_on(rank, why)
 
+    def fail_ops_of_node(self, node: int, message: str) -> None:
+        node_of = self.clients.placement or []
+        for rank in (r for r, n in enumerate(node_of) if n == node):
+            self.watchdog.fail_ops_waiting_on(rank, f"is gone with its node: {message}")
+
     def apply_trace(self, action: str, path: str | None) -> None:
         self.observers.apply_forwarded(action, path)

@@ -81,6 +81,7 @@ class Liveness:
         log.error("fabric: %s", message)
         for part in self.casualties:
             part.fail_node(node, message)
+        self.node.fail_ops_of_node(node, message)
 
     def coordinator_lost(self, why: str) -> None:
         if self.broken is not None:

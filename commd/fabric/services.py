@@ -58,6 +58,10 @@ class NodeServices(Protocol):
     def fail_ops_waiting_on(self, rank: int, why: str) -> None:
         """A rank is gone: fail what waits for it on this node."""
 
+    def fail_ops_of_node(self, node: int, message: str) -> None:
+        """Node ``node`` is dead: each of its ranks is gone (``fail_ops_waiting_on``), so an op of a group
+        spanning it that still waits for a local rank fails too, instead of waiting out its timeout."""
+
     def apply_trace(self, action: str, path: str | None) -> None:
         """A trace start/stop forwarded by the coordinator."""
 
