@@ -62,8 +62,9 @@ class LocalScheduler:
         group = self.groups[sub.group]
         if group.dead:
             rank, why = next(iter(group.dead.items()))
+            op = sub.kind if sub.kind in ("send", "recv") else f"{sub.kind} #{sub.seq}"
             raise MatchError(
-                f"{sub.kind} on group '{group.name}' cannot run: group rank {rank} {why}",
+                f"{op} on group '{group.name}' cannot run: group rank {rank} {why}",
                 "peer_died",
                 [sub],
             )
