@@ -48,7 +48,7 @@ def reference(steps: int, world: int, redone_step: int, survivors: list[int]) ->
 
 
 def guarded_training(rank: int, world: int, init_method: str, steps: int, kill: Any = None,
-                     min_ranks: int = 1) -> dict[str, Any]:
+                     min_ranks: int = 1, recover_timeout: float = 60.0) -> dict[str, Any]:
     """``steps`` guarded DDP steps of ``mlp``; ``kill(step, where)`` is called at the start of each
     step's forward ("forward") and when the first layer's gradient is computed ("backward"), after
     the later layers' bucket went out.  Returns the parameters and the recoveries."""
@@ -60,10 +60,11 @@ def guarded_training(rank: int, world: int, init_method: str, steps: int, kill: 
     import commd.ft
 
     dist.init_process_group("commd", init_method=init_method, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+                            timeout=timedelta(seconds=min(60.0, recover_timeout)))
     model = DistributedDataParallel(mlp(), **DDP_KWARGS)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    guard = commd.ft.Guard(model, optimizer, ddp_kwargs=DDP_KWARGS, min_ranks=min_ranks)
+    guard = commd.ft.Guard(model, optimizer, ddp_kwargs=DDP_KWARGS, min_ranks=min_ranks,
+                           recover_timeout=recover_timeout)
     first_layer = model.module[0].weight
 
     def train_step(ddp: Any, step: int) -> float:

@@ -30,15 +30,16 @@ STEPS = 6
 RANKS_BOUND_S = 150.0
 
 
-def _rank_main(rank: int, port: int, where: str, min_ranks: int, out_dir: str) -> None:
+def _rank_main(rank: int, port: int, victims: dict[int, str], min_ranks: int, out_dir: str,
+               recover_timeout: float) -> None:
     from ft_workers import guarded_training, sigkill_self
 
     def kill(step: int, at: str) -> None:
-        if rank == VICTIM and step == FAIL_STEP and at == where:
+        if victims.get(rank) == at and step == FAIL_STEP:
             sigkill_self()
 
     try:
-        out = guarded_training(rank, WORLD, f"tcp://127.0.0.1:{port}", STEPS, kill, min_ranks)
+        out = guarded_training(rank, WORLD, f"tcp://127.0.0.1:{port}", STEPS, kill, min_ranks, recover_timeout)
     except BaseException as exc:  # reported to the test, which judges it
         out = {"error": f"{type(exc).__name__}: {exc}"}
     torch.save(out, f"{out_dir}/rank{rank}.part")
@@ -46,13 +47,15 @@ def _rank_main(rank: int, port: int, where: str, min_ranks: int, out_dir: str) -
     os._exit(0)  # without exit handlers: the failed group's client may not close cleanly
 
 
-def _run(tmp_path: Path, where: str, min_ranks: int = 1) -> dict[int, dict[str, Any]]:
+def _run(tmp_path: Path, victims: dict[int, str], min_ranks: int = 1,
+         recover_timeout: float = 60.0) -> dict[int, dict[str, Any]]:
     """Start the ranks, wait (bounded) for all of them to exit, and read what the survivors wrote."""
     from cluster import free_port
 
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, where, min_ranks, str(tmp_path))) for r in range(WORLD)]
+    procs = [ctx.Process(target=_rank_main, args=(r, port, victims, min_ranks, str(tmp_path),
+                                                             recover_timeout)) for r in range(WORLD)]
     for proc in procs:
         proc.start()
     deadline = time.monotonic() + RANKS_BOUND_S
@@ -64,16 +67,16 @@ def _run(tmp_path: Path, where: str, min_ranks: int = 1) -> dict[int, dict[str, 
             proc.kill()
             proc.join(timeout=5)
     assert not hung, f"ranks {hung} did not finish within {RANKS_BOUND_S:.0f}s"
-    assert procs[VICTIM].exitcode == -signal.SIGKILL
+    assert all(procs[rank].exitcode == -signal.SIGKILL for rank in victims)
     results = {rank: torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD)
                if (tmp_path / f"rank{rank}.pt").exists()}
-    assert sorted(results) == [r for r in range(WORLD) if r != VICTIM], f"ranks that reported: {sorted(results)}"
+    assert sorted(results) == [r for r in range(WORLD) if r not in victims], f"ranks that reported: {sorted(results)}"
     return results
 
 
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_the_survivors_redo_the_step_and_train_as_one_process_would(backend_env, tmp_path: Path, where: str) -> None:
-    results = _run(tmp_path, where)
+    results = _run(tmp_path, {VICTIM: where})
     survivors = [r for r in range(WORLD) if r != VICTIM]
     errors = [f"rank {rank}: {out['error']}" for rank, out in results.items() if "error" in out]
     if errors:
@@ -94,7 +97,7 @@ def test_the_survivors_redo_the_step_and_train_as_one_process_would(backend_env,
 
 @pytest.mark.extended
 def test_too_few_survivors_fail_every_survivor_loudly(backend_env, tmp_path: Path) -> None:
-    results = _run(tmp_path, "forward", min_ranks=WORLD)
+    results = _run(tmp_path, {VICTIM: "forward"}, min_ranks=WORLD)
     for rank, out in results.items():
         assert out.get("error", "").startswith("UnrecoverableError: 3 of 4 ranks survive (ranks [0, 1, 2])"), (rank, out)
 
@@ -138,3 +141,28 @@ def test_across_nodes_the_survivors_go_on_without_a_dead_rank_or_node(cluster, v
     assert "ranks gone" in format_status(status), format_status(status)
     if victim == "node":
         assert [n["alive"] for n in status["fabric"]["nodes"]] == [True, False], status["fabric"]["nodes"]
+
+
+@pytest.mark.extended
+def test_a_second_death_during_recovery_ends_recovered_or_failed_on_every_survivor(backend_env,
+                                                                                  tmp_path: Path) -> None:
+    """Rank 3 dies before its forward and rank 2 in its backward of the same step, so the others may
+    already be rebuilding without rank 3 alone.  Either the survivors converge on ranks 0 and 1 and
+    train as one process would, or every survivor raises UnrecoverableError within the recovery
+    timeout: never a mix, never a hang."""
+    timeout = 20.0
+    started = time.monotonic()
+    results = _run(tmp_path, {3: "forward", 2: "backward"}, recover_timeout=timeout)
+    assert time.monotonic() - started < 3 * timeout + 60, "the survivors took longer than their recovery bound"
+    errors = {rank: out["error"] for rank, out in results.items() if "error" in out}
+    if errors:
+        assert sorted(errors) == [0, 1] and all(e.startswith("UnrecoverableError") for e in errors.values()), errors
+        return
+    for rank, out in results.items():
+        steps = {step for step, _gone, _kept, _seconds in out["recoveries"]}
+        gone = {r for _step, lost, _kept, _seconds in out["recoveries"] for r in lost}
+        assert steps == {FAIL_STEP} and gone == {2, 3} and list(out["recoveries"][-1][2]) == [0, 1], (rank, out)
+    expected = reference(STEPS, WORLD, FAIL_STEP, [0, 1])
+    for out in results.values():
+        for got, want in zip(out["params"], expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
