@@ -61,6 +61,7 @@ EXPECTED_TYPES: dict[type, set[str]] = {
     errors.CommTimeoutError: {"DistBackendError", "TimeoutError"},
     errors.DaemonShutdownError: {"DistBackendError"},
     errors.DaemonDiedError: {"DistBackendError", "DistNetworkError"},
+    errors.UnrecoverableError: {"DistBackendError"},
 }
 
 
