@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -99,7 +100,10 @@ def test_the_survivors_redo_the_step_and_train_as_one_process_would(backend_env,
 def test_too_few_survivors_fail_every_survivor_loudly(backend_env, tmp_path: Path) -> None:
     results = _run(tmp_path, {VICTIM: "forward"}, min_ranks=WORLD)
     for rank, out in results.items():
-        assert out.get("error", "").startswith("UnrecoverableError: 3 of 4 ranks survive (ranks [0, 1, 2])"), (rank, out)
+        # (a survivor that gives up later may already count one that gave up and left before it)
+        error = out.get("error", "")
+        assert re.match(r"UnrecoverableError: [123] of 4 ranks survive \(ranks \[[0-2, ]+\]\); the guard needs at "
+                        r"least 4", error), (rank, out)
 
 
 @pytest.mark.parametrize("victim", ["rank", pytest.param("node", marks=pytest.mark.extended)])
