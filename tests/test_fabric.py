@@ -42,6 +42,7 @@ def test_mismatch_across_nodes_names_fields_and_ranks(cluster) -> None:
         assert "ranks [0, 1] 8" in message and "ranks [2, 3] 9" in message, message
 
 
+@pytest.mark.extended
 def test_stall_shows_missing_rank_in_status(cluster, tmp_path: Path) -> None:
     config = tmp_path / "commd.toml"
     config.write_text("[scheduler]\nstall_warning_s = 0.5\n")

@@ -123,6 +123,7 @@ def test_daemon_refuses_bad_fabric_arguments(tmp_path: Path) -> None:
         assert proc.returncode == 2 and needle in proc.stderr, (extra, proc.stderr)
 
 
+@pytest.mark.extended
 def test_node_with_wrong_secret_is_refused(tmp_path: Path) -> None:
     """Both nodes were given a secret by the cluster, but they differ: the coordinator refuses node 1."""
     port = free_port()

@@ -106,7 +106,8 @@ def test_too_few_survivors_fail_every_survivor_loudly(backend_env, tmp_path: Pat
                         r"least 4", error), (rank, out)
 
 
-@pytest.mark.parametrize("victim", ["rank", pytest.param("node", marks=pytest.mark.extended)])
+@pytest.mark.extended
+@pytest.mark.parametrize("victim", ["rank", "node"])
 def test_across_nodes_the_survivors_go_on_without_a_dead_rank_or_node(cluster, victim: str) -> None:
     """2 simulated nodes x 2 ranks: rank 3 is SIGKILLed, or node 1's daemon with both its ranks; the
     survivors learn who is gone from their daemons (a dead node's ranks included) and go on."""

@@ -197,6 +197,7 @@ def test_ddp_rank_exit_stops_every_rank(backend_env: Path) -> None:
         ranks.close()
 
 
+@pytest.mark.extended
 def test_ddp_stalled_rank_times_out_within_the_group_timeout(backend_env: Path) -> None:
     """Rank 1 stops calling at step 3 under a 5 s group timeout: rank 0 raises and never steps on."""
     ranks = Ranks(_ddp_training, "stall", 5.0)
