@@ -845,7 +845,7 @@ class ExchangeRing:
             now = time.monotonic()
             if now >= self._next_check or now >= deadline:  # per ring: short waits check too
                 self._next_check = now + SLICE_S
-                self._check_alive(waiting)
+                self._check_alive(waiting, missing)
             if now >= deadline:
                 if full is not None:
                     raise CommTimeoutError(f"{full}: {self._describe(waiting)} are {self.depth} ops behind")
@@ -885,12 +885,15 @@ class ExchangeRing:
             return self.bridge
         return others[0]
 
-    def _check_alive(self, waiting: list[int]) -> None:
+    def _check_alive(self, waiting: list[int], missing: Callable[[], list[int]]) -> None:
+        """Break the ring if a line we wait for belongs to a dead process.  ``waiting`` may be stale: a
+        peer can post what we wait for and then exit (its job done) before we look, so a dead line
+        counts only if ``missing()``, read after its death was seen, still lists it."""
         for r in waiting:
             if r == self.bridge:
                 continue  # the daemon's line: checked below
             pid = int(self.control[r, fr.PID])
-            if pid and not pid_alive(pid):
+            if pid and not pid_alive(pid) and r in missing():
                 raise self._break(self._died(r), dead=r)
         if not pid_alive(self.daemon_pid):
             raise self._break(DaemonDiedError(f"commd daemon (pid {self.daemon_pid}) died"))
