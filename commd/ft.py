@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from commd.client.errors import CommdError, PeerDiedError, UnrecoverableError
 from commd.client.status import StatusError, query_status
-from commd.torch_backend.process_group import current_client, node_name
+from commd.torch_backend.process_group import current_client
 
 log = logging.getLogger("commd.ft")
 
@@ -80,8 +80,7 @@ class Guard:
 
     ``model``: a ``DistributedDataParallel`` on a ``commd`` group; ``ddp_kwargs``: what it was
     built with (the guard builds it again on the survivors); ``min_ranks``: fewer survivors
-    than this is unrecoverable.  Every rank of the group makes its guard at the same point
-    (it exchanges node names once).
+    than this is unrecoverable.
     """
 
     def __init__(self, model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *,
@@ -103,9 +102,6 @@ class Guard:
         self.recover_timeout = recover_timeout
         self.steps = 0
         self.recoveries: list[Recovery] = []
-        names: list[str | None] = [None] * len(self.ranks)
-        dist.all_gather_object(names, node_name(), group=group)
-        self.node_of = {rank: str(name) for rank, name in zip(self.ranks, names, strict=True)}
 
     @property
     def epoch(self) -> int:
@@ -187,10 +183,8 @@ class Guard:
                 status = query_status(paths, timeout=max(0.1, min(5.0, deadline - time.monotonic())))
             except StatusError as exc:
                 raise UnrecoverableError(f"cannot read this node's daemon to learn which ranks are gone: {exc}") from None
+            # (a dead node's ranks are listed too: the daemon marks them gone with it)
             gone = {int(rank) for rank in (status.get("membership") or {}).get("gone_ranks") or {}}
-            fabric = status.get("fabric") or {}
-            dead_nodes = {n.get("name") for n in fabric.get("nodes") or [] if not n.get("alive", True)}
-            gone |= {rank for rank, node in self.node_of.items() if node in dead_nodes}
             gone &= set(self.ranks)
             if gone or time.monotonic() >= deadline:
                 return gone

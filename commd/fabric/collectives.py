@@ -330,22 +330,21 @@ class Collectives:
 
     def fail_node(self, node: int, message: str) -> None:
         """A node died: fail every reported op that spans it."""
-        for key, (op, placement, _) in list(self.negotiating.items()):
-            if node in placement.nodes:
-                self._end_negotiation(key)
-                self._outstanding[op.group] -= 1
-                self._fail_op(op, s.E_PEER_DIED, f"{op.describe()} cannot run: {message}")
+        self._fail_reported(lambda placement: node in placement.nodes, message)
 
     def fail_rank(self, rank: int, why: str) -> None:
         """A rank of another node died: fail every reported op of a group with it.  The coordinator
         failed those it held when it heard of the death; these are the reports that crossed it on
         the way (an op handed back by the schedule path just then), which no node will complete."""
+        self._fail_reported(lambda placement: rank in placement.ranks, f"rank {rank} {why}")
+
+    def _fail_reported(self, affected: Callable[[GroupPlacement], bool], why: str) -> None:
         for key, (op, placement, _) in list(self.negotiating.items()):
-            if rank in placement.ranks:
+            if affected(placement):
                 self._end_negotiation(key)
                 if self._outstanding.get(op.group):
                     self._outstanding[op.group] -= 1
-                self._fail_op(op, s.E_PEER_DIED, f"{op.describe()} cannot run: rank {rank} {why}")
+                self._fail_op(op, s.E_PEER_DIED, f"{op.describe()} cannot run: {why}")
 
     def fail_all(self, broken: str) -> None:
         """The coordinator is lost: fail every reported op."""
