@@ -255,14 +255,7 @@ def format_status(status: dict[str, Any]) -> str:
     else:
         out.append("  (none)")
 
-    membership = status.get("membership") or {}
-    gone = membership.get("gone_ranks") or {}
-    if gone:  # what commd.ft reads to agree on the survivors
-        out.append("")
-        out.append(f"membership epoch {membership.get('epoch', 0)}: ranks gone ({len(gone)})")
-        for rank, info in sorted(gone.items(), key=lambda item: int(item[0])):
-            stamp = time.strftime("%H:%M:%S", time.localtime(float(info.get("time", 0))))
-            out.append(f"  {stamp}  rank {rank} {info.get('why')}")
+    out += _membership(status.get("membership") or {})
 
     departures = status.get("departures") or []
     if departures:
@@ -272,6 +265,45 @@ def format_status(status: dict[str, Any]) -> str:
             stamp = time.strftime("%H:%M:%S", time.localtime(float(dep.get("time", 0))))
             out.append(f"  {stamp}  {dep.get('message')}")
     return "\n".join(out)
+
+
+def _membership(membership: dict[str, Any]) -> list[str]:
+    """The ranks gone (what commd.ft reads to agree on the survivors) and the recoveries its guards reported."""
+    out: list[str] = []
+    gone = membership.get("gone_ranks") or {}
+    if gone:
+        out += ["", f"membership epoch {membership.get('epoch', 0)}: ranks gone ({len(gone)})"]
+        for rank, info in sorted(gone.items(), key=lambda item: int(item[0])):
+            stamp = time.strftime("%H:%M:%S", time.localtime(float(info.get("time", 0))))
+            out.append(f"  {stamp}  rank {rank} {info.get('why')}")
+    recoveries = membership.get("recoveries") or []
+    if recoveries:
+        counts = membership.get("recovery_counts") or {}
+        last = membership.get("last_recovery_s")
+        out += ["", f"commd.ft: {counts.get('recovered', 0)} recovered, {counts.get('joined', 0)} joined, "
+                    f"{counts.get('gave_up', 0)} gave up" + (f"; last recovery {last:.2f} s" if last is not None else "")]
+        for entry in recoveries[-10:]:
+            out.append(f"  {time.strftime('%H:%M:%S', time.localtime(float(entry.get('time', 0))))}  "
+                       f"{format_ft_event(entry)}")
+    return out
+
+
+def format_ft_event(entry: dict[str, Any]) -> str:
+    """One reported recovery as a line: "recovery epoch 1 at step 3: ranks [3] gone, 3 ranks go on, 0.21 s
+    (reported by ranks 0,1,2)"."""
+    event = entry.get("event")
+    what = {"recovered": "recovery", "joined": "rejoin", "gave_up": "GAVE UP"}.get(str(event), str(event))
+    group = f" of group {entry['group']}" if entry.get("group") else ""
+    members = len(entry.get("members") or [])
+    body = f"ranks {entry.get('gone')} gone, {members} ranks go on"
+    if event == "joined":
+        body = f"{members} ranks again"
+    elif event == "gave_up":
+        body = f"ranks {entry.get('gone')} gone, {members} left"
+    why = f": {entry['why']}" if entry.get("why") else ""
+    reporters = ",".join(str(r) for r in entry.get("ranks") or [])
+    return (f"{what} epoch {entry.get('epoch')}{group} at step {entry.get('step')}: {body}, "
+            f"{float(entry.get('seconds', 0)):.2f} s{why} (reported by ranks {reporters})")
 
 
 def to_json(status: dict[str, Any], indent: int | None = 2) -> str:

@@ -59,6 +59,8 @@ OPS_BUFFER_BYTES = 4 << 20
 OPS_RECV_BYTES = s.MAX_MESSAGE_BYTES + (64 << 10)
 #: How long the daemon may take to map a new arena segment.
 REGISTER_TIMEOUT_S = 30.0
+#: How long ``report_membership`` waits for room on the op channel before it gives the report up.
+REPORT_SEND_S = 1.0
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -268,6 +270,37 @@ class Client:
         with self._send_lock:
             self._check_usable()
             self._send_op(frame, time.monotonic() + self.op_timeout)
+
+    def report_membership(self, event: str, *, epoch: int, gone: list[int] | tuple[int, ...],
+                          members: list[int] | tuple[int, ...], seconds: float, step: int,
+                          group: str | None = None, why: str | None = None) -> bool:
+        """Tell the node daemon what ``commd.ft`` did about a lost rank, which only the guard knows, for
+        ``commd status``, the metrics and the trace: ``event`` one of ``recovered`` (going on with
+        ``members`` without ``gone``), ``joined`` (a replacement taken back in: ``gone`` empty, ``members``
+        the whole group) or ``gave_up`` (UnrecoverableError; ``why``: its message).
+
+        Fire-and-forget (no reply; a refusal is logged by the daemon and when replies are next read here):
+        it waits at most ``REPORT_SEND_S`` for room on the op channel, and a report that cannot be sent is
+        logged and returns False, so a training step never fails over it.  Arguments the daemon would
+        refuse raise ValueError (``schema.check_membership_report``)."""
+        message: dict[str, Any] = {
+            "t": s.MEMBERSHIP, "event": event, "epoch": epoch, "step": step, "gone": list(gone),
+            "members": list(members), "seconds": float(seconds) if type(seconds) is int else seconds,
+        }
+        if group is not None:
+            message["group"] = group
+        if why:
+            message["why"] = why[:s.MAX_WHY_CHARS]
+        s.check_membership_report(message, self.rank, self.world_size)
+        try:
+            with self._send_lock:
+                self._check_usable()
+                self._send_op(s.encode(message), time.monotonic() + REPORT_SEND_S)
+        except CommdError as exc:
+            log.warning("commd.ft: rank %d could not report '%s' (epoch %d) to its daemon: %s",
+                        self.rank, event, epoch, exc)
+            return False
+        return True
 
     # ---- coalesced batches ------------------------------------------------
     def hold(self, group: str) -> None:

@@ -1,4 +1,4 @@
-"""The op channel's messages: attach, segment registration, ops, unregister — each validated before it changes state.
+"""The op channel's messages: attach, segments, ops, unregister, ring ops, membership reports — each validated first.
 
 A client's op channel (``opchannel.py``, Unix SEQPACKET) first attaches to the client its
 hello registered; short extra connections each register one segment (an arena segment or
@@ -85,6 +85,8 @@ class OpIngress:
                 self.registered.unregister(channel.client, msg)
             elif msg["t"] == s.RINGOP:
                 self._on_ring_op(channel.client, msg)
+            elif msg["t"] == s.MEMBERSHIP:
+                self._on_membership(channel.client, msg)
             else:
                 raise s.ProtocolError(f"only ops travel on the op channel, not {msg['t']!r}")
         except s.ProtocolError as exc:
@@ -239,6 +241,23 @@ class OpIngress:
         if placement is not None and placement.multi_node and self.state.member is not None:
             self.state.member.bridges.daemon_op(sub.group)  # a peer node's ring op may sit at its place
         self.router.route(sub, placement)
+
+    def _on_membership(self, client: ClientRecord, msg: dict[str, Any]) -> None:
+        """What ``commd.ft`` did about a lost rank (only the guard knows): kept for ``commd status`` and the
+        metrics, logged and marked in the trace once per recovery (every survivor reports it)."""
+        report = s.check_membership_report(msg, client.rank, client.world_size)
+        _entry, new = self.stats.ft_event(client.rank, report)
+        if not new:
+            return
+        event, epoch = report["event"], report["epoch"]
+        self.log_limit.log(logging.WARNING if event == "gave_up" else logging.INFO, ("ft", client.client_id),
+                           f"commd.ft reports from rank {client.rank}",
+                           "commd.ft (rank %d): %s, epoch %d at step %d: ranks %s gone, %d ranks go on, %.2fs%s",
+                           client.rank, event, epoch, report["step"], report["gone"], len(report["members"]),
+                           report["seconds"], f" ({report['why']})" if "why" in report else "")
+        tracer = self.state.tracer
+        if tracer.on:
+            tracer.instant(f"ft {event} epoch {epoch}", {**report, "reported_by": client.rank})
 
     def _on_ring_op(self, client: ClientRecord, msg: dict[str, Any]) -> None:
         """A rank of an exchange ring: an op failed there (``failed``: its number); of a bridged ring:

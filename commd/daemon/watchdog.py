@@ -96,6 +96,9 @@ class Watchdog:
 
     def fail_ops_waiting_on(self, rank: int, why: str) -> None:
         """Rank ``rank`` (of this node or another) is gone: fail what waits for it here."""
+        if rank not in self.stats.gone_ranks and self.state.tracer.on:
+            self.state.tracer.instant(f"rank {rank} gone", {"rank": rank, "why": why,
+                                                             "epoch": self.stats.membership_epoch + 1})
         self.stats.rank_gone(rank, why)
         self.completions.fail_each(self.scheduler.rank_died(rank, why), s.E_PEER_DIED)
         if self.state.member is not None:  # and the bridged rings of its groups

@@ -83,6 +83,7 @@ class DaemonCollector:
                                 value=membership.get("epoch", 0))
         yield GaugeMetricFamily("commd_ranks_gone", "Ranks of the job known to have died or left",
                                 value=len(membership.get("gone_ranks") or {}))
+        yield from self._ft(membership)
         yield GaugeMetricFamily("commd_stalled_ops", "Ops waiting longer than the stall threshold "
                                 "(stall_warning_s) for ranks to submit them", value=len(status.get("stalls") or []))
         errors = CounterMetricFamily("commd_error_replies", "Error replies sent to ranks, per error code",
@@ -110,6 +111,22 @@ class DaemonCollector:
         fabric = status.get("fabric")
         if fabric is not None:
             yield from self._fabric(fabric)
+
+    @staticmethod
+    def _ft(membership: dict[str, Any]) -> Iterator[Metric]:
+        """What commd.ft's guards reported to this daemon: only they know a recovery, its end and length."""
+        events = CounterMetricFamily("commd_ft_recoveries", "Membership changes commd.ft carried the job through "
+                                     "(this node's ranks reported; one per change, however many ranks reported "
+                                     "it), by event: recovered (going on without the lost ranks), joined (a "
+                                     "replacement taken back in), gave_up (UnrecoverableError)", labels=["event"])
+        for event, count in sorted((membership.get("recovery_counts") or {}).items()):
+            events.add_metric([event], count)
+        yield events
+        last = membership.get("last_recovery_s")
+        if last is not None:
+            yield GaugeMetricFamily("commd_ft_last_recovery_seconds", "How long the latest recovery (recovered or "
+                                    "joined) took, from the failure reaching a rank to its rebuilt group (the slowest "
+                                    "reporting rank); absent until the first", value=last)
 
     @staticmethod
     def _gc(gc_status: dict[str, Any]) -> Iterator[Metric]:

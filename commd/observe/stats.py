@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from commd.protocol.schema import FT_EVENTS
+
 #: Latency percentiles cover this many of the most recent ops of each kind.
 LATENCY_WINDOW = 2048
 #: Upper bounds (seconds) of the op latency histogram: 10 us to 100 s.
@@ -26,6 +28,10 @@ LATENCY_BUCKETS: tuple[float, ...] = (
     1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5,
     1.0, 2.5, 5.0, 10.0, 30.0, 100.0,
 )
+
+
+#: ``commd status`` keeps this many of the most recent events ``commd.ft`` reported.
+FT_WINDOW = 32
 
 
 #: Upper bounds of the size classes the mix is shown in (bytes per node's buffer), ×8 apart.
@@ -83,6 +89,12 @@ class Stats:
     #: global rank -> {time, why, epoch}: the ranks known to be gone (``rank_gone``).
     gone_ranks: dict[int, dict[str, Any]] = field(default_factory=dict)
     membership_epoch: int = 0
+    #: the last FT_WINDOW events ``commd.ft`` reported (``ft_event``), oldest first, one per recovery
+    ft_events: collections.deque = field(default_factory=lambda: collections.deque(maxlen=FT_WINDOW))
+    #: recoveries reported per event kind (FT_EVENTS), all time
+    ft_counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FT_EVENTS, 0))
+    #: the newest recovery ("recovered" or "joined") entry of ``ft_events``
+    last_recovery: dict[str, Any] | None = None
     latency_counts: dict[str, int] = field(default_factory=dict)  # op kind -> ops completed, all time
     ops_done: int = 0
     bytes_moved: int = 0
@@ -211,6 +223,39 @@ class Stats:
     def rank_back(self, rank: int) -> None:
         """A process connected as ``rank`` again (a later job on the same daemon, or a replacement)."""
         self.gone_ranks.pop(rank, None)
+
+    def ft_event(self, rank: int, report: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """``rank`` reported what ``commd.ft`` did (``schema.check_membership_report``'s fields).  Every survivor
+        reports the same recovery: one entry per (event, group, epoch) holds them all (the reporting ranks,
+        the slowest one's seconds, the gone ranks united), so the counts count recoveries, not reports.  A rank
+        reporting a key it already reported starts a new entry (a later job on this daemon).  Returns the
+        entry and whether it is new."""
+        key = (report["event"], report.get("group"), report["epoch"])
+        for entry in reversed(self.ft_events):
+            if (entry["event"], entry.get("group"), entry["epoch"]) != key:
+                continue
+            if rank not in entry["ranks"]:
+                entry["ranks"] = sorted([*entry["ranks"], rank])
+                entry["seconds"] = max(entry["seconds"], report["seconds"])
+                entry["gone"] = sorted(set(entry["gone"]) | set(report["gone"]))
+                if "why" in report:
+                    entry.setdefault("why", report["why"])
+                return entry, False
+            break
+        entry = {**report, "ranks": [rank], "time": time.time()}
+        self.ft_events.append(entry)
+        self.ft_counts[report["event"]] = self.ft_counts.get(report["event"], 0) + 1
+        if report["event"] != "gave_up":
+            self.last_recovery = entry
+        return entry, True
+
+    def ft_status(self) -> dict[str, Any]:
+        """The reported recoveries for ``commd status`` (copied: the metrics read them off the loop)."""
+        return {"recoveries": [dict(e, ranks=list(e["ranks"]), gone=list(e["gone"]), members=list(e["members"]))
+                               for e in self.ft_events],
+                "recovery_counts": dict(self.ft_counts),
+                "last_recovery_s": None if self.last_recovery is None else self.last_recovery["seconds"]}
+
     def error_reply(self, code: str) -> None:
         """An ERROR reply with ``code`` went to a rank (one per rank and failed op)."""
         self.error_replies[code] = self.error_replies.get(code, 0) + 1

@@ -14,7 +14,8 @@ Events are appended (by a writer thread) as ops complete, to a hidden file besid
 trace (``.<name>.partial``); ``close`` ends the JSON array and renames it to the trace's
 name, so whoever reads the trace reads a whole one.  All-reduces a group's exchange ring
 ran are traced from the times its first rank sends (``ring_ops``, lane ``ring``): every
-op is in the trace, whatever path ran it.
+op is in the trace, whatever path ran it.  Instant marks (``instant``, on a ``membership`` track) show a
+rank gone and each recovery ``commd.ft`` reported.
 When tracing is off the daemon holds a ``NullTrace``, whose ``on`` is False:
 each hook is one attribute test.
 """
@@ -28,6 +29,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -36,6 +38,15 @@ log = logging.getLogger("commd.trace")
 CATEGORY = "commd"
 #: Buffered writes: events reach the file in blocks, and at close.
 WRITE_BUFFER_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class _Instant:
+    """A queued ``Tracer.instant`` mark (the writer tells it from an op's record by its type)."""
+
+    name: str
+    args: dict[str, Any]
+    at: float  # time.monotonic()
 
 
 class TraceError(Exception):
@@ -98,7 +109,7 @@ class Tracer:
         # Monotonic clock → microseconds since the epoch, so nodes' files line up when merged.
         self._offset = time.time() - time.monotonic()
         self._marks: dict[int, dict[str, float]] = {}
-        self._records: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._records: queue.SimpleQueue[tuple | _Instant | None] = queue.SimpleQueue()
         # Writer thread only:
         self._tids: dict[str, int] = {}
         self._json: dict[str, str] = {}
@@ -154,6 +165,11 @@ class Tracer:
             self._records.put(("allreduce", group, number, nbytes, "ring", ranks, posted, inputs_in,
                                {"start": inputs_in, "end": done}, done, error, None))
 
+    def instant(self, name: str, args: dict[str, Any]) -> None:
+        """A mark at this moment on the node's ``membership`` track (a rank gone, a recovery ``commd.ft``
+        reported): an instant event across the node's tracks, so the ops around it show what it cost."""
+        self._records.put(_Instant(name, args, time.monotonic()))
+
     def close(self) -> None:
         """Write what is queued and close the JSON array: the file is valid JSON from then on."""
         if self._file is None:
@@ -180,7 +196,8 @@ class Tracer:
                     break
             stop = batch[-1] is None
             try:
-                text = "".join(self._format(record) for record in batch if record is not None)
+                text = "".join(self._format_instant(record) if isinstance(record, _Instant) else self._format(record)
+                               for record in batch if record is not None)
             except Exception:  # a bad record must not end the trace
                 log.exception("trace %s: cannot format a batch of %d ops", self.path, len(batch))
                 text = ""
@@ -242,6 +259,14 @@ class Tracer:
                        f'"tid":{self._tid(f"lane {lane}", out)},"ts":{(start + offset) * 1e6:.3f},'
                        f'"dur":{(end - start) * 1e6:.3f},"args":{args}}}')
         self.events += 2 * len(points) + 2 + (start is not None and end is not None)
+        return "".join(out)
+
+    def _format_instant(self, mark: _Instant) -> str:
+        out: list[str] = []
+        tid = self._tid("membership", out)
+        out.append(f',\n{{"ph":"i","s":"p","cat":"{CATEGORY}","name":{json.dumps(mark.name)},"pid":{self.node},'
+                   f'"tid":{tid},"ts":{(mark.at + self._offset) * 1e6:.3f},"args":{json.dumps(mark.args)}}}')
+        self.events += 1
         return "".join(out)
 
     def _write_text(self, text: str, first: bool = False, raw: bool = False) -> None:

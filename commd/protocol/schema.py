@@ -10,6 +10,7 @@ naming the offending field.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -70,6 +71,18 @@ ACK = "ack"
 #: Forget a registered storage segment: {"t": "unregister", "seg": id}, on the op channel, in order
 #: after the ops that used it; no reply unless it is refused.
 UNREGISTER = "unregister"
+#: What ``commd.ft`` did about a lost rank, on the op channel, for ``commd status``, the metrics and the trace
+#: (the daemons see the losses, only the guard sees the recoveries): {"t": "membership", "event": one of
+#: FT_EVENTS, "epoch", "step", "gone": [rank], "members": [rank], "seconds", "group"?, "why"?}.  No reply
+#: unless it is refused (``check_membership_report``).
+MEMBERSHIP = "membership"
+#: ``recovered``: the survivors rebuilt their group without the ``gone`` ranks; ``joined``: a replacement was
+#: taken back in (``members``: the whole group again); ``gave_up``: the guard raised UnrecoverableError.
+FT_EVENTS = ("recovered", "joined", "gave_up")
+#: The longest ``seconds`` a membership report may carry (a week: anything longer is a wrong clock).
+MAX_FT_SECONDS = 7 * 24 * 3600.0
+#: A membership report's ``why`` is cut to this many characters.
+MAX_WHY_CHARS = 1024
 
 #: Segment ids: an arena's are dense from 0; registered storages take ids from REGISTERED_SEG_BASE
 #: up, never reused within a client, so a late unregister can never hit a newer registration.
@@ -329,3 +342,49 @@ def check_kind(kind: str) -> str:
     if kind not in OP_KINDS:
         raise ProtocolError(f"unknown op kind {kind!r}; known: {sorted(OP_KINDS)}")
     return kind
+
+
+def _rank_list(msg: dict[str, Any], name: str, world_size: int) -> list[int]:
+    """A list of distinct global ranks in [0, world_size) (at most world_size of them)."""
+    ranks = field(msg, name, list)
+    if len(ranks) > world_size:
+        raise ProtocolError(f"field '{name}' lists {len(ranks)} ranks, more than the job's {world_size}")
+    if any(type(r) is not int or not 0 <= r < world_size for r in ranks):
+        raise ProtocolError(f"field '{name}' must list ranks: integers in [0, {world_size})")
+    if len(set(ranks)) != len(ranks):
+        raise ProtocolError(f"field '{name}' lists a rank twice")
+    return ranks
+
+
+def check_membership_report(msg: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+    """A ``membership`` message from ``rank`` of a job of ``world_size`` ranks, checked field by field and
+    for sense (a survivor reports, no rank both gone and a member); the fields the daemon keeps."""
+    event = field(msg, "event", str)
+    if event not in FT_EVENTS:
+        raise ProtocolError(f"field 'event' must be one of {list(FT_EVENTS)}, not {event[:64]!r}")
+    epoch = int_field(msg, "epoch", 0, 1 << 31)
+    step = int_field(msg, "step")
+    seconds = field(msg, "seconds", (int, float))
+    if isinstance(seconds, bool) or not math.isfinite(seconds) or not 0 <= seconds <= MAX_FT_SECONDS:
+        raise ProtocolError(f"field 'seconds' must be a finite number in [0, {MAX_FT_SECONDS:.0f}], got {seconds!r}")
+    gone = _rank_list(msg, "gone", world_size)
+    members = _rank_list(msg, "members", world_size)
+    if set(gone) & set(members):
+        raise ProtocolError(f"ranks {sorted(set(gone) & set(members))} are listed both gone and members")
+    if event != "gave_up" and rank not in members:
+        raise ProtocolError(f"a '{event}' report comes from a member: rank {rank} is not in 'members' {members}")
+    if event == "recovered" and not gone:
+        raise ProtocolError("a 'recovered' report names the ranks gone (field 'gone' is empty)")
+    if event == "joined" and gone:
+        raise ProtocolError("a 'joined' report lists no rank gone (field 'gone' must be empty)")
+    report: dict[str, Any] = {"event": event, "epoch": epoch, "step": step, "gone": sorted(gone),
+                              "members": sorted(members), "seconds": float(seconds)}
+    group = optional(msg, "group", str, None)
+    if group is not None:
+        if len(group) > MAX_NAME_LEN:
+            raise ProtocolError(f"field 'group' is longer than {MAX_NAME_LEN} characters")
+        report["group"] = check_group_name(group)
+    why = optional(msg, "why", str, None)
+    if why:
+        report["why"] = why[:MAX_WHY_CHARS]
+    return report
