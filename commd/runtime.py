@@ -132,6 +132,9 @@ ENVIRONMENT: dict[str, str] = {
                       "negotiated through it (default `1`: a group's ops that repeat a cycle run without it).",
     "COMMD_RECORD": "A directory: every rank of the torch backend writes the ops it submits there as a PARAM "
                     "comms trace, `rank<R>.json` (`commd launch --record`; replay with `commd replay`).",
+    "COMMD_RESTART_COUNT": "How often `commd launch --max-restarts` started this rank before (set for the "
+                           "workers; `0` for a first start): commd.ft's guard of a restarted rank waits for the "
+                           "running ranks to take it back in.",
     "COMMD_REGISTER": "`0`: a client never registers tensor storages, it stages them (default `1`).",
     "COMMD_REGISTER_FIRST_BYTES": "An in-place op's tensor of at least this many bytes has its storage registered "
                                   "at its first sighting (default 64 MiB).",

@@ -124,6 +124,7 @@ def test_launch_names_the_rank_that_failed_first_and_its_exception(rt: Path, tmp
         (["--master-port", "70000", "{script}"], "[1, 65535]"),
         (["--job", "bad/name", "{script}"], "job name"),
         (["no_such_script.py"], "no such script"),
+        (["--max-restarts", "-1", "{script}"], "--max-restarts must lie in [0, 1000]"),
     ],
 )
 def test_launch_rejects_bad_arguments(

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -76,6 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "commd.ft.Guard, whose survivors go on without it.  The launcher hosts the job's "
                              "store (so any rank may die) and exits 0 once every worker has exited, if one "
                              "of them finished cleanly")
+    parser.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=0, metavar="N",
+                        help="a worker that fails is started again, with the same rank, up to N times per rank "
+                             "(implies --keep-going): under commd.ft.Guard the replacement rejoins the running "
+                             "job and receives the model and optimizer state from the others (default 0)")
     parser.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
                         help="seconds workers get after SIGTERM before SIGKILL (default 10)")
     parser.add_argument("--no-prefix", dest="prefix", action="store_false",
@@ -116,6 +121,10 @@ def _validate(args: argparse.Namespace) -> None:
         raise LaunchError(f"--op-timeout {args.op_timeout} must lie in [0.001, 604800] seconds")
     if args.grace < 0:
         raise LaunchError("--grace must be non-negative")
+    if not 0 <= args.max_restarts <= 1000:
+        raise LaunchError(f"--max-restarts must lie in [0, 1000], got {args.max_restarts}")
+    if args.max_restarts:
+        args.keep_going = True
     if args.trace is not None:
         from commd.observe.trace import TraceError, check_trace_path
 
@@ -207,6 +216,8 @@ class Worker:
     proc: subprocess.Popen
     outputs: list[RankOutput] = field(default_factory=list)
     global_rank: int = 0
+    #: how many times this rank was started again before this process (--max-restarts)
+    restarts: int = 0
     #: when the launcher first saw it exited (the first failure is the one to report: the others'
     #: errors are most often its consequence, a peer that died)
     exited_at: float | None = None
@@ -284,6 +295,8 @@ class _Signals:
     """Signals received while workers run; handlers only record and forward."""
 
     workers: list[Worker] = field(default_factory=list)
+    #: workers that failed and were started again (their output is still drained at the end)
+    replaced: list[Worker] = field(default_factory=list)
     received: list[int] = field(default_factory=list)
 
     def handler(self, signum: int, _frame: FrameType | None) -> None:
@@ -299,41 +312,49 @@ class _Signals:
 
 
 def _start_workers(args: argparse.Namespace, job: str, port: int, sigs: _Signals) -> None:
-    target = ["-m", args.script] if args.module else [args.script]
     for rank in range(args.nproc):
         if sigs.received:
             return
-        env = worker_env(dict(os.environ), rank, args.nproc, job, args.master_addr, port,
-                         args.node_rank, args.nnodes, args.node_name)
-        if args.keep_going:  # the launcher hosts the store: a rank's death must not take it along
-            env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
-        if args.record is not None:
-            env["COMMD_RECORD"] = args.record
-        shown = args.shown_ranks is None or rank in args.shown_ranks
-        stdout = subprocess.PIPE if args.prefix and shown else None if shown else subprocess.DEVNULL
-        stderr = subprocess.PIPE if args.prefix else None
-        if args.prefix:
-            env.setdefault("PYTHONUNBUFFERED", "1")  # a pipe would hold the worker's lines back
-        # Own session per worker (as torchrun): a terminal Ctrl-C reaches them
-        # once, through our forwarding, not twice.
-        proc = subprocess.Popen(
-            [sys.executable, *target, *args.script_args], env=env, start_new_session=True,
-            stdout=stdout, stderr=stderr,
-        )
-        global_rank = args.node_rank * args.nproc + rank
-        worker = Worker(rank, proc, global_rank=global_rank)
-        for pipe, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-            if pipe is not None:
-                worker.outputs.append(RankOutput(global_rank, pipe, sink))
-        sigs.workers.append(worker)
+        sigs.workers.append(_start_worker(args, job, port, rank))
+
+
+def _start_worker(args: argparse.Namespace, job: str, port: int, rank: int, restarts: int = 0) -> Worker:
+    """Local rank ``rank``'s process (its ``restarts``-th restart)."""
+    target = ["-m", args.script] if args.module else [args.script]
+    env = worker_env(dict(os.environ), rank, args.nproc, job, args.master_addr, port,
+                     args.node_rank, args.nnodes, args.node_name)
+    if args.keep_going:  # the launcher hosts the store: a rank's death must not take it along
+        env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    # torchrun's name too, so that a script written for it tells a restart from a first start
+    env["COMMD_RESTART_COUNT"] = env["TORCHELASTIC_RESTART_COUNT"] = str(restarts)
+    if args.record is not None:
+        env["COMMD_RECORD"] = args.record
+    shown = args.shown_ranks is None or rank in args.shown_ranks
+    stdout = subprocess.PIPE if args.prefix and shown else None if shown else subprocess.DEVNULL
+    stderr = subprocess.PIPE if args.prefix else None
+    if args.prefix:
+        env.setdefault("PYTHONUNBUFFERED", "1")  # a pipe would hold the worker's lines back
+    # Own session per worker (as torchrun): a terminal Ctrl-C reaches them
+    # once, through our forwarding, not twice.
+    proc = subprocess.Popen(
+        [sys.executable, *target, *args.script_args], env=env, start_new_session=True,
+        stdout=stdout, stderr=stderr,
+    )
+    global_rank = args.node_rank * args.nproc + rank
+    worker = Worker(rank, proc, global_rank=global_rank, restarts=restarts)
+    for pipe, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+        if pipe is not None:
+            worker.outputs.append(RankOutput(global_rank, pipe, sink))
+    return worker
 
 
 def _supervise(workers: list[Worker], sigs: _Signals, grace: float, daemon: subprocess.Popen | None,
-               keep_going: bool = False) -> int:
+               keep_going: bool = False, restart: Callable[[Worker], Worker | None] | None = None) -> int:
     """Wait for all workers; on the first failure stop the rest (``keep_going``: report it and wait for
-    the others). Returns the launcher's exit code."""
+    the others; ``restart``: start a failed worker again, None once its restarts are spent).
+    Returns the launcher's exit code."""
     daemon_reported = False
-    reported: set[int] = set()
+    reported: set[int] = set()  # id() of the failed workers already dealt with
     while True:
         if sigs.received:
             stop_workers(workers, grace, None)  # the handler forwarded the signal already
@@ -347,10 +368,18 @@ def _supervise(workers: list[Worker], sigs: _Signals, grace: float, daemon: subp
         failed = sorted((w for w in workers if w.code not in (None, 0)), key=lambda w: w.exited_at or now)
         if keep_going:
             for w in failed:
-                if w.global_rank not in reported:
-                    reported.add(w.global_rank)
+                if id(w) in reported:
+                    continue
+                reported.add(id(w))
+                again = restart(w) if restart is not None and not sigs.received else None
+                if again is None:
                     print(f"commd launch: rank {w.global_rank} (pid {w.proc.pid}) {describe_exit(w.proc.returncode)}; "
                           "the others go on (--keep-going)", file=sys.stderr)
+                    continue
+                print(f"commd launch: rank {w.global_rank} (pid {w.proc.pid}) {describe_exit(w.proc.returncode)}; "
+                      f"started it again (restart {again.restarts}), pid {again.proc.pid}", file=sys.stderr)
+                workers[workers.index(w)] = again
+                sigs.replaced.append(w)
             if all(w.code is not None for w in workers):
                 return 0 if any(w.code == 0 for w in workers) else exit_code(failed[0].proc.returncode)
             failed = []
@@ -496,7 +525,12 @@ def run(args: argparse.Namespace) -> int:
         daemon = _start_or_reuse_daemon(args, paths, secret)
         if not sigs.received:
             _start_workers(args, job, port, sigs)
-        code = _supervise(sigs.workers, sigs, args.grace, daemon, args.keep_going)
+        def restart(worker: Worker) -> Worker | None:
+            if worker.restarts >= args.max_restarts:
+                return None
+            return _start_worker(args, job, port, worker.rank, worker.restarts + 1)
+
+        code = _supervise(sigs.workers, sigs, args.grace, daemon, args.keep_going, restart)
     except LaunchError as exc:
         print(f"commd launch: {exc}", file=sys.stderr)
     except OSError as exc:
@@ -504,7 +538,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         # Whatever happened above, no worker may outlive the launcher.
         stop_workers(sigs.workers, args.grace)
-        _drain_output(sigs.workers)
+        _drain_output(sigs.replaced + sigs.workers)
         if daemon is not None:
             daemon_code = stop_daemon(daemon)
             if daemon_code != 0:

@@ -31,6 +31,7 @@ from commd.observe.hooks import DaemonObservers
 from commd.observe.stats import Stats
 from commd.observe.trace import TraceError
 from commd.protocol import schema as s
+from commd.runtime import pid_alive
 from commd.scheduler.local import LocalScheduler
 
 log = logging.getLogger("commd.daemon")
@@ -163,6 +164,11 @@ class ControlIngress:
         rank = s.int_field(msg, "rank", 0, world_size - 1)
         local_rank = s.int_field(msg, "local_rank", 0, s.MAX_GROUP_SIZE)
         pid = s.int_field(msg, "pid", 1, 1 << 31)
+        for other in list(self.clients):
+            if other.rank == rank and not pid_alive(other.pid):
+                # a replacement (commd launch --max-restarts) may say hello before the watchdog's next
+                # look has freed the dead process's seat: free it now, failing what waited for it
+                self.drop_client(other, f"(pid {other.pid}) died", notify_peers=True)
         for other in self.clients:
             if other.rank == rank:
                 raise s.ProtocolError(f"rank {rank} is already connected (pid {other.pid})")
