@@ -55,6 +55,11 @@ _RENDEZVOUS_S = 300.0
 
 _client: Client | None = None
 _client_lock = threading.Lock()
+#: The store the job's first commd group was made with: every rank of the job shares it, a
+#: replacement process too (``job_store``).
+_job_store: dist.Store | None = None
+#: The commd name of the next group made (``named_group``); None: derived from torch's name.
+_next_group_name: str | None = None
 _group_generations: dict[str, int] = {}
 
 
@@ -749,14 +754,20 @@ def create_group(dist_opts: Any, backend_opts: Any) -> ProcessGroupCommd:
     rank, size = dist_opts.group_rank, dist_opts.group_size
     timeout = dist_opts.timeout
     global_ranks = list(dist_opts.global_ranks_in_group or range(size))
+    global _job_store
     if not dist.is_initialized() or _client is None:
         client = _bootstrap(store, rank, size, timeout)
+        _job_store = store
     else:
         client = _client
     base = str(dist_opts.group_id or "default")
-    generation = _group_generations.get(base, 0)
-    _group_generations[base] = generation + 1
-    name = f"g{base}.{generation}".replace(" ", "_")[:200]
+    if _next_group_name is not None and _job_store is not None:
+        name = f"n{_next_group_name}"
+        store = dist.PrefixStore(f"{_STORE_PREFIX}named/{_next_group_name}/", _job_store)
+    else:
+        generation = _group_generations.get(base, 0)
+        _group_generations[base] = generation + 1
+        name = f"g{base}.{generation}".replace(" ", "_")[:200]
     client.register_group(name, global_ranks)
     lane = getattr(backend_opts, "lane", None) if isinstance(backend_opts, Options) else None
     algo = backend_opts.algos if isinstance(backend_opts, Options) else None
@@ -768,6 +779,34 @@ def create_group(dist_opts: Any, backend_opts: Any) -> ProcessGroupCommd:
     group.ring = open_ring(client, store, name, rank, size, global_ranks, op_timeout_s(timeout),
                            lane or ("tcp" if algo and "all_reduce" in algo else None))
     return group
+
+
+def job_store() -> dist.Store:
+    """The store every rank of the job shares (the one its default group was made with), for
+    agreements beyond the groups' ops, such as commd.ft's membership."""
+    if _job_store is None:
+        raise RuntimeError("no commd group has been made in this process: call init_process_group('commd') first")
+    return _job_store
+
+
+@contextlib.contextmanager
+def named_group(name: str) -> Iterator[None]:
+    """The commd group that ``dist.new_group`` makes inside this block is called ``name``, on
+    every rank that makes it, and agrees through its own part of the job's store.
+
+    torch names a group made with ``use_local_synchronization`` after its ranks *and the number
+    of groups the process already has*, so a replacement process and the ranks that went on
+    without it would name one group differently, and never meet."""
+    global _next_group_name
+    if not name or len(name) > 120 or not all(c.isalnum() or c in "._-" for c in name):
+        raise ValueError(f"a group name must be 1-120 letters, digits, '.', '_' or '-', not {name!r}")
+    if _next_group_name is not None:
+        raise RuntimeError(f"named_group({name!r}) inside named_group({_next_group_name!r})")
+    _next_group_name = name
+    try:
+        yield
+    finally:
+        _next_group_name = None
 
 
 def _close_client() -> None:

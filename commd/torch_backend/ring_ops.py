@@ -68,7 +68,7 @@ def open_ring(client: Client, store: dist.Store, name: str, rank: int, size: int
             log.warning("group %s: no exchange ring, small all-reduces go through the daemon: %s", name, exc)
     store.set(_STORE_KEY.format(name=name, rank=rank), "1" if ring is not None else "0")
     got = read_from_ranks(store, lambda r: _STORE_KEY.format(name=name, rank=r), range(size),
-                          "whether they got the group's exchange ring")
+                          "whether they got the group's exchange ring", timeout)
     if all(value == b"1" for value in got):
         assert ring is not None
         ring.take_number = client.numbering(name)

@@ -11,25 +11,30 @@ names the ranks that never wrote their part and what it was, as a StoreError (a
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 
 import torch.distributed as dist
 
 from commd.client.errors import CommdError, StoreError
 
 
-def read_from_ranks(store: dist.Store, key_of: Callable[[int], str], ranks: Sequence[int], what: str) -> list[bytes]:
-    """The value each of ``ranks`` wrote under ``key_of(rank)``, waiting for it as the store does.
+def read_from_ranks(store: dist.Store, key_of: Callable[[int], str], ranks: Sequence[int], what: str,
+                    timeout: float | None = None) -> list[bytes]:
+    """The value each of ``ranks`` wrote under ``key_of(rank)``, waiting for it as the store does,
+    or at most ``timeout`` seconds for all of them.
 
     ``what``: what the ranks write ("their node name"), for the error."""
     values: list[bytes] = []
     for rank in ranks:
         try:
+            if timeout is not None:
+                store.wait([key_of(rank)], timedelta(seconds=timeout))
             values.append(store.get(key_of(rank)))
         except CommdError:
             raise
         except RuntimeError as exc:  # torch's store errors: DistStoreError, DistNetworkError, RuntimeError
             raise StoreError(f"commd bootstrap: {_absent(store, key_of, ranks)} did not write {what} to the "
-                             f"c10d store (the store's timeout is {_timeout_s(store)}): {exc}") from exc
+                             f"c10d store (waited {_timeout_s(store) if timeout is None else f'{timeout:.1f}s'}): {exc}") from exc
     return values
 
 
