@@ -1,0 +1,73 @@
+"""commd.ft: a lost rank started again by `commd launch --max-restarts` rejoins the running job.
+
+Four ranks train under the guard; rank 1 SIGKILLs itself at step 3.  The survivors go on with
+three ranks; the launcher starts rank 1 again, its guard asks to come back, and the survivors take
+it in at the end of a step, sending it the model and optimizer state through the daemons.  Every
+rank, the replacement too, must end with the same bits, equal to a single-process model trained
+on the same batches with that membership: four ranks, then three, then four again.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from ft_workers import LR, MOMENTUM, batch, loss_of, mlp
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).resolve().parent / "scripts" / "ft_rejoin_worker.py"
+WORLD, VICTIM, FAIL_STEP, STEPS = 4, 1, 3, 14
+
+
+def reference(steps: int, members_at: dict[int, list[int]]) -> list[torch.Tensor]:
+    """One process; step s averages the gradients of the ranks ``members_at`` gives for the latest
+    step at or before s, as DDP does over its group."""
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    for step in range(steps):
+        ranks = members_at[max(s for s in members_at if s <= step)]
+        grads = [torch.zeros_like(p) for p in model.parameters()]
+        for rank in ranks:
+            model.zero_grad()
+            loss_of(model, batch(step, rank)).backward()
+            for total, p in zip(grads, model.parameters(), strict=True):
+                total += p.grad / len(ranks)
+        for p, g in zip(model.parameters(), grads, strict=True):
+            p.grad = g
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.timeout(300)
+def test_a_restarted_rank_rejoins_and_the_job_trains_as_one_process_would(backend_env: Path, tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "commd", "launch", "--max-restarts", "1", "--nproc-per-node", str(WORLD),
+         str(WORKER), str(tmp_path), str(VICTIM), str(FAIL_STEP), str(STEPS)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert f"rank {VICTIM} (pid " in proc.stderr and "started it again (restart 1)" in proc.stderr, proc.stderr[-3000:]
+    names = sorted(path.name for path in tmp_path.glob("*.pt"))
+    assert names == ["rank0.pt", "rank1.restart1.pt", "rank2.pt", "rank3.pt"], (names, proc.stderr[-3000:])
+    results = {int(name[4]): torch.load(tmp_path / name) for name in names}
+    survivors = [r for r in range(WORLD) if r != VICTIM]
+    back_at = results[VICTIM]["first_step"]
+    assert FAIL_STEP < back_at < STEPS, back_at
+    for rank, out in results.items():
+        assert out["steps"] == STEPS and tuple(out["ranks"]) == tuple(range(WORLD)), (rank, out)
+        (epoch, step, joined, members, seconds, state_bytes), = out["joins"]
+        assert (epoch, step, joined, members) == (2, back_at, (VICTIM,), tuple(range(WORLD))), (rank, out["joins"])
+        assert seconds < 60 and state_bytes > sum(p.numel() * 4 for p in out["params"]), (rank, out["joins"])
+    for rank in survivors:
+        assert results[rank]["recoveries"] == [(FAIL_STEP, (VICTIM,), tuple(survivors))], results[rank]
+    assert results[VICTIM]["recoveries"] == []
+    expected = reference(STEPS, {0: list(range(WORLD)), FAIL_STEP: survivors, back_at: list(range(WORLD))})
+    for rank, out in results.items():
+        for got, want in zip(out["params"], expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m, r=rank: f"rank {r}: {m}")
+        # every rank, the replacement too, holds the same bits
+        assert all(torch.equal(a, b) for a, b in zip(out["params"], results[0]["params"], strict=True)), rank
