@@ -317,6 +317,9 @@ class Guard:
                 status = query_status(paths, timeout=max(0.1, min(5.0, deadline - time.monotonic())))
             except StatusError as exc:
                 raise UnrecoverableError(f"cannot read this node's daemon to learn which ranks are gone: {exc}") from None
+            cut_off = (status.get("fabric") or {}).get("broken")
+            if cut_off:  # the job's coordinator went on without this node, or is itself gone
+                raise UnrecoverableError(f"rank {dist.get_rank()}'s node is cut off from the job: {cut_off}")
             # (a dead node's ranks are listed too: the daemon marks them gone with it)
             gone = {int(rank) for rank in (status.get("membership") or {}).get("gone_ranks") or {}}
             gone &= set(self.ranks)

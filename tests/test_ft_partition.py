@@ -1,0 +1,56 @@
+"""commd.ft when a node's daemon stops (SIGSTOP) for longer than the peer timeout and then runs on.
+
+The other node's daemon counts that node dead; its ranks go on without the stopped node's ranks.
+When the stopped daemon runs again, its ranks must not go on as a second copy of the job (a split
+brain that trains two diverged models): they fail loudly, naming why.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from ft_workers import reference
+
+STEPS, PAUSE_STEP = 6, 3
+PEER_TIMEOUT_S = 2.0
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+def test_a_node_stopped_past_the_peer_timeout_is_left_behind_and_never_trains_a_second_copy(cluster) -> None:
+    import ft_partition_workers as pw
+    from cluster import free_port
+
+    c = cluster(2, 2, peer_timeout=PEER_TIMEOUT_S, op_timeout=30.0)
+    paused = [2, 3]
+    workers = c.start_workers(pw.train_through_a_pause, free_port(), STEPS, PAUSE_STEP, paused)
+    for rank in paused:
+        workers[1].wait_event(rank, "at pause step")
+    daemon = c.daemon_pid(1)
+    os.kill(daemon, signal.SIGSTOP)
+    try:
+        for rank in paused:
+            workers[1].send(rank, "go")
+        results = workers[0].join(timeout=120)
+    finally:
+        time.sleep(3 * PEER_TIMEOUT_S)
+        os.kill(daemon, signal.SIGCONT)
+        resumed = time.monotonic()
+    late = workers[1].join(timeout=120)
+    ended = time.monotonic() - resumed
+    survivors = [0, 1]
+    expected = reference(STEPS, 4, PAUSE_STEP, survivors)
+    for rank, out in results.items():
+        assert "error" not in out, (rank, out)
+        assert [tuple(r[:3]) for r in out["recoveries"]] == [(PAUSE_STEP, (2, 3), (0, 1))], out["recoveries"]
+        for got, want in zip(out["params"], expected, strict=True):
+            torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)
+    for rank, out in late.items():
+        assert "error" in out, f"rank {rank} of the stopped node trained on: {out.get('recoveries')}"
+        assert out["error"].startswith(f"UnrecoverableError: rank {rank}'s node is cut off from the job: the "
+                                       "coordinator (node 0, n0) declared this node dead"), out["error"]
+    assert ended < 20, f"the stopped node's ranks took {ended:.1f}s after it ran again to fail"
