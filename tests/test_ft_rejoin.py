@@ -16,30 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from ft_workers import LR, MOMENTUM, batch, loss_of, mlp
+from ft_reference import reference_with_members
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "scripts" / "ft_rejoin_worker.py"
 WORLD, VICTIM, FAIL_STEP, STEPS = 4, 1, 3, 14
-
-
-def reference(steps: int, members_at: dict[int, list[int]]) -> list[torch.Tensor]:
-    """One process; step s averages the gradients of the ranks ``members_at`` gives for the latest
-    step at or before s, as DDP does over its group."""
-    model = mlp()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    for step in range(steps):
-        ranks = members_at[max(s for s in members_at if s <= step)]
-        grads = [torch.zeros_like(p) for p in model.parameters()]
-        for rank in ranks:
-            model.zero_grad()
-            loss_of(model, batch(step, rank)).backward()
-            for total, p in zip(grads, model.parameters(), strict=True):
-                total += p.grad / len(ranks)
-        for p, g in zip(model.parameters(), grads, strict=True):
-            p.grad = g
-        optimizer.step()
-    return [p.detach().clone() for p in model.parameters()]
 
 
 @pytest.mark.timeout(300)
@@ -65,7 +46,7 @@ def test_a_restarted_rank_rejoins_and_the_job_trains_as_one_process_would(backen
     for rank in survivors:
         assert results[rank]["recoveries"] == [(FAIL_STEP, (VICTIM,), tuple(survivors))], results[rank]
     assert results[VICTIM]["recoveries"] == []
-    expected = reference(STEPS, {0: list(range(WORLD)), FAIL_STEP: survivors, back_at: list(range(WORLD))})
+    expected = reference_with_members(STEPS, {0: list(range(WORLD)), FAIL_STEP: survivors, back_at: list(range(WORLD))})
     for rank, out in results.items():
         for got, want in zip(out["params"], expected, strict=True):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m, r=rank: f"rank {r}: {m}")

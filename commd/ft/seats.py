@@ -1,32 +1,10 @@
-"""commd.ft: a DDP training loop that goes on when a rank dies, and takes a replacement back in.
+"""The membership of a guarded training loop: who runs, who is gone, who comes back.
 
-A :class:`Guard` runs each training step in three parts: the user's forward and backward,
-a *commit* (one tiny all-reduce: every rank of the group got through its backward), then
-the optimizer step.  A rank that dies before the commit fails the step on every survivor
-before any of them has stepped its optimizer, so the survivors still hold the same
-parameters and optimizer state.  The guard then:
-
-1. reads from its node daemon which ranks are gone (``commd status``'s ``membership``:
-   each daemon hears of a dead rank within ~0.1 s, of a dead node within the peer timeout);
-2. builds a group of the survivors (``new_group(..., use_local_synchronization=True)``:
-   only they take part) and checks that every survivor saw the same losses (one MAX
-   all-reduce of the gone ranks; a survivor that saw more makes all of them go again
-   without those ranks, so a second failure during recovery converges or runs out of time);
-3. wraps the same module in DDP on the new group (which broadcasts the lowest survivor's
-   parameters) and checks that the optimizer states agree; then redoes the failed step.
-
-A *replacement*, the same rank started again (``commd launch --max-restarts``), finds in the
-job's store that the job went on without it, asks to be taken in, and waits.  The survivors
-see the request in a commit (the lowest survivor reads the store; the commit's MAX tells the
-others), finish that step, and at its end build a group with the replacement, send it the
-model and optimizer state (broadcasts through the daemons, no checkpoint), and go on at the
-full size.
-
-Anything the guard cannot carry the job past (this rank not among the survivors, too few
-left, the survivors disagreeing past the deadline, the job's store gone with the failed
-rank) raises :class:`UnrecoverableError` on every survivor.  Only peer deaths
-(:class:`PeerDiedError`, also inside DDP's errors) are recovered; any other error of the
-step propagates unchanged.
+``Seats`` holds what every guard shares, whatever model it keeps: the step with its commit, the
+recovery when a rank dies (learn who is gone from the node daemon, agree on the survivors, rebuild,
+redo the step), the admission of replacements at a step boundary, and what they leave in the job's
+store.  A guard (``ddp.Guard``, ``hsdp.ShardedGuard``) says how its model is rebuilt on a new set of
+ranks, how state reaches a replacement, and which ranks go on after a loss.
 """
 
 from __future__ import annotations
@@ -46,7 +24,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from commd.client.errors import CommdError, PeerDiedError, UnrecoverableError
 from commd.client.status import StatusError, query_status
@@ -80,14 +57,14 @@ class Recovery:
 
 @dataclass(frozen=True)
 class Join:
-    """Replacement ranks taken back in at a step boundary."""
+    """Ranks taken back in at a step boundary."""
 
     epoch: int  # the membership epoch it started
     step: int  # the first step the enlarged group runs
-    joined: tuple[int, ...]  # the replacements' global ranks
+    joined: tuple[int, ...]  # the global ranks taken back in
     members: tuple[int, ...]  # the group's global ranks from now on
-    seconds: float  # on a running rank: its stall; on the replacement: from asking to be taken in
-    state_bytes: int  # model and optimizer state sent to the replacements
+    seconds: float  # on a running rank: its stall; on one taken in: from asking to be taken in
+    state_bytes: int  # model and optimizer state this rank sent or received
 
 
 def is_peer_failure(exc: BaseException) -> bool:
@@ -102,7 +79,7 @@ def is_peer_failure(exc: BaseException) -> bool:
     return False
 
 
-def _restart_count() -> int:
+def restart_count() -> int:
     """How often ``commd launch --max-restarts`` started this rank before (0: a first start)."""
     text = os.environ.get("COMMD_RESTART_COUNT", "0")
     if not text.isdigit():
@@ -110,7 +87,7 @@ def _restart_count() -> int:
     return int(text)
 
 
-def _store_prefix() -> str:
+def store_prefix() -> str:
     """The guard's keys in the job's store.  Under torchrun, whose restarts start every rank
     again, each round of the job keeps its own (a restarted job is not a replacement)."""
     if "COMMD_RESTART_COUNT" in os.environ:
@@ -118,56 +95,110 @@ def _store_prefix() -> str:
     return f"commd.ft/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 
 
-class Guard:
-    """Runs training steps of a DDP model so that the survivors go on when a rank dies, and a
-    replacement of a lost rank rejoins.
+def new_group(members: list[int], tag: str, timeout: float) -> Any:
+    """A group of ``members`` named alike on each of them (a replacement has made fewer groups
+    than the ranks that went on, so torch's own names would differ)."""
+    digest = zlib.crc32(",".join(map(str, members)).encode())
+    with named_group(f"ft.{tag}.{digest:08x}"):
+        return dist.new_group(members, timeout=timedelta(seconds=timeout), use_local_synchronization=True)
 
-    ``model``: a module (the guard wraps it in DDP on the default group, or joins it to the running
-    job if this process replaces a lost rank) or a ``DistributedDataParallel`` on a ``commd`` group
-    (no rejoining then: its constructor already needed every rank); ``ddp_kwargs``: the DDP options;
-    ``min_ranks``: fewer survivors than this is unrecoverable.
-    """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-                 ddp_kwargs: dict[str, Any] | None = None, min_ranks: int = 1,
-                 recover_timeout: float = RECOVER_TIMEOUT_S, join_timeout: float = JOIN_TIMEOUT_S) -> None:
-        if isinstance(model, DistributedDataParallel):
-            group, module = model.process_group, model.module
-        elif isinstance(model, torch.nn.Module):
-            group, module = dist.group.WORLD, model
-        else:
-            raise TypeError(f"commd.ft.Guard needs a torch module or a DistributedDataParallel, not {type(model).__name__}")
-        if dist.get_backend(group) != "commd":
-            raise ValueError(f"commd.ft.Guard needs a model on a 'commd' group, not {dist.get_backend(group)!r}")
+def agree_equal(digest: int, group: Any, members: list[int], what: str) -> None:
+    """Every rank of ``group`` holds the same ``digest`` (one MAX all-reduce of it and its
+    negation), else UnrecoverableError: going on would train diverged copies."""
+    both = torch.tensor([digest, -digest], dtype=torch.int64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    if int(both[0]) != digest or -int(both[1]) != digest:
+        raise UnrecoverableError(f"the ranks {members} hold different {what} after the membership changed; "
+                                 "going on would train diverged copies")
+
+
+def tensor_digest(tensors: list[torch.Tensor], digest: int = 0) -> int:
+    for tensor in tensors:
+        digest = zlib.crc32(tensor.detach().cpu().contiguous().numpy().tobytes(), digest)
+    return digest
+
+
+def broadcast_bytes(payload: bytes, source: int, group: Any) -> bytes:
+    """``source``'s ``payload`` on every rank of ``group`` (two broadcasts: the size, the bytes)."""
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    dist.broadcast(size, src=source, group=group)
+    if dist.get_rank() == source:
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
+    else:
+        data = torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(data, src=source, group=group)
+    return payload if dist.get_rank() == source else data.numpy().tobytes()
+
+
+def to_bytes(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def from_bytes(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+class Seats:
+    """The membership protocol of a guard; subclasses keep the model (see the module doc)."""
+
+    #: what a subclass rebuilds and keeps: set by ``_install``
+    model: Any
+    optimizer: torch.optim.Optimizer
+
+    def __init__(self, seats: tuple[int, ...], group: Any, *, min_ranks: int, recover_timeout: float,
+                 join_timeout: float) -> None:
         if min_ranks < 1 or recover_timeout <= 0 or join_timeout <= 0:
             raise ValueError("min_ranks must be >= 1, recover_timeout and join_timeout > 0 "
                              f"(got {min_ranks}, {recover_timeout}, {join_timeout})")
-        self.optimizer = optimizer
-        self.ddp_kwargs = dict(ddp_kwargs or {})
         self.min_ranks = min_ranks
         self.recover_timeout = recover_timeout
         self.join_timeout = join_timeout
         #: The group's ranks at the start: a lost one may come back.
-        self.seats: tuple[int, ...] = tuple(dist.get_process_group_ranks(group))
-        self.ranks: tuple[int, ...] = self.seats
+        self.seats: tuple[int, ...] = seats
+        #: The ranks that run now.
+        self.ranks: tuple[int, ...] = seats
         self.group = group
         self.steps = 0
         self.membership_epoch = 0
         self.recoveries: list[Recovery] = []
         self.joins: list[Join] = []
         self._me = dist.get_rank()
-        self._prefix = _store_prefix()
+        self._prefix = store_prefix()
         self._store = job_store()
         atexit.register(self._mark_ended)
-        if isinstance(model, DistributedDataParallel):
-            self.model = model
-            return
-        admission = self._admission()
-        if admission is None:
-            self.model = DistributedDataParallel(module, process_group=group, **self.ddp_kwargs)
-        else:
-            self._join(module, admission)
 
+    # ---- what a guard says about its model ---------------------------------------------
+    def _survivors(self, known: set[int]) -> list[int]:
+        """The ranks that go on when ``known`` are gone."""
+        return [rank for rank in self.ranks if rank not in known]
+
+    def _left_out(self, known: set[int]) -> None:
+        """This rank is alive but not among the survivors: raise."""
+        raise UnrecoverableError(f"rank {self._me} is counted among the lost ranks {sorted(known)}")
+
+    def _on_give_up(self, error: UnrecoverableError) -> None:
+        """This rank gives up with ``error`` (reported already)."""
+
+    def _joinable(self, asking: list[int]) -> list[int]:
+        """Which of the ranks ``asking`` to come back can be taken in now."""
+        return asking
+
+    def _rebuild(self, group: Any, members: list[int], joining: list[int], tag: str) -> tuple[Any, int]:
+        """The model on ``members`` (``group``: all of them, made under ``tag``), state sent to
+        ``joining`` first; returns what ``_install`` takes and the bytes of state sent or received."""
+        raise NotImplementedError
+
+    def _install(self, built: Any) -> None:
+        raise NotImplementedError
+
+    def _check_states(self, built: Any, group: Any, members: list[int]) -> None:
+        """The members must hold the same state where they should (else UnrecoverableError)."""
+        raise NotImplementedError
+
+    # ---- the step ------------------------------------------------------------------------
     @property
     def epoch(self) -> int:
         """How many failures this guard has carried the job past."""
@@ -183,7 +214,7 @@ class Guard:
             try:
                 self.optimizer.zero_grad(set_to_none=True)
                 result = fn(self.model, *args, **kwargs)
-                joiners = self._commit()
+                asking = self._commit()
             except Exception as exc:
                 if not is_peer_failure(exc):
                     raise
@@ -191,6 +222,7 @@ class Guard:
                 continue
             self.optimizer.step()
             self.steps += 1
+            joiners = self._joinable(asking)
             if joiners:
                 self._take_in(joiners)
             return result
@@ -218,20 +250,11 @@ class Guard:
                 raise
             self._recover_or_report(exc, time.monotonic(), time.time())
             return []
-        joiners = [rank for i, rank in enumerate(empty) if flags[i]]
+        joiners = self._joinable([rank for i, rank in enumerate(empty) if flags[i]])
         if joiners:
             self._take_in(joiners)
         return [rank for rank in joiners if rank in self.ranks]
 
-    def _report(self, event: str, epoch: int, gone: tuple[int, ...], seconds: float, why: str | None = None) -> None:
-        """What the guard did, for ``commd status``, the metrics and the trace (never fails the step)."""
-        try:
-            current_client().report_membership(event, epoch=epoch, gone=list(gone), members=list(self.ranks),
-                                               seconds=seconds, step=self.steps, why=why)
-        except (CommdError, ValueError) as exc:
-            log.warning("commd.ft: could not report %s to the daemon: %s", event, exc)
-
-    # ---- the commit ------------------------------------------------------------------
     def _commit(self) -> list[int]:
         """Every rank of the group got through its backward.  While seats are empty, it also says
         which replacements asked to come back (the lowest rank reads the store; MAX tells all)."""
@@ -241,24 +264,33 @@ class Guard:
             return []
         flags = torch.zeros(1 + len(empty), dtype=torch.int32)
         flags[0] = 1
-        if dist.get_rank() == self.ranks[0]:
+        if self._me == self.ranks[0]:
             for i, rank in enumerate(empty):
                 flags[1 + i] = int(self._store.check([self._key(f"join/{rank}")]))
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         return [rank for i, rank in enumerate(empty) if flags[1 + i]]
 
-    # ---- recovery --------------------------------------------------------------------
+    def _report(self, event: str, epoch: int, gone: tuple[int, ...], seconds: float, why: str | None = None) -> None:
+        """What the guard did, for ``commd status``, the metrics and the trace (never fails the step)."""
+        try:
+            current_client().report_membership(event, epoch=epoch, gone=list(gone), members=list(self.ranks),
+                                               seconds=seconds, step=self.steps, why=why)
+        except (CommdError, ValueError) as exc:
+            log.warning("commd.ft: could not report %s to the daemon: %s", event, exc)
+
+    # ---- recovery ------------------------------------------------------------------------
     def _recover_or_report(self, error: BaseException, started: float, wall: float,
                            also_gone: set[int] | None = None) -> None:
         try:
             self._recover(error, started, wall, also_gone)
         except UnrecoverableError as exc:
             self._report("gave_up", self.membership_epoch + 1, (), time.monotonic() - started, str(exc))
+            self._on_give_up(exc)
             raise
 
-    def _recover(self, error: BaseException, started: float, wall: float, also_gone: set[int] | None = None) -> None:
+    def _recover(self, error: BaseException, started: float, wall: float, also_gone: set[int] | None) -> None:
         deadline = started + self.recover_timeout
-        me = dist.get_rank()
+        me = self._me
         known: set[int] = set(also_gone or ())
         last: BaseException = error
         epoch = self.membership_epoch + 1
@@ -270,21 +302,22 @@ class Guard:
                     f"rank {me}: the survivors of group {list(self.ranks)} did not settle on a group within "
                     f"{self.recover_timeout:.0f}s (ranks known gone: {sorted(known)}); last error: {last}")
             known |= self._wait_gone(deadline, bool(known))
-            survivors = [r for r in self.ranks if r not in known]
+            survivors = self._survivors(known)
             if me not in survivors:
-                raise UnrecoverableError(f"rank {me} is counted among the lost ranks {sorted(known)}")
+                self._left_out(known)
             if len(survivors) < self.min_ranks:
                 raise UnrecoverableError(f"{len(survivors)} of {len(self.ranks)} ranks survive (ranks {survivors}); "
                                          f"the guard needs at least {self.min_ranks}")
             attempt = attempts[tuple(survivors)] = attempts.get(tuple(survivors), -1) + 1
             try:
-                group = self._new_group(survivors, f"r{epoch}.{attempt}", min(left, ATTEMPT_TIMEOUT_S))
+                tag = f"r{epoch}.{attempt}"
+                group = new_group(survivors, tag, min(left, ATTEMPT_TIMEOUT_S))
                 seen = self._union_of_views(group, known)
                 if seen - known:  # another survivor knows of more losses: all go again without them
                     known |= seen
                     continue
-                model = DistributedDataParallel(self.model.module, process_group=group, **self.ddp_kwargs)
-                self._check_optimizer_states(group, survivors)
+                built, _ = self._rebuild(group, survivors, [], tag)
+                self._check_states(built, group, survivors)
             except UnrecoverableError:
                 raise
             except Exception as exc:  # a second failure during recovery, or a survivor not there yet
@@ -297,7 +330,8 @@ class Guard:
             break
         # (a replacement that died while it was taken in was never among self.ranks)
         gone = tuple(sorted({r for r in self.ranks if r not in survivors} | set(also_gone or ())))
-        self.model, self.group, self.ranks = model, group, tuple(survivors)
+        self._install(built)
+        self.group, self.ranks = group, tuple(survivors)
         self.membership_epoch = epoch
         self._publish(epoch)
         recovery = Recovery(epoch, self.steps, gone, self.ranks, time.monotonic() - started,
@@ -319,7 +353,7 @@ class Guard:
                 raise UnrecoverableError(f"cannot read this node's daemon to learn which ranks are gone: {exc}") from None
             cut_off = (status.get("fabric") or {}).get("broken")
             if cut_off:  # the job's coordinator went on without this node, or is itself gone
-                raise UnrecoverableError(f"rank {dist.get_rank()}'s node is cut off from the job: {cut_off}")
+                raise UnrecoverableError(f"rank {self._me}'s node is cut off from the job: {cut_off}")
             # (a dead node's ranks are listed too: the daemon marks them gone with it)
             gone = {int(rank) for rank in (status.get("membership") or {}).get("gone_ranks") or {}}
             gone &= set(self.ranks)
@@ -335,71 +369,20 @@ class Guard:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
         return {rank for rank in range(len(flags)) if flags[rank]}
 
-    def _check_optimizer_states(self, group: Any, members: list[int]) -> None:
-        """The members' optimizer states must be equal (DDP made the parameters so): a survivor
-        that had stepped where another had not would diverge silently."""
-        digest = 0
-        for state in self.optimizer.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor):
-                    digest = zlib.crc32(value.detach().cpu().contiguous().numpy().tobytes(), digest)
-        both = torch.tensor([digest, -digest], dtype=torch.int64)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-        if int(both[0]) != digest or -int(both[1]) != digest:
-            raise UnrecoverableError(f"the ranks {members} hold different optimizer states after the membership "
-                                     "changed; going on would train diverged copies")
-
-    # ---- replacements ----------------------------------------------------------------
+    # ---- coming back -----------------------------------------------------------------------
     def _key(self, name: str) -> str:
         return self._prefix + name
-
-    def _new_group(self, members: list[int], tag: str, timeout: float) -> Any:
-        """A group of ``members`` named alike on each of them (a replacement has made fewer groups
-        than the ranks that went on, so torch's own names would differ)."""
-        digest = zlib.crc32(",".join(map(str, members)).encode())
-        with named_group(f"ft.{tag}.{digest:08x}"):
-            return dist.new_group(members, timeout=timedelta(seconds=timeout), use_local_synchronization=True)
 
     def _publish(self, epoch: int) -> None:
         """The lowest member writes the group's membership into the job's store, where a
         replacement learns that the job went on without it."""
-        if dist.get_rank() == self.ranks[0]:
+        if self._me == self.ranks[0]:
             self._store.set(self._key("members"), json.dumps({"epoch": epoch, "members": list(self.ranks)}))
 
-    def _admission(self) -> dict[str, Any] | None:
-        """None for a rank of a job that never lost it; else, for a replacement, what the running
-        ranks wrote when they took it in (it asks, then waits for them)."""
-        me = dist.get_rank()
-        restarted = _restart_count() > 0
-        deadline = time.monotonic() + self.recover_timeout
-        while True:
-            members = self._members()
-            if members is not None and me not in members:
-                break
-            # a restarted rank may start before the others have gone on without it: wait for that
-            if not restarted:
-                return None
-            if time.monotonic() >= deadline:
-                raise UnrecoverableError(f"rank {me} was started again, but the running ranks did not go on without "
-                                         f"it within {self.recover_timeout:.0f}s (members: {members})")
-            time.sleep(POLL_S * 5)
-        asked = time.monotonic()
-        self._store.delete_key(self._key(f"admit/{me}"))  # an earlier replacement's, if any
-        self._store.set(self._key(f"join/{me}"), str(os.getpid()))
-        log.warning("commd.ft: rank %d replaces a lost rank; asked the running ranks %s to take it in", me, members)
-        deadline = asked + self.join_timeout
-        while not self._store.check([self._key(f"admit/{me}")]):
-            if self._store.check([self._key("ended")]):
-                raise UnrecoverableError(f"rank {me}: the running ranks {members} finished (rank "
-                                         f"{self._store.get(self._key('ended')).decode()} exited) before they took "
-                                         "this replacement in")
-            if time.monotonic() >= deadline:
-                raise UnrecoverableError(f"rank {me}: the running ranks {members} did not take this replacement in "
-                                         f"within {self.join_timeout:.0f}s")
-            time.sleep(POLL_S * 5)
-        admission = json.loads(self._store.get(self._key(f"admit/{me}")))
-        admission["asked"] = asked
-        return admission
+    def _members(self) -> list[int] | None:
+        if not self._store.check([self._key("members")]):
+            return None
+        return list(json.loads(self._store.get(self._key("members")))["members"])
 
     def _mark_ended(self) -> None:
         """At this process's normal exit: a replacement still waiting to be taken in stops waiting."""
@@ -410,94 +393,97 @@ class Guard:
         except Exception:  # noqa: BLE001 - the store may be gone with the job; nothing is waiting then
             pass
 
-    def _members(self) -> list[int] | None:
-        if not self._store.check([self._key("members")]):
-            return None
-        return list(json.loads(self._store.get(self._key("members")))["members"])
+    def _replacement(self) -> dict[str, Any] | None:
+        """None for a rank of a job that never lost it; else, for a replacement, what the running
+        ranks wrote when they took it in (it asks, then waits for them)."""
+        restarted = restart_count() > 0
+        deadline = time.monotonic() + self.recover_timeout
+        while True:
+            members = self._members()
+            if members is not None and self._me not in members:
+                break
+            # a restarted rank may start before the others have gone on without it: wait for that
+            if not restarted:
+                return None
+            if time.monotonic() >= deadline:
+                raise UnrecoverableError(f"rank {self._me} was started again, but the running ranks did not go on "
+                                         f"without it within {self.recover_timeout:.0f}s (members: {members})")
+            time.sleep(POLL_S * 5)
+        log.warning("commd.ft: rank %d replaces a lost rank; asks the running ranks %s to take it in", self._me, members)
+        return self._await_admission(members)
 
-    def _join(self, module: torch.nn.Module, admission: dict[str, Any]) -> None:
-        """This replacement joins the running ranks: the group, then the state, then DDP."""
-        me = dist.get_rank()
-        epoch, members, source = int(admission["epoch"]), list(admission["members"]), int(admission["source"])
+    def _await_admission(self, members: list[int] | None) -> dict[str, Any]:
+        """Ask to be taken in (a key in the job's store) and wait until the running ranks do."""
+        me = self._me
+        asked = time.monotonic()
+        self._store.delete_key(self._key(f"admit/{me}"))  # an earlier admission's, if any
+        self._store.set(self._key(f"join/{me}"), str(os.getpid()))
+        deadline = asked + self.join_timeout
+        while not self._store.check([self._key(f"admit/{me}")]):
+            if self._store.check([self._key("ended")]):
+                raise UnrecoverableError(f"rank {me}: the running ranks {members} finished (rank "
+                                         f"{self._store.get(self._key('ended')).decode()} exited) before they took "
+                                         "this rank back in")
+            if time.monotonic() >= deadline:
+                raise UnrecoverableError(f"rank {me}: the running ranks {members} did not take this rank back in "
+                                         f"within {self.join_timeout:.0f}s")
+            time.sleep(POLL_S * 5)
+        admission = json.loads(self._store.get(self._key(f"admit/{me}")))
+        admission["asked"] = asked
+        return admission
+
+    def _join(self, admission: dict[str, Any]) -> None:
+        """This rank, taken back in, joins the running ranks: the group, the state, the model."""
+        me = self._me
+        epoch, members = int(admission["epoch"]), list(admission["members"])
+        joined = [int(rank) for rank in admission["joined"]]
         try:
-            group = self._new_group(members, f"j{epoch}", ATTEMPT_TIMEOUT_S)
-            sent = self._transfer_state(group, module, source)
-            model = DistributedDataParallel(module, process_group=group, **self.ddp_kwargs)
-            self._check_optimizer_states(group, members)
+            group = new_group(members, f"j{epoch}", ATTEMPT_TIMEOUT_S)
+            built, moved = self._rebuild(group, members, joined, f"j{epoch}")
+            self._check_states(built, group, members)
         except UnrecoverableError:
             raise
         except Exception as exc:
-            raise UnrecoverableError(f"rank {me}: taking this replacement in failed ({type(exc).__name__}: {exc}); "
+            raise UnrecoverableError(f"rank {me}: taking this rank back in failed ({type(exc).__name__}: {exc}); "
                                      "it can be started again") from exc
-        self.model, self.group, self.ranks = model, group, tuple(members)
+        self._install(built)
+        self.group, self.ranks = group, tuple(members)
         self.steps, self.membership_epoch = int(admission["step"]), epoch
-        joined = tuple(int(rank) for rank in admission["joined"])
-        self.joins.append(Join(epoch, self.steps, joined, self.ranks, time.monotonic() - admission["asked"], sent))
+        self.joins.append(Join(epoch, self.steps, tuple(joined), self.ranks, time.monotonic() - admission["asked"],
+                               moved))
         self._report("joined", epoch, (), self.joins[-1].seconds)
         log.warning("commd.ft: rank %d rejoined the job at step %d; %d ranks %s (%d bytes of state)",
-                    me, self.steps, len(members), members, sent)
+                    me, self.steps, len(members), members, moved)
 
     def _take_in(self, joiners: list[int]) -> None:
-        """At a step boundary: the replacements ``joiners`` come back (this rank runs on)."""
+        """At a step boundary: the ranks ``joiners`` come back (this rank runs on)."""
         started = time.monotonic()
-        me = dist.get_rank()
         epoch = self.membership_epoch + 1
         members = sorted({*self.ranks, *joiners})
-        source = self.ranks[0]
-        if me == source:
-            admission = json.dumps({"epoch": epoch, "members": members, "step": self.steps,
-                                    "source": source, "joined": joiners})
+        if self._me == self.ranks[0]:
+            admission = json.dumps({"epoch": epoch, "members": members, "step": self.steps, "joined": joiners})
             for rank in joiners:
                 self._store.delete_key(self._key(f"join/{rank}"))
                 self._store.set(self._key(f"admit/{rank}"), admission)
         try:
-            group = self._new_group(members, f"j{epoch}", ATTEMPT_TIMEOUT_S)
-            sent = self._transfer_state(group, self.model.module, source)
-            model = DistributedDataParallel(self.model.module, process_group=group, **self.ddp_kwargs)
-            self._check_optimizer_states(group, members)
+            group = new_group(members, f"j{epoch}", ATTEMPT_TIMEOUT_S)
+            built, moved = self._rebuild(group, members, joiners, f"j{epoch}")
+            self._check_states(built, group, members)
         except UnrecoverableError:
             raise
         except Exception as exc:
             if not is_peer_failure(exc) and not isinstance(exc, (CommdError, RuntimeError)):
                 raise
-            # the step is done on every running rank: go on without the replacements (and whoever else died)
-            log.warning("commd.ft: rank %d: taking in %s failed (%s); going on without them", me, joiners, exc)
+            # the step is done on every running rank: go on without the joiners (and whoever else died)
+            log.warning("commd.ft: rank %d: taking in %s failed (%s); going on without them", self._me, joiners, exc)
             self.membership_epoch = epoch
             self._recover_or_report(exc, time.monotonic(), time.time(), also_gone=set(joiners))
             return
-        self.model, self.group, self.ranks = model, group, tuple(members)
+        self._install(built)
+        self.group, self.ranks = group, tuple(members)
         self.membership_epoch = epoch
         self._publish(epoch)
-        self.joins.append(Join(epoch, self.steps, tuple(joiners), self.ranks, time.monotonic() - started, sent))
+        self.joins.append(Join(epoch, self.steps, tuple(joiners), self.ranks, time.monotonic() - started, moved))
         self._report("joined", epoch, (), self.joins[-1].seconds)
         log.warning("commd.ft: rank %d: took ranks %s back in; %d ranks from step %d (%.2fs, %d bytes of state)",
-                    me, joiners, len(members), self.steps, time.monotonic() - started, sent)
-
-    def _transfer_state(self, group: Any, module: torch.nn.Module, source: int) -> int:
-        """``source``'s parameters, buffers and optimizer state, broadcast to the group; returns the bytes sent."""
-        sent = 0
-        with torch.no_grad():
-            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-            for tensor in module.state_dict().values():
-                by_dtype.setdefault(tensor.dtype, []).append(tensor)
-            for tensors in by_dtype.values():
-                flat = torch.cat([t.reshape(-1) for t in tensors])
-                dist.broadcast(flat, src=source, group=group)
-                offset = 0
-                for tensor in tensors:
-                    tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
-                    offset += tensor.numel()
-                sent += flat.nbytes
-        me = dist.get_rank()
-        payload = b""
-        if me == source:
-            buffer = io.BytesIO()
-            torch.save(self.optimizer.state_dict(), buffer)
-            payload = buffer.getvalue()
-        size = torch.tensor([len(payload)], dtype=torch.int64)
-        dist.broadcast(size, src=source, group=group)
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(int(size), dtype=torch.uint8)
-        dist.broadcast(data, src=source, group=group)
-        if me != source:
-            self.optimizer.load_state_dict(torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True))
-        return sent + int(size)
+                    self._me, joiners, len(members), self.steps, time.monotonic() - started, moved)

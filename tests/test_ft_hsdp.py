@@ -1,0 +1,53 @@
+"""commd.ft.ShardedGuard: FSDP2 over a 2 x 2 (replicate, shard) mesh loses a rank and goes on.
+
+Four ranks, two replicas of two shards, under `commd launch --max-restarts 1`; rank 3 SIGKILLs
+itself at step 3.  Its replica's other rank leaves the job (ReplicaLostError), the other replica
+goes on alone, and when the launcher has started ranks 2 and 3 again they come back as a replica,
+receiving their shards and optimizer state from the running one.  Every rank's full parameters
+must be equal, and equal to one process trained with that membership.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from ft_reference import reference_with_members
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).resolve().parent / "scripts" / "ft_hsdp_worker.py"
+WORLD, VICTIM, FAIL_STEP, STEPS = 4, 3, 3, 12
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+def test_a_replica_that_lost_a_rank_leaves_and_comes_back_whole(backend_env: Path, tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "commd", "launch", "--max-restarts", "1", "--nproc-per-node", str(WORLD),
+         str(WORKER), str(tmp_path), str(VICTIM), str(FAIL_STEP), str(STEPS)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert "ReplicaLostError: rank 2: its replica [2, 3] lost ranks [3], so it left the job" in proc.stderr, \
+        proc.stderr[-3000:]
+    names = sorted(path.name for path in tmp_path.glob("*.pt"))
+    assert names == ["rank0.pt", "rank1.pt", "rank2.restart1.pt", "rank3.restart1.pt"], (names, proc.stderr[-3000:])
+    results = {int(name[4]): torch.load(tmp_path / name) for name in names}
+    back_at = results[2]["first_step"]
+    assert results[3]["first_step"] == back_at and FAIL_STEP < back_at < STEPS, (back_at, results[3]["first_step"])
+    for rank, out in results.items():
+        assert out["steps"] == STEPS and tuple(out["ranks"]) == tuple(range(WORLD)), (rank, out)
+        (epoch, step, joined, members, _seconds, state_bytes), = out["joins"]
+        assert (epoch, step, joined, members) == (2, back_at, (2, 3), tuple(range(WORLD))), (rank, out["joins"])
+        assert state_bytes > 0, (rank, out["joins"])
+    for rank in (0, 1):
+        assert results[rank]["recoveries"] == [(FAIL_STEP, (2, 3), (0, 1))], results[rank]
+    expected = reference_with_members(STEPS, {0: list(range(WORLD)), FAIL_STEP: [0, 1], back_at: list(range(WORLD))})
+    for rank, out in results.items():
+        for got, want in zip(out["params"], expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m, r=rank: f"rank {r}: {m}")
+        assert all(torch.equal(a, b) for a, b in zip(out["params"], results[0]["params"], strict=True)), rank
