@@ -1,7 +1,7 @@
 """``Guard``: a DDP training loop that goes on when a rank dies, and takes a replacement back in.
 
-The survivors wrap the same module in a new DDP on their group (which broadcasts the lowest
-survivor's parameters) and check that their optimizer states agree.  A replacement gets the
+The survivors wrap the same module in a new DDP on their group and check that their parameters and
+optimizer states agree.  A replacement gets the
 parameters, buffers and optimizer state of the lowest running rank, broadcast through the daemons.
 """
 
@@ -62,17 +62,21 @@ class Guard(Seats):
 
     def _rebuild(self, group: Any, members: list[int], joining: list[int], tag: str) -> tuple[Any, int]:
         moved = self._send_state(group, min(r for r in members if r not in joining)) if joining else 0
-        return DistributedDataParallel(self._module, process_group=group, **self.ddp_kwargs), moved
+        # the members hold the same parameters already (the commit; the state sent), which
+        # _check_states confirms: DDP's own broadcast of them would only lengthen the stall
+        options = {"init_sync": False, **self.ddp_kwargs}
+        return DistributedDataParallel(self._module, process_group=group, **options), moved
 
     def _install(self, built: Any) -> None:
         self.model = built
 
     def _check_states(self, built: Any, group: Any, members: list[int]) -> None:
-        """The members' optimizer states must be equal (DDP made the parameters so): a survivor
-        that had stepped where another had not would diverge silently."""
+        """The members' parameters, buffers and optimizer states must be equal: a survivor that had
+        stepped where another had not would diverge silently."""
         states = [value for state in self.optimizer.state.values() for value in state.values()
                   if isinstance(value, torch.Tensor)]
-        agree_equal(tensor_digest(states), group, members, "optimizer states")
+        agree_equal(tensor_digest([*self._module.state_dict().values(), *states]), group, members,
+                    "parameters or optimizer states")
 
     def _send_state(self, group: Any, source: int) -> int:
         """``source``'s parameters, buffers and optimizer state, broadcast to the group; returns the bytes sent."""
