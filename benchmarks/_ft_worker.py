@@ -1,26 +1,38 @@
-"""One rank of benchmarks/ft.py, under ``commd launch --keep-going``: guarded (or plain) DDP steps of
-the model `commd demo` trains; in an injection run one rank SIGKILLs itself at a given point of a step.
+"""One rank of benchmarks/ft.py: guarded (or plain) DDP steps of the model `commd demo` trains, under
+``commd launch`` (one launcher per node, ``--keep-going`` or ``--max-restarts 1``) or under
+``torchrun --max-restarts 1`` (plain DDP with a checkpoint every N steps); in an injection run one
+rank SIGKILLs itself at a given point of a step (``node``: it SIGKILLs its node's daemon first).
 
     python _ft_worker.py CONFIG_JSON OUT_DIR
+
+Each rank writes OUT_DIR/rank<R>.json (rank<R>.restart<K>.json for a restarted process) with its wall
+times (time.time(): process start, torch imported, process group up, module built, optimizer built,
+guard ready (a replacement: taken in), end),
+its step times, its parameters' digest and what its guard did; the victim writes OUT_DIR/kill.json
+just before the kill.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import sys
 import time
-import zlib
-from pathlib import Path
-from typing import Any
 
-import torch
-import torch.distributed as dist
-from _ddp_worker import LEARNING_RATE, build_model, make_batches
-from torch.nn.parallel import DistributedDataParallel
+T_START = time.time()  # before torch is imported: a replacement's start-up is part of what it costs
 
-import commd.ft
+import json  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+import zlib  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+
+T_TORCH = time.time()
+
+import torch.distributed as dist  # noqa: E402
+from _ddp_worker import LEARNING_RATE, build_model, make_batches  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 
 def digest(model: torch.nn.Module) -> int:
@@ -30,25 +42,46 @@ def digest(model: torch.nn.Module) -> int:
     return value
 
 
+def daemon_pid() -> int:
+    """This node's commd daemon (the launcher's), from the job's pid file."""
+    from commd.runtime import JobPaths
+
+    pid = JobPaths.for_job(os.environ["COMMD_JOB"]).daemon_pid()
+    if pid is None:
+        raise RuntimeError(f"no live daemon for job {os.environ['COMMD_JOB']!r}")
+    return pid
+
+
 def main() -> None:
     cfg: dict[str, Any] = json.loads(sys.argv[1])
     out_dir = Path(sys.argv[2])
-    dist.init_process_group("commd")
+    # commd launch sets both; torchrun only its own
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    (out_dir / f"pid.{os.getpid()}").write_text("")  # for the benchmark's clean-up after a timeout
+    dist.init_process_group(cfg.get("backend", "commd"))
+    t_init = time.time()
     rank = dist.get_rank()
-    batches = make_batches(cfg["model"], cfg["batch"], cfg["steps"], 0, rank)
-    model = DistributedDataParallel(build_model(cfg["model"], 0))
-    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
-    victim = cfg.get("victim")
+    steps = cfg["steps"]
+    batches = make_batches(cfg["model"], cfg["batch"], steps, 0, rank)
+    module = build_model(cfg["model"], 0)
+    t_module = time.time()
+    optimizer = torch.optim.SGD(module.parameters(), lr=LEARNING_RATE)  # (its first use imports torch._dynamo)
+    t_model = time.time()
     where, kill_step = cfg.get("where"), cfg.get("kill_step", -1)
-    state = {"step": 0}
+    is_victim = rank == cfg.get("victim") and restarts == 0
+    state = {"step": -1}
+    target = daemon_pid() if is_victim and where == "node" else None
 
     def die() -> None:
-        (out_dir / "kill.json").write_text(json.dumps({"rank": rank, "time": time.time(), "where": where}))
+        (out_dir / "kill.json").write_text(json.dumps({"rank": rank, "time": time.time(), "where": where,
+                                                       "step": state["step"], "daemon_pid": target}))
+        if target is not None:  # the whole node goes: its daemon, then this rank
+            os.kill(target, signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
 
     def train_step(ddp: Any, x: torch.Tensor, y: torch.Tensor) -> float:
-        if rank == victim and state["step"] == kill_step:
-            if where == "forward":
+        if is_victim and state["step"] == kill_step:
+            if where in ("forward", "node"):
                 die()
             if where == "backward":  # once the last layer's gradient is out: its bucket's all-reduce in flight
                 ddp.module[0].weight.register_hook(lambda grad: die())
@@ -56,32 +89,84 @@ def main() -> None:
         loss.backward()
         return float(loss.detach())
 
-    if rank == victim and where == "optimizer":
+    if is_victim and where == "optimizer":
         optimizer.register_step_pre_hook(lambda *_: die() if state["step"] == kill_step else None)
     times: list[float] = []
+    result: dict[str, Any] = {"rank": rank, "restarts": restarts, "node": int(os.environ.get("GROUP_RANK") or 0)}
     after_failure: float | None = None
-    if cfg["guard"]:
-        guard = commd.ft.Guard(model, optimizer)
-        for step, (x, y) in enumerate(batches):
-            state["step"] = step
-            started = time.perf_counter()
-            guard.step(train_step, x, y)
-            times.append(time.perf_counter() - started)
-            if guard.recoveries and after_failure is None:
-                after_failure = time.time()
-        result: dict[str, Any] = {"digest": digest(guard.model.module), "ranks": list(guard.ranks),
-                                  "recoveries": [r.__dict__ for r in guard.recoveries]}
-    else:
-        for step, (x, y) in enumerate(batches):
+    if cfg.get("launcher", "commd") == "torchrun":
+        first = 0
+        checkpoint = out_dir / "checkpoint.pt"
+        if checkpoint.exists():  # a restarted job: the last checkpoint rank 0 wrote
+            saved = torch.load(checkpoint, weights_only=True)
+            module.load_state_dict(saved["model"])
+            optimizer.load_state_dict(saved["optimizer"])
+            first = int(saved["step"])
+        model = DistributedDataParallel(module)
+        t_guard = time.time()
+        every = cfg["checkpoint_every"]
+        saved_s = 0.0
+        for step in range(first, steps):
             state["step"] = step
             started = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
-            train_step(model, x, y)
+            train_step(model, *batches[step])
             optimizer.step()
             times.append(time.perf_counter() - started)
-        result = {"digest": digest(model.module)}
-    result.update(rank=rank, step_times=times, first_step_after_failure=after_failure)
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+            if (step + 1) % every == 0 and rank == 0:
+                started = time.perf_counter()
+                torch.save({"model": module.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1},
+                           out_dir / "checkpoint.part")
+                os.replace(out_dir / "checkpoint.part", checkpoint)
+                saved_s += time.perf_counter() - started
+        result.update(first_step=first, checkpoint_s=saved_s)
+    elif cfg["guard"]:
+        import commd.ft
+
+        # the plain module: the guard wraps it (or, in a replacement, joins the running ranks)
+        guard = commd.ft.Guard(module if cfg.get("rejoin") else DistributedDataParallel(module), optimizer)
+        t_guard = time.time()
+        first = guard.steps
+        take_back_step = cfg.get("take_back_step")
+        join_done: list[float] = []
+        take_back: dict[str, Any] | None = None
+        for step in range(first, steps):
+            state["step"] = step
+            if step == take_back_step and first < step:  # the running ranks wait here for the replacement
+                joins, started = len(guard.joins), time.time()
+                got = guard.take_back(timeout=cfg.get("take_back_timeout", 120.0))
+                take_back = {"step": step, "returned": got, "started": started, "seconds": time.time() - started,
+                             "joined_here": len(guard.joins) > joins}
+                if len(guard.joins) > joins:
+                    join_done.append(time.time())
+            joins = len(guard.joins)
+            started = time.perf_counter()
+            guard.step(train_step, *batches[step])
+            times.append(time.perf_counter() - started)
+            if len(guard.joins) > joins:  # taken in at the end of this step
+                join_done.append(time.time())
+            if guard.recoveries and after_failure is None:
+                after_failure = time.time()
+        module = guard.model.module
+        result.update(first_step=first, ranks=list(guard.ranks), membership_epoch=guard.membership_epoch,
+                      recoveries=[r.__dict__ for r in guard.recoveries], joins=[j.__dict__ for j in guard.joins],
+                      join_done=join_done, take_back=take_back)
+    else:
+        model = DistributedDataParallel(module)
+        t_guard = time.time()
+        for step in range(steps):
+            state["step"] = step
+            started = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            train_step(model, *batches[step])
+            optimizer.step()
+            times.append(time.perf_counter() - started)
+    result.update(digest=digest(module), step_times=times, first_step_after_failure=after_failure,
+                  wall={"start": T_START, "torch": T_TORCH, "init": t_init, "module": t_module, "model": t_model,
+                        "guard": t_guard, "end": time.time()})
+    name = f"rank{rank}" + (f".restart{restarts}" if restarts else "")
+    (out_dir / f"{name}.part").write_text(json.dumps(result))
+    os.replace(out_dir / f"{name}.part", out_dir / f"{name}.json")
     dist.destroy_process_group()
 
 
