@@ -432,28 +432,35 @@ class Seats:
         admission["asked"] = asked
         return admission
 
+    def _enter(self, members: list[int], joining: list[int], epoch: int) -> tuple[Any, Any, int]:
+        """The group of ``members`` with ``joining`` among them, the model on it, the state checked."""
+        group = new_group(members, f"j{epoch}", ATTEMPT_TIMEOUT_S)
+        built, moved = self._rebuild(group, members, joining, f"j{epoch}")
+        self._check_states(built, group, members)
+        return group, built, moved
+
+    def _entered(self, group: Any, built: Any, members: list[int], joined: list[int], epoch: int, seconds: float,
+                 moved: int) -> None:
+        self._install(built)
+        self.group, self.ranks, self.membership_epoch = group, tuple(members), epoch
+        self.joins.append(Join(epoch, self.steps, tuple(joined), self.ranks, seconds, moved))
+        self._report("joined", epoch, (), seconds)
+
     def _join(self, admission: dict[str, Any]) -> None:
         """This rank, taken back in, joins the running ranks: the group, the state, the model."""
-        me = self._me
         epoch, members = int(admission["epoch"]), list(admission["members"])
         joined = [int(rank) for rank in admission["joined"]]
         try:
-            group = new_group(members, f"j{epoch}", ATTEMPT_TIMEOUT_S)
-            built, moved = self._rebuild(group, members, joined, f"j{epoch}")
-            self._check_states(built, group, members)
+            group, built, moved = self._enter(members, joined, epoch)
         except UnrecoverableError:
             raise
         except Exception as exc:
-            raise UnrecoverableError(f"rank {me}: taking this rank back in failed ({type(exc).__name__}: {exc}); "
-                                     "it can be started again") from exc
-        self._install(built)
-        self.group, self.ranks = group, tuple(members)
-        self.steps, self.membership_epoch = int(admission["step"]), epoch
-        self.joins.append(Join(epoch, self.steps, tuple(joined), self.ranks, time.monotonic() - admission["asked"],
-                               moved))
-        self._report("joined", epoch, (), self.joins[-1].seconds)
+            raise UnrecoverableError(f"rank {self._me}: taking this rank back in failed ({type(exc).__name__}: "
+                                     f"{exc}); it can be started again") from exc
+        self.steps = int(admission["step"])
+        self._entered(group, built, members, joined, epoch, time.monotonic() - admission["asked"], moved)
         log.warning("commd.ft: rank %d rejoined the job at step %d; %d ranks %s (%d bytes of state)",
-                    me, self.steps, len(members), members, moved)
+                    self._me, self.steps, len(members), members, moved)
 
     def _take_in(self, joiners: list[int]) -> None:
         """At a step boundary: the ranks ``joiners`` come back (this rank runs on)."""
@@ -466,9 +473,7 @@ class Seats:
                 self._store.delete_key(self._key(f"join/{rank}"))
                 self._store.set(self._key(f"admit/{rank}"), admission)
         try:
-            group = new_group(members, f"j{epoch}", ATTEMPT_TIMEOUT_S)
-            built, moved = self._rebuild(group, members, joiners, f"j{epoch}")
-            self._check_states(built, group, members)
+            group, built, moved = self._enter(members, joiners, epoch)
         except UnrecoverableError:
             raise
         except Exception as exc:
@@ -479,11 +484,7 @@ class Seats:
             self.membership_epoch = epoch
             self._recover_or_report(exc, time.monotonic(), time.time(), also_gone=set(joiners))
             return
-        self._install(built)
-        self.group, self.ranks = group, tuple(members)
-        self.membership_epoch = epoch
+        self._entered(group, built, members, joiners, epoch, time.monotonic() - started, moved)
         self._publish(epoch)
-        self.joins.append(Join(epoch, self.steps, tuple(joiners), self.ranks, time.monotonic() - started, moved))
-        self._report("joined", epoch, (), self.joins[-1].seconds)
         log.warning("commd.ft: rank %d: took ranks %s back in; %d ranks from step %d (%.2fs, %d bytes of state)",
                     self._me, joiners, len(members), self.steps, time.monotonic() - started, moved)
