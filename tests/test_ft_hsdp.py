@@ -9,34 +9,21 @@ must be equal, and equal to one process trained with that membership.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from ft_reference import reference_with_members
+from ft_launched import launch, reference_with_members
 
-ROOT = Path(__file__).resolve().parent.parent
-WORKER = Path(__file__).resolve().parent / "scripts" / "ft_hsdp_worker.py"
 WORLD, VICTIM, FAIL_STEP, STEPS = 4, 3, 3, 12
 
 
 @pytest.mark.extended
 @pytest.mark.timeout(300)
 def test_a_replica_that_lost_a_rank_leaves_and_comes_back_whole(backend_env: Path, tmp_path: Path) -> None:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "commd", "launch", "--max-restarts", "1", "--nproc-per-node", str(WORLD),
-         str(WORKER), str(tmp_path), str(VICTIM), str(FAIL_STEP), str(STEPS)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    assert "ReplicaLostError: rank 2: its replica [2, 3] lost ranks [3], so it left the job" in proc.stderr, \
-        proc.stderr[-3000:]
-    names = sorted(path.name for path in tmp_path.glob("*.pt"))
-    assert names == ["rank0.pt", "rank1.pt", "rank2.restart1.pt", "rank3.restart1.pt"], (names, proc.stderr[-3000:])
-    results = {int(name[4]): torch.load(tmp_path / name) for name in names}
+    stderr, names, results = launch("ft_hsdp_worker.py", WORLD, tmp_path, VICTIM, FAIL_STEP, STEPS)
+    assert "ReplicaLostError: rank 2: its replica [2, 3] lost ranks [3], so it left the job" in stderr, stderr[-3000:]
+    assert names == ["rank0.pt", "rank1.pt", "rank2.restart1.pt", "rank3.restart1.pt"], (names, stderr[-3000:])
     back_at = results[2]["first_step"]
     assert results[3]["first_step"] == back_at and FAIL_STEP < back_at < STEPS, (back_at, results[3]["first_step"])
     for rank, out in results.items():

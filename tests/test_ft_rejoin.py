@@ -9,32 +9,20 @@ on the same batches with that membership: four ranks, then three, then four agai
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from ft_reference import reference_with_members
+from ft_launched import launch, reference_with_members
 
-ROOT = Path(__file__).resolve().parent.parent
-WORKER = Path(__file__).resolve().parent / "scripts" / "ft_rejoin_worker.py"
 WORLD, VICTIM, FAIL_STEP, STEPS = 4, 1, 3, 14
 
 
 @pytest.mark.timeout(300)
 def test_a_restarted_rank_rejoins_and_the_job_trains_as_one_process_would(backend_env: Path, tmp_path: Path) -> None:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "commd", "launch", "--max-restarts", "1", "--nproc-per-node", str(WORLD),
-         str(WORKER), str(tmp_path), str(VICTIM), str(FAIL_STEP), str(STEPS)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    assert f"rank {VICTIM} (pid " in proc.stderr and "started it again (restart 1)" in proc.stderr, proc.stderr[-3000:]
-    names = sorted(path.name for path in tmp_path.glob("*.pt"))
-    assert names == ["rank0.pt", "rank1.restart1.pt", "rank2.pt", "rank3.pt"], (names, proc.stderr[-3000:])
-    results = {int(name[4]): torch.load(tmp_path / name) for name in names}
+    stderr, names, results = launch("ft_rejoin_worker.py", WORLD, tmp_path, VICTIM, FAIL_STEP, STEPS)
+    assert f"rank {VICTIM} (pid " in stderr and "started it again (restart 1)" in stderr, stderr[-3000:]
+    assert names == ["rank0.pt", "rank1.restart1.pt", "rank2.pt", "rank3.pt"], (names, stderr[-3000:])
     survivors = [r for r in range(WORLD) if r != VICTIM]
     back_at = results[VICTIM]["first_step"]
     assert FAIL_STEP < back_at < STEPS, back_at

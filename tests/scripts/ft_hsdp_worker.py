@@ -19,6 +19,7 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: ft_workers
 import ft_workers as fw  # noqa: E402
+from ft_launched import guard_record, save_result  # noqa: E402
 
 import commd.ft  # noqa: E402
 
@@ -57,12 +58,7 @@ def main() -> None:
             guard.take_back(timeout=WAIT_FOR_REPLACEMENT_S)
         guard.step(train_step, step)
     full = [p.full_tensor().detach().clone() for p in guard.model.parameters()]
-    out = {"params": full, "first_step": first, "steps": guard.steps, "ranks": guard.ranks,
-           "recoveries": [(r.step, r.gone, r.survivors) for r in guard.recoveries],
-           "joins": [(j.epoch, j.step, j.joined, j.members, j.seconds, j.state_bytes) for j in guard.joins]}
-    name = f"rank{rank}" + (f".restart{restarts}" if restarts else "")
-    torch.save(out, out_dir / f"{name}.part")
-    os.rename(out_dir / f"{name}.part", out_dir / f"{name}.pt")
+    save_result(out_dir, rank, restarts, {"params": full, "first_step": first, **guard_record(guard)})
     dist.destroy_process_group()
 
 

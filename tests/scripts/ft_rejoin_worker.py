@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: ft_workers
 import ft_workers as fw  # noqa: E402
+from ft_launched import guard_record, save_result  # noqa: E402
 
 import commd.ft  # noqa: E402
 
@@ -45,13 +46,8 @@ def main() -> None:
         if step == steps - 3:  # the running ranks do not finish without the replacement
             guard.take_back(timeout=WAIT_FOR_REPLACEMENT_S)
         guard.step(train_step, step)
-    out = {"params": [p.detach().clone() for p in guard.model.module.parameters()], "first_step": first,
-           "steps": guard.steps, "ranks": guard.ranks,
-           "recoveries": [(r.step, r.gone, r.survivors) for r in guard.recoveries],
-           "joins": [(j.epoch, j.step, j.joined, j.members, j.seconds, j.state_bytes) for j in guard.joins]}
-    name = f"rank{rank}" + (f".restart{restarts}" if restarts else "")
-    torch.save(out, out_dir / f"{name}.part")
-    os.rename(out_dir / f"{name}.part", out_dir / f"{name}.pt")
+    params = [p.detach().clone() for p in guard.model.module.parameters()]
+    save_result(out_dir, rank, restarts, {"params": params, "first_step": first, **guard_record(guard)})
     dist.destroy_process_group()
 
 
