@@ -302,3 +302,33 @@ def test_a_report_that_crossed_a_rank_death_fails_when_the_death_arrives() -> No
     collectives.fail_rank(3, "(pid 99) died")
     assert failed == [(["world-sub"], s.E_PEER_DIED, "allreduce #6 on group 'world' cannot run: rank 3 (pid 99) died")]
     assert list(collectives.negotiating) == [("pair", 1)]
+
+
+def test_a_release_that_arrives_while_this_nodes_schedule_still_runs_waits_for_its_end() -> None:
+    """The coordinator numbers what it held back after the slots of the first node that ended the
+    schedule; on another node the agreement that ends it may still wait to run (queued, or half done
+    on the event loop).  A release that arrives then must run after it, not take the tcp stream
+    first (that put the stream out of step: "node 0 runs 'agree', this node 'broadcast'")."""
+    from types import SimpleNamespace
+
+    from commd.fabric.collectives import Collectives
+    from commd.observe.stats import FabricStats
+    from commd.protocol import fabric as wire
+
+    runner = SimpleNamespace(peer_timeout=2.0)
+    sent: list = []
+    collectives = Collectives(SimpleNamespace(), SimpleNamespace(node_rank=1), FabricStats(), runner, sent.append,
+                              lambda nodes: None)
+    ran: list = []
+    collectives._released = ran.append  # the single release's runner: record instead of running
+    path = collectives.scheduled
+    path.schedule = SimpleNamespace(epoch=2, group="old", order=10, slots=[None])
+    path.active, path.stopping, path.inflight, path.next_slot = True, True, 1, 3  # its ending slot still runs
+    go = wire.Go("joint", 0, None, "tcp", None, None)
+    collectives.run_released([go])
+    assert ran == [] and sent == []
+    path.inflight = 0
+    path._maybe_end()  # the ending slot is back: the schedule ends here
+    assert [type(m).__name__ for m in sent] == ["ScheduleEnded"] and ran == [go]
+    collectives.run_released([go])  # no schedule now: at once
+    assert ran == [go, go]

@@ -205,7 +205,10 @@ class Collectives:
 
     # ---- release ----------------------------------------------------------------
     def run_released(self, items: list[wire.Go]) -> None:
-        """Run one release, or one fused set of releases (the coordinator's ``go`` items)."""
+        """Run one release, or one fused set of releases (the coordinator's ``go`` items), after
+        this node's schedule if one still runs (``ScheduledPath.after_schedule``)."""
+        if items and self.scheduled.after_schedule(lambda: self.run_released(items)):
+            return
         if len(items) == 1:
             self._released(items[0])
         elif items:

@@ -380,7 +380,8 @@ class FabricMember:
                 self.collectives.scheduled.stop()  # a transfer to order: no schedule meanwhile
                 self.p2p.remote_send(m)
             elif type(m) is wire.P2pGo:
-                self.p2p.released(m)
+                if not self.collectives.scheduled.after_schedule(lambda m=m: self.p2p.released(m)):
+                    self.p2p.released(m)
             elif type(m) is wire.P2pFail:
                 self.p2p.failed(m)
             elif type(m) is wire.NodeDead:

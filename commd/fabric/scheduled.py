@@ -120,6 +120,8 @@ class ScheduledPath:
         self.modes = {"worker": 0, "inline": 0, "split": 0}
         #: Tiny all-reduces done in their slot's agreement (the contributions rode it: no lane call).
         self.reduced_in_agreement = 0
+        #: Releases that came while this node's slots still ran (``after_schedule``), in arrival order.
+        self._after: list[Callable[[], None]] = []
 
     # ---- start and end -------------------------------------------------------------
     def start(self, schedule: wire.Schedule, reported: list[Entry], others_waiting: bool) -> None:
@@ -151,6 +153,19 @@ class ScheduledPath:
         self.stopping = True
         self._release(self.next_slot, None, None, -1)
         self.next_slot += 1
+
+    def after_schedule(self, release: Callable[[], None]) -> bool:
+        """Hold ``release`` (a release: it takes the tcp lane's stream) until this node's schedule has
+        ended, and say so (True); False: no schedule runs here, run it now.
+
+        The coordinator numbers what it held back after the slots of the first node that ends the
+        schedule, so a release can reach this node while its own last slots (the agreement that
+        ends it) still wait to run, queued or half done on the event loop: started now, it would
+        take the stream out of step with the nodes that run that agreement first."""
+        if not self.active:
+            return False
+        self._after.append(release)
+        return True
 
     def tick(self, now: float) -> None:
         """An op that waited its timeout in its slot's agreement: some rank elsewhere is late.  Ask
@@ -203,6 +218,7 @@ class ScheduledPath:
         ops = [op for op, _, _ in self.held] + [op for op, _ in self.returned]
         self.held, self.returned = [], []
         self.active = False
+        self._after = []  # releases of ops that fail with the coordinator
         return ops
 
     # ---- slots -------------------------------------------------------------------------
@@ -473,6 +489,9 @@ class ScheduledPath:
         for op, placement in sorted(waiting, key=lambda entry: entry[0].seq):
             if not self._fail_if_dead(op, placement):
                 self.renegotiate(op, placement, now - op.ready_at)
+        after, self._after = self._after, []
+        for release in after:  # numbered after every slot: their turn now
+            release()
 
     # ---- status ------------------------------------------------------------------------
     def status(self) -> dict[str, Any] | None:
