@@ -148,6 +148,7 @@ def main() -> None:
             if guard.recoveries and after_failure is None:
                 after_failure = time.time()
         module = guard.model.module
+        result.update(commit_s=guard.commit_seconds / max(1, guard.steps - first))
         result.update(first_step=first, ranks=list(guard.ranks), membership_epoch=guard.membership_epoch,
                       recoveries=[r.__dict__ for r in guard.recoveries], joins=[j.__dict__ for j in guard.joins],
                       join_done=join_done, take_back=take_back)
