@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +39,10 @@ log = logging.getLogger("commd.daemon")
 
 #: zmq drops (and disconnects) frames above this; below it we answer with an error.
 ZMQ_MAX_FRAME = 16 * s.MAX_MESSAGE_BYTES
+#: At most this many control messages, or this long, per turn of the event loop; then its timers
+#: (the watchdog) and other callbacks run before the control socket is read on.
+DRAIN_TURN_MESSAGES = 32
+DRAIN_TURN_S = 0.02
 
 #: ``drop(client, why, notify_peers, clean)``: the watchdog's way to let a client go.
 DropClient = Callable[..., None]
@@ -79,14 +84,23 @@ class ControlIngress:
 
     def _on_readable(self) -> None:
         sock = self.sock
-        # Drain while zmq says a message is there (cheaper than ending on zmq.Again).
-        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        # Drain while zmq says a message is there (cheaper than ending on zmq.Again), a turn's worth
+        # at a time: clients that query as fast as they are answered (commd.ft's survivors poll the
+        # status) must not keep the loop from its timers (the watchdog that sees dead ranks).
+        ends = time.monotonic() + DRAIN_TURN_S
+        for _ in range(DRAIN_TURN_MESSAGES):
+            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
             frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
             if len(frames) != 2:
                 self.log_limit.log(logging.WARNING, ("frames", frames[0]), f"bad messages from {frames[0]!r}",
                                    "dropping a message of %d frames from %r", len(frames), frames[0])
                 continue
             self._dispatch(frames[0], frames[1])
+            if time.monotonic() >= ends:
+                break
+        if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # more: read on once the loop's other work had its turn
+            self.loop.call_soon(self._on_readable)
 
     def flush(self) -> None:
         """Look for messages again: zmq's FD is edge-triggered and sends may have consumed a read edge."""
