@@ -50,6 +50,15 @@ EQUIVALENCE_SCHEDULES ?= 5000
 equivalence: venv
 	EQUIVALENCE_ALL=1 EQUIVALENCE_SCHEDULES=$(EQUIVALENCE_SCHEDULES) $(PY) -m pytest -q -s tests/test_path_equivalence.py
 
+# commd.ft under randomized fault injection: per seed, 4 ranks train 8 guarded steps while 1 or 2 of them are
+# SIGKILLed at random points (forward, backward, after the commit, after the optimizer step, or during the
+# survivors' recovery); every run must end recovered or failed loudly on every survivor within a bound,
+# never hung (tests/test_ft_random.py; COMMD_FT_SEED_BASE shifts the seeds, COMMD_FT_RANDOM_LOG collects outcomes).
+FT_SEEDS ?= 20
+test-ft-random: venv
+	$(BYTECODE)
+	COMMD_FT_SEEDS=$(FT_SEEDS) $(PY) -m pytest tests/test_ft_random.py -m slow -q
+
 # PyTorch's DistributedTest on commd (tests/conformance/run_distributed_suite.py).
 # --gates gloo: the suite is imported as for Gloo, so every test Gloo may run runs, on commd.
 conformance: venv
