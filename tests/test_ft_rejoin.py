@@ -18,6 +18,7 @@ from ft_launched import launch, reference_with_members
 WORLD, VICTIM, FAIL_STEP, STEPS = 4, 1, 3, 14
 
 
+@pytest.mark.extended  # (make test runs a rejoin too: the example of docs/fault-tolerance.md)
 @pytest.mark.timeout(300)
 def test_a_restarted_rank_rejoins_and_the_job_trains_as_one_process_would(backend_env: Path, tmp_path: Path) -> None:
     stderr, names, results = launch("ft_rejoin_worker.py", WORLD, tmp_path, VICTIM, FAIL_STEP, STEPS)

@@ -306,6 +306,8 @@ class Seats:
                     f"rank {me}: the survivors of group {list(self.ranks)} did not settle on a group within "
                     f"{self.recover_timeout:.0f}s (ranks known gone: {sorted(known)}); last error: {last}")
             known |= self._wait_gone(deadline, bool(known))
+            if time.monotonic() >= deadline:
+                continue  # (says that it did not settle in time)
             survivors = self._survivors(known)
             if me not in survivors:
                 self._left_out(known)
@@ -327,6 +329,7 @@ class Seats:
             except Exception as exc:  # a second failure during recovery, or a survivor not there yet
                 if not is_peer_failure(exc) and not isinstance(exc, (CommdError, RuntimeError)):
                     raise
+                self._check_store()
                 last = exc
                 log.warning("commd.ft: rank %d: building the survivors' group %s failed (%s); going again",
                             me, survivors, exc)
@@ -354,6 +357,8 @@ class Seats:
             try:
                 status = query_status(paths, timeout=max(0.1, min(5.0, deadline - time.monotonic())))
             except StatusError as exc:
+                if time.monotonic() >= deadline:
+                    return set()  # out of time: the caller says the survivors did not settle
                 raise UnrecoverableError(f"cannot read this node's daemon to learn which ranks are gone: {exc}") from None
             cut_off = (status.get("fabric") or {}).get("broken")
             if cut_off:  # the job's coordinator went on without this node, or is itself gone
@@ -364,6 +369,16 @@ class Seats:
             if gone or known_any or time.monotonic() >= deadline:
                 return gone
             time.sleep(POLL_S)
+
+    def _check_store(self) -> None:
+        """The job's store must still answer: without it no group can be built, so retrying is vain
+        (under a plain ``tcp://`` init rank 0 hosts it, and it dies with rank 0)."""
+        try:
+            self._store.check([self._key("members")])
+        except Exception as exc:  # noqa: BLE001 - torch's store errors: DistStoreError, DistNetworkError, RuntimeError
+            raise UnrecoverableError(
+                f"rank {self._me}: the job's store does not answer ({exc}); it lived in a process that died? "
+                "(commd launch and torchrun host it outside the ranks; a tcp:// init lets rank 0 host it)") from None
 
     def _union_of_views(self, group: Any, known: set[int]) -> set[int]:
         """Every survivor's set of lost ranks, united (one MAX all-reduce of flags)."""
