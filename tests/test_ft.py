@@ -148,7 +148,7 @@ def test_across_nodes_the_survivors_go_on_without_a_dead_rank_or_node(cluster, v
         assert [n["alive"] for n in status["fabric"]["nodes"]] == [True, False], status["fabric"]["nodes"]
 
 
-@pytest.mark.slow  # out of CI until the lone redo of the last step (docs/fault-tolerance.md) is understood
+@pytest.mark.slow  # two deaths in one step may take the recover timeout (docs/fault-tolerance.md); make test-ft-random covers them
 def test_a_second_death_during_recovery_ends_recovered_or_failed_on_every_survivor(backend_env,
                                                                                   tmp_path: Path) -> None:
     """Rank 3 dies before its forward and rank 2 in its backward of the same step, so the others may
