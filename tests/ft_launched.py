@@ -1,5 +1,5 @@
 """What the commd.ft tests that run their ranks under `commd launch --max-restarts` share: the
-launch, each rank's result file, and the single-process model for any membership over time."""
+launch and each rank's result file."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from ft_workers import LR, MOMENTUM, batch, loss_of, mlp
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -43,22 +42,3 @@ def guard_record(guard: Any) -> dict[str, Any]:
     return {"steps": guard.steps, "ranks": guard.ranks,
             "recoveries": [(r.step, r.gone, r.survivors) for r in guard.recoveries],
             "joins": [(j.epoch, j.step, j.joined, j.members, j.seconds, j.state_bytes) for j in guard.joins]}
-
-
-def reference_with_members(steps: int, members_at: dict[int, list[int]]) -> list[torch.Tensor]:
-    """One process; step s averages the gradients of the ranks ``members_at`` gives for the latest
-    step at or before s, as DDP (and HSDP) does over its group."""
-    model = mlp()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    for step in range(steps):
-        ranks = members_at[max(s for s in members_at if s <= step)]
-        grads = [torch.zeros_like(p) for p in model.parameters()]
-        for rank in ranks:
-            model.zero_grad()
-            loss_of(model, batch(step, rank)).backward()
-            for total, p in zip(grads, model.parameters(), strict=True):
-                total += p.grad / len(ranks)
-        for p, g in zip(model.parameters(), grads, strict=True):
-            p.grad = g
-        optimizer.step()
-    return [p.detach().clone() for p in model.parameters()]

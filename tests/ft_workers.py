@@ -28,13 +28,13 @@ def loss_of(model: Any, x: torch.Tensor) -> torch.Tensor:
     return model(x).pow(2).mean()
 
 
-def reference(steps: int, world: int, redone_step: int, survivors: list[int]) -> list[torch.Tensor]:
-    """One process: each step's gradient is the mean over the participants' batches, as DDP's; every
-    rank takes part before ``redone_step``, the survivors from it on."""
+def reference_with_members(steps: int, members_at: dict[int, list[int]]) -> list[torch.Tensor]:
+    """One process: each step's gradient is the mean over the participants' batches, as DDP's (and
+    HSDP's); step s's participants are ``members_at``'s for the latest step at or before s."""
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     for step in range(steps):
-        ranks = list(range(world)) if step < redone_step else survivors
+        ranks = members_at[max(s for s in members_at if s <= step)]
         grads = [torch.zeros_like(p) for p in model.parameters()]
         for rank in ranks:
             model.zero_grad()
@@ -45,6 +45,11 @@ def reference(steps: int, world: int, redone_step: int, survivors: list[int]) ->
             p.grad = g
         optimizer.step()
     return [p.detach().clone() for p in model.parameters()]
+
+
+def reference(steps: int, world: int, redone_step: int, survivors: list[int]) -> list[torch.Tensor]:
+    """Every rank takes part before ``redone_step``, the survivors from it on."""
+    return reference_with_members(steps, {0: list(range(world)), redone_step: list(survivors)})
 
 
 def guarded_training(rank: int, world: int, init_method: str, steps: int, kill: Any = None,
@@ -203,23 +208,10 @@ KILL_POINTS = ("forward", "backward", "commit", "optimizer", "recovery")
 def reference_of(steps: int, world: int, recoveries: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
     """``reference`` for any membership schedule: ``recoveries`` lists (step redone, survivors from
     it on) in order; every rank takes part before the first."""
-    model = mlp()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    for step in range(steps):
-        ranks = list(range(world))
-        for redone, survivors in recoveries:
-            if redone <= step:
-                ranks = list(survivors)
-        grads = [torch.zeros_like(p) for p in model.parameters()]
-        for rank in ranks:
-            model.zero_grad()
-            loss_of(model, batch(step, rank)).backward()
-            for total, p in zip(grads, model.parameters(), strict=True):
-                total += p.grad / len(ranks)
-        for p, g in zip(model.parameters(), grads, strict=True):
-            p.grad = g
-        optimizer.step()
-    return [p.detach().clone() for p in model.parameters()]
+    members_at = {0: list(range(world))}
+    for redone, survivors in recoveries:
+        members_at[redone] = list(survivors)
+    return reference_with_members(steps, members_at)
 
 
 def faulted_training(rank: int, world: int, store: tuple[str, int], steps: int, plan: dict[str, Any] | None,

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from ft_launched import launch, reference_with_members
+from ft_launched import launch
+from ft_workers import reference_with_members
 
 WORLD, VICTIM, FAIL_STEP, STEPS = 4, 3, 3, 12
 
