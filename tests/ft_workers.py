@@ -88,6 +88,24 @@ def guarded_training(rank: int, world: int, init_method: str, steps: int, kill: 
             "recoveries": [(r.step, r.gone, r.survivors, r.seconds) for r in guard.recoveries]}
 
 
+def run_bounded(procs: list[Any], bound_s: float) -> None:
+    """Start ``procs`` and wait for all of them, at most ``bound_s`` together; a rank still running
+    then is killed, and the test fails naming it."""
+    import time
+
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + bound_s
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    hung = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+    assert not hung, f"ranks {hung} did not finish within {bound_s:.0f}s"
+
+
 def sigkill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 

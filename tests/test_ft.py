@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from ft_workers import reference
+from ft_workers import reference, run_bounded
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -57,17 +57,7 @@ def _run(tmp_path: Path, victims: dict[int, str], min_ranks: int = 1,
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, port, victims, min_ranks, str(tmp_path),
                                                              recover_timeout)) for r in range(WORLD)]
-    for proc in procs:
-        proc.start()
-    deadline = time.monotonic() + RANKS_BOUND_S
-    for proc in procs:
-        proc.join(timeout=max(0.0, deadline - time.monotonic()))
-    hung = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout=5)
-    assert not hung, f"ranks {hung} did not finish within {RANKS_BOUND_S:.0f}s"
+    run_bounded(procs, RANKS_BOUND_S)
     assert all(procs[rank].exitcode == -signal.SIGKILL for rank in victims)
     results = {rank: torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD)
                if (tmp_path / f"rank{rank}.pt").exists()}

@@ -21,13 +21,13 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from ft_workers import run_bounded
 
 pytestmark = [pytest.mark.extended, pytest.mark.timeout(300)]
 
@@ -57,17 +57,7 @@ def _spawn(out_dir: Path, world: int, target: Callable[..., dict[str, Any]],
     out_dir.mkdir()
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_rank_main, args=(r, str(out_dir), target, args(r))) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    deadline = time.monotonic() + RANKS_BOUND_S
-    for proc in procs:
-        proc.join(timeout=max(0.0, deadline - time.monotonic()))
-    hung = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout=5)
-    assert not hung, f"ranks {hung} did not finish within {RANKS_BOUND_S:.0f}s"
+    run_bounded(procs, RANKS_BOUND_S)
     results = {rank: torch.load(out_dir / f"rank{rank}.pt") for rank in range(world)
                if (out_dir / f"rank{rank}.pt").exists()}
     errors = [f"rank {rank}: {out['error']}" for rank, out in results.items() if "error" in out]
