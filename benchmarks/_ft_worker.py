@@ -92,6 +92,16 @@ def main() -> None:
     if is_victim and where == "optimizer":
         optimizer.register_step_pre_hook(lambda *_: die() if state["step"] == kill_step else None)
     times: list[float] = []
+
+    def plain_step(model: Any, step: int) -> None:
+        """One unguarded DDP step, timed."""
+        state["step"] = step
+        started = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        train_step(model, *batches[step])
+        optimizer.step()
+        times.append(time.perf_counter() - started)
+
     result: dict[str, Any] = {"rank": rank, "restarts": restarts, "node": int(os.environ.get("GROUP_RANK") or 0)}
     after_failure: float | None = None
     if cfg.get("launcher", "commd") == "torchrun":
@@ -107,12 +117,7 @@ def main() -> None:
         every = cfg["checkpoint_every"]
         saved_s = 0.0
         for step in range(first, steps):
-            state["step"] = step
-            started = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            train_step(model, *batches[step])
-            optimizer.step()
-            times.append(time.perf_counter() - started)
+            plain_step(model, step)
             if (step + 1) % every == 0 and rank == 0:
                 started = time.perf_counter()
                 torch.save({"model": module.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1},
@@ -148,20 +153,14 @@ def main() -> None:
             if guard.recoveries and after_failure is None:
                 after_failure = time.time()
         module = guard.model.module
-        result.update(commit_s=guard.commit_seconds / max(1, guard.steps - first))
-        result.update(first_step=first, ranks=list(guard.ranks), membership_epoch=guard.membership_epoch,
+        result.update(commit_s=guard.commit_seconds / max(1, guard.steps - first), first_step=first, ranks=list(guard.ranks), membership_epoch=guard.membership_epoch,
                       recoveries=[r.__dict__ for r in guard.recoveries], joins=[j.__dict__ for j in guard.joins],
                       join_done=join_done, take_back=take_back)
     else:
         model = DistributedDataParallel(module)
         t_guard = time.time()
         for step in range(steps):
-            state["step"] = step
-            started = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            train_step(model, *batches[step])
-            optimizer.step()
-            times.append(time.perf_counter() - started)
+            plain_step(model, step)
     result.update(digest=digest(module), step_times=times, first_step_after_failure=after_failure,
                   wall={"start": T_START, "torch": T_TORCH, "init": t_init, "module": t_module, "model": t_model,
                         "guard": t_guard, "end": time.time()})
