@@ -179,13 +179,13 @@ class ControlIngress:
         local_rank = s.int_field(msg, "local_rank", 0, s.MAX_GROUP_SIZE)
         pid = s.int_field(msg, "pid", 1, 1 << 31)
         for other in list(self.clients):
-            if other.rank == rank and not pid_alive(other.pid):
+            if other.rank == rank:
+                if pid_alive(other.pid):
+                    raise s.ProtocolError(f"rank {rank} is already connected (pid {other.pid})")
                 # a replacement (commd launch --max-restarts) may say hello before the watchdog's next
                 # look has freed the dead process's seat: free it now, failing what waited for it
                 self.drop_client(other, f"(pid {other.pid}) died", notify_peers=True)
-        for other in self.clients:
-            if other.rank == rank:
-                raise s.ProtocolError(f"rank {rank} is already connected (pid {other.pid})")
+                continue
             if other.world_size != world_size:
                 raise s.ProtocolError(
                     f"world size {world_size} disagrees with rank {other.rank}'s {other.world_size}"

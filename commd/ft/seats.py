@@ -243,7 +243,7 @@ class Seats:
         deadline = time.monotonic() + timeout
         asked = [False] * len(empty)
         while not all(asked) and time.monotonic() < deadline:
-            asked = [self._store.check([self._key(f"join/{rank}")]) for rank in empty]
+            asked = [self._asked(rank) for rank in empty]
             if not all(asked):
                 time.sleep(POLL_S * 5)
         flags = torch.tensor([int(a) for a in asked], dtype=torch.int32)
@@ -270,9 +270,13 @@ class Seats:
         flags[0] = 1
         if self._me == self.ranks[0]:
             for i, rank in enumerate(empty):
-                flags[1 + i] = int(self._store.check([self._key(f"join/{rank}")]))
+                flags[1 + i] = int(self._asked(rank))
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         return [rank for i, rank in enumerate(empty) if flags[1 + i]]
+
+    def _asked(self, rank: int) -> bool:
+        """Whether ``rank``'s replacement asked to be taken in."""
+        return self._store.check([self._key(f"join/{rank}")])
 
     def _report(self, event: str, epoch: int, gone: tuple[int, ...], seconds: float, why: str | None = None) -> None:
         """What the guard did, for ``commd status``, the metrics and the trace (never fails the step)."""
