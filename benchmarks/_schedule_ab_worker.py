@@ -100,20 +100,22 @@ def main() -> int:
     after, rusage_after = process_cost(pid), resource.getrusage(resource.RUSAGE_SELF)
     syscalls = stop_strace(tracers, cfg["iters"])
     dist.barrier()
+    iters = cfg["iters"]
+    out = {"median_us": sorted(times)[len(times) // 2] * 1e6,
+           "rank_cpu_us": (rusage_after.ru_utime + rusage_after.ru_stime - rusage.ru_utime - rusage.ru_stime)
+           / iters * 1e6,
+           "rank_csw": (rusage_after.ru_nvcsw + rusage_after.ru_nivcsw - rusage.ru_nvcsw - rusage.ru_nivcsw) / iters}
     if local_first:
         fabric = query_status(paths, timeout=10.0).get("fabric") or {}
-        iters = cfg["iters"]
-        out = {"median_us": sorted(times)[len(times) // 2] * 1e6,
-               "rank_cpu_us": (rusage_after.ru_utime + rusage_after.ru_stime - rusage.ru_utime - rusage.ru_stime)
-               / iters * 1e6,
-               "daemon_cpu_us": (after["daemon_cpu_s"] - before["daemon_cpu_s"]) / iters * 1e6,
-               "daemon_csw": (after["daemon_csw"] - before["daemon_csw"]) / iters,
-               "paths": fabric.get("paths"), "control": fabric.get("control_items"),
-               "schedule": fabric.get("schedule"), "rank_rss_mib": memory_mib("self"),
-               "daemon_rss_mib": memory_mib(pid), "syscalls": syscalls}
-        Path(cfg["out"].replace(".json", f"-r{rank}.json")).write_text(json.dumps(out))
-        if rank == 0:
-            Path(cfg["out"]).write_text(json.dumps({"rank0": cfg["out"].replace(".json", "-r0.json")}))
+        out.update({"daemon_cpu_us": (after["daemon_cpu_s"] - before["daemon_cpu_s"]) / iters * 1e6,
+                    "daemon_csw": (after["daemon_csw"] - before["daemon_csw"]) / iters,
+                    "paths": fabric.get("paths"), "control": fabric.get("control_items"),
+                    "schedule": fabric.get("schedule"), "rank_rss_mib": memory_mib("self"),
+                    "daemon_rss_mib": memory_mib(pid), "syscalls": syscalls})
+    Path(cfg["out"].replace(".json", f"-r{rank}.json")).write_text(json.dumps(out))
+    dist.barrier()
+    if rank == 0:
+        Path(cfg["out"]).write_text(json.dumps({"rank0": cfg["out"].replace(".json", "-r0.json")}))
     dist.destroy_process_group()
     return 0
 

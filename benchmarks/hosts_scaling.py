@@ -39,7 +39,11 @@ MPI_WORKER = Path(__file__).with_name("_mpi_allreduce.py")
 #: What each setting sets: the schedule path; every op negotiated (through the control tree from 10
 #: hosts on); every op negotiated on a star (every node's reports straight to node 0).
 SETTINGS = {"schedule": {"COMMD_SCHEDULE": "1"}, "negotiated": {"COMMD_SCHEDULE": "0"},
-            "star": {"COMMD_SCHEDULE": "0", "COMMD_CONTROL_FANOUT": "4096"}}
+            "star": {"COMMD_SCHEDULE": "0", "COMMD_CONTROL_FANOUT": "4096"},
+            # the torch backend's default for a small all-reduce: the bridged exchange ring, bridged
+            # by each node's rank (the default) or by the daemons (parts relayed by node 0)
+            "ring": {"COMMD_LOCAL_RING": "1", "COMMD_RING_BRIDGE": "rank"},
+            "ring-daemon": {"COMMD_LOCAL_RING": "1", "COMMD_RING_BRIDGE": "daemon"}}
 
 
 def iters_for(size: int, base: int) -> int:
@@ -108,7 +112,7 @@ def main() -> int:
     settings = [s for s in args.settings.split(",") if s]
     if (not counts or counts[0] < 2 or not sizes or any(s < 4 or s % 4 for s in sizes)
             or not settings or any(s not in SETTINGS for s in settings) or args.iters < 10):
-        parser.error("host counts >= 2; sizes multiples of 4 bytes; settings from schedule,negotiated,star; --iters >= 10")
+        parser.error("host counts >= 2; sizes multiples of 4 bytes; settings from schedule,negotiated,star,ring,ring-daemon; --iters >= 10")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("hosts_scaling: terminated"))
     os.environ.setdefault("COMMD_SECRET", new_secret())  # the hosts' daemons share it (never in the store)
     from commd.sim.hosts import SimulatedHosts

@@ -5,10 +5,11 @@ daemons) that times back-to-back ``dist.all_reduce`` calls of one size on ordina
 tensors.  For each size, ``--repeats`` runs with the schedule path (the default) alternate
 with as many with ``COMMD_SCHEDULE=0`` (every op negotiated through node 0), so the load's
 drift falls on both alike; ``--settings ring`` adds the torch backend's default path (small
-all-reduces on the bridged exchange ring, COMMD_LOCAL_RING=1).  ``--syscalls`` counts node
-0's daemon's and first rank's system calls per op (``strace -c``, which slows them).  Per run: the slower node's median latency; the CPU per op
-summed over the job's processes (2 daemons, 4 ranks: each node's first rank stands for
-both of its ranks); the daemons' context switches per op; ops per path.  Needs root.
+all-reduces on the bridged exchange ring, COMMD_LOCAL_RING=1, bridged by each node's first rank)
+and ``ring-daemon`` the same ring bridged by the daemons.  ``--syscalls`` counts node 0's daemon's
+and first rank's system calls per op (``strace -c``, which slows them).  Per run: the slower
+node's median latency; the CPU per op summed over the job's processes (2 daemons, 4 ranks); the
+daemons' and the ranks' context switches per op (each process's mean); ops per path.  Needs root.
 
     sudo .venv/bin/python benchmarks/schedule_ab.py                       # 1 KiB, 64 KiB, 1 MiB; 3 each
     sudo .venv/bin/python benchmarks/schedule_ab.py --sizes 1K --repeats 5
@@ -33,19 +34,23 @@ from commd.runtime import new_secret, parse_bytes
 
 WORKER = Path(__file__).with_name("_schedule_ab_worker.py")
 #: Each setting's environment: the schedule path, every op negotiated, and the torch backend's
-#: default (small all-reduces on the bridged exchange ring, the rest on the schedule path).
+#: default (small all-reduces on the bridged exchange ring, the rest on the schedule path), with
+#: the ring's bridge played by each node's first rank (the default) or by the daemon.
 SETTINGS = {"schedule": {"COMMD_LOCAL_RING": "0", "COMMD_SCHEDULE": "1"},
             "negotiated": {"COMMD_LOCAL_RING": "0", "COMMD_SCHEDULE": "0"},
-            "ring": {"COMMD_LOCAL_RING": "1", "COMMD_SCHEDULE": "1"}}
+            "ring": {"COMMD_LOCAL_RING": "1", "COMMD_SCHEDULE": "1", "COMMD_RING_BRIDGE": "rank"},
+            "ring-daemon": {"COMMD_LOCAL_RING": "1", "COMMD_SCHEDULE": "1", "COMMD_RING_BRIDGE": "daemon"}}
 
 
 def one_run(sim: Any, work: Path, elements: int, iters: int, setting: str, timeout: float,
             syscalls: bool) -> dict[str, Any]:
     cfg = {"elements": elements, "iters": iters, "warmup": 50, "strace": syscalls}
     pointer = run_job(WORKER, cfg, SETTINGS[setting], work, f"ab-{setting}", timeout, sim)
-    nodes = [json.loads(Path(pointer["rank0"].replace("-r0.json", f"-r{r}.json")).read_text()) for r in (0, 2)]
+    ranks = [json.loads(Path(pointer["rank0"].replace("-r0.json", f"-r{r}.json")).read_text()) for r in range(4)]
+    nodes = [ranks[0], ranks[2]]  # each node's first rank also reports its daemon
     return {"latency_us": max(n["median_us"] for n in nodes),
-            "cpu_us": sum(n["daemon_cpu_us"] + 2 * n["rank_cpu_us"] for n in nodes),
+            "cpu_us": sum(n["daemon_cpu_us"] for n in nodes) + sum(r["rank_cpu_us"] for r in ranks),
+            "rank_csw": statistics.mean(r["rank_csw"] for r in ranks),
             "daemon_csw": statistics.mean(n["daemon_csw"] for n in nodes),
             "paths": [n["paths"] for n in nodes], "control": [n["control"] for n in nodes],
             "syscalls": nodes[0].get("syscalls"), "load": os.getloadavg()[0]}
@@ -104,12 +109,14 @@ def main() -> int:
     print(f"\nall_reduce through the torch backend, 2 simulated hosts x 2 ranks, COMMD_LOCAL_RING=0 (but 'ring'), "
           f"{args.iters} ops per run, medians of {args.repeats} interleaved runs "
           f"(load {load[0]:.2f} before, {os.getloadavg()[0]:.2f} after)\n")
-    print(f"{'size':>9} {'setting':<11} {'latency us':>11} {'CPU us/op':>10} {'daemon csw/op':>14}   runs' latencies")
+    print(f"{'size':>9} {'setting':<11} {'latency us':>11} {'CPU us/op':>10} {'daemon csw/op':>14} "
+          f"{'rank csw/op':>12}   runs' latencies")
     for size, by_setting in results.items():
         for name, runs in by_setting.items():
             print(f"{size:>9} {name:<11} {statistics.median(r['latency_us'] for r in runs):>11.0f} "
                   f"{statistics.median(r['cpu_us'] for r in runs):>10.0f} "
-                  f"{statistics.median(r['daemon_csw'] for r in runs):>14.2f}   "
+                  f"{statistics.median(r['daemon_csw'] for r in runs):>14.2f} "
+                  f"{statistics.median(r['rank_csw'] for r in runs):>12.2f}   "
                   f"{[round(r['latency_us']) for r in runs]}")
         for name, runs in by_setting.items():
             print(f"{'':>9} ({name}: ops per path on node 0 {runs[-1]['paths'][0]}, control items "

@@ -69,10 +69,11 @@ CASES = [("float32", "sum", 1), ("float32", "avg", 1000), ("float64", "max", 300
          ("float32", "min", fr.SLOT_BYTES // 4 + 1)]
 
 
-def bridged_ops(ctx: Any, port: int) -> str:
+def bridged_ops(ctx: Any, port: int, bridge: str, dies: int) -> str:
     """Every case on the world (2 nodes x 2 ranks) and on subgroups, in flight together and between
-    daemon collectives; each result equal to NumPy's.  Then ranks that disagree, then a rank that
-    dies (one fabric start for all three)."""
+    daemon collectives; each result equal to NumPy's.  Then ranks that disagree, then rank ``dies``
+    dies (one fabric start for all three).  ``bridge``: who bridges the rings (COMMD_RING_BRIDGE)."""
+    os.environ["COMMD_RING_BRIDGE"] = bridge
     _init(ctx, port, timeout_s=60.0)
     rank, world = ctx.rank, ctx.world_size
     groups = {"world": (None, list(range(world)))}
@@ -106,12 +107,19 @@ def bridged_ops(ctx: Any, port: int) -> str:
         assert torch.equal(z, torch.arange(12, dtype=torch.float32).reshape(3, 4).t() * sum(r + 1 for r in ranks))
     ctx.event("disagreements", disagreements(rank))
     ctx.command()  # the test has read the daemons' status
-    return dies_mid_ring(ctx)
+    return dies_mid_ring(ctx, dies)
 
 
-def test_bridged_all_reduces_match_numpy_disagreements_and_deaths_fail_every_rank(cluster: Any) -> None:
+#: (who bridges, the rank that dies): rank 2 is node 1's first rank, which bridges its ring there
+#: (its group ranks' ring, for every group it is in) when the ranks bridge.
+BRIDGES = [("daemon", 3), ("rank", 3), ("rank", 2)]
+
+
+@pytest.mark.parametrize(("bridge", "dies"), BRIDGES)
+def test_bridged_all_reduces_match_numpy_disagreements_and_deaths_fail_every_rank(cluster: Any, bridge: str,
+                                                                                  dies: int) -> None:
     c = cluster(2, 2, op_timeout=60.0)
-    workers = c.start_workers(bridged_ops, free_port())
+    workers = c.start_workers(bridged_ops, free_port(), bridge, dies)
     results = {r: w.wait_event(r, "disagreements", 110) for w in workers for r in w.procs}
     for rank, out in results.items():
         assert out["count"].startswith(MismatchError.__name__) and "count" in out["count"], (rank, out)
@@ -120,6 +128,7 @@ def test_bridged_all_reduces_match_numpy_disagreements_and_deaths_fail_every_ran
         assert float(out["seconds"]) < 30, (rank, out)  # not the 60 s op timeout
     for i in range(2):  # the ops went through the bridges; only the disagreements failed them
         rings = c.status(i)["fabric"]["bridged_rings"]
+        assert {row["host"] for row in rings.values()} == {bridge}, rings
         used = [row for row in rings.values() if row["ops"] >= 3 * 7]
         assert len(rings) == 7 and len(used) == 4, rings
         # (the ranks' departures at the end leave the rings: nothing else did)
@@ -130,9 +139,9 @@ def test_bridged_all_reduces_match_numpy_disagreements_and_deaths_fail_every_ran
         for r in w.procs:
             w.send(r, "go on")
     died: dict[int, Any] = {}
-    for w in workers:  # rank 3 has no result: it died
-        died.update(w.join(110, ranks=[r for r in w.procs if r != 3]))
-    for rank in (0, 1, 2):
+    for w in workers:  # the rank that died has no result
+        died.update(w.join(110, ranks=[r for r in w.procs if r != dies]))
+    for rank in sorted(set(range(4)) - {dies}):
         assert died[rank].startswith(("PeerDiedError", "CommdError")), (rank, died[rank])
         assert float(died[rank].split(" after ")[1].split("s:")[0]) < 30, (rank, died[rank])
 
@@ -171,11 +180,11 @@ def disagreements(rank: int) -> dict[str, str]:
     return out
 
 
-def dies_mid_ring(ctx: Any) -> str:
+def dies_mid_ring(ctx: Any, dies: int) -> str:
     x = torch.ones(8)
     dist.all_reduce(x)
     assert x.tolist() == [4.0] * 8
-    if ctx.rank == 3:
+    if ctx.rank == dies:
         os._exit(3)  # a rank of node 1 dies between ops
     started = time.monotonic()
     try:
@@ -218,8 +227,8 @@ class _Sent(list):
 def _bridge(node: int = 1) -> tuple[Any, Any, _Sent]:
     """A bridged ring of group ranks [2, 3] on node 1 of a group [0, 1 | 2, 3], as the daemon makes it."""
     from commd.core.placement import GroupPlacement
-    from commd.fabric.bridge import RingBridge
     from commd.memory.arena import Segment
+    from commd.memory.ringbridge import RingBridge
 
     nlines = 3
     size = fr.region_bytes(nlines, fr.DEPTH, fr.SLOT_BYTES, fr.LARGE_DEPTH, fr.SLOT_BYTES)

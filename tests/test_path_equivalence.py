@@ -35,6 +35,9 @@ SEED = int(os.environ.get("EQUIVALENCE_SEED", "31"))
 RUN_LIMIT_S = 120.0 + 0.5 * SCHEDULES
 #: The ring on (the default path of small all-reduces) and off (everything through the daemon).
 RING = {"ring": "1", "daemon": "0"}
+#: Across nodes: the bridged ring, bridged by each node's first rank (the default) or by the
+#: daemons, and everything through the daemons — (COMMD_LOCAL_RING, COMMD_RING_BRIDGE).
+TWO_NODES = {"ring": ("1", "rank"), "ring, daemon bridge": ("1", "daemon"), "daemon": ("0", "rank")}
 #: One node's configurations: (ranks, environment).  ``make test`` runs the first two; ``make
 #: equivalence`` (EQUIVALENCE_ALL=1) all: three ranks, and tensors staged through the arena instead
 #: of registered (COMMD_REGISTER=0).
@@ -111,10 +114,11 @@ GROUP_EVERY = 10
 REPEAT = 4
 
 
-def two_node_main(ctx: Any, port: int, ring: str, what: str, repeat: int = 1) -> str:
+def two_node_main(ctx: Any, port: int, ring: str, what: str, repeat: int = 1, bridge: str = "rank") -> str:
     import commd  # noqa: F401 - registers the backend
 
     os.environ["COMMD_LOCAL_RING"] = ring
+    os.environ["COMMD_RING_BRIDGE"] = bridge
     os.environ["COMMD_JOB"] = ctx.job
     dist.init_process_group("commd", init_method=f"tcp://127.0.0.1:{port}", rank=ctx.rank,
                             world_size=ctx.world_size, timeout=timedelta(seconds=TIMEOUT_S))
@@ -133,9 +137,10 @@ def _one_node(tmp_path: Path, config: str, what: str) -> dict[int, Any]:
     return {r: json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world)}
 
 
-def _two_nodes(cluster: Any, ring: str, what: str, repeat: int = 1, nodes: int = 2) -> dict[int, Any]:
+def _two_nodes(cluster: Any, ring: str, what: str, repeat: int = 1, nodes: int = 2,
+               bridge: str = "rank") -> dict[int, Any]:
     c = cluster(nodes, 1, op_timeout=TIMEOUT_S)
-    results = c.join(c.start_workers(two_node_main, free_port(), ring, what, repeat), timeout=RUN_LIMIT_S)
+    results = c.join(c.start_workers(two_node_main, free_port(), ring, what, repeat, bridge), timeout=RUN_LIMIT_S)
     out = {r: json.loads(value) for r, value in results.items()}
     if isinstance(out[0], dict):
         out[0]["paths"] = [c.status(node)["fabric"]["paths"] for node in range(nodes)]
@@ -149,9 +154,10 @@ def test_the_issue_schedule_on_one_node(backend_env: Any, tmp_path: Path, path: 
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("path", sorted(RING))
+@pytest.mark.parametrize("path", list(TWO_NODES))
 def test_the_issue_schedule_across_two_nodes(cluster: Any, path: str) -> None:
-    _check_issue_schedule(_two_nodes(cluster, RING[path], "issue"))
+    ring, bridge = TWO_NODES[path]
+    _check_issue_schedule(_two_nodes(cluster, ring, "issue", bridge=bridge))
 
 
 def _check_equivalence(results: dict[int, Any], where: str, path: str, group_every: int | None = None,
@@ -183,9 +189,10 @@ def test_random_schedules_give_the_model_outcomes_on_one_node(backend_env: Any, 
 
 @pytest.mark.slow  # make equivalence, make test-all (make test-extended: one node and the schedule path)
 @pytest.mark.timeout(RUN_LIMIT_S + 60)
-@pytest.mark.parametrize("path", sorted(RING))
+@pytest.mark.parametrize("path", list(TWO_NODES))
 def test_random_schedules_give_the_model_outcomes_across_two_nodes(cluster: Any, path: str) -> None:
-    _check_equivalence(_two_nodes(cluster, RING[path], "schedules"), "two nodes", path, GROUP_EVERY)
+    ring, bridge = TWO_NODES[path]
+    _check_equivalence(_two_nodes(cluster, ring, "schedules", bridge=bridge), "two nodes", path, GROUP_EVERY)
 
 
 @pytest.mark.extended  # make test-extended (CI runs it after make test)

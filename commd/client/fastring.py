@@ -92,9 +92,12 @@ def available() -> bool:
 
 
 def request_ring(ops_socket: Any, client_id: int, secret: str, group: str, timeout: float,
-                 daemon_pid: int) -> tuple[Segment, dict[str, Any]]:
-    """Ask the daemon (``daemon_pid`` only, checked by its kernel credentials) for ``group``'s ring."""
-    request = {"t": s.FASTRING, "client_id": client_id, "secret": secret, "group": group}
+                 daemon_pid: int, bridge: str = "daemon") -> tuple[Segment, dict[str, Any]]:
+    """Ask the daemon (``daemon_pid`` only, checked by its kernel credentials) for ``group``'s ring.
+    ``bridge``: who should play a bridged ring's bridge line, ``daemon`` or ``rank`` (the node's
+    first rank of the group, ``client/ringbridge.py``); the reply says who does (the first request
+    of the node decided it), and with ``rank`` gives the node, its address and the group's token."""
+    request = {"t": s.FASTRING, "client_id": client_id, "secret": secret, "group": group, "bridge": bridge}
     fds: list[int] = []
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
         sock.settimeout(timeout)
@@ -120,6 +123,11 @@ def request_ring(ops_socket: Any, client_id: int, secret: str, group: str, timeo
         large_depth = s.int_field(reply, "large_depth", 1, 64)
         large_bytes = s.int_field(reply, "large_bytes", slot_bytes, 1 << 30)
         rank = s.int_field(reply, "rank", 0, nranks - 1 - bridged)  # never the bridge's line
+        host = reply.get("bridge", "daemon") if bridged else None
+        if host not in (None, "daemon", "rank"):
+            raise s.ProtocolError(f"unknown bridge host {host!r}")
+        hosting = {"node": s.int_field(reply, "node", 0), "ip": s.field(reply, "ip", str),
+                   "token": s.field(reply, "token", str)} if host == "rank" else {}
         size = fr.region_bytes(nranks, depth, slot_bytes, large_depth, large_bytes)
         if len(fds) != 1 or s.int_field(reply, "size", 1) != size or slot_bytes % 8 or large_bytes % 8:
             raise ConnectError(f"the daemon's exchange ring for group {group!r} is malformed")
@@ -136,7 +144,8 @@ def request_ring(ops_socket: Any, client_id: int, secret: str, group: str, timeo
             fr.VERSION, nranks, depth, slot_bytes, large_depth, large_bytes, int(bridged)):
         raise ConnectError(f"the exchange ring of group {group!r} has an unknown header")
     return region, {"nranks": nranks, "depth": depth, "slot_bytes": slot_bytes, "large_depth": large_depth,
-                    "large_bytes": large_bytes, "rank": rank, "bridged": bridged, "members": members}
+                    "large_bytes": large_bytes, "rank": rank, "bridged": bridged, "members": members,
+                    "bridge": host, **hosting}
 
 
 class RingHandle(Handle):
@@ -216,6 +225,8 @@ class ExchangeRing:
         #: result (the ranks copy it out instead of reducing)
         self.bridged: bool = meta.get("bridged", False)
         self.bridge = self.nranks - 1 if self.bridged else -1
+        #: the bridge line is played by the node's first rank of the group (client/ringbridge.py)
+        self.rank_bridged: bool = meta.get("bridge") == "rank"
         #: the group rank of each line, for messages (the bridge's line: the group's other nodes)
         self.members: list[int] = list(meta["members"]) if self.bridged else list(range(self.nranks))
         #: the largest all-reduce (bytes) this ring takes
@@ -290,6 +301,10 @@ class ExchangeRing:
         self._wanted = threading.Event()
         self._next_check = 0.0  # when the missing ranks' and the daemon's processes are checked next
         self.closed = False
+        #: called once the ring is closed (a bridge this rank plays, its notice socket)
+        self.on_close: list[Callable[[], Any]] = []
+        #: a bridge line a rank plays: its node, listener address and the group's token (request_ring)
+        self.hosting: dict[str, Any] = {k: meta[k] for k in ("node", "ip", "token") if k in meta}
         _OPEN_RINGS.add(self)
 
     # ---- publishing -----------------------------------------------------
@@ -725,6 +740,9 @@ class ExchangeRing:
 
     def _died(self, line: int) -> PeerDiedError:
         pid = int(self.control[line, fr.PID])
+        if line == self.bridge:  # a bridge a rank played: that rank, the node's first of the group
+            return PeerDiedError(f"group {self.group!r}: group rank {self.members[0]} (pid {pid}), which "
+                                 "bridged this node's ranks to the group's other nodes, died")
         return PeerDiedError(f"group {self.group!r}: group rank {self.members[line]} (pid {pid}) died")
 
     def _break(self, error: CommdError, tell: bool = True, number: int | None = None,
@@ -890,7 +908,7 @@ class ExchangeRing:
         peer can post what we wait for and then exit (its job done) before we look, so a dead line
         counts only if ``missing()``, read after its death was seen, still lists it."""
         for r in waiting:
-            if r == self.bridge:
+            if r == self.bridge and not self.rank_bridged:
                 continue  # the daemon's line: checked below
             pid = int(self.control[r, fr.PID])
             if pid and not pid_alive(pid) and r in missing():
@@ -936,4 +954,7 @@ class ExchangeRing:
         thread = self._progress_thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(CLOSE_JOIN_S)
+        closers, self.on_close = self.on_close, []
+        for closer in closers:
+            closer()
         _OPEN_RINGS.discard(self)

@@ -40,6 +40,8 @@ class RingRegions:
         self.placements = placements
         self.state = state
         self.regions: dict[str, Segment] = {}
+        #: a bridged ring's bridge line: played by the daemon or by the node's first rank of the group
+        self.hosts: dict[str, str] = {}
         self.total_bytes = 0
 
     def grant(self, channel: OpConnection, msg: dict[str, Any]) -> None:
@@ -48,6 +50,9 @@ class RingRegions:
         if client is None:
             raise s.ProtocolError("ring request names an unknown client id", s.E_AUTH)
         group = s.field(msg, "group", str)
+        host = s.optional(msg, "bridge", str, "daemon")
+        if host not in ("daemon", "rank"):
+            raise s.ProtocolError(f"field 'bridge'={host!r}: the bridge line is played by 'daemon' or 'rank'")
         if group not in client.groups:
             raise s.ProtocolError(f"rank {client.rank} has not registered group {group!r}")
         placement = self.placements.get(group)
@@ -78,13 +83,22 @@ class RingRegions:
             self.regions[group] = region
             if bridged:
                 assert member is not None
-                member.bridges.attach(group, region, placement)
+                if host == "rank":
+                    member.bridges.attach_hosted(group, region, placement, os.getpid())
+                else:
+                    member.bridges.attach(group, region, placement)
+                self.hosts[group] = host
             log.debug("exchange ring for group %s: %d ranks, %d bytes", group, nranks, size)
         assert region.fd is not None
         line = placement.local.index(client.groups[group]) if bridged else client.groups[group]
         reply = {"t": s.ACK, "size": region.size, "nranks": nranks, "depth": fr.DEPTH,
                  "slot_bytes": fr.SLOT_BYTES, "large_depth": fr.LARGE_DEPTH, "large_bytes": large,
                  "rank": line, "bridged": bridged, "members": placement.local if bridged else None}
+        if bridged:
+            assert member is not None
+            reply["bridge"] = self.hosts[group]
+            if reply["bridge"] == "rank":
+                reply.update(member.bridge_host_grant(group))
         send_with_fd(channel.sock, s.encode(reply), region.fd)
 
     def set_tracing(self, on: bool) -> None:

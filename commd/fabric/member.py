@@ -28,6 +28,7 @@ from commd.fabric.liveness import Liveness
 from commd.fabric.p2p import PointToPoint
 from commd.fabric.rendezvous import Fabric
 from commd.fabric.runner import LaneRunner
+from commd.memory.ringbridge import group_token
 from commd.observe.stats import FabricStats
 from commd.protocol import fabric as wire
 from commd.scheduler.config import DEFAULT_CONTROL_FANOUT
@@ -437,6 +438,12 @@ class FabricMember:
         """The tcp lane's compressed ops per codec (the only lane that compresses)."""
         report = getattr(self.fabric.lanes.get("tcp"), "compression_status", None)
         return report() if report is not None else {}
+
+    def bridge_host_grant(self, group: str) -> dict[str, Any]:
+        """What the rank that plays ``group``'s bridge line here needs: this node, the address its
+        listener binds, and the token the group's first ranks prove to each other."""
+        return {"node": self.me, "ip": self.fabric.nodes[self.me].ip,
+                "token": group_token(self.fabric.secret, group)}
 
     def status(self) -> dict[str, Any]:
         now = time.monotonic()

@@ -24,19 +24,22 @@ op too; the ring is left, and the group's later ops all take the daemon path.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from commd.client import fastring
+from commd.client import fastring, ringbridge
 from commd.client.connection import Client
 from commd.client.errors import CommdError
 from commd.client.handle import Handle
+from commd.client.ringbridge import BridgeHost, NoticeSender
 from commd.kernels.dtypes import UnsupportedReduction, check_supported
 from commd.kernels.reduce import DTYPE_NAMES
 from commd.kernels.small import NUMPY_DTYPES
 from commd.protocol import fastring as fr
+from commd.runtime import ConfigError
 from commd.torch_backend.store import read_from_ranks
 
 log = logging.getLogger("commd.torch")
@@ -45,15 +48,18 @@ log = logging.getLogger("commd.torch")
 RING_DTYPES = {dtype: name for dtype, name in DTYPE_NAMES.items() if name in NUMPY_DTYPES}
 TORCH_DTYPES = {name: dtype for dtype, name in RING_DTYPES.items()}
 _STORE_KEY = "commd/ring/{name}/{rank}"
+_BRIDGE_KEY = "commd/ringbridge/{name}/{{rank}}"
 
 
 def open_ring(client: Client, store: dist.Store, name: str, rank: int, size: int,
               global_ranks: list[int], timeout: float | None, lane: str | None = None) -> fastring.ExchangeRing | None:
     """The group's ring if every rank of it got one (agreed through the store), else None.
 
-    A group that spans nodes gets a bridged ring on each (its daemon takes part): needs a
-    fabric, at most ``MAX_RANKS`` of its ranks on each node, and no lane asked for (a group
-    made with ``commd.Options(lane=...)`` runs every op on that lane)."""
+    A group that spans nodes gets a bridged ring on each: needs a fabric, at most ``MAX_RANKS``
+    of its ranks on each node, and no lane asked for (a group made with ``commd.Options(lane=...)``
+    runs every op on that lane).  Its bridge line is played by the node's first rank of the group,
+    connected directly to the other nodes' first ranks (``COMMD_RING_BRIDGE=rank``, the default),
+    or by the daemon (``daemon``); the group's ranks agree on it through the store."""
     nodes = client.nodes
     here = len(global_ranks) if nodes is None else sum(nodes[r] == nodes[client.rank] for r in global_ranks)
     spans = here < len(global_ranks)
@@ -61,11 +67,20 @@ def open_ring(client: Client, store: dist.Store, name: str, rank: int, size: int
     if fastring.available() and (2 <= size if not spans else lane is None and 1 <= here) and here <= fr.MAX_RANKS:
         try:
             region, meta = fastring.request_ring(client.paths.ops_socket, client.client_id, client.secret, name,
-                                                 30.0, client.daemon_pid)
+                                                 30.0, client.daemon_pid, bridge_host() if spans else "daemon")
             ring = fastring.ExchangeRing(region, meta, name, client.rank, client.daemon_pid,
                                          timeout or client.op_timeout)
         except CommdError as exc:
             log.warning("group %s: no exchange ring, small all-reduces go through the daemon: %s", name, exc)
+    host: BridgeHost | None = None
+    if spans and nodes is not None:
+        try:
+            host = _host_bridge(client, store, name, rank, global_ranks, ring, timeout)
+        except CommdError as exc:
+            log.warning("group %s: no exchange ring, small all-reduces go through the daemon: %s", name, exc)
+            if ring is not None:
+                ring.close()
+            ring = None
     store.set(_STORE_KEY.format(name=name, rank=rank), "1" if ring is not None else "0")
     got = read_from_ranks(store, lambda r: _STORE_KEY.format(name=name, rank=r), range(size),
                           "whether they got the group's exchange ring", timeout)
@@ -78,14 +93,79 @@ def open_ring(client: Client, store: dist.Store, name: str, rank: int, size: int
         ring.on_trace = lambda records: client.notify_ring(name, trace=records)
         ring.on_diverged = lambda dtype, op, count, number: _numbered_all_reduce(
             client, name, torch.zeros(count, dtype=TORCH_DTYPES[dtype]), op, timeout, number)
-        if ring.bridged:
+        if ring.rank_bridged:
+            notices = NoticeSender(client.daemon_pid, name)
+            ring.on_all_posted = notices.all_posted if host is None else host.all_posted_here
+            ring.on_left = notices.left
+            ring.on_close.append(notices.close)
+            if host is not None:
+                ring.on_close.append(host.close)
+                host.start()
+        elif ring.bridged:
             ring.on_all_posted = lambda seq: client.notify_ring(name, k=seq)
             ring.on_left = lambda code, why, number: client.notify_ring(
                 name, left=why[:1024], code=code, **({} if number is None else {"n": number}))
         return ring
+    if host is not None:
+        host.close()
     if ring is not None:
         ring.close()
     return None
+
+
+def bridge_host() -> str:
+    """Who plays a bridged ring's bridge line: ``COMMD_RING_BRIDGE`` (``rank`` or ``daemon``)."""
+    value = os.environ.get("COMMD_RING_BRIDGE", "rank").strip() or "rank"
+    if value not in ("rank", "daemon"):
+        raise ConfigError(f"COMMD_RING_BRIDGE={value!r}: use 'rank' (the node's first rank of a group bridges "
+                          "its ring to the other nodes) or 'daemon'")
+    return value
+
+
+def _host_bridge(client: Client, store: dist.Store, name: str, rank: int, global_ranks: list[int],
+                 ring: fastring.ExchangeRing | None, timeout: float | None) -> BridgeHost | None:
+    """This node's first rank of a group that spans nodes: when its ring's bridge line is a rank's,
+    connect it to the other nodes' first ranks and return its bridge (not started); the others
+    return None.  Every first rank publishes its node and listener, or ``-`` (no such bridge here),
+    so the first ranks decide alike; a failure raises CommdError (this rank then takes no ring)."""
+    assert client.nodes is not None
+    names = [client.nodes[r] for r in global_ranks]
+    firsts = {names.index(n) for n in names}  # each node's first group rank
+    if rank not in firsts:
+        return None
+    key = _BRIDGE_KEY.format(name=name)
+    if ring is None or not ring.rank_bridged:
+        store.set(key.format(rank=rank), "-")
+        return None
+    listener = ringbridge.listen(ring.hosting["ip"])
+    try:
+        port = listener.getsockname()[1]
+        store.set(key.format(rank=rank), f"{ring.hosting['node']}:{ring.hosting['ip']}:{port}")
+        others = sorted(firsts - {rank})
+        values = read_from_ranks(store, lambda r: key.format(rank=r), others,
+                                 "their node's exchange-ring bridge", timeout)
+        if any(v == b"-" for v in values):
+            listener.close()
+            return None
+        endpoints: dict[int, tuple[str, int]] = {}
+        node_of_name = {names[rank]: ring.hosting["node"]}
+        for r, value in zip(others, values, strict=True):
+            node, ip, peer_port = value.decode().rsplit(":", 2)
+            endpoints[int(node)] = (ip, int(peer_port))
+            node_of_name[names[r]] = int(node)
+    except BaseException:
+        listener.close()
+        raise
+    peers = ringbridge.form_mesh(name, ring.hosting["node"], listener, endpoints, ring.hosting["token"],
+                                 timeout or 30.0)
+    try:
+        return BridgeHost(name, ring.region, list(global_ranks), [node_of_name[n] for n in names],
+                          ring.hosting["node"], peers, client.daemon_pid,
+                          lambda number, code, why: client.notify_ring(name, failed=number, code=code, why=why[:1024]))
+    except OSError as exc:  # its notice socket is taken: a bridge of the same group still runs here
+        for sock in peers.values():
+            sock.close()
+        raise CommdError(f"group {name!r}: cannot bridge the exchange ring: {exc}") from None
 
 
 def ring_all_reduce(client: Client, ring: fastring.ExchangeRing, tensor: torch.Tensor, op: str,

@@ -1,0 +1,374 @@
+"""A bridged ring's bridge line, played by the node's first rank of the group instead of its daemon.
+
+Played by the daemon, a small all-reduce across nodes crosses two event loops per node: the
+ranks' ``ringop`` wakes the daemon, which reduces the node's inputs, and its part travels the
+fabric's control links (through node 0 for a group on more than 2 nodes) to the other nodes'
+daemons.  Here the node's first rank of the group runs the same line (``memory/ringbridge.py``)
+on a thread of its own, with a direct TCP connection to the first rank of every other node of
+the group: no daemon, no uvloop turn, no msgpack envelope of the control plane, and no relay.
+
+Each connection is opened once, when the group is made (``form_mesh``): the lower node
+listens, the higher connects and proves it holds the group's token (an HMAC of the fabric's
+secret that every node's daemon derives, handed out with the ring) by answering a challenge.
+Frames are a 4-byte length and a ``RingPart`` (``protocol/fabric.py``), validated on receipt,
+and a part must come from the node its connection was opened for.
+
+The thread sleeps in ``select`` on the connections and a datagram socket (``notice_address``):
+the local ranks' ``k`` (every local rank published op k) and ``left`` notices, and the daemon's
+``fail`` (the fabric saw a rank or node of the group die) arrive there, each checked against
+the sender's pid (``SO_PASSCRED``).  Between ops it checks, every ``CHECK_S``, that the local
+ranks and the daemon are alive.  A closed connection is the death of that node's bridge: the
+op fails on every rank with ``peer_died``, as a dead node does on the daemon's path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import selectors
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from commd.client.errors import CommdError
+from commd.memory.arena import Segment
+from commd.memory.ringbridge import (
+    MAX_NOTICE_BYTES,
+    RingBridge,
+    notice_address,
+    read_notice,
+    spanning_placement,
+)
+from commd.protocol import fabric as wire
+from commd.protocol import fastring as fr
+from commd.protocol import schema as s
+from commd.runtime import pid_alive
+
+log = logging.getLogger("commd.ring")
+
+#: How often an idle bridge checks that its local ranks and its daemon are alive.
+CHECK_S = 0.1
+#: The largest frame a peer may send: a part of one ring entry, with its envelope.
+MAX_FRAME_BYTES = fr.SLOT_BYTES + 4096
+_LENGTH = struct.Struct("<I")
+_CHALLENGE_BYTES = 16
+_ACCEPTED = b"\x01"
+
+
+def _proof(token: str, challenge: bytes, group: str, node: int) -> str:
+    return hmac.new(token.encode(), challenge + f"/{group}/{node}".encode(), hashlib.sha256).hexdigest()
+
+
+def listen(ip: str) -> socket.socket:
+    """The listener the other nodes' first ranks connect to (published through the group's store)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((ip, 0))
+    listener.listen(64)
+    return listener
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("the peer closed the connection")
+        data += chunk
+    return bytes(data)
+
+
+def form_mesh(group: str, node: int, listener: socket.socket, endpoints: dict[int, tuple[str, int]],
+              token: str, timeout: float) -> dict[int, socket.socket]:
+    """A connection to each other node's first rank: lower nodes are dialled, higher ones accepted.
+    Raises TransportError naming the node that could not be reached or failed the challenge."""
+    deadline = time.monotonic() + timeout
+    peers: dict[int, socket.socket] = {}
+    try:
+        for peer in sorted(p for p in endpoints if p < node):
+            sock = socket.create_connection(endpoints[peer], timeout=max(0.1, deadline - time.monotonic()))
+            challenge = _recv_exact(sock, _CHALLENGE_BYTES)
+            hello = s.encode({"t": "bridge", "g": group, "n": node, "mac": _proof(token, challenge, group, node)})
+            sock.sendall(_LENGTH.pack(len(hello)) + hello)
+            peers[peer] = sock
+            if _recv_exact(sock, 1) != _ACCEPTED:
+                raise ConnectionError(f"node {peer}'s bridge refused this node's proof")
+        awaited = {p for p in endpoints if p > node}
+        while awaited:
+            listener.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                sock, _ = listener.accept()
+            except TimeoutError:
+                raise CommdError(f"group {group!r}: the first ranks of nodes {sorted(awaited)} never connected "
+                                     f"to this node's bridge within {timeout:.0f} s") from None
+            sock.settimeout(max(0.1, deadline - time.monotonic()))
+            challenge = secrets.token_bytes(_CHALLENGE_BYTES)
+            try:
+                sock.sendall(challenge)
+                (length,) = _LENGTH.unpack(_recv_exact(sock, 4))
+                if length > 4096:
+                    raise s.ProtocolError(f"a hello of {length} bytes")
+                hello = s.decode(_recv_exact(sock, length))
+                peer = s.int_field(hello, "n", 0)
+                ok = (s.field(hello, "g", str) == group and peer in awaited
+                      and hmac.compare_digest(s.field(hello, "mac", str), _proof(token, challenge, group, peer)))
+            except (OSError, ConnectionError, s.ProtocolError) as exc:
+                log.warning("group %s: dropped a bridge connection that failed its hello: %s", group, exc)
+                sock.close()
+                continue
+            if not ok:
+                log.warning("group %s: dropped a bridge connection with a wrong group, node or proof", group)
+                sock.close()
+                continue
+            sock.sendall(_ACCEPTED)
+            peers[peer] = sock
+            awaited.discard(peer)
+    except (OSError, ConnectionError) as exc:
+        for sock in peers.values():
+            sock.close()
+        raise CommdError(f"group {group!r}: could not connect the nodes' bridges: {exc}") from None
+    except BaseException:
+        for sock in peers.values():
+            sock.close()
+        raise
+    finally:
+        listener.close()
+    for sock in peers.values():
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return peers
+
+
+class BridgeHost:
+    """The bridge line of one group's bridged ring on this node, run by this rank on a thread."""
+
+    def __init__(self, group: str, region: Segment, ranks: list[int], node_of: list[int], node: int,
+                 peers: dict[int, socket.socket], daemon_pid: int,
+                 on_failed: Callable[[int, str, str], Any] | None = None) -> None:
+        self.group = group
+        self.node = node
+        self.daemon_pid = daemon_pid
+        self.peers = peers
+        self.by_socket = {sock.fileno(): peer for peer, sock in peers.items()}
+        self.buffers = {peer: bytearray() for peer in peers}
+        self.on_failed = on_failed
+        placement = spanning_placement(group, ranks, node_of, node)
+        self.global_ranks = ranks
+        self.bridge = RingBridge(group, region, placement, node, self._send, self._failed)
+        self.notices = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.notices.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        self.notices.bind(notice_address(daemon_pid, group))
+        self.notices.setblocking(False)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.notices, selectors.EVENT_READ)
+        for sock in peers.values():
+            self.selector.register(sock, selectors.EVENT_READ)
+        self.closing = False
+        #: the bridge's state is touched by its thread and, for an op this process published last,
+        #: by the process's own thread (``all_posted_here``: no notice, no wake-up of the bridge's thread)
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self._run, name=f"commd-bridge-{group}"[:15], daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def all_posted_here(self, seq: int) -> None:
+        """This process saw every local rank publish op ``seq``: reduce and send the node's part now."""
+        with self.lock:
+            self.bridge.local_ready()
+
+    # ---- the bridge's callbacks --------------------------------------------------------
+    def _send(self, part: wire.RingPart) -> None:
+        frame = s.encode(part.to_wire())
+        data = _LENGTH.pack(len(frame)) + frame
+        for peer in part.to:
+            sock = self.peers.get(peer)
+            if sock is None:
+                continue
+            try:
+                sock.sendall(data)
+            except OSError as exc:
+                if part.error is None:
+                    self.bridge.fail("peer_died", self._lost(peer, exc))
+                return
+
+    def _failed(self, group: str, number: int, code: str, message: str) -> None:
+        if self.on_failed is not None:
+            try:
+                self.on_failed(number, code, message)
+            except CommdError as exc:  # the daemon is gone: the ranks' own checks see it
+                log.warning("group %s: could not tell the daemon of a failed op: %s", group, exc)
+
+    def _lost(self, peer: int, why: object) -> str:
+        first = self.global_ranks[self.bridge.placement.members(peer)[0]]
+        return (f"group {self.group!r}: rank {first} on node {peer}, which bridged that node's ranks of the group "
+                f"to the others, is gone (it died or left: {why})")
+
+    # ---- the thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        next_check = time.monotonic() + CHECK_S
+        try:
+            while not self.closing:
+                events = self.selector.select(CHECK_S)
+                with self.lock:
+                    for key, _ in events:
+                        if key.fileobj is self.notices:
+                            self._read_notices()
+                        else:
+                            self._read_peer(key.fileobj)  # type: ignore[arg-type]
+                    now = time.monotonic()
+                    if now >= next_check and not self.closing:
+                        next_check = now + CHECK_S
+                        self._check()
+        except Exception as exc:  # noqa: BLE001 - the ranks must never wait on a dead thread
+            log.exception("group %s: the exchange ring's bridge failed", self.group)
+            with self.lock:
+                self.bridge.fail("internal", f"group {self.group!r}: the exchange ring's bridge failed: {exc!r}")
+
+    def _read_notices(self) -> None:
+        while True:
+            try:
+                frame, ancillary, _, _ = self.notices.recvmsg(MAX_NOTICE_BYTES + 1,
+                                                              socket.CMSG_SPACE(struct.calcsize("3i")))
+            except BlockingIOError:
+                return
+            pid = _sender_pid(ancillary)
+            if pid not in self._allowed_pids():
+                log.warning("group %s: dropped a bridge notice from pid %s, not a rank of the ring or its daemon",
+                            self.group, pid)
+                continue
+            try:
+                msg = read_notice(frame)
+            except s.ProtocolError as exc:
+                log.warning("group %s: dropped a bridge notice: %s", self.group, exc)
+                continue
+            if "k" in msg:
+                self.bridge.local_ready()
+            elif "left" in msg:
+                code, why, number = str(msg["code"]), str(msg["left"]), msg.get("n")
+                rank = self._rank_of(pid)
+                message = why if code == "timeout" else f"rank {rank} left the exchange ring of group '{self.group}': {why}"
+                self.bridge.fail(code, message, index=0 if number is None else int(number) + 1)  # type: ignore[arg-type]
+            else:
+                self.bridge.fail("peer_died", str(msg["fail"]))
+
+    def _read_peer(self, sock: socket.socket) -> None:
+        peer = self.by_socket[sock.fileno()]
+        try:
+            chunk = sock.recv(1 << 20)
+        except OSError as exc:
+            chunk, error = b"", exc
+        else:
+            error = None
+        if not chunk:
+            self.selector.unregister(sock)
+            if not self.closing:
+                self.bridge.fail("peer_died", self._lost(peer, error or "connection closed"), tell=False)
+            return
+        buffer = self.buffers[peer]
+        buffer += chunk
+        while len(buffer) >= 4:
+            (length,) = _LENGTH.unpack_from(buffer)
+            if length > MAX_FRAME_BYTES:
+                self._bad(peer, f"a frame of {length} bytes (at most {MAX_FRAME_BYTES})")
+                return
+            if len(buffer) < 4 + length:
+                return
+            frame = bytes(buffer[4: 4 + length])
+            del buffer[: 4 + length]
+            try:
+                part = wire.RingPart.from_wire(s.decode(frame))
+            except (s.ProtocolError, wire.FabricMessageError) as exc:
+                self._bad(peer, str(exc))
+                return
+            if part.node != peer or part.group != self.group:
+                self._bad(peer, f"a part of group {part.group!r} from node {part.node}")
+                return
+            self.bridge.on_part(part)
+
+    def _bad(self, peer: int, what: str) -> None:
+        self.bridge.fail("internal", f"group {self.group!r}: the exchange ring's bridge on node {peer} sent {what}")
+
+    def _check(self) -> None:
+        """Local ranks or the daemon dead: the op fails everywhere; a part waiting for a local rank's
+        daemon op is a divergence (on the daemon this is checked when that op arrives)."""
+        bridge = self.bridge
+        if bridge.failed is not None:
+            return
+        for line in range(bridge.me):
+            pid = int(bridge.words[(fr.CONTROL_OFFSET + line * fr.CONTROL_BYTES) // 8 + fr.PID])
+            if pid and pid != os.getpid() and not pid_alive(pid):
+                rank = self.global_ranks[bridge.local_ranks[line]]
+                bridge.fail("peer_died", f"rank {rank} (pid {pid}) died")
+                return
+        if not pid_alive(self.daemon_pid):
+            bridge.fail("peer_died", f"the commd daemon of node {self.node} (pid {self.daemon_pid}) died")
+            return
+        if bridge.parts:
+            bridge.check_diverged()
+
+    def _allowed_pids(self) -> set[int]:
+        words, bridge = self.bridge.words, self.bridge
+        pids = {int(words[(fr.CONTROL_OFFSET + line * fr.CONTROL_BYTES) // 8 + fr.PID]) for line in range(bridge.me)}
+        return pids | {self.daemon_pid, os.getpid()}
+
+    def _rank_of(self, pid: int | None) -> int | str:
+        words, bridge = self.bridge.words, self.bridge
+        for line in range(bridge.me):
+            if int(words[(fr.CONTROL_OFFSET + line * fr.CONTROL_BYTES) // 8 + fr.PID]) == pid:
+                return self.global_ranks[bridge.local_ranks[line]]
+        return "?"
+
+    @property
+    def ops(self) -> int:
+        return self.bridge.ops
+
+    def close(self) -> None:
+        """Stop the thread and close the connections (the other nodes' bridges then see this one gone)."""
+        self.closing = True
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(2 * CHECK_S + 1.0)
+        for sock in self.peers.values():
+            try:
+                sock.close()
+            except OSError:
+                pass
+        self.notices.close()
+        self.selector.close()
+
+
+def _sender_pid(ancillary: list[tuple[int, int, bytes]]) -> int | None:
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(data) >= 12:
+            return struct.unpack("3i", data[:12])[0]
+    return None
+
+
+class NoticeSender:
+    """A rank's side of its node's bridge host: ``k`` and ``left`` notices, one datagram each."""
+
+    def __init__(self, daemon_pid: int, group: str) -> None:
+        self.address = notice_address(daemon_pid, group)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.group = group
+
+    def all_posted(self, seq: int) -> None:
+        self._send({"t": "bridge", "k": seq})
+
+    def left(self, code: str, why: str, number: int | None) -> None:
+        self._send({"t": "bridge", "left": why[:1024], "code": code, **({} if number is None else {"n": number})})
+
+    def _send(self, message: dict[str, Any]) -> None:
+        try:
+            self.sock.sendto(s.encode(message), self.address)
+        except OSError as exc:
+            raise CommdError(f"group {self.group!r}: the node's exchange-ring bridge is gone ({exc})") from None
+
+    def close(self) -> None:
+        self.sock.close()

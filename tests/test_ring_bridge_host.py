@@ -1,0 +1,206 @@
+"""A bridged ring's bridge line played by a rank (client/ringbridge.py), without a fabric.
+
+Two nodes of a group [0 | 1], one rank each, on loopback: the real ``BridgeHost`` of node 0
+against node 1 played either by another ``BridgeHost`` or by the test itself on the raw
+connection, so that node 1 can send what a broken or hostile peer would.  Results are checked
+against NumPy; every bad input must fail the ring with a message naming the node, or be
+dropped, never hang.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from commd.client.errors import CommdError
+from commd.client.fastring import available
+from commd.client.ringbridge import BridgeHost, form_mesh, listen
+from commd.memory.arena import Segment
+from commd.memory.ringbridge import bridge_state, group_token, host_notice, notice_address
+from commd.protocol import fabric as wire
+from commd.protocol import fastring as fr
+from commd.protocol import schema as s
+
+pytestmark = pytest.mark.skipif(not available(), reason="exchange rings need x86-64 Linux")
+
+TOKEN = group_token("a job secret", "g")
+LINES = 2  # one rank and the bridge
+
+
+def _region() -> Segment:
+    size = fr.region_bytes(LINES, fr.DEPTH, fr.SLOT_BYTES, fr.LARGE_DEPTH, fr.SLOT_BYTES)
+    region = Segment.create(0, "commd-ring-test", size)
+    region.array[:8].view("u8")[0] = fr.MAGIC
+    region.array[8:36].view("u4")[:] = (fr.VERSION, LINES, fr.DEPTH, fr.SLOT_BYTES, fr.LARGE_DEPTH, fr.SLOT_BYTES, 1)
+    return region
+
+
+def _post(region: Segment, k: int, values: np.ndarray, index: int) -> None:
+    """What the rank of line 0 writes for ring op k (protocol/fastring.py), then its ``posted``."""
+    import os
+
+    words = region.array.view("i8")
+    words[fr.CONTROL_OFFSET // 8 + fr.PID] = os.getpid()
+    h = fr.entry_offset(LINES, fr.DEPTH, fr.SLOT_BYTES, k, 0) // 8
+    region.array[h * 8 + fr.ENTRY_HEADER_BYTES:][: values.nbytes] = values.view(np.uint8)
+    words[h: h + 6] = (k, fr.DTYPES.index(values.dtype.name), fr.REDUCE_OPS.index("sum"), values.size, 0, index)
+    words[fr.CONTROL_OFFSET // 8 + fr.POSTED] = k
+
+
+def _result(region: Segment, k: int, count: int) -> np.ndarray:
+    at = fr.entry_offset(LINES, fr.DEPTH, fr.SLOT_BYTES, k, 1) + fr.ENTRY_HEADER_BYTES
+    return region.array[at: at + 8 * count].view(np.float64).copy()
+
+
+def _until(what: Callable[[], Any], limit: float = 10.0) -> Any:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        value = what()
+        if value:
+            return value
+        time.sleep(0.005)
+    raise AssertionError(f"not within {limit} s")
+
+
+def _mesh(token_of_node_1: str = TOKEN) -> tuple[dict[int, socket.socket], dict[int, socket.socket]]:
+    """Node 0's and node 1's connections, made by ``form_mesh`` on both sides."""
+    listener = listen("127.0.0.1")
+    endpoint = ("127.0.0.1", listener.getsockname()[1])
+    got: dict[int, Any] = {}
+
+    def node1() -> None:
+        try:
+            got[1] = form_mesh("g", 1, listen("127.0.0.1"), {0: endpoint}, token_of_node_1, 5.0)
+        except CommdError as exc:
+            got[1] = exc
+
+    thread = threading.Thread(target=node1)
+    thread.start()
+    try:
+        got[0] = form_mesh("g", 0, listener, {1: ("127.0.0.1", 1)}, TOKEN, 2.0)
+    except CommdError as exc:
+        got[0] = exc
+    thread.join(10)
+    return got[0], got[1]
+
+
+def _daemon_pid(node: int) -> int:
+    """A live process to stand for node ``node``'s daemon (its pid names the bridge's notice socket)."""
+    import os
+
+    return os.getpid() if node == 0 else os.getppid()
+
+
+def _host(node: int, peers: dict[int, socket.socket], region: Segment) -> BridgeHost:
+    return BridgeHost("g", region, [0, 1], [0, 1], node, peers, _daemon_pid(node))
+
+
+def test_two_bridges_combine_in_node_order_and_publish_in_order() -> None:
+    peers0, peers1 = _mesh()
+    regions = [_region(), _region()]
+    hosts = [_host(0, peers0, regions[0]), _host(1, peers1, regions[1])]
+    for host in hosts:
+        host.start()
+    try:
+        rng = np.random.default_rng(5)
+        for k in range(1, 3 * fr.DEPTH):  # past the ring's depth
+            values = [rng.uniform(-1, 1, 100), rng.uniform(-1, 1, 100)]
+            for node in (0, 1):
+                _post(regions[node], k, values[node], k)
+                hosts[node].all_posted_here(k)
+            for node in (0, 1):
+                _until(lambda node=node, k=k: bridge_state(regions[node])[0] >= k)
+                assert np.array_equal(_result(regions[node], k, 100), values[0] + values[1]), (k, node)
+        assert [bridge_state(r) for r in regions] == [(3 * fr.DEPTH - 1, None)] * 2
+    finally:
+        for host in hosts:
+            host.close()
+
+
+def test_a_peer_without_the_groups_token_is_refused() -> None:
+    peers0, peers1 = _mesh(token_of_node_1=group_token("another secret", "g"))
+    assert isinstance(peers0, CommdError) and "nodes [1] never connected" in str(peers0), peers0
+    assert isinstance(peers1, CommdError), peers1  # node 0 closed the connection after the bad proof
+
+
+def _raw_peer() -> tuple[BridgeHost, Segment, socket.socket]:
+    """Node 0's bridge, started, and node 1's raw connection to it."""
+    peers0, peers1 = _mesh()
+    region = _region()
+    host = _host(0, peers0, region)
+    host.start()
+    return host, region, peers1[0]
+
+
+def _frame(item: dict[str, Any]) -> bytes:
+    body = s.encode(item)
+    return len(body).to_bytes(4, "little") + body
+
+
+BAD_FRAMES = {
+    "too long": (lambda: (fr.SLOT_BYTES + 8192).to_bytes(4, "little"), "a frame of"),
+    "not a part": (lambda: _frame({"t": "ring", "g": "g"}), "missing"),
+    "another node's part": (lambda: _frame(wire.RingPart("g", 1, 1, 5, [0], 2, 0, 1, b"\0" * 8).to_wire()),
+                            "from node 5"),
+    "another group's part": (lambda: _frame(wire.RingPart("h", 1, 1, 1, [0], 2, 0, 1, b"\0" * 8).to_wire()),
+                             "of group 'h'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FRAMES))
+def test_a_bad_frame_from_a_peer_fails_the_ring_naming_the_node(case: str) -> None:
+    host, region, raw = _raw_peer()
+    try:
+        make, words = BAD_FRAMES[case]
+        raw.sendall(make())
+        _, failed = _until(lambda: bridge_state(region)[1] and bridge_state(region))
+        assert "on node 1 sent" in failed and words in failed, failed
+    finally:
+        host.close()
+        raw.close()
+
+
+def test_a_valid_part_from_the_raw_peer_completes_and_its_close_is_a_death() -> None:
+    host, region, raw = _raw_peer()
+    try:
+        mine, theirs = np.arange(4, dtype=np.float64), np.full(4, 10.0)
+        _post(region, 1, mine, 1)
+        host.all_posted_here(1)
+        part = wire.RingPart("g", 1, 1, 1, [0], fr.DTYPES.index("float64"), fr.REDUCE_OPS.index("sum"), 4,
+                             theirs.tobytes())
+        raw.sendall(_frame(part.to_wire()))
+        _until(lambda: bridge_state(region)[0] >= 1)
+        assert np.array_equal(_result(region, 1, 4), mine + theirs)
+        raw.close()  # node 1's bridge is gone
+        _, failed = _until(lambda: bridge_state(region)[1] and bridge_state(region))
+        assert "rank 1 on node 1" in failed and "is gone" in failed, failed
+    finally:
+        host.close()
+
+
+def test_notices_from_strangers_and_malformed_ones_are_dropped_and_the_daemons_fail_is_published() -> None:
+    host, region, raw = _raw_peer()
+
+    try:
+        address = notice_address(_daemon_pid(0), "g")
+        stranger = (f"import socket; s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM); "
+                    f"s.sendto({host_notice(fail='forged')!r}, {address!r})")
+        subprocess.run([sys.executable, "-c", stranger], check=True, timeout=30)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.sendto(b"\x81\xa1t\xa3bad", address)  # not a notice of this protocol
+            sock.sendto(host_notice(k=-1), address)  # out of range
+            sock.sendto(host_notice(fail="rank 1 has left the job"), address)  # as the daemon sends it
+        # read in order: had anything before failed the ring, its reason would be the one published
+        _, failed = _until(lambda: bridge_state(region)[1] and bridge_state(region))
+        assert failed == "rank 1 has left the job", failed
+    finally:
+        host.close()
+        raw.close()
