@@ -204,3 +204,24 @@ def test_notices_from_strangers_and_malformed_ones_are_dropped_and_the_daemons_f
     finally:
         host.close()
         raw.close()
+
+
+def test_a_forked_child_does_not_hold_the_bridges_connections_open() -> None:
+    """A DataLoader worker forked from the bridging rank: the rank's bridge closing (or its death)
+    still reaches the other nodes as their connection closing."""
+    import os
+
+    host, _, raw = _raw_peer()
+    release_r, release_w = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child holds the copies of the bridge's sockets, unless they were closed at fork
+        os.read(release_r, 1)
+        os._exit(0)
+    try:
+        host.close()
+        raw.settimeout(10.0)
+        assert raw.recv(1) == b"", "node 0's bridge closed, but its connection did not"
+    finally:
+        os.write(release_w, b"x")
+        os.waitpid(child, 0)
+        raw.close()

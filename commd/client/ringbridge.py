@@ -33,6 +33,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -174,6 +175,10 @@ class BridgeHost:
         #: by the process's own thread (``all_posted_here``: no notice, no wake-up of the bridge's thread)
         self.lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name=f"commd-bridge-{group}"[:15], daemon=True)
+        # A forked child (a DataLoader worker) must not keep the connections open: the other nodes
+        # see this bridge gone by its connections closing when this process dies.
+        me = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: (host := me()) is not None and host.forget())
 
     def start(self) -> None:
         self.thread.start()
@@ -328,6 +333,15 @@ class BridgeHost:
     @property
     def ops(self) -> int:
         return self.bridge.ops
+
+    def forget(self) -> None:
+        """In a forked child: close this process's copies of the sockets (no thread runs here)."""
+        self.closing = True
+        for sock in (*self.peers.values(), self.notices):
+            try:
+                sock.close()
+            except OSError:
+                pass
 
     def close(self) -> None:
         """Stop the thread and close the connections (the other nodes' bridges then see this one gone)."""

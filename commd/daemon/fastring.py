@@ -4,9 +4,10 @@ The ranks of a group that lives on this node only exchange small all-reduces in
 this shared memory themselves (layout: ``protocol/fastring.py``); the daemon only
 creates it, once per group, and gives its descriptor to the group's authenticated
 members over the op socket (a short connection each, like a segment registration).
-A group that spans nodes gets a *bridged* ring: one more line, the daemon's, whose
-part the fabric's ``RingBridges`` plays (``fabric/bridge.py``); ``RINGOP`` messages on
-the op channel drive it.
+A group that spans nodes gets a *bridged* ring: one more line, the bridge's, played
+by the fabric's ``RingBridges`` (``fabric/bridge.py``, driven by ``RINGOP`` messages on
+the op channel) or, when the ranks ask for it, by the node's first rank of the group
+(``client/ringbridge.py``: the reply then carries what that rank needs to connect).
 """
 
 from __future__ import annotations

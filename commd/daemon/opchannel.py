@@ -140,6 +140,10 @@ class OpConnection:
         self.sock.close()
 
 
+#: Messages read from one op channel per turn of the event loop (see ``OpListener._readable``).
+DRAIN_TURN_MESSAGES = 32
+
+
 class OpListener:
     """Accepts op-channel connections and feeds their messages to the daemon."""
 
@@ -196,8 +200,14 @@ class OpListener:
 
     def _readable(self, channel: OpConnection) -> None:
         """Messages with any descriptors passed beside them (a segment's memfd); those are
-        lent to ``on_message`` and always closed here afterwards (it maps, it keeps none)."""
-        while not channel.closed:
+        lent to ``on_message`` and always closed here afterwards (it maps, it keeps none).
+
+        At most ``DRAIN_TURN_MESSAGES`` per call: the reader is level-triggered, so the loop
+        calls back for the rest after its timers (the watchdog) and the other channels had
+        their turn; a rank that submits as fast as it is answered cannot starve them."""
+        for _ in range(DRAIN_TURN_MESSAGES):
+            if channel.closed:
+                return
             fds: list[int] = []
             try:
                 frame, fds, truncated = recv_with_fds(channel.sock, s.MAX_MESSAGE_BYTES + 1)

@@ -13,7 +13,7 @@ Layout (native byte order, every field naturally aligned):
 - bytes 0..63: the region header: ``magic`` u64, ``version`` u32, ``nranks`` u32,
   ``depth`` u32, ``slot_bytes`` u32, ``large_depth`` u32, ``large_bytes`` u32,
   ``bridged`` u32 (1: the group spans nodes and the last of the ``nranks`` lines is the
-  daemon's *bridge*, see below), ``tracing`` u32 at byte 36 (1 while the daemon writes a
+  *bridge*, see below), ``tracing`` u32 at byte 36 (1 while the daemon writes a
   trace: the first rank's line then sends each op's times to the daemon, which traces it
   as it traces its own ops);
 - a 64-byte control line per group rank ``r`` at ``CONTROL_OFFSET + 64 r``: ``pid``
@@ -56,10 +56,11 @@ sent that collective to the daemon: the ranks disagree on the op, and those in t
 tell the daemon (see ``commd/client/fastring.py``).
 
 A group that spans nodes gets a *bridged* ring on each of its nodes: the lines are the
-node's members of the group, then the daemon's bridge (``fabric/bridge.py``).  Ranks
-publish as above; the rank that sees every local rank published tells the daemon
-(``RINGOP`` on its op channel); the daemon reduces the local inputs, exchanges that
-contribution with the group's other nodes over the fabric and publishes the result as
+node's members of the group, then the bridge line (``memory/ringbridge.py``), played by the
+daemon or by the node's first rank of the group.  Ranks
+publish as above; the rank that sees every local rank published tells the bridge
+(``RINGOP`` on its op channel, or a notice datagram); the bridge reduces the local inputs,
+exchanges that contribution with the group's other nodes and publishes the result as
 the bridge's entry (its header as the ranks' headers; ``where`` = -(1 + i) instead when
 the op failed with ``BRIDGE_ERRORS[i]``, the data then the UTF-8 reason, ``count`` its
 length).  When the bridge fails one op (it names it in ``failed``), the ranks fail that op
