@@ -319,3 +319,43 @@ def test_the_bridge_fails_what_it_cannot_reduce(case: str) -> None:
     assert code == expected[0] and expected[1] in reason, (code, reason)
     posted = (fr.CONTROL_OFFSET + 2 * fr.CONTROL_BYTES) // 8 + fr.POSTED
     assert region.array.view("i8")[posted] == 0  # nothing published as a result
+
+
+def gathered(ctx: Any, port: int) -> str:
+    """4 nodes x 1 rank: the ranks' bridges gather the parts in 2 rounds.  Every case against NumPy
+    (the nodes' parts combined in node order), many ops in flight; then node 2's rank dies."""
+    os.environ["COMMD_RING_BRIDGE"] = "rank"
+    _init(ctx, port, timeout_s=60.0)
+    rank, world = ctx.rank, ctx.world_size
+    pending = []
+    for salt, (dtype_name, op, count) in enumerate(CASES * 2):
+        dtype = np.dtype(dtype_name)
+        x = torch.from_numpy(_data(rank, count, dtype, salt).copy())
+        work = dist.all_reduce(x, op=OPS[op], async_op=True)
+        assert isinstance(work.handles[0], RingHandle) == (count * dtype.itemsize <= fr.SLOT_BYTES)
+        parts = [_data(r, count, dtype, salt) for r in range(world)]
+        want = parts[0].copy()
+        reduce = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum, "product": np.multiply,
+                  "band": np.bitwise_and}[op]
+        for p in parts[1:]:
+            want = reduce(want, p)
+        if op == "avg":
+            want = (want / world).astype(dtype)
+        pending.append((work, x, want, (dtype_name, op, count)))
+    for work, x, want, what in pending:
+        work.wait()
+        same = np.allclose(x.numpy(), want, rtol=1e-6) if want.dtype.kind == "f" else np.array_equal(x.numpy(), want)
+        assert same, (what, x.numpy()[:4], want[:4])
+    return dies_mid_ring(ctx, 2)
+
+
+@pytest.mark.extended  # 4 daemons and 4 ranks: make test-extended
+def test_four_nodes_gather_their_parts_in_rounds_and_a_death_fails_every_rank(cluster: Any) -> None:
+    c = cluster(4, 1, op_timeout=60.0)
+    workers = c.start_workers(gathered, free_port())
+    died: dict[int, Any] = {}
+    for w in workers:
+        died.update(w.join(110, ranks=[r for r in w.procs if r != 2]))
+    for rank in (0, 1, 3):
+        assert died[rank].startswith("PeerDiedError"), (rank, died[rank])
+        assert float(died[rank].split(" after ")[1].split("s:")[0]) < 30, (rank, died[rank])

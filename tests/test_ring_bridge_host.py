@@ -22,7 +22,7 @@ import pytest
 
 from commd.client.errors import CommdError
 from commd.client.fastring import available
-from commd.client.ringbridge import BridgeHost, form_mesh, listen
+from commd.client.ringbridge import BridgeHost, form_mesh, gather_rounds, gather_sent, listen
 from commd.memory.arena import Segment
 from commd.memory.ringbridge import bridge_state, group_token, host_notice, notice_address
 from commd.protocol import fabric as wire
@@ -146,7 +146,7 @@ def _frame(item: dict[str, Any]) -> bytes:
 
 
 BAD_FRAMES = {
-    "too long": (lambda: (fr.SLOT_BYTES + 8192).to_bytes(4, "little"), "a frame of"),
+    "too long": (lambda: (1 << 30).to_bytes(4, "little"), "a frame of"),
     "not a part": (lambda: _frame({"t": "ring", "g": "g"}), "missing"),
     "another node's part": (lambda: _frame(wire.RingPart("g", 1, 1, 5, [0], 2, 0, 1, b"\0" * 8).to_wire()),
                             "from node 5"),
@@ -225,3 +225,73 @@ def test_a_forked_child_does_not_hold_the_bridges_connections_open() -> None:
         os.write(release_w, b"x")
         os.waitpid(child, 0)
         raw.close()
+
+
+@pytest.mark.parametrize("nodes", range(2, 18))
+def test_the_gathers_rounds_give_every_node_every_part_once(nodes: int) -> None:
+    """A model of the gather: in each round every node sends what it holds to the node 2**r after
+    it; each ends with all parts, none twice, in log2 N rounds (or one send to all below 4 nodes)."""
+    rounds = gather_rounds(nodes)
+    if rounds == 0:
+        assert nodes < 4
+        return
+    assert rounds == (nodes - 1).bit_length()
+    held = [{i} for i in range(nodes)]
+    for r in range(rounds):
+        sends = [(i, (i + (1 << r)) % nodes, gather_sent(nodes, i, r)) for i in range(nodes)]
+        for sender, _, parts in sends:
+            assert set(parts) <= held[sender], (r, sender, parts)
+        for _, receiver, parts in sends:
+            assert not set(parts) & held[receiver], (r, receiver, parts)  # never a part twice
+            held[receiver] |= set(parts)
+    assert all(h == set(range(nodes)) for h in held)
+
+
+def _full_mesh(n: int) -> list[dict[int, socket.socket]]:
+    listeners = [listen("127.0.0.1") for _ in range(n)]
+    endpoints = {i: ("127.0.0.1", lst.getsockname()[1]) for i, lst in enumerate(listeners)}
+    meshes: list[Any] = [None] * n
+
+    def node(i: int) -> None:
+        meshes[i] = form_mesh("g", i, listeners[i], {p: e for p, e in endpoints.items() if p != i}, TOKEN, 10.0)
+
+    threads = [threading.Thread(target=node, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    return meshes
+
+
+def test_five_bridges_gather_in_rounds_and_publish_the_sum_in_node_order() -> None:
+    """5 nodes take 3 rounds; each node's result equals NumPy's sum in node order, bitwise."""
+    n = 5
+    meshes = _full_mesh(n)
+    regions = [_region() for _ in range(n)]
+    # each node's daemon pid names its bridge's notice socket: a live process of its own per node
+    daemons = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]) for _ in range(n)]
+    hosts = [BridgeHost("g", regions[i], list(range(n)), list(range(n)), i, meshes[i], daemons[i].pid)
+             for i in range(n)]
+    for host in hosts:
+        host.start()
+    try:
+        rng = np.random.default_rng(9)
+        for k in range(1, 2 * fr.DEPTH):
+            values = [rng.uniform(-1, 1, 64) for _ in range(n)]
+            for i in rng.permutation(n):  # the nodes' parts are ready in any order
+                _post(regions[i], k, values[i], k)
+                hosts[i].all_posted_here(k)
+            want = values[0].copy()
+            for v in values[1:]:
+                want = want + v
+            for i in range(n):
+                _until(lambda i=i, k=k: bridge_state(regions[i])[0] >= k)
+                assert np.array_equal(_result(regions[i], k, 64), want), (k, i)
+        assert all(host.rounds == 3 for host in hosts)
+        assert all(not host.held for host in hosts)  # every op's gather finished
+    finally:
+        for host in hosts:
+            host.close()
+        for daemon in daemons:
+            daemon.kill()
+            daemon.wait()

@@ -10,8 +10,13 @@ the group: no daemon, no uvloop turn, no msgpack envelope of the control plane, 
 Each connection is opened once, when the group is made (``form_mesh``): the lower node
 listens, the higher connects and proves it holds the group's token (an HMAC of the fabric's
 secret that every node's daemon derives, handed out with the ring) by answering a challenge.
-Frames are a 4-byte length and a ``RingPart`` (``protocol/fabric.py``), validated on receipt,
-and a part must come from the node its connection was opened for.
+Frames are a 4-byte length and a msgpack map, validated on receipt: a ``RingPart``
+(``protocol/fabric.py``), which must come from the node its connection was opened for, or
+from 4 nodes on a round of the gather.  With fewer than 4 nodes a bridge sends its part to
+every other node; from 4 on the parts travel Bruck's dissemination gather, ceil(log2 N)
+rounds in which each bridge sends what it holds to the node 2**r places after it
+(``gather_sent``), so a node handles 2 log2 N messages per op instead of 2 (N - 1).  A
+failure still goes to every node at once.
 
 The thread sleeps in ``select`` on the connections and a datagram socket (``notice_address``):
 the local ranks' ``k`` (every local rank published op k) and ``left`` notices, and the daemon's
@@ -55,8 +60,6 @@ log = logging.getLogger("commd.ring")
 
 #: How often an idle bridge checks that its local ranks and its daemon are alive.
 CHECK_S = 0.1
-#: The largest frame a peer may send: a part of one ring entry, with its envelope.
-MAX_FRAME_BYTES = fr.SLOT_BYTES + 4096
 _LENGTH = struct.Struct("<I")
 _CHALLENGE_BYTES = 16
 _ACCEPTED = b"\x01"
@@ -64,6 +67,24 @@ _ACCEPTED = b"\x01"
 
 def _proof(token: str, challenge: bytes, group: str, node: int) -> str:
     return hmac.new(token.encode(), challenge + f"/{group}/{node}".encode(), hashlib.sha256).hexdigest()
+
+
+#: From this many nodes on, the parts travel in log2 N rounds (``gather_rounds``) instead of one
+#: send to every other node: fewer messages per node, a longer chain.
+GATHER_FROM_NODES = 4
+
+
+def gather_rounds(nodes: int) -> int:
+    """Rounds of the dissemination gather of ``nodes`` parts (Bruck's), 0: each part sent to every node."""
+    return (nodes - 1).bit_length() if nodes >= GATHER_FROM_NODES else 0
+
+
+def gather_sent(nodes: int, position: int, round_: int) -> list[int]:
+    """The node positions whose parts the node at ``position`` sends in ``round_``, to the node
+    2**round_ positions after it: the block it holds (itself and the 2**round_ - 1 before it),
+    cut in the last round to what the receiver lacks."""
+    step = 1 << round_
+    return [(position - t) % nodes for t in range(min(step, nodes - step))]
 
 
 def listen(ip: str) -> socket.socket:
@@ -162,6 +183,15 @@ class BridgeHost:
         placement = spanning_placement(group, ranks, node_of, node)
         self.global_ranks = ranks
         self.bridge = RingBridge(group, region, placement, node, self._send, self._failed)
+        #: the nodes in gather order, this node's place, and the gather's rounds (0: none)
+        self.order = list(placement.nodes)
+        self.position = self.order.index(node)
+        self.rounds = gather_rounds(len(self.order))
+        #: per op in flight: the parts this node holds, by node, and the rounds it received
+        self.held: dict[int, dict[int, wire.RingPart]] = {}
+        self.received: dict[int, set[int]] = {}
+        self.sent: dict[int, int] = {}  # per op: the rounds sent
+        self.max_frame = len(self.order) * (fr.SLOT_BYTES + 4096)
         self.notices = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.notices.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         self.notices.bind(notice_address(daemon_pid, group))
@@ -190,18 +220,73 @@ class BridgeHost:
 
     # ---- the bridge's callbacks --------------------------------------------------------
     def _send(self, part: wire.RingPart) -> None:
-        frame = s.encode(part.to_wire())
-        data = _LENGTH.pack(len(frame)) + frame
-        for peer in part.to:
+        """The bridge's part of an op (through the gather, when there is one) or its failure (to
+        every other node at once)."""
+        if self.rounds and part.error is None:
+            self.held.setdefault(part.seq, {})[self.node] = part
+            self._advance(part.seq)
+            return
+        self._frame_to(part.to, s.encode(part.to_wire()), part.error is None)
+
+    def _frame_to(self, peers: list[int], frame: bytes, fail_on_error: bool = True) -> None:
+        header = _LENGTH.pack(len(frame))
+        for peer in peers:
             sock = self.peers.get(peer)
             if sock is None:
                 continue
             try:
-                sock.sendall(data)
+                sock.sendmsg([header, frame])
             except OSError as exc:
-                if part.error is None:
+                if fail_on_error:
                     self.bridge.fail("peer_died", self._lost(peer, exc))
                 return
+
+    # ---- the gather ---------------------------------------------------------------------
+    def _advance(self, seq: int) -> None:
+        """Send op ``seq``'s next rounds once their parts are here: round r needs this node's part
+        and round r - 1 received.  Done with the op once every round went out and came in."""
+        held, got = self.held.get(seq), self.received.setdefault(seq, set())
+        if held is None or self.node not in held:
+            return
+        count = self.sent.get(seq, 0)
+        while count < self.rounds and (count == 0 or count - 1 in got):
+            n = len(self.order)
+            parts = [held[self.order[p]].to_wire() for p in gather_sent(n, self.position, count)]
+            target = self.order[(self.position + (1 << count)) % n]
+            self._frame_to([target], s.encode({"t": "gather", "g": self.group, "s": seq, "r": count, "p": parts}))
+            count += 1
+        if count == self.rounds and len(got) == self.rounds:
+            del self.held[seq], self.received[seq]
+            self.sent.pop(seq, None)
+        else:
+            self.sent[seq] = count
+
+    def _on_gather(self, peer: int, msg: dict[str, Any]) -> None:
+        """Round r of an op's gather, from the node 2**r places before this one: exactly the parts
+        that node holds for the round, each fed to the bridge."""
+        n = len(self.order)
+        seq, round_ = s.int_field(msg, "s", 1), s.int_field(msg, "r", 0, self.rounds - 1)
+        sender = (self.position - (1 << round_)) % n
+        if self.order[sender] != peer:
+            raise s.ProtocolError(f"gather round {round_} comes from node {self.order[sender]}, not node {peer}")
+        items = s.field(msg, "p", list)
+        parts = [wire.RingPart.from_wire(item) if isinstance(item, dict) else None for item in items]
+        want = [self.order[p] for p in gather_sent(n, sender, round_)]
+        if any(p is None or p.seq != seq or p.group != self.group or p.error is not None for p in parts) or [
+                p.node for p in parts if p is not None] != want:
+            raise s.ProtocolError(f"gather round {round_} of op {seq} must carry the parts of nodes {want}")
+        if seq < self.bridge.next_result:
+            return  # (an op this node already failed or finished: nothing to do)
+        got = self.received.setdefault(seq, set())
+        if round_ in got:
+            raise s.ProtocolError(f"gather round {round_} of op {seq} came twice")
+        got.add(round_)
+        held = self.held.setdefault(seq, {})
+        for part in parts:
+            assert part is not None
+            held[part.node] = part
+            self.bridge.on_part(part)
+        self._advance(seq)
 
     def _failed(self, group: str, number: int, code: str, message: str) -> None:
         if self.on_failed is not None:
@@ -280,15 +365,19 @@ class BridgeHost:
         buffer += chunk
         while len(buffer) >= 4:
             (length,) = _LENGTH.unpack_from(buffer)
-            if length > MAX_FRAME_BYTES:
-                self._bad(peer, f"a frame of {length} bytes (at most {MAX_FRAME_BYTES})")
+            if length > self.max_frame:
+                self._bad(peer, f"a frame of {length} bytes (at most {self.max_frame})")
                 return
             if len(buffer) < 4 + length:
                 return
             frame = bytes(buffer[4: 4 + length])
             del buffer[: 4 + length]
             try:
-                part = wire.RingPart.from_wire(s.decode(frame))
+                msg = s.decode(frame)
+                if msg["t"] == "gather" and self.rounds:
+                    self._on_gather(peer, msg)
+                    continue
+                part = wire.RingPart.from_wire(msg)
             except (s.ProtocolError, wire.FabricMessageError) as exc:
                 self._bad(peer, str(exc))
                 return
