@@ -7,14 +7,14 @@ from typing import Any
 
 
 def train_through_a_pause(ctx: Any, port: int, steps: int, pause_step: int, paused: list[int]) -> dict[str, Any]:
-    """Guarded training; the ranks in ``paused`` tell the test when they reach ``pause_step`` and wait
-    for its go (the test stops their node's daemon meanwhile).  Returns the parameters and what the
+    """Guarded training; the ranks in ``paused`` tell the test when they reach ``pause_step`` (and their
+    pid) and wait for its go (the test stops their node meanwhile: its daemon and them).  Returns the parameters and what the
     guard did, or the error that ended the training."""
     from ft_workers import guarded_training
 
     def hold(step: int, where: str) -> None:
         if ctx.rank in paused and step == pause_step and where == "forward":
-            ctx.event("at pause step")
+            ctx.event("at pause step", os.getpid())
             ctx.command()
 
     os.environ["COMMD_JOB"] = ctx.job

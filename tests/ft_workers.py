@@ -85,7 +85,8 @@ def guarded_training(rank: int, world: int, init_method: str, steps: int, kill: 
     for step in range(steps):
         guard.step(train_step, step)
     return {"params": [p.detach().clone() for p in guard.model.module.parameters()],
-            "recoveries": [(r.step, r.gone, r.survivors, r.seconds) for r in guard.recoveries]}
+            "recoveries": [(r.step, r.gone, r.survivors, r.seconds) for r in guard.recoveries],
+            "op_timeout": guard.model.process_group.op_timeout}
 
 
 def run_bounded(procs: list[Any], bound_s: float) -> None:

@@ -1,8 +1,10 @@
-"""commd.ft when a node's daemon stops (SIGSTOP) for longer than the peer timeout and then runs on.
+"""commd.ft when a node stops (SIGSTOP of its daemon and its ranks) for longer than the peer timeout
+and then runs on.
 
-The other node's daemon counts that node dead; its ranks go on without the stopped node's ranks.
-When the stopped daemon runs again, its ranks must not go on as a second copy of the job (a split
-brain that trains two diverged models): they fail loudly, naming why.
+The other node's daemon counts that node dead; its ranks go on without the stopped node's ranks
+(their small all-reduces cross on the ranks' bridges, which the daemon tells).  When the stopped
+node runs again, its ranks must not go on as a second copy of the job (a split brain that trains
+two diverged models): they fail loudly, naming why.
 """
 
 from __future__ import annotations
@@ -28,17 +30,17 @@ def test_a_node_stopped_past_the_peer_timeout_is_left_behind_and_never_trains_a_
     c = cluster(2, 2, peer_timeout=PEER_TIMEOUT_S, op_timeout=30.0)
     paused = [2, 3]
     workers = c.start_workers(pw.train_through_a_pause, free_port(), STEPS, PAUSE_STEP, paused)
-    for rank in paused:
-        workers[1].wait_event(rank, "at pause step")
-    daemon = c.daemon_pid(1)
-    os.kill(daemon, signal.SIGSTOP)
+    node = [c.daemon_pid(1)] + [workers[1].wait_event(rank, "at pause step") for rank in paused]
+    for pid in node:  # the whole node hangs
+        os.kill(pid, signal.SIGSTOP)
     try:
         for rank in paused:
-            workers[1].send(rank, "go")
+            workers[1].send(rank, "go")  # (read once they run again)
         results = workers[0].join(timeout=120)
     finally:
         time.sleep(3 * PEER_TIMEOUT_S)
-        os.kill(daemon, signal.SIGCONT)
+        for pid in node:
+            os.kill(pid, signal.SIGCONT)
         resumed = time.monotonic()
     late = workers[1].join(timeout=120)
     ended = time.monotonic() - resumed

@@ -123,9 +123,9 @@ when they are started again.
     def _rebuild(self, group: Any, members: list[int], joining: list[int], tag: str) -> tuple[Any, int]:
         rows = sorted({rank // self.shards for rank in members})
         column = self._me % self.shards
-        row_group = new_group(self._row(self._me), f"{tag}.row", ATTEMPT_TIMEOUT_S)
+        row_group = new_group(self._row(self._me), f"{tag}.row", ATTEMPT_TIMEOUT_S, self.op_timeout)
         column_ranks = [row * self.shards + column for row in rows]
-        column_group = new_group(column_ranks, f"{tag}.col", ATTEMPT_TIMEOUT_S)
+        column_group = new_group(column_ranks, f"{tag}.col", ATTEMPT_TIMEOUT_S, self.op_timeout)
         layout = torch.tensor([self._row(row * self.shards) for row in rows])
         mesh = DeviceMesh.from_group([column_group, row_group], self.device_type, mesh=layout,
                                      mesh_dim_names=MESH_DIMS)

@@ -33,8 +33,13 @@ log = logging.getLogger("commd.ft")
 
 #: How long a recovery may take, by default, before it gives up (UnrecoverableError).
 RECOVER_TIMEOUT_S = 60.0
-#: How long one attempt to build the survivors' group may wait for them (then it goes again).
-ATTEMPT_TIMEOUT_S = 15.0
+#: How long one attempt to build the survivors' group may wait for them; then it goes again, having
+#: asked its daemon who else is gone (a second rank that died during the first attempt is left out
+#: of the next).  The built group keeps the guarded group's own op timeout.
+ATTEMPT_TIMEOUT_S = 4.0
+#: How long the group of the running ranks and those taken back in may wait for them (each side
+#: comes at the end of its step, so the ranks' skew within a step is what it waits out).
+ENTER_TIMEOUT_S = 15.0
 #: How often the guard reads its daemon's view while waiting to learn which rank is gone.
 POLL_S = 0.02
 #: How long a replacement waits, by default, for the running ranks to take it in (they do so
@@ -95,12 +100,19 @@ def store_prefix() -> str:
     return f"commd.ft/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 
 
-def new_group(members: list[int], tag: str, timeout: float) -> Any:
+def members_digest(members: list[int]) -> str:
+    return f"{zlib.crc32(','.join(map(str, members)).encode()):08x}"
+
+
+def new_group(members: list[int], tag: str, timeout: float, op_timeout: float | None = None) -> Any:
     """A group of ``members`` named alike on each of them (a replacement has made fewer groups
-    than the ranks that went on, so torch's own names would differ)."""
-    digest = zlib.crc32(",".join(map(str, members)).encode())
-    with named_group(f"ft.{tag}.{digest:08x}"):
-        return dist.new_group(members, timeout=timedelta(seconds=timeout), use_local_synchronization=True)
+    than the ranks that went on, so torch's own names would differ).  ``timeout`` bounds the wait
+    for the members; ``op_timeout`` (None: the same) is the op timeout the group keeps."""
+    with named_group(f"ft.{tag}.{members_digest(members)}"):
+        group = dist.new_group(members, timeout=timedelta(seconds=timeout), use_local_synchronization=True)
+    if op_timeout is not None and group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
+        group.set_op_timeout(op_timeout)
+    return group
 
 
 def agree_equal(digest: int, group: Any, members: list[int], what: str) -> None:
@@ -168,6 +180,8 @@ class Seats:
         #: Time spent in commits, all steps together: the guard's cost to a step that never fails.
         self.commit_seconds = 0.0
         self._me = dist.get_rank()
+        #: the op timeout of the groups the guard builds: the guarded group's
+        self.op_timeout: float = group.op_timeout if hasattr(group, "op_timeout") else current_client().op_timeout
         self._prefix = store_prefix()
         self._store = job_store()
         atexit.register(self._mark_ended)
@@ -302,7 +316,6 @@ class Seats:
         known: set[int] = set(also_gone or ())
         last: BaseException = error
         epoch = self.membership_epoch + 1
-        attempts: dict[tuple[int, ...], int] = {}
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -318,10 +331,10 @@ class Seats:
             if len(survivors) < self.min_ranks:
                 raise UnrecoverableError(f"{len(survivors)} of {len(self.ranks)} ranks survive (ranks {survivors}); "
                                          f"the guard needs at least {self.min_ranks}")
-            attempt = attempts[tuple(survivors)] = attempts.get(tuple(survivors), -1) + 1
+            attempt = self._attempt(epoch, survivors)
             try:
                 tag = f"r{epoch}.{attempt}"
-                group = new_group(survivors, tag, min(left, ATTEMPT_TIMEOUT_S))
+                group = new_group(survivors, tag, min(left, ATTEMPT_TIMEOUT_S), self.op_timeout)
                 seen = self._union_of_views(group, known)
                 if seen - known:  # another survivor knows of more losses: all go again without them
                     known |= seen
@@ -334,6 +347,7 @@ class Seats:
                 if not is_peer_failure(exc) and not isinstance(exc, (CommdError, RuntimeError)):
                     raise
                 self._check_store()
+                self._abandon(epoch, survivors, attempt)
                 last = exc
                 log.warning("commd.ft: rank %d: building the survivors' group %s failed (%s); going again",
                             me, survivors, exc)
@@ -351,6 +365,24 @@ class Seats:
         self._report("recovered", epoch, gone, recovery.seconds)
         log.warning("commd.ft: rank %d: ranks %s lost; going on with %d ranks %s (%.2fs); redoing step %d",
                     me, list(gone), len(survivors), survivors, recovery.seconds, self.steps)
+
+    def _attempt(self, epoch: int, survivors: list[int]) -> int:
+        """Which attempt at the group of ``survivors`` to build: agreed through the job's store, so
+        survivors that came to the same set by different routes (one failed an attempt the other
+        never made) still name its group alike, and a survivor that arrives late joins the current one."""
+        try:
+            return int(self._store.add(self._key(f"attempt/{epoch}/{members_digest(survivors)}"), 0))
+        except Exception:  # torch's store errors: a dead store ends the recovery (UnrecoverableError)
+            self._check_store()
+            raise
+
+    def _abandon(self, epoch: int, survivors: list[int], attempt: int) -> None:
+        """This attempt failed: the next one, for every survivor (the first to fail moves it on)."""
+        try:
+            self._store.compare_set(self._key(f"attempt/{epoch}/{members_digest(survivors)}"), str(attempt),
+                                    str(attempt + 1))
+        except Exception as exc:  # noqa: BLE001 - torch's store errors; the next _check_store says it
+            log.warning("commd.ft: rank %d: could not move the attempt on: %s", self._me, exc)
 
     def _wait_gone(self, deadline: float, known_any: bool) -> set[int]:
         """The group's ranks this rank's daemon knows are gone (dead ranks, and the ranks of dead
@@ -457,7 +489,7 @@ class Seats:
 
     def _enter(self, members: list[int], joining: list[int], epoch: int) -> tuple[Any, Any, int]:
         """The group of ``members`` with ``joining`` among them, the model on it, the state checked."""
-        group = new_group(members, f"j{epoch}", ATTEMPT_TIMEOUT_S)
+        group = new_group(members, f"j{epoch}", ENTER_TIMEOUT_S, self.op_timeout)
         built, moved = self._rebuild(group, members, joining, f"j{epoch}")
         self._check_states(built, group, members)
         return group, built, moved

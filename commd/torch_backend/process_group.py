@@ -277,6 +277,16 @@ class ProcessGroupCommd(dist.ProcessGroup):
         """Seconds this group's ops may wait for their ranks (the group's timeout, else the client's)."""
         return self._timeout or self._client.op_timeout
 
+    def set_op_timeout(self, seconds: float) -> None:
+        """Give the group's later ops ``seconds`` to wait for their ranks.  ``new_group``'s timeout is
+        both how long the group's creation waits for its ranks and its op timeout; commd.ft builds
+        its groups with a short wait and then gives them the job's op timeout."""
+        if not seconds > 0:
+            raise ValueError(f"an op timeout must be > 0 seconds, not {seconds!r}")
+        self._timeout = float(seconds)
+        if self.ring is not None:
+            self.ring.op_timeout = float(seconds)
+
     def _kw(self) -> dict[str, Any]:
         """Every daemon op's options; called just before it is submitted (``_to_daemon``)."""
         self._to_daemon()
