@@ -9,6 +9,7 @@ dropped, never hang.
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -45,7 +46,6 @@ def _region() -> Segment:
 
 def _post(region: Segment, k: int, values: np.ndarray, index: int) -> None:
     """What the rank of line 0 writes for ring op k (protocol/fastring.py), then its ``posted``."""
-    import os
 
     words = region.array.view("i8")
     words[fr.CONTROL_OFFSET // 8 + fr.PID] = os.getpid()
@@ -94,7 +94,6 @@ def _mesh(token_of_node_1: str = TOKEN) -> tuple[dict[int, socket.socket], dict[
 
 def _daemon_pid(node: int) -> int:
     """A live process to stand for node ``node``'s daemon (its pid names the bridge's notice socket)."""
-    import os
 
     return os.getpid() if node == 0 else os.getppid()
 
@@ -209,7 +208,6 @@ def test_notices_from_strangers_and_malformed_ones_are_dropped_and_the_daemons_f
 def test_a_forked_child_does_not_hold_the_bridges_connections_open() -> None:
     """A DataLoader worker forked from the bridging rank: the rank's bridge closing (or its death)
     still reaches the other nodes as their connection closing."""
-    import os
 
     host, _, raw = _raw_peer()
     release_r, release_w = os.pipe()
@@ -295,3 +293,26 @@ def test_five_bridges_gather_in_rounds_and_publish_the_sum_in_node_order() -> No
         for daemon in daemons:
             daemon.kill()
             daemon.wait()
+
+
+def test_a_restarted_rank_making_a_group_again_does_not_wait_for_bridges_that_never_come() -> None:
+    """A replacement re-makes the groups its predecessor made (its default group first): every
+    node's first rank made them long ago, and none will connect again.  It must see that at once
+    (the group's arrivals in the store), not wait out the group's timeout for a mesh."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from commd.torch_backend import ring_ops
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=30))
+    for rank in (0, 2):  # the first incarnation: both nodes' first ranks arrived, published, connected
+        store.add(ring_ops._BRIDGE_KEY.format(name="g").format(rank="arrivals"), 1)
+        store.set(ring_ops._BRIDGE_KEY.format(name="g").format(rank=rank), f"{rank // 2}:127.0.0.1:1")
+    client = SimpleNamespace(nodes=["a", "a", "b", "b"], daemon_pid=os.getpid())
+    ring = SimpleNamespace(rank_bridged=True, hosting={"node": 0, "ip": "127.0.0.1", "token": TOKEN})
+    started = time.monotonic()
+    assert ring_ops._host_bridge(client, store, "g", 0, [0, 1, 2, 3], ring, 30.0) is None
+    assert time.monotonic() - started < 5.0

@@ -167,6 +167,26 @@ def form_mesh(group: str, node: int, listener: socket.socket, endpoints: dict[in
     return peers
 
 
+class _Inbox:
+    """What a peer sent and this bridge has not handled yet: a buffer read into in place."""
+
+    INITIAL_BYTES = 256 << 10
+
+    def __init__(self) -> None:
+        self.data = bytearray(self.INITIAL_BYTES)
+        self.filled = 0
+
+    def keep_from(self, start: int, frame_bytes: int) -> None:
+        """Drop the handled bytes before ``start``; make room for a frame of ``frame_bytes`` (with
+        its length) and for the next read."""
+        if start:
+            self.data[: self.filled - start] = self.data[start: self.filled]
+            self.filled -= start
+        room = max(frame_bytes, self.filled) + (64 << 10)
+        if room > len(self.data):
+            self.data.extend(bytes(room - len(self.data)))
+
+
 class BridgeHost:
     """The bridge line of one group's bridged ring on this node, run by this rank on a thread."""
 
@@ -178,7 +198,7 @@ class BridgeHost:
         self.daemon_pid = daemon_pid
         self.peers = peers
         self.by_socket = {sock.fileno(): peer for peer, sock in peers.items()}
-        self.buffers = {peer: bytearray() for peer in peers}
+        self.inboxes = {peer: _Inbox() for peer in peers}
         self.on_failed = on_failed
         placement = spanning_placement(group, ranks, node_of, node)
         self.global_ranks = ranks
@@ -349,42 +369,60 @@ class BridgeHost:
                 self.bridge.fail("peer_died", str(msg["fail"]))
 
     def _read_peer(self, sock: socket.socket) -> None:
+        """What ``sock``'s peer sent: read into the peer's inbox (no copy per read), then each whole
+        frame decoded and handled in order."""
         peer = self.by_socket[sock.fileno()]
+        inbox = self.inboxes[peer]
         try:
-            chunk = sock.recv(1 << 20)
-        except OSError as exc:
-            chunk, error = b"", exc
-        else:
+            with memoryview(inbox.data) as view:
+                got = sock.recv_into(view[inbox.filled:])
             error = None
-        if not chunk:
+        except OSError as exc:
+            got, error = 0, exc
+        if not got:
             self.selector.unregister(sock)
             if not self.closing:
                 self.bridge.fail("peer_died", self._lost(peer, error or "connection closed"), tell=False)
             return
-        buffer = self.buffers[peer]
-        buffer += chunk
-        while len(buffer) >= 4:
-            (length,) = _LENGTH.unpack_from(buffer)
-            if length > self.max_frame:
-                self._bad(peer, f"a frame of {length} bytes (at most {self.max_frame})")
+        inbox.filled += got
+        messages: list[dict[str, Any]] = []
+        start, problem = 0, None
+        with memoryview(inbox.data) as view:
+            while inbox.filled - start >= 4:
+                (length,) = _LENGTH.unpack_from(view, start)
+                if length > self.max_frame:
+                    problem = f"a frame of {length} bytes (at most {self.max_frame})"
+                    break
+                if inbox.filled - start < 4 + length:
+                    break
+                try:
+                    messages.append(s.decode(view[start + 4: start + 4 + length]))
+                except s.ProtocolError as exc:
+                    problem = str(exc)
+                    break
+                start += 4 + length
+        inbox.keep_from(start, 4 + length if problem is None and inbox.filled - start >= 4 else 0)
+        for msg in messages:
+            if not self._handle(peer, msg):
                 return
-            if len(buffer) < 4 + length:
-                return
-            frame = bytes(buffer[4: 4 + length])
-            del buffer[: 4 + length]
-            try:
-                msg = s.decode(frame)
-                if msg["t"] == "gather" and self.rounds:
-                    self._on_gather(peer, msg)
-                    continue
-                part = wire.RingPart.from_wire(msg)
-            except (s.ProtocolError, wire.FabricMessageError) as exc:
-                self._bad(peer, str(exc))
-                return
-            if part.node != peer or part.group != self.group:
-                self._bad(peer, f"a part of group {part.group!r} from node {part.node}")
-                return
-            self.bridge.on_part(part)
+        if problem is not None:
+            self._bad(peer, problem)
+
+    def _handle(self, peer: int, msg: dict[str, Any]) -> bool:
+        """One frame from ``peer``: a round of the gather or a part; False once the ring failed on it."""
+        try:
+            if msg["t"] == "gather" and self.rounds:
+                self._on_gather(peer, msg)
+                return True
+            part = wire.RingPart.from_wire(msg)
+        except (s.ProtocolError, wire.FabricMessageError) as exc:
+            self._bad(peer, str(exc))
+            return False
+        if part.node != peer or part.group != self.group:
+            self._bad(peer, f"a part of group {part.group!r} from node {part.node}")
+            return False
+        self.bridge.on_part(part)
+        return True
 
     def _bad(self, peer: int, what: str) -> None:
         self.bridge.fail("internal", f"group {self.group!r}: the exchange ring's bridge on node {peer} sent {what}")

@@ -137,6 +137,11 @@ def _host_bridge(client: Client, store: dist.Store, name: str, rank: int, global
     if ring is None or not ring.rank_bridged:
         store.set(key.format(rank=rank), "-")
         return None
+    if int(store.add(key.format(rank="arrivals"), 1)) > len(firsts):
+        # every node's first rank made this group already: this process is a replacement making
+        # it again (its groups are numbered from the start), and the others will never connect
+        log.info("group %s: made again by a restarted rank; its small all-reduces go through the daemon", name)
+        return None
     listener = ringbridge.listen(ring.hosting["ip"])
     try:
         port = listener.getsockname()[1]
