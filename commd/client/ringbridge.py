@@ -151,13 +151,11 @@ def form_mesh(group: str, node: int, listener: socket.socket, endpoints: dict[in
             sock.sendall(_ACCEPTED)
             peers[peer] = sock
             awaited.discard(peer)
-    except (OSError, ConnectionError) as exc:
+    except BaseException as exc:
         for sock in peers.values():
             sock.close()
-        raise CommdError(f"group {group!r}: could not connect the nodes' bridges: {exc}") from None
-    except BaseException:
-        for sock in peers.values():
-            sock.close()
+        if isinstance(exc, OSError):  # (ConnectionError and TimeoutError are OSErrors)
+            raise CommdError(f"group {group!r}: could not connect the nodes' bridges: {exc}") from None
         raise
     finally:
         listener.close()
@@ -434,7 +432,7 @@ class BridgeHost:
         if bridge.failed is not None:
             return
         for line in range(bridge.me):
-            pid = int(bridge.words[(fr.CONTROL_OFFSET + line * fr.CONTROL_BYTES) // 8 + fr.PID])
+            pid = self._line_pid(line)
             if pid and pid != os.getpid() and not pid_alive(pid):
                 rank = self.global_ranks[bridge.local_ranks[line]]
                 bridge.fail("peer_died", f"rank {rank} (pid {pid}) died")
@@ -445,16 +443,17 @@ class BridgeHost:
         if bridge.parts:
             bridge.check_diverged()
 
+    def _line_pid(self, line: int) -> int:
+        """The pid a local rank wrote in its control line of the ring."""
+        return int(self.bridge.words[(fr.CONTROL_OFFSET + line * fr.CONTROL_BYTES) // 8 + fr.PID])
+
     def _allowed_pids(self) -> set[int]:
-        words, bridge = self.bridge.words, self.bridge
-        pids = {int(words[(fr.CONTROL_OFFSET + line * fr.CONTROL_BYTES) // 8 + fr.PID]) for line in range(bridge.me)}
-        return pids | {self.daemon_pid, os.getpid()}
+        return {self._line_pid(line) for line in range(self.bridge.me)} | {self.daemon_pid, os.getpid()}
 
     def _rank_of(self, pid: int | None) -> int | str:
-        words, bridge = self.bridge.words, self.bridge
-        for line in range(bridge.me):
-            if int(words[(fr.CONTROL_OFFSET + line * fr.CONTROL_BYTES) // 8 + fr.PID]) == pid:
-                return self.global_ranks[bridge.local_ranks[line]]
+        for line in range(self.bridge.me):
+            if self._line_pid(line) == pid:
+                return self.global_ranks[self.bridge.local_ranks[line]]
         return "?"
 
     @property
