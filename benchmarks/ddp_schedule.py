@@ -29,6 +29,8 @@ from typing import Any
 
 from _launch import run_job
 
+from commd.runtime import new_secret
+
 WORKER = Path(__file__).with_name("_ddp_schedule_worker.py")
 WARMUP_STEPS = 3
 
@@ -64,7 +66,9 @@ def main() -> int:
             for rep in range(args.repeats):
                 for name in names[rep % len(names):] + names[:rep % len(names)]:
                     print(f"[{rep + 1}/{args.repeats}] {name} ...", file=sys.stderr, flush=True)
-                    pointer = run_job(WORKER, cfg, settings[name], work, name, args.timeout, sim)
+                    # the same job secret on every node, as `commd launch --nnodes > 1` requires
+                    env = {"COMMD_SECRET": new_secret(), **settings[name]}
+                    pointer = run_job(WORKER, cfg, env, work, name, args.timeout, sim)
                     node0 = json.loads(Path(pointer["rank0"]).read_text())
                     node1 = json.loads(Path(pointer["rank0"].replace("-r0.json", "-r2.json")).read_text())
                     results[name].append({"node0": node0, "node1": node1})

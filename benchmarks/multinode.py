@@ -16,8 +16,8 @@ In each setting, float32 all_reduce (sum) from --min-bytes to --max-bytes throug
               in each host starts and forms the daemons, the ranks call dist.all_reduce;
   torch-commd-daemon  the same with COMMD_LOCAL_RING=0: every op through the daemon's op
               channel (not in the default --paths);
-  torch-commd-daemon-bridge  the same with COMMD_RING_BRIDGE=daemon: the small all-reduces'
-              exchange ring bridged by the daemons instead of each node's first rank (not in
+  torch-commd-rank-bridge  the same with COMMD_RING_BRIDGE=rank: the small all-reduces'
+              exchange ring bridged by each node's first rank instead of the daemons (not in
               the default --paths);
   gloo        torch.distributed Gloo directly across the 4 ranks (GLOO_SOCKET_IFNAME=eth0);
   mpi         mpi4py Allreduce directly across the 4 ranks under mpiexec, each rank in its
@@ -80,14 +80,14 @@ COMMD_PATHS = ("commd-tcp", "commd-gloo", "commd-mpi")
 #: The user's path: torch.distributed "commd" on ordinary tensors under `commd launch`, with the
 #: exchange ring (default) and with COMMD_LOCAL_RING=0 (every op through the daemon's op channel).
 TORCH_PATH, TORCH_DAEMON_PATH = "torch-commd", "torch-commd-daemon"
-TORCH_DAEMON_BRIDGE_PATH = "torch-commd-daemon-bridge"
-TORCH_PATHS = (TORCH_PATH, TORCH_DAEMON_PATH, TORCH_DAEMON_BRIDGE_PATH)
+TORCH_RANK_BRIDGE_PATH = "torch-commd-rank-bridge"
+TORCH_PATHS = (TORCH_PATH, TORCH_DAEMON_PATH, TORCH_RANK_BRIDGE_PATH)
 DIRECT_PATHS = ("gloo", "mpi")
 #: MPI with MPICH's own choice of all-reduce composition (shown, not used for the ratios).
 MPI_AUTO = "mpi-auto"
 PATHS = COMMD_PATHS + TORCH_PATHS + DIRECT_PATHS + (MPI_AUTO,)
 #: Run when --paths is not given: every path but the torch comparisons of the daemon's part.
-DEFAULT_PATHS = tuple(p for p in PATHS if p not in (TORCH_DAEMON_PATH, TORCH_DAEMON_BRIDGE_PATH))
+DEFAULT_PATHS = tuple(p for p in PATHS if p not in (TORCH_DAEMON_PATH, TORCH_RANK_BRIDGE_PATH))
 LINKS = ("shaped", "unshaped")
 NHOSTS = 2
 ELEMENT = 4
@@ -431,8 +431,8 @@ def run_torch(sim: Any, args: argparse.Namespace, work: Path, procs: Procs, tag:
         env = {"COMMD_SECRET": new_secret()}  # the same job secret on every node, as the README asks
         if path == TORCH_DAEMON_PATH:
             env["COMMD_LOCAL_RING"] = "0"
-        if path == TORCH_DAEMON_BRIDGE_PATH:
-            env["COMMD_RING_BRIDGE"] = "daemon"
+        if path == TORCH_RANK_BRIDGE_PATH:
+            env["COMMD_RING_BRIDGE"] = "rank"
         master = f"{sim.hosts[0].ip}:{random_port()}"
         for i, host in enumerate(sim.hosts):
             argv = [PY, "-m", "commd", "launch", "--nnodes", str(NHOSTS), "--node-rank", str(i), "--master", master,

@@ -96,9 +96,10 @@ ENVIRONMENT: dict[str, str] = {
     "COMMD_KERNEL_WORKERS": "Daemon threads that share the blocks of a large single-node reduction (default: the "
                             "core count, at most 4).",
     "COMMD_LOCAL_RING": "`0`: a client never uses exchange rings, every op takes the daemon path (default `1`).",
-    "COMMD_RING_BRIDGE": "Who bridges the exchange ring of a torch group that spans nodes: `rank` (default: the "
-                         "node's first rank of the group, connected directly to the other nodes' first ranks) or "
-                         "`daemon` (the node daemon, over the fabric's control links). Every rank must agree.",
+    "COMMD_RING_BRIDGE": "Who bridges the exchange ring of a torch group that spans nodes: `daemon` (default: the "
+                         "node daemon, over the fabric's control links) or `rank` (the node's first rank of the "
+                         "group, on a thread, connected directly to the other nodes' first ranks). Every rank must "
+                         "agree.",
     "COMMD_LOG_LEVEL": "The daemon's log level (`--log-level`; default `INFO`).",
     "COMMD_MAX_ARENA_BYTES": "Bytes of arena segments one client may register with the daemon (default: the "
                              "machine's physical memory).",

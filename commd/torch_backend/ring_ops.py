@@ -57,9 +57,9 @@ def open_ring(client: Client, store: dist.Store, name: str, rank: int, size: int
 
     A group that spans nodes gets a bridged ring on each: needs a fabric, at most ``MAX_RANKS``
     of its ranks on each node, and no lane asked for (a group made with ``commd.Options(lane=...)``
-    runs every op on that lane).  Its bridge line is played by the node's first rank of the group,
-    connected directly to the other nodes' first ranks (``COMMD_RING_BRIDGE=rank``, the default),
-    or by the daemon (``daemon``); the group's ranks agree on it through the store."""
+    runs every op on that lane).  Its bridge line is played by the daemon (``COMMD_RING_BRIDGE=daemon``,
+    the default) or by the node's first rank of the group, connected directly to the other nodes'
+    first ranks (``rank``); the group's ranks agree on it through the store."""
     nodes = client.nodes
     here = len(global_ranks) if nodes is None else sum(nodes[r] == nodes[client.rank] for r in global_ranks)
     spans = here < len(global_ranks)
@@ -115,7 +115,7 @@ def open_ring(client: Client, store: dist.Store, name: str, rank: int, size: int
 
 def bridge_host() -> str:
     """Who plays a bridged ring's bridge line: ``COMMD_RING_BRIDGE`` (``rank`` or ``daemon``)."""
-    value = os.environ.get("COMMD_RING_BRIDGE", "rank").strip() or "rank"
+    value = os.environ.get("COMMD_RING_BRIDGE", "daemon").strip() or "daemon"
     if value not in ("rank", "daemon"):
         raise ConfigError(f"COMMD_RING_BRIDGE={value!r}: use 'rank' (the node's first rank of a group bridges "
                           "its ring to the other nodes) or 'daemon'")
