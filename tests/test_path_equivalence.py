@@ -35,9 +35,9 @@ SEED = int(os.environ.get("EQUIVALENCE_SEED", "31"))
 RUN_LIMIT_S = 120.0 + 0.5 * SCHEDULES
 #: The ring on (the default path of small all-reduces) and off (everything through the daemon).
 RING = {"ring": "1", "daemon": "0"}
-#: Across nodes: the bridged ring, bridged by each node's first rank (the default) or by the
-#: daemons, and everything through the daemons — (COMMD_LOCAL_RING, COMMD_RING_BRIDGE).
-TWO_NODES = {"ring": ("1", "rank"), "ring, daemon bridge": ("1", "daemon"), "daemon": ("0", "rank")}
+#: Across nodes: the bridged ring, bridged by the daemons (the default) or by each node's first
+#: rank, and everything through the daemons — (COMMD_LOCAL_RING, COMMD_RING_BRIDGE).
+TWO_NODES = {"ring": ("1", "daemon"), "ring, rank bridge": ("1", "rank"), "daemon": ("0", "daemon")}
 #: One node's configurations: (ranks, environment).  ``make test`` runs the first two; ``make
 #: equivalence`` (EQUIVALENCE_ALL=1) all: three ranks, and tensors staged through the arena instead
 #: of registered (COMMD_REGISTER=0).
@@ -154,7 +154,8 @@ def test_the_issue_schedule_on_one_node(backend_env: Any, tmp_path: Path, path: 
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("path", list(TWO_NODES))
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.extended) if p == "ring, rank bridge" else p
+                                  for p in TWO_NODES])  # (the opt-in bridge: make test-extended)
 def test_the_issue_schedule_across_two_nodes(cluster: Any, path: str) -> None:
     ring, bridge = TWO_NODES[path]
     _check_issue_schedule(_two_nodes(cluster, ring, "issue", bridge=bridge))
