@@ -41,7 +41,7 @@ MPI_WORKER = Path(__file__).with_name("_mpi_allreduce.py")
 SETTINGS = {"schedule": {"COMMD_SCHEDULE": "1"}, "negotiated": {"COMMD_SCHEDULE": "0"},
             "star": {"COMMD_SCHEDULE": "0", "COMMD_CONTROL_FANOUT": "4096"},
             # the torch backend's default for a small all-reduce: the bridged exchange ring, bridged
-            # by each node's rank (the default) or by the daemons (parts relayed by node 0)
+            # by each node's rank or by the daemons (the default; parts relayed by node 0)
             "ring": {"COMMD_LOCAL_RING": "1", "COMMD_RING_BRIDGE": "rank"},
             "ring-daemon": {"COMMD_LOCAL_RING": "1", "COMMD_RING_BRIDGE": "daemon"}}
 

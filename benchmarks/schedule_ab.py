@@ -5,8 +5,8 @@ daemons) that times back-to-back ``dist.all_reduce`` calls of one size on ordina
 tensors.  For each size, ``--repeats`` runs with the schedule path (the default) alternate
 with as many with ``COMMD_SCHEDULE=0`` (every op negotiated through node 0), so the load's
 drift falls on both alike; ``--settings ring`` adds the torch backend's default path (small
-all-reduces on the bridged exchange ring, COMMD_LOCAL_RING=1, bridged by each node's first rank)
-and ``ring-daemon`` the same ring bridged by the daemons.  ``--syscalls`` counts node 0's daemon's
+all-reduces on the bridged exchange ring, COMMD_LOCAL_RING=1) bridged by each node's first rank
+(COMMD_RING_BRIDGE=rank), and ``ring-daemon`` the same ring bridged by the daemons (the default).  ``--syscalls`` counts node 0's daemon's
 and first rank's system calls per op (``strace -c``, which slows them).  Per run: the slower
 node's median latency; the CPU per op summed over the job's processes (2 daemons, 4 ranks); the
 daemons' and the ranks' context switches per op (each process's mean); ops per path.  Needs root.
@@ -35,7 +35,7 @@ from commd.runtime import new_secret, parse_bytes
 WORKER = Path(__file__).with_name("_schedule_ab_worker.py")
 #: Each setting's environment: the schedule path, every op negotiated, and the torch backend's
 #: default (small all-reduces on the bridged exchange ring, the rest on the schedule path), with
-#: the ring's bridge played by each node's first rank (the default) or by the daemon.
+#: the ring's bridge played by each node's first rank or by the daemon (the default).
 SETTINGS = {"schedule": {"COMMD_LOCAL_RING": "0", "COMMD_SCHEDULE": "1"},
             "negotiated": {"COMMD_LOCAL_RING": "0", "COMMD_SCHEDULE": "0"},
             "ring": {"COMMD_LOCAL_RING": "1", "COMMD_SCHEDULE": "1", "COMMD_RING_BRIDGE": "rank"},
