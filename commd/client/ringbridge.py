@@ -47,6 +47,8 @@ from commd.memory.arena import Segment
 from commd.memory.ringbridge import (
     MAX_NOTICE_BYTES,
     RingBridge,
+    host_notice,
+    left_message,
     notice_address,
     read_notice,
     spanning_placement,
@@ -360,8 +362,7 @@ class BridgeHost:
                 self.bridge.local_ready()
             elif "left" in msg:
                 code, why, number = str(msg["code"]), str(msg["left"]), msg.get("n")
-                rank = self._rank_of(pid)
-                message = why if code == "timeout" else f"rank {rank} left the exchange ring of group '{self.group}': {why}"
+                message = left_message(self.group, self._rank_of(pid), code, why)
                 self.bridge.fail(code, message, index=0 if number is None else int(number) + 1)  # type: ignore[arg-type]
             else:
                 self.bridge.fail("peer_died", str(msg["fail"]))
@@ -456,10 +457,6 @@ class BridgeHost:
                 return self.global_ranks[self.bridge.local_ranks[line]]
         return "?"
 
-    @property
-    def ops(self) -> int:
-        return self.bridge.ops
-
     def forget(self) -> None:
         """In a forked child: close this process's copies of the sockets (no thread runs here)."""
         self.closing = True
@@ -499,14 +496,14 @@ class NoticeSender:
         self.group = group
 
     def all_posted(self, seq: int) -> None:
-        self._send({"t": "bridge", "k": seq})
+        self._send(host_notice(k=seq))
 
     def left(self, code: str, why: str, number: int | None) -> None:
-        self._send({"t": "bridge", "left": why[:1024], "code": code, **({} if number is None else {"n": number})})
+        self._send(host_notice(left=why[:1024], code=code, **({} if number is None else {"n": number})))
 
-    def _send(self, message: dict[str, Any]) -> None:
+    def _send(self, notice: bytes) -> None:
         try:
-            self.sock.sendto(s.encode(message), self.address)
+            self.sock.sendto(notice, self.address)
         except OSError as exc:
             raise CommdError(f"group {self.group!r}: the node's exchange-ring bridge is gone ({exc})") from None
 

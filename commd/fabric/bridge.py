@@ -26,7 +26,7 @@ from typing import Any
 
 from commd.core.placement import GroupPlacement
 from commd.memory.arena import Segment
-from commd.memory.ringbridge import RingBridge, bridge_state, host_notice, notice_address
+from commd.memory.ringbridge import RingBridge, bridge_state, host_notice, left_message, notice_address
 from commd.protocol import fabric as wire
 
 log = logging.getLogger("commd.fabric")
@@ -75,8 +75,7 @@ class RingBridges:
         other nodes' ranks follow.  A timeout's message is the rank's own: the daemon path's words."""
         bridge = self.bridges.get(group)
         if bridge is not None:
-            message = why if code == "timeout" else f"rank {rank} left the exchange ring of group '{group}': {why}"
-            bridge.fail(code, message, index=0 if number is None else number + 1)
+            bridge.fail(code, left_message(group, rank, code, why), index=0 if number is None else number + 1)
 
     def daemon_op(self, group: str) -> None:
         """A local rank sent a collective of ``group`` to the daemon: a peer node's ring op may sit there."""

@@ -288,6 +288,12 @@ def bridge_state(region: Segment) -> tuple[int, str | None]:
     return int(words[line + fr.POSTED]), bytes(region.array[at + 4: at + 4 + length]).decode(errors="replace")
 
 
+def left_message(group: str, rank: object, code: str, why: str) -> str:
+    """A local rank left the ring: its reason as every rank reads it (a timeout's message is the
+    rank's own: the daemon path's words)."""
+    return why if code == "timeout" else f"rank {rank} left the exchange ring of group '{group}': {why}"
+
+
 def spanning_placement(group: str, ranks: list[int], node_of: list[int], node: int) -> GroupPlacement:
     """The placement a bridge needs, from plain lists (the ranks' side has no daemon state)."""
     return GroupPlacement(group, tuple(ranks), tuple(node_of), node)
