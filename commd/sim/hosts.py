@@ -1015,6 +1015,17 @@ class SimulatedHosts:
         if problems:
             raise SimHostsError(f"instance {tag} not fully removed: " + "; ".join(problems))
 
+    def set_link(self, index: int, up: bool) -> None:
+        """Pull (``up=False``) or plug back (``up=True``) host ``index``'s cable: its bridge port goes
+        down, so every packet to or from it is lost while its address, routes and sockets stay.  That
+        is a link or switch-port failure, not a host failure: nothing on either side is told, and TCP
+        connections that outlive the cut retransmit once it is plugged back."""
+        if self.state is None:
+            raise SimHostsError(f"{self!r} is not up")
+        if not 0 <= index < self.count:
+            raise ValueError(f"no host {index}: the hosts are 0..{self.count - 1}")
+        _run(["ip", "link", "set", _port_name(self.state.tag, index), "up" if up else "down"])
+
     def __enter__(self) -> SimulatedHosts:
         return self if self.state is not None else self.up()
 
