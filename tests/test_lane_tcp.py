@@ -638,6 +638,30 @@ def test_close_interrupts_a_pending_call(make_lanes: Callable[..., list[TcpLane]
     assert info.value.code == "peer_died" and time.monotonic() - start < 3.0
 
 
+def test_a_peer_declared_lost_fails_a_call_blocked_on_it_at_once_naming_the_verdict(
+        make_lanes: Callable[..., list[TcpLane]]) -> None:
+    """A silent node never closes its stream: the fabric's verdict (peer_lost, from another thread)
+    must end a call waiting on it, as a death and not at the call's timeout."""
+    lanes, nodes = make_lanes(3), (0, 1, 2)
+    verdict = "node 2 (n2) has not been heard from for 2s"
+    timers = [threading.Timer(0.3, lanes[i].peer_lost, (2, verdict)) for i in (0, 1)]  # every node's verdict
+    for timer in timers:
+        timer.start()
+    start = time.monotonic()
+    try:  # node 2 never calls: nodes 0 and 1 wait for it
+        results = outcomes([lambda i=i: lanes[i].allreduce(nodes, torch.ones(100), "sum", 30.0) for i in (0, 1)])
+    finally:
+        for timer in timers:
+            timer.join(10.0)
+    assert time.monotonic() - start < 5.0, f"a call waited for its timeout: {results}"
+    for error in results:
+        assert isinstance(error, LaneError) and error.code == "peer_died", repr(error)
+    assert verdict in str(results[0]) or verdict in str(results[1]), results
+    with pytest.raises(LaneError, match="earlier failure") as info:  # and the stream stays refused
+        lanes[0].allreduce((0, 2), torch.ones(4), "sum", 5.0)
+    assert info.value.code == "peer_died" and verdict in str(info.value)
+
+
 def test_desynchronised_streams_are_detected(make_lanes: Callable[..., list[TcpLane]]) -> None:
     lanes = make_lanes(2)
     results = outcomes([lambda: lanes[0].send(1, torch.zeros(10, dtype=torch.uint8), 5.0),

@@ -332,8 +332,9 @@ class Collectives:
                       fail.seq, fail.group, fail.message)
 
     def fail_node(self, node: int, message: str) -> None:
-        """A node died: fail every reported op that spans it."""
+        """A node died: fail every reported op that spans it, and what waits on its stream."""
         self._fail_reported(lambda placement: node in placement.nodes, message)
+        self.scheduled.node_dead(node, message)
 
     def fail_rank(self, rank: int, why: str) -> None:
         """A rank of another node died: fail every reported op of a group with it.  The coordinator

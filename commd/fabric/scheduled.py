@@ -113,8 +113,9 @@ class ScheduledPath:
         #: Slots released here and not yet started (each starts after the one before it).
         self._queued: collections.deque[tuple] = collections.deque()
         #: A slot whose part was sent, waiting on the event loop for a peer's: (slot, deadline,
-        #: give up).  Later slots wait in ``_queued`` meanwhile: the lane's stream is between two halves.
-        self._armed: tuple[int, float, Callable[[str], None]] | None = None
+        #: give up (why, error code)).  Later slots wait in ``_queued`` meanwhile: the lane's stream
+        #: is between two halves.
+        self._armed: tuple[int, float, Callable[[str, str], None]] | None = None
         #: How the slots ran: on the lane's worker, on the event loop at once (the peer's part was
         #: there), or split (this node's part sent, the rest on the loop when the peer's came).
         self.modes = {"worker": 0, "inline": 0, "split": 0}
@@ -174,7 +175,7 @@ class ScheduledPath:
         A split agreement whose peer never answered within its deadline gives up (a lane timeout)."""
         armed = self._armed
         if armed is not None and now >= armed[1]:
-            armed[2]("the other node never sent its part of the schedule's agreement")
+            armed[2]("the other node never sent its part of the schedule's agreement", s.E_TIMEOUT)
         if not self.active or self.asked_stop or self.schedule is None:
             return
         if any(now - since >= timeout for since, timeout in self.waiting.values()):
@@ -204,6 +205,19 @@ class ScheduledPath:
                 keep.append(entry)
         self.held = keep
         self.returned = [(op, p) for op, p in self.returned if not self._fail_if_dead(op, p)]
+
+    def node_dead(self, node: int, message: str) -> None:
+        """Node ``node`` was declared dead (``message`` names it and why).  A silent node never closes
+        its stream, so what waits on it would wait out its timeout (the op's and a peer timeout
+        more) and then fail as a timeout, not as the death it is: the tcp lane's stream to it is
+        marked lost, so a slot or op blocked on it in the lane's worker fails now, and a split
+        agreement of this schedule waiting on the event loop gives up now, as the node's death."""
+        lane = self.fabric.lanes.get(LANE)
+        if lane is not None:
+            lane.peer_lost(node, message)
+        armed = self._armed
+        if armed is not None and self.schedule is not None and node in self.schedule.nodes:
+            armed[2](message, s.E_PEER_DIED)
 
     def _fail_if_dead(self, op: ReadyOp, placement: GroupPlacement) -> bool:
         for rank in placement.ranks:
@@ -448,12 +462,12 @@ class ScheduledPath:
             self._armed = None
             resume()
 
-        def give_up(why: str) -> None:
+        def give_up(why: str, code: str) -> None:
             loop.remove_reader(fd)
             self._armed = None
             self._ended(index)
             self.fabric.lanes[LANE].abandon(peer, why)
-            done(f"tcp agree with node {peer}: {why}", s.E_TIMEOUT)
+            done(f"tcp agree with node {peer}: {why}", code)
             self._launch_queued()
 
         self._armed = (index, deadline, give_up)

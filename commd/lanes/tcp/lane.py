@@ -607,6 +607,12 @@ class TcpLane:
         same = all(theirs[2 * i] == value and theirs[2 * i + 1] == -value for i, value in enumerate(values))
         return same, box[0]
 
+    def peer_lost(self, peer: int, why: str) -> None:
+        """Thread-safe: node ``peer`` was declared dead (``why``: the fabric's verdict).  A silent
+        node never closes its stream, so a call waiting on it would wait out its whole timeout: it
+        fails now, naming the verdict, and later calls on that stream are refused."""
+        self._mesh.lose(peer, LaneError(f"tcp lane: node {peer} is lost: {why}", "peer_died"))
+
     def abandon(self, peer: int, why: str) -> None:
         """A split agreement gives up (its peer never answered): the stream is out of step from now on."""
         with self._op_lock:

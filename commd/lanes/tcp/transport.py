@@ -194,8 +194,7 @@ class Mesh:
             except BlockingIOError:
                 return
             except OSError as exc:
-                raise TransportError(peer.rank, "peer_died",
-                                     f"sending to node {peer.rank} failed: {exc}") from None
+                raise self._lost(peer, f"sending to node {peer.rank} failed: {exc}") from None
             if x.hpos == HEADER.size and x.pos == x.size:
                 queue.popleft()
                 if x.on_done is not None:
@@ -225,12 +224,10 @@ class Mesh:
             except BlockingIOError:
                 return
             except OSError as exc:
-                raise TransportError(peer.rank, "peer_died",
-                                     f"receiving from node {peer.rank} failed: {exc}") from None
+                raise self._lost(peer, f"receiving from node {peer.rank} failed: {exc}") from None
             if n == 0:
-                raise TransportError(peer.rank, "peer_died",
-                                     f"node {peer.rank} closed the connection ({x.pos}/{x.size} bytes of "
-                                     f"transfer #{x.seq} received)")
+                raise self._lost(peer, f"node {peer.rank} closed the connection ({x.pos}/{x.size} bytes of "
+                                       f"transfer #{x.seq} received)")
             if x.hpos == HEADER.size and x.pos == x.size:
                 queue.popleft()
                 if x.on_done is not None:
@@ -266,6 +263,28 @@ class Mesh:
             peer.events = 0
         self._fresh.clear()
         self._busy.clear()
+
+    def lose(self, rank: int, error: LaneError) -> None:
+        """Thread-safe: the node at ``rank`` is gone without closing its stream (the fabric declared
+        it dead after a silence).  A call blocked on it, in any thread, fails now with ``error``
+        (the socket is shut down, which wakes its selector); later calls are refused."""
+        peer = self.peers.get(rank)
+        if peer is None:
+            return
+        if peer.failure is None:
+            peer.failure = error
+        sock = peer.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _lost(self, peer: Peer, what: str) -> TransportError:
+        """The error for ``what`` failing on ``peer``'s stream: the reason it was lost, when it was."""
+        if peer.failure is not None:
+            return TransportError(peer.rank, peer.failure.code, str(peer.failure))
+        return TransportError(peer.rank, "peer_died", what)
 
     def break_peers(self, ranks: Iterable[int], error: LaneError) -> None:
         """Mark the streams to ``ranks`` unusable and close them (the peers then fail fast too)."""
