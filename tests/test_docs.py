@@ -91,13 +91,21 @@ def _budget(blocks: list[Block] | PageError, slow: bool) -> float:
     return total
 
 
+#: Pages whose examples start several jobs (half a minute or more): they run in make test-extended,
+#: which CI runs too, so that make test stays under its 15 minutes.
+EXTENDED_PAGES = {"docs/tuning.md", "docs/fault-tolerance.md"}
+
+
 def _params(slow: bool) -> list[object]:
     params = []
     for page in _pages():
         blocks = _blocks(page)
         if slow and (isinstance(blocks, PageError) or not any(b.slow for b in blocks)):
             continue
-        params.append(pytest.param(page, id=_name(page), marks=pytest.mark.timeout(_budget(blocks, slow))))
+        marks = [pytest.mark.timeout(_budget(blocks, slow))]
+        if not slow and _name(page) in EXTENDED_PAGES:
+            marks.append(pytest.mark.extended)
+        params.append(pytest.param(page, id=_name(page), marks=marks))
     return params
 
 

@@ -117,6 +117,7 @@ def test_node_that_shuts_down_is_known_dead_at_once(cluster) -> None:
     assert "left the fabric" in errors
 
 
+@pytest.mark.extended  # ~20 s: make test-extended
 def test_tiny_allreduces_complete_on_node_0s_early_contribution(cluster) -> None:
     """Node 0 reports first: node 1 combines node 0's early contribution itself (counted), results
     stay right, and a mismatch among cached patterns still fails on every rank.  Then every

@@ -72,6 +72,7 @@ def _recording_rank(rank: int, directory: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.extended  # ~15 s; make test runs a recording through test_replay: make test-extended
 def test_record_writes_each_rank_s_ops_as_a_param_trace(backend_env: Path, tmp_path: Path) -> None:
     directory = tmp_path / "trace"
     spawn(_recording_rank, (str(directory),), nprocs=WORLD)

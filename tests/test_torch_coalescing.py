@@ -423,6 +423,7 @@ def batch_across_nodes(ctx: Any) -> dict[str, Any]:
     return {"ops": len(handles), "messages": sent}
 
 
+@pytest.mark.extended  # 2 daemons, ~20 s: make test-extended
 @pytest.mark.timeout(240)
 def test_a_batch_across_nodes_runs_in_one_message(cluster: Any) -> None:
     c = cluster(2, 2)
