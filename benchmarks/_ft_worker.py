@@ -1,7 +1,9 @@
 """One rank of benchmarks/ft.py: guarded (or plain) DDP steps of the model `commd demo` trains, under
 ``commd launch`` (one launcher per node, ``--keep-going`` or ``--max-restarts 1``) or under
 ``torchrun --max-restarts 1`` (plain DDP with a checkpoint every N steps); in an injection run one
-rank SIGKILLs itself at a given point of a step (``node``: it SIGKILLs its node's daemon first).
+rank SIGKILLs itself at a given point of a step (``node``: it SIGKILLs its node's daemon first;
+``stop``: it SIGSTOPs its node's daemon for ``outage_s`` and goes on; ``link``: it asks the benchmark,
+through kill.json, to pull its node's cable for ``outage_s``, and goes on).
 
     python _ft_worker.py CONFIG_JSON OUT_DIR
 
@@ -21,6 +23,7 @@ T_START = time.time()  # before torch is imported: a replacement's start-up is p
 import json  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 import zlib  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -70,18 +73,25 @@ def main() -> None:
     where, kill_step = cfg.get("where"), cfg.get("kill_step", -1)
     is_victim = rank == cfg.get("victim") and restarts == 0
     state = {"step": -1}
-    target = daemon_pid() if is_victim and where == "node" else None
+    target = daemon_pid() if is_victim and where in ("node", "stop") else None
 
     def die() -> None:
+        if where == "stop":  # the node's daemon hangs for the outage; a helper outside the job resumes it
+            subprocess.Popen(["sh", "-c", f"sleep {cfg['outage_s']}; kill -CONT {target}"], start_new_session=True)
         (out_dir / "kill.json").write_text(json.dumps({"rank": rank, "time": time.time(), "where": where,
                                                        "step": state["step"], "daemon_pid": target}))
+        if where == "link":  # the benchmark pulls this node's cable when it sees kill.json; this rank goes on
+            return
+        if where == "stop":
+            os.kill(target, signal.SIGSTOP)
+            return
         if target is not None:  # the whole node goes: its daemon, then this rank
             os.kill(target, signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
 
     def train_step(ddp: Any, x: torch.Tensor, y: torch.Tensor) -> float:
         if is_victim and state["step"] == kill_step:
-            if where in ("forward", "node"):
+            if where in ("forward", "node", "stop", "link"):
                 die()
             if where == "backward":  # once the last layer's gradient is out: its bucket's all-reduce in flight
                 ddp.module[0].weight.register_hook(lambda grad: die())

@@ -15,9 +15,14 @@ launchers on this machine as N nodes (``--nnodes N --node-rank i --master 127.0.
   then itself; that node's other ranks fail with their daemon, the other nodes' ranks go on.  A
   daemon SIGKILLed on a live host has its connections closed by the kernel, so the other daemons
   hear of it at once; the peer timeout (COMMD_PEER_TIMEOUT, 10 s by default; --peer-timeout sets
-  it in the launchers' environment, and the run prints the value used) bounds only a silent loss
-  (a host or link down), which this benchmark does not make.  Per run: the time from the kill (the
-  victim's clock just before it) to the error on each survivor (the last one's is reported), to
+  it in the launchers' environment, and the run prints the value used) bounds only a silent loss,
+  which two more points make (never by default: each takes --outage seconds and more): ``stop``, a
+  rank of a node other than node 0 SIGSTOPs its node's daemon for --outage seconds (20 by default)
+  and goes on; ``link`` (with --sim: every node a simulated host, network namespaces, root), the
+  benchmark pulls that node's cable for --outage seconds.  Either way node 0's side hears nothing,
+  declares the node dead at the peer timeout and goes on without its ranks, and those ranks raise
+  (their node is cut off from the job).  Per run: the time from the kill (the
+  victim's clock just before it; the cable pulled) to the error on each survivor (the last one's is reported), to
   the last survivor's rebuilt group, to the last survivor's first completed step after it, the
   step redone; the survivors' parameter digests must be equal.
 * **--rejoin.**  The launchers run with ``--max-restarts 1`` and the guard gets the plain module:
@@ -53,6 +58,7 @@ is named with its launchers' log tails; the tables are printed anyway and the ex
     python benchmarks/ft.py --nodes 2 --nproc 2 --rejoin --repeats 0    # 4 points, replacements rejoin
     python benchmarks/ft.py --torchrun --injections 0 --repeats 0 --compare-injections 3
     python benchmarks/ft.py --injections 20 --json ft.json
+    sudo python benchmarks/ft.py --nodes 2 --nproc 2 --sim --points stop,link --repeats 0   # silent losses
 """
 
 from __future__ import annotations
@@ -74,11 +80,14 @@ from typing import Any
 from ddp import demo_model
 
 from commd.runtime import free_port, new_secret
+from commd.sim.hosts import SimulatedHosts
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_ft_worker.py"
 RANK_POINTS = ("forward", "backward", "optimizer")
-POINTS = (*RANK_POINTS, "node")
+#: Points that take a whole node other than node 0 out: its daemon SIGKILLed, SIGSTOPped or its link down.
+NODE_POINTS = ("node", "stop", "link")
+POINTS = (*RANK_POINTS, *NODE_POINTS)
 #: Bound on one launch (its ranks start torch, train, maybe recover, and maybe wait for a replacement).
 RUN_TIMEOUT_S = 300.0
 #: How long the running ranks wait in take_back for the replacement to ask.
@@ -147,16 +156,18 @@ def launch(args: argparse.Namespace, cfg: dict[str, Any], tag: str, *, restarts:
                              dict(env, COMMD_RUNTIME_DIR=str(root / "rt"), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")))
         else:
             port, secret = free_port(), new_secret()
+            master = args.sim[0].ip if args.sim else "127.0.0.1"
             for i in range(args.nodes):
                 argv = [sys.executable, "-m", "commd", "launch", "--no-prefix", "--nproc-per-node", str(args.nproc)]
                 argv += ["--max-restarts", str(restarts)] if restarts else ["--keep-going"]
                 node_env = dict(env, COMMD_RUNTIME_DIR=str(root / f"node{i}"), COMMD_NODE=f"node{i}")
                 (root / f"node{i}").mkdir()
                 if args.nodes > 1:
-                    argv += ["--nnodes", str(args.nodes), "--node-rank", str(i), "--master", f"127.0.0.1:{port}",
+                    argv += ["--nnodes", str(args.nodes), "--node-rank", str(i), "--master", f"{master}:{port}",
                              "--node-name", f"node{i}"]
                     node_env["COMMD_SECRET"] = secret
-                commands.append(([*argv, *tail], node_env))
+                argv = [*argv, *tail]
+                commands.append((args.sim[i].argv(argv) if args.sim else argv, node_env))
         logs = [root / f"launcher{i}.log" for i in range(len(commands))]
         procs = []
         started = time.monotonic()
@@ -165,7 +176,10 @@ def launch(args: argparse.Namespace, cfg: dict[str, Any], tag: str, *, restarts:
                 procs.append(subprocess.Popen(argv, env=cmd_env, stdout=sink, stderr=subprocess.STDOUT,
                                               start_new_session=True))
         deadline = started + RUN_TIMEOUT_S
+        cut = None
         try:
+            if cfg.get("where") == "link":
+                cut = pull_cable(args, procs, out, deadline)
             for proc in procs:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -175,17 +189,40 @@ def launch(args: argparse.Namespace, cfg: dict[str, Any], tag: str, *, restarts:
             raise RunFailed(f"no end within {RUN_TIMEOUT_S:.0f}s\n" + "\n".join(
                 f"--- launcher {i}:\n{text[-2500:]}" for i, text in enumerate(texts))) from None
         wall = time.monotonic() - started
-        keep_logs(args, logs, tag)
+        keep_logs(args, logs + sorted(root.glob("node*/*/daemon.log")), tag)
         results = {p.stem: json.loads(p.read_text()) for p in out.glob("rank*.json")}
         kill = json.loads((out / "kill.json").read_text()) if (out / "kill.json").exists() else None
+        if kill is not None and cut is not None:
+            kill["time"] = cut  # the fault is the cable pulled, a moment after the victim asked
         return Run(results, kill, [p.returncode for p in procs], wall, os.getloadavg()[0],
                    [log.read_text(errors="replace")[-6000:] for log in logs])
 
 
+def pull_cable(args: argparse.Namespace, procs: list[subprocess.Popen], out: Path, deadline: float) -> float | None:
+    """The ``link`` point: once the victim asks (kill.json), pull its node's cable for --outage seconds,
+    then plug it back.  Returns when the cable was pulled (time.time()), None if nobody asked."""
+    request = out / "kill.json"
+    while not request.exists():
+        if all(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+            return None
+        time.sleep(0.02)
+    time.sleep(0.02)  # (the victim's write has landed)
+    node = node_of(args, json.loads(request.read_text())["rank"])
+    args.sim.set_link(node, up=False)
+    cut = time.time()
+    try:
+        time.sleep(args.outage)
+    finally:
+        args.sim.set_link(node, up=True)
+    return cut
+
+
 def keep_logs(args: argparse.Namespace, logs: list[Path], tag: str) -> None:
+    """With --logs: the launchers' output as ``<tag>.launcher<i>.log``, a daemon's log as ``<tag>.<node>.daemon.log``."""
     if args.logs:
         for i, log in enumerate(logs):
-            (Path(args.logs) / f"{tag}.launcher{i}.log").write_bytes(log.read_bytes())
+            name = f"{log.parents[1].name}.daemon.log" if log.name == "daemon.log" else f"launcher{i}.log"
+            (Path(args.logs) / f"{tag}.{name}").write_bytes(log.read_bytes())
 
 
 def stop(procs: list[subprocess.Popen], out: Path) -> None:
@@ -222,7 +259,7 @@ def node_of(args: argparse.Namespace, rank: int) -> int:
 
 def pick_victim(args: argparse.Namespace, rng: random.Random, point: str) -> int:
     world = args.nodes * args.nproc
-    if point == "node":  # never node 0: its daemon coordinates the fabric
+    if point in NODE_POINTS:  # never node 0: its daemon coordinates the fabric
         return rng.randrange(args.nproc, world)
     return rng.randrange(world)
 
@@ -231,10 +268,10 @@ def analyse(args: argparse.Namespace, point: str, run: Run, victim: int, rejoin:
             take_back_step: int | None) -> dict[str, Any]:
     """One injection's figures; raises RunFailed when the run did not go as it should."""
     world = args.nodes * args.nproc
-    lost = [r for r in range(world) if node_of(args, r) == node_of(args, victim)] if point == "node" else [victim]
+    lost = [r for r in range(world) if node_of(args, r) == node_of(args, victim)] if point in NODE_POINTS else [victim]
     survivors = [r for r in range(world) if r not in lost]
     expected = {f"rank{r}" for r in survivors} | ({f"rank{victim}.restart1"} if rejoin else set())
-    bad_codes = [code for i, code in enumerate(run.codes) if code != 0 and not (point == "node" and i == node_of(
+    bad_codes = [code for i, code in enumerate(run.codes) if code != 0 and not (point in NODE_POINTS and i == node_of(
         args, victim))]
     if run.kill is None or set(run.results) != expected or bad_codes:
         raise RunFailed(f"expected results {sorted(expected)} and the kill, got {sorted(run.results)}, kill "
@@ -301,13 +338,13 @@ def injections(args: argparse.Namespace, model: dict[str, int], batch: int,
     rows: dict[str, list[dict[str, Any]]] = {point: [] for point in args.point_list}
     for run_no in range(args.injections):
         for point in args.point_list:
-            rejoin = args.rejoin and point != "node"
+            rejoin = args.rejoin and point not in NODE_POINTS
             take_back_step = args.inject_steps - TAKE_BACK_BEFORE_END if rejoin else None
             victim = pick_victim(args, rng, point)
             step = rng.randrange(3, (take_back_step - 2) if rejoin else args.inject_steps - 3)
             cfg = {"model": model, "batch": batch, "steps": args.inject_steps, "guard": True, "victim": victim,
                    "where": point, "kill_step": step, "rejoin": rejoin, "take_back_step": take_back_step,
-                   "take_back_timeout": TAKE_BACK_TIMEOUT_S}
+                   "take_back_timeout": TAKE_BACK_TIMEOUT_S, "outage_s": args.outage}
             what = f"{point} run {run_no}: rank {victim} (node {node_of(args, victim)}) killed at step {step}"
             try:
                 run = launch(args, cfg, f"{point}-{run_no}", restarts=1 if rejoin else 0)
@@ -544,6 +581,10 @@ def main() -> None:
     parser.add_argument("--injections", type=int, default=5, help="runs per point of a step (default 5)")
     parser.add_argument("--points", default=None,
                         help=f"comma-separated, of {', '.join(POINTS)} (default: all; node only with --nodes >= 2)")
+    parser.add_argument("--outage", type=float, default=20.0,
+                        help="seconds a stop point's daemon stays stopped and a link point's cable pulled (default 20)")
+    parser.add_argument("--sim", action="store_true",
+                        help="run each node as a simulated host (network namespaces; needs root), as the link point must")
     parser.add_argument("--inject-steps", type=int, default=20, help="steps of an injection run (default 20)")
     parser.add_argument("--rejoin", action="store_true",
                         help="--max-restarts 1: the victim's replacement rejoins (not at the node point)")
@@ -565,9 +606,9 @@ def main() -> None:
     parser.add_argument("--logs", default=None, metavar="DIR", help="keep every launcher's output in DIR")
     args = parser.parse_args()
     if args.points is None:
-        args.points = ",".join(POINTS if args.nodes >= 2 else RANK_POINTS)
+        args.points = ",".join((*RANK_POINTS, "node") if args.nodes >= 2 else RANK_POINTS)
     args.point_list = [p for p in args.points.split(",") if p]
-    args.compare_points = [p for p in args.point_list if p != "node"]
+    args.compare_points = [p for p in args.point_list if p not in NODE_POINTS]
     if args.compare_injections is None:
         args.compare_injections = args.injections if args.torchrun else 0
     if (not set(args.point_list) <= set(POINTS) or args.nodes < 1 or args.nproc < 1 or args.nodes * args.nproc < 2
@@ -575,12 +616,28 @@ def main() -> None:
             or args.checkpoint_every < 1):
         parser.error(f"--points from {POINTS}, --nodes and --nproc >= 1 with >= 2 ranks in all, --inject-steps >= 12, "
                      "--warmup < --steps, --compare-steps >= 20, --checkpoint-every >= 1")
-    if "node" in args.point_list and args.nodes < 2:
-        parser.error("the node point needs --nodes >= 2 (node 0's daemon is never the victim)")
+    if set(NODE_POINTS) & set(args.point_list) and args.nodes < 2:
+        parser.error("the node, stop and link points need --nodes >= 2 (node 0 is never the victim)")
+    if "link" in args.point_list and not args.sim:
+        parser.error("the link point needs --sim: a node's own link exists only on simulated hosts")
+    if args.outage <= 0:
+        parser.error("--outage must be > 0")
     if args.logs:
         Path(args.logs).mkdir(parents=True, exist_ok=True)
+    if args.sim:
+        args.sim = SimulatedHosts(args.nodes).up()
+    try:
+        run_all(args)
+    finally:
+        if args.sim:
+            args.sim.down()
+
+
+def run_all(args: argparse.Namespace) -> None:
+    """Every part asked for, its tables, and the JSON; exit status 1 if a run failed or looked wrong."""
     model, batch = demo_model()
-    print(f"commd.ft on {args.nodes} node(s) x {args.nproc} ranks (launchers on this machine), the demo model "
+    where = "simulated hosts" if args.sim else "launchers on this machine"
+    print(f"commd.ft on {args.nodes} node(s) x {args.nproc} ranks ({where}), the demo model "
           f"({model}, batch {batch}); {peer_timeout_note(args)}; load {os.getloadavg()[0]:.1f}", flush=True)
     started = time.monotonic()
     failures: list[str] = []
@@ -592,7 +649,8 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "nodes": args.nodes, "nproc": args.nproc, "model": model, "batch": batch,
-            "peer_timeout": peer_timeout_note(args), "rejoin": args.rejoin, "injections": rows,
+            "peer_timeout": peer_timeout_note(args), "rejoin": args.rejoin, "outage_s": args.outage,
+            "simulated_hosts": bool(args.sim), "injections": rows,
             "comparison": compare, "overhead": medians, "failures": failures}, indent=1))
     if failures:
         print(f"\n{len(failures)} run(s) failed or looked wrong:", file=sys.stderr)
