@@ -85,3 +85,40 @@ def test_a_stall_past_the_shutdown_limit_shuts_every_node_down() -> None:
     assert [m for m in link.sent if type(m) is Shutdown] == [Shutdown(why)], link.sent
     assert not [m for m in link.sent if type(m) is CoordinatorHeartbeat]
     assert node.shutdowns == [why]
+
+
+class _Completions:
+    """The node services LaneRunner.done needs: records each completion."""
+
+    def __init__(self) -> None:
+        self.completed: list[tuple[str | None, str]] = []
+
+    def complete(self, op: Any, error: str | None, code: str) -> None:
+        self.completed.append((error, code))
+
+    def flush(self) -> None:
+        pass
+
+
+def test_a_lane_timeout_among_nodes_declared_dead_completes_as_that_death_and_nothing_else_changes() -> None:
+    """A lane that cannot be told of a verdict (gloo, MPI) waits out its timeout on a silent node;
+    the op must then fail as the node's death (what commd.ft recovers from), not as a timeout."""
+    from commd.core.ops import ReadyOp
+    from commd.fabric.runner import LaneRunner
+    from commd.protocol import schema as s
+
+    verdicts = {1: "node 1 (n1) has not been heard from for 10s"}
+    node = _Completions()
+    runner = LaneRunner(node, None, 10.0, lambda nodes: next((verdicts[n] for n in nodes if n in verdicts), None))
+    op = ReadyOp("allreduce", "g0.0", 7, [], 0.0, nbytes=0)
+    runner.done(op, "gloo allreduce timed out after 60 s", s.E_TIMEOUT, (0, 1))
+    runner.done(op, "gloo allreduce timed out after 60 s", s.E_TIMEOUT, (0, 2))  # no verdict on its nodes
+    runner.done(op, "stream out of step", s.E_INTERNAL, (0, 1))  # not a timeout: as it is
+    runner.done(op, None, s.E_INTERNAL, (0, 1))  # success
+    assert node.completed == [
+        ("allreduce #7 on group 'g0.0' failed between nodes: gloo allreduce timed out after 60 s "
+         "(node 1 (n1) has not been heard from for 10s)", s.E_PEER_DIED),
+        ("allreduce #7 on group 'g0.0' failed between nodes: gloo allreduce timed out after 60 s", s.E_TIMEOUT),
+        ("allreduce #7 on group 'g0.0' failed between nodes: stream out of step", s.E_INTERNAL),
+        (None, s.E_INTERNAL),
+    ]

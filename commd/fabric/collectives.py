@@ -280,7 +280,8 @@ class Collectives:
         # on the loop, so up to SOLO_INLINE_BYTES it runs there (two thread wake-ups fewer).
         inline_bytes = SOLO_INLINE_BYTES if not self.negotiating else INLINE_BYTES
         return self.runner.enqueue(lane_name, op.on_gpu, op.group, work,
-                                   lambda error, code: done(op, error, code), op.nbytes, inline_bytes)
+                                   lambda error, code: done(op, error, code, placement.nodes), op.nbytes,
+                                   inline_bytes)
 
     def _release_fused(self, gos: list[wire.Go]) -> Callable[[], None] | None:
         """A fused set of small all-reduces: one buffer, one lane call, at its first op's place."""
@@ -305,7 +306,7 @@ class Collectives:
 
         def done(error: str | None, code: str) -> None:
             for op in ops:
-                self.runner.done(op, error, code)
+                self.runner.done(op, error, code, placement.nodes)
 
         return self.runner.enqueue(lane_name, any(op.on_gpu for op in ops), placement.name, work, done,
                                    sum(op.nbytes for op in ops))

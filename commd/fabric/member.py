@@ -69,8 +69,8 @@ class FabricMember:
         self._flush_scheduled = False
         #: One thread per lane (GPU-exclusive lanes share one); program order per group.
         self.workers = WorkerPool()
-        self.runner = LaneRunner(node, self.workers, peer_timeout)
         self.liveness = Liveness(node, fabric, peer_timeout, self.coordinator, self._up_send, self._dispatch)
+        self.runner = LaneRunner(node, self.workers, peer_timeout, self.liveness.unreachable)
         self.collectives = Collectives(node, fabric, self.stats, self.runner, self._up_send,
                                        self.liveness.unreachable)
         self.p2p = PointToPoint(node, fabric, self.runner, self._up_send, self.liveness.unreachable)

@@ -134,7 +134,7 @@ class PointToPoint:
         work = self.node.tracer.wrap((op,), work)
         done = self.runner.done
         run_now = self.runner.enqueue(lane_name, op.on_gpu, op.group, work,
-                                      lambda error, code: done(op, error, code), op.nbytes)
+                                      lambda error, code: done(op, error, code, (peer,)), op.nbytes)
         if run_now is not None:
             run_now()
 

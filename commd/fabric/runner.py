@@ -13,7 +13,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from commd.core.ops import ReadyOp, Submission
@@ -32,10 +32,13 @@ log = logging.getLogger("commd.fabric")
 class LaneRunner:
     """Queues released work on the worker pool and reports its outcome to the node."""
 
-    def __init__(self, node: NodeServices, workers: WorkerPool, peer_timeout: float) -> None:
+    def __init__(self, node: NodeServices, workers: WorkerPool, peer_timeout: float,
+                 unreachable: Callable[[Sequence[int]], str | None] = lambda nodes: None) -> None:
         self.node = node
         self.workers = workers
         self.peer_timeout = peer_timeout
+        #: The fabric's verdict on a set of nodes (``Liveness.unreachable``): why an op on them cannot run.
+        self.unreachable = unreachable
         #: Testing knob: random delays before lane ops (the deadlock stress test sets it).
         self.chaos_delay_s = env_float("COMMD_CHAOS_DELAY_MS", 0.0, 0.0, 10_000.0) / 1000
         self.chaos_seed = env_int("COMMD_CHAOS_SEED", 0)
@@ -86,8 +89,14 @@ class LaneRunner:
 
         return resolve
 
-    def done(self, op: ReadyOp, error: str | None, code: str) -> None:
+    def done(self, op: ReadyOp, error: str | None, code: str, nodes: Sequence[int] = ()) -> None:
+        """Complete ``op`` (run among ``nodes``).  A lane timeout on a node the fabric has declared dead
+        meanwhile is that node's death: a lane without a way to be told (gloo, MPI) waits out its
+        timeout on a silent node, and a timeout is not what the ranks must recover from."""
         if error is not None:
+            verdict = self.unreachable(nodes) if code == s.E_TIMEOUT and nodes else None
+            if verdict is not None:
+                error, code = f"{error} ({verdict})", s.E_PEER_DIED
             error = f"{op.describe()} failed between nodes: {error}"
         self.node.complete(op, error, code)
         self.node.flush()

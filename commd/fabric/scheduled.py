@@ -359,7 +359,7 @@ class ScheduledPath:
                     self.stats.schedule_fallback += 1
             elif op is not None:
                 self.stats.scheduled += 1
-                self.runner.done(op, error, code)
+                self.runner.done(op, error, code, nodes)
             self._maybe_end()
 
         def enqueue(inline_bytes: int) -> None:
