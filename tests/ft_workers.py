@@ -53,7 +53,7 @@ def reference(steps: int, world: int, redone_step: int, survivors: list[int]) ->
 
 
 def guarded_training(rank: int, world: int, init_method: str, steps: int, kill: Any = None,
-                     min_ranks: int = 1, recover_timeout: float = 60.0) -> dict[str, Any]:
+                     min_ranks: int = 1, recover_timeout: float = 60.0, count_on: str | None = None) -> dict[str, Any]:
     """``steps`` guarded DDP steps of ``mlp``; ``kill(step, where)`` is called at the start of each
     step's forward ("forward") and when the first layer's gradient is computed ("backward"), after
     the later layers' bucket went out.  Returns the parameters and the recoveries."""
@@ -80,13 +80,18 @@ def guarded_training(rank: int, world: int, init_method: str, steps: int, kill: 
         loss.backward()
         if kill is not None:
             handle.remove()
+        if count_on is not None:  # the user's own collective in the step: count the ranks
+            ones = torch.ones(1)
+            dist.all_reduce(ones, group=guard.group if count_on == "guard" else None)
+            counts.append(int(ones.item()))
         return float(loss)
 
+    counts: list[int] = []
     for step in range(steps):
         guard.step(train_step, step)
     return {"params": [p.detach().clone() for p in guard.model.module.parameters()],
             "recoveries": [(r.step, r.gone, r.survivors, r.seconds) for r in guard.recoveries],
-            "op_timeout": guard.model.process_group.op_timeout}
+            "op_timeout": guard.model.process_group.op_timeout, "counts": counts}
 
 
 def run_bounded(procs: list[Any], bound_s: float) -> None:

@@ -32,7 +32,7 @@ RANKS_BOUND_S = 150.0
 
 
 def _rank_main(rank: int, port: int, victims: dict[int, str], min_ranks: int, out_dir: str,
-               recover_timeout: float) -> None:
+               recover_timeout: float, count_on: str | None = None) -> None:
     from ft_workers import guarded_training, sigkill_self
 
     def kill(step: int, at: str) -> None:
@@ -40,7 +40,8 @@ def _rank_main(rank: int, port: int, victims: dict[int, str], min_ranks: int, ou
             sigkill_self()
 
     try:
-        out = guarded_training(rank, WORLD, f"tcp://127.0.0.1:{port}", STEPS, kill, min_ranks, recover_timeout)
+        out = guarded_training(rank, WORLD, f"tcp://127.0.0.1:{port}", STEPS, kill, min_ranks, recover_timeout,
+                               count_on)
     except BaseException as exc:  # reported to the test, which judges it
         out = {"error": f"{type(exc).__name__}: {exc}"}
     torch.save(out, f"{out_dir}/rank{rank}.part")
@@ -49,14 +50,14 @@ def _rank_main(rank: int, port: int, victims: dict[int, str], min_ranks: int, ou
 
 
 def _run(tmp_path: Path, victims: dict[int, str], min_ranks: int = 1,
-         recover_timeout: float = 60.0) -> dict[int, dict[str, Any]]:
+         recover_timeout: float = 60.0, count_on: str | None = None) -> dict[int, dict[str, Any]]:
     """Start the ranks, wait (bounded) for all of them to exit, and read what the survivors wrote."""
     from cluster import free_port
 
     ctx = mp.get_context("spawn")
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, port, victims, min_ranks, str(tmp_path),
-                                                             recover_timeout)) for r in range(WORLD)]
+                                                             recover_timeout, count_on)) for r in range(WORLD)]
     run_bounded(procs, RANKS_BOUND_S)
     assert all(procs[rank].exitcode == -signal.SIGKILL for rank in victims)
     results = {rank: torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD)
@@ -86,6 +87,29 @@ def test_the_survivors_redo_the_step_and_train_as_one_process_would(backend_env,
     first = results[survivors[0]]["params"]
     for rank in survivors[1:]:  # the survivors hold the same bits
         assert all(torch.equal(a, b) for a, b in zip(first, results[rank]["params"], strict=True)), rank
+
+
+@pytest.mark.extended
+def test_the_users_collectives_in_the_step_go_on_on_guard_group(backend_env, tmp_path: Path) -> None:
+    results = _run(tmp_path, {VICTIM: "forward"}, count_on="guard")
+    for rank, out in results.items():
+        assert "error" not in out, (rank, out)
+        # the failed step's count is never seen: the step is redone on the survivors
+        assert out["counts"] == [WORLD] * FAIL_STEP + [WORLD - 1] * (STEPS - FAIL_STEP), (rank, out["counts"])
+
+
+@pytest.mark.extended
+def test_a_collective_on_the_default_group_after_a_loss_fails_fast_saying_to_use_guard_group(
+        backend_env, tmp_path: Path) -> None:
+    """The guard rebuilds its own group only; the default group keeps the dead rank.  An op on it
+    inside the step must not send the guard looking for a loss in its group until its timeout."""
+    results = _run(tmp_path, {VICTIM: "forward"}, recover_timeout=60.0, count_on="world")
+    for rank, out in results.items():
+        error = out.get("error", "")
+        assert error.startswith(f"UnrecoverableError: rank {rank}: an op failed for a dead rank (PeerDiedError: "), \
+            (rank, out)
+        assert f"every rank of the guard's group [0, 1, 2] is alive: the op ran on a group that still holds " \
+               f"rank(s) [{VICTIM}], lost earlier" in error and "on guard.group" in error, (rank, error)
 
 
 @pytest.mark.extended

@@ -42,6 +42,11 @@ ATTEMPT_TIMEOUT_S = 4.0
 ENTER_TIMEOUT_S = 15.0
 #: How often the guard reads its daemon's view while waiting to learn which rank is gone.
 POLL_S = 0.02
+#: Once the guard has lost ranks, how long a recovery waits for this rank's daemon to list a loss in
+#: the guard's own group before it concludes that the failed op ran on another group, one that
+#: still holds a rank lost earlier (the default group, say): a new death reaches the daemon's list
+#: within about 0.1 s, or before the error does.
+STRAY_GRACE_S = 5.0
 #: How long a replacement waits, by default, for the running ranks to take it in (they do so
 #: at the end of their current step).
 JOIN_TIMEOUT_S = 600.0
@@ -322,7 +327,7 @@ class Seats:
                 raise UnrecoverableError(
                     f"rank {me}: the survivors of group {list(self.ranks)} did not settle on a group within "
                     f"{self.recover_timeout:.0f}s (ranks known gone: {sorted(known)}); last error: {last}")
-            known |= self._wait_gone(deadline, bool(known))
+            known |= self._wait_gone(deadline, bool(known), error)
             if time.monotonic() >= deadline:
                 continue  # (says that it did not settle in time)
             survivors = self._survivors(known)
@@ -384,11 +389,14 @@ class Seats:
         except Exception as exc:  # noqa: BLE001 - torch's store errors; the next _check_store says it
             log.warning("commd.ft: rank %d: could not move the attempt on: %s", self._me, exc)
 
-    def _wait_gone(self, deadline: float, known_any: bool) -> set[int]:
+    def _wait_gone(self, deadline: float, known_any: bool, error: BaseException) -> set[int]:
         """The group's ranks this rank's daemon knows are gone (dead ranks, and the ranks of dead
         nodes); waits until there is at least one (the error can reach a rank just before the
-        news of the death reaches its daemon's list), unless some are known already."""
+        news of the death reaches its daemon's list), unless some are known already.  ``error``
+        came from an op on another group when, after ``STRAY_GRACE_S``, only ranks lost earlier
+        are gone: UnrecoverableError saying so, not a recovery that waits for nothing."""
         paths = current_client().paths
+        grace = time.monotonic() + STRAY_GRACE_S
         while True:
             try:
                 status = query_status(paths, timeout=max(0.1, min(5.0, deadline - time.monotonic())))
@@ -400,10 +408,18 @@ class Seats:
             if cut_off:  # the job's coordinator went on without this node, or is itself gone
                 raise UnrecoverableError(f"rank {self._me}'s node is cut off from the job: {cut_off}")
             # (a dead node's ranks are listed too: the daemon marks them gone with it)
-            gone = {int(rank) for rank in (status.get("membership") or {}).get("gone_ranks") or {}}
-            gone &= set(self.ranks)
+            every_gone = {int(rank) for rank in (status.get("membership") or {}).get("gone_ranks") or {}}
+            gone = every_gone & set(self.ranks)
             if gone or known_any or time.monotonic() >= deadline:
                 return gone
+            lost_before = sorted(every_gone & set(self.seats) - set(self.ranks))
+            if lost_before and time.monotonic() >= grace:
+                raise UnrecoverableError(
+                    f"rank {self._me}: an op failed for a dead rank ({type(error).__name__}: {error}), but every "
+                    f"rank of the guard's group {list(self.ranks)} is alive: the op ran on a group that still "
+                    f"holds rank(s) {lost_before}, lost earlier (the default group, or a group made before the "
+                    "loss). The guard rebuilds its own group only: inside the step, run your collectives on "
+                    "guard.group")
             time.sleep(POLL_S)
 
     def _check_store(self) -> None:
