@@ -340,9 +340,11 @@ class Seats:
             try:
                 tag = f"r{epoch}.{attempt}"
                 group = new_group(survivors, tag, min(left, ATTEMPT_TIMEOUT_S), self.op_timeout)
-                seen = self._union_of_views(group, known)
-                if seen - known:  # another survivor knows of more losses: all go again without them
-                    known |= seen
+                # every member now holds the same union; if it leaves out more ranks, all go again
+                # without them.  (The ranks it adds may leave the survivors as they are: a sharded
+                # guard's survivors are whole replicas, and a replica's second loss changes none.)
+                known |= self._union_of_views(group, known)
+                if self._survivors(known) != survivors:
                     continue
                 built, _ = self._rebuild(group, survivors, [], tag)
                 self._check_states(built, group, survivors)
