@@ -1,7 +1,8 @@
 """One rank of benchmarks/ft.py: guarded (or plain) DDP steps of the model `commd demo` trains, under
 ``commd launch`` (one launcher per node, ``--keep-going`` or ``--max-restarts 1``) or under
 ``torchrun --max-restarts 1`` (plain DDP with a checkpoint every N steps); in an injection run one
-rank SIGKILLs itself at a given point of a step (``node``: it SIGKILLs its node's daemon first;
+rank SIGKILLs itself at a given point of a step (``fsdp``: the model is HSDP under
+``commd.ft.ShardedGuard``, ``shards`` ranks per replica; ``node``: it SIGKILLs its node's daemon first;
 ``stop``: it SIGSTOPs its node's daemon for ``outage_s`` and goes on; ``link``: it asks the benchmark,
 through kill.json, to pull its node's cable for ``outage_s``, and goes on).
 
@@ -39,10 +40,29 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 
 def digest(model: torch.nn.Module) -> int:
+    """CRC32 of the whole parameters (an FSDP2 model's gathered: a collective over its mesh)."""
     value = 0
     for p in model.parameters():
-        value = zlib.crc32(p.detach().contiguous().numpy().tobytes(), value)
+        whole = p.full_tensor() if hasattr(p, "full_tensor") else p
+        value = zlib.crc32(whole.detach().contiguous().numpy().tobytes(), value)
     return value
+
+
+def sharded_guard(cfg: dict[str, Any]) -> Any:
+    """``commd.ft.ShardedGuard`` on the demo model as HSDP: ``cfg["shards"]`` ranks per replica."""
+    from torch.distributed.fsdp import fully_shard
+
+    import commd.ft
+
+    def build(mesh: Any) -> torch.nn.Module:
+        model = build_model(cfg["model"], 0)
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+
+    return commd.ft.ShardedGuard(build, lambda params: torch.optim.SGD(params, lr=LEARNING_RATE),
+                                 shards=cfg["shards"])
 
 
 def daemon_pid() -> int:
@@ -93,13 +113,15 @@ def main() -> None:
         if is_victim and state["step"] == kill_step:
             if where in ("forward", "node", "stop", "link"):
                 die()
-            if where == "backward":  # once the last layer's gradient is out: its bucket's all-reduce in flight
+            if where == "backward" and cfg.get("fsdp"):  # the later layers' reduce-scatters are out
+                ddp[0].register_full_backward_pre_hook(lambda *_: die())
+            elif where == "backward":  # once the last layer's gradient is out: its bucket's all-reduce in flight
                 ddp.module[0].weight.register_hook(lambda grad: die())
         loss = torch.nn.functional.mse_loss(ddp(x), y)
         loss.backward()
         return float(loss.detach())
 
-    if is_victim and where == "optimizer":
+    if is_victim and where == "optimizer" and not cfg.get("fsdp"):
         optimizer.register_step_pre_hook(lambda *_: die() if state["step"] == kill_step else None)
     times: list[float] = []
 
@@ -138,8 +160,13 @@ def main() -> None:
     elif cfg["guard"]:
         import commd.ft
 
-        # the plain module: the guard wraps it (or, in a replacement, joins the running ranks)
-        guard = commd.ft.Guard(module if cfg.get("rejoin") else DistributedDataParallel(module), optimizer)
+        if cfg.get("fsdp"):  # the guard builds the model and its optimizer (a replacement: on joining)
+            t_module = t_model = time.time()
+            guard = sharded_guard(cfg)
+            if is_victim and where == "optimizer":
+                guard.optimizer.register_step_pre_hook(lambda *_: die() if state["step"] == kill_step else None)
+        else:  # the plain module: the guard wraps it (or, in a replacement, joins the running ranks)
+            guard = commd.ft.Guard(module if cfg.get("rejoin") else DistributedDataParallel(module), optimizer)
         t_guard = time.time()
         first = guard.steps
         take_back_step = cfg.get("take_back_step")
@@ -162,7 +189,7 @@ def main() -> None:
                 join_done.append(time.time())
             if guard.recoveries and after_failure is None:
                 after_failure = time.time()
-        module = guard.model.module
+        module = guard.model if cfg.get("fsdp") else guard.model.module
         result.update(commit_s=guard.commit_seconds / max(1, guard.steps - first), first_step=first, ranks=list(guard.ranks), membership_epoch=guard.membership_epoch,
                       recoveries=[r.__dict__ for r in guard.recoveries], joins=[j.__dict__ for j in guard.joins],
                       join_done=join_done, take_back=take_back)

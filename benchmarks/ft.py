@@ -268,11 +268,17 @@ def analyse(args: argparse.Namespace, point: str, run: Run, victim: int, rejoin:
             take_back_step: int | None) -> dict[str, Any]:
     """One injection's figures; raises RunFailed when the run did not go as it should."""
     world = args.nodes * args.nproc
-    lost = [r for r in range(world) if node_of(args, r) == node_of(args, victim)] if point in NODE_POINTS else [victim]
+    if point in NODE_POINTS:
+        lost = [r for r in range(world) if node_of(args, r) == node_of(args, victim)]
+    elif args.fsdp:  # the victim's replica leaves with it
+        lost = [r for r in range(world) if r // args.shards == victim // args.shards]
+    else:
+        lost = [victim]
     survivors = [r for r in range(world) if r not in lost]
-    expected = {f"rank{r}" for r in survivors} | ({f"rank{victim}.restart1"} if rejoin else set())
-    bad_codes = [code for i, code in enumerate(run.codes) if code != 0 and not (point in NODE_POINTS and i == node_of(
-        args, victim))]
+    expected = {f"rank{r}" for r in survivors} | ({f"rank{r}.restart1" for r in lost} if rejoin else set())
+    # a launcher whose ranks were all lost, or (shrinking) one with a rank that left with its replica, fails
+    failing = {node_of(args, r) for r in lost} if point in NODE_POINTS or (args.fsdp and not rejoin) else set()
+    bad_codes = [code for i, code in enumerate(run.codes) if code != 0 and i not in failing]
     if run.kill is None or set(run.results) != expected or bad_codes:
         raise RunFailed(f"expected results {sorted(expected)} and the kill, got {sorted(run.results)}, kill "
                         f"{run.kill}, launcher exits {run.codes}\n{run.tails()}")
@@ -298,9 +304,9 @@ def analyse(args: argparse.Namespace, point: str, run: Run, victim: int, rejoin:
     if not rejoin:
         return row
     replacement = run.results[f"rank{victim}.restart1"]
-    joins = [r["joins"] for r in running] + [replacement["joins"]]
-    if any(len(j) != 1 or j[0]["joined"] != [victim] for j in joins) or any(len(r["join_done"]) != 1 for r in running):
-        raise RunFailed(f"expected one join of rank {victim} on every rank, got {joins}\n{run.tails()}")
+    joins = [r["joins"] for r in running] + [run.results[f"rank{r}.restart1"]["joins"] for r in lost]
+    if any(len(j) != 1 or j[0]["joined"] != lost for j in joins) or any(len(r["join_done"]) != 1 for r in running):
+        raise RunFailed(f"expected one join of ranks {lost} on every rank, got {joins}\n{run.tails()}")
     full = max(r["join_done"][0] for r in running)
     wall = replacement["wall"]
     stall = max(r["joins"][0]["seconds"] for r in running)
@@ -344,7 +350,8 @@ def injections(args: argparse.Namespace, model: dict[str, int], batch: int,
             step = rng.randrange(3, (take_back_step - 2) if rejoin else args.inject_steps - 3)
             cfg = {"model": model, "batch": batch, "steps": args.inject_steps, "guard": True, "victim": victim,
                    "where": point, "kill_step": step, "rejoin": rejoin, "take_back_step": take_back_step,
-                   "take_back_timeout": TAKE_BACK_TIMEOUT_S, "outage_s": args.outage}
+                   "take_back_timeout": TAKE_BACK_TIMEOUT_S, "outage_s": args.outage, "fsdp": args.fsdp,
+                   "shards": args.shards}
             what = f"{point} run {run_no}: rank {victim} (node {node_of(args, victim)}) killed at step {step}"
             try:
                 run = launch(args, cfg, f"{point}-{run_no}", restarts=1 if rejoin else 0)
@@ -585,6 +592,10 @@ def main() -> None:
                         help="seconds a stop point's daemon stays stopped and a link point's cable pulled (default 20)")
     parser.add_argument("--sim", action="store_true",
                         help="run each node as a simulated host (network namespaces; needs root), as the link point must")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="the model as HSDP (FSDP2 within replicas) under commd.ft.ShardedGuard: a rank's death "
+                             "takes its replica out (injections only: with --repeats 0, without --torchrun)")
+    parser.add_argument("--shards", type=int, default=2, help="with --fsdp: ranks per replica (default 2)")
     parser.add_argument("--inject-steps", type=int, default=20, help="steps of an injection run (default 20)")
     parser.add_argument("--rejoin", action="store_true",
                         help="--max-restarts 1: the victim's replacement rejoins (not at the node point)")
@@ -622,6 +633,11 @@ def main() -> None:
         parser.error("the link point needs --sim: a node's own link exists only on simulated hosts")
     if args.outage <= 0:
         parser.error("--outage must be > 0")
+    if args.fsdp and (args.repeats or args.torchrun or (args.nodes * args.nproc) % args.shards
+                      or args.nodes * args.nproc == args.shards or args.nproc % args.shards and
+                      set(NODE_POINTS) & set(args.point_list)):
+        parser.error("--fsdp: injections only (--repeats 0, no --torchrun), --shards dividing the ranks into "
+                     "at least 2 replicas, and a node's ranks whole replicas for the node points")
     if args.logs:
         Path(args.logs).mkdir(parents=True, exist_ok=True)
     if args.sim:
@@ -637,6 +653,8 @@ def run_all(args: argparse.Namespace) -> None:
     """Every part asked for, its tables, and the JSON; exit status 1 if a run failed or looked wrong."""
     model, batch = demo_model()
     where = "simulated hosts" if args.sim else "launchers on this machine"
+    if args.fsdp:
+        where += f"; HSDP under ShardedGuard, {args.shards} ranks per replica"
     print(f"commd.ft on {args.nodes} node(s) x {args.nproc} ranks ({where}), the demo model "
           f"({model}, batch {batch}); {peer_timeout_note(args)}; load {os.getloadavg()[0]:.1f}", flush=True)
     started = time.monotonic()
@@ -650,7 +668,7 @@ def run_all(args: argparse.Namespace) -> None:
         Path(args.json).write_text(json.dumps({
             "nodes": args.nodes, "nproc": args.nproc, "model": model, "batch": batch,
             "peer_timeout": peer_timeout_note(args), "rejoin": args.rejoin, "outage_s": args.outage,
-            "simulated_hosts": bool(args.sim), "injections": rows,
+            "simulated_hosts": bool(args.sim), "fsdp": args.fsdp, "shards": args.shards, "injections": rows,
             "comparison": compare, "overhead": medians, "failures": failures}, indent=1))
     if failures:
         print(f"\n{len(failures)} run(s) failed or looked wrong:", file=sys.stderr)
