@@ -500,7 +500,9 @@ class Seats:
             if time.monotonic() >= deadline:
                 raise UnrecoverableError(f"rank {me}: the running ranks {members} did not take this rank back in "
                                          f"within {self.join_timeout:.0f}s")
-            time.sleep(POLL_S * 5)
+            # the running ranks wait for this rank in the admission's group from the moment they write
+            # the key: every poll's delay is theirs too (a store's wait would log each timed-out slice)
+            time.sleep(POLL_S)
         admission = json.loads(self._store.get(self._key(f"admit/{me}")))
         admission["asked"] = asked
         return admission
