@@ -21,6 +21,21 @@ STEPS, PAUSE_STEP = 6, 3
 PEER_TIMEOUT_S = 2.0
 
 
+def _node_0_went_on_and_node_1_gave_up(results: dict, late: dict, verdict: str) -> None:
+    """Node 0's ranks trained on as one process would without node 1's from the pause; node 1's
+    raised, cut off from the job (``verdict``: how their error names the coordinator's)."""
+    expected = reference(STEPS, 4, PAUSE_STEP, [0, 1])
+    for rank, out in results.items():
+        assert "error" not in out, (rank, out)
+        assert [tuple(r[:3]) for r in out["recoveries"]] == [(PAUSE_STEP, (2, 3), (0, 1))], out["recoveries"]
+        for got, want in zip(out["params"], expected, strict=True):
+            torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)
+    for rank, out in late.items():
+        assert "error" in out, f"rank {rank} of node 1 trained on: {out.get('recoveries')}"
+        assert out["error"].startswith(f"UnrecoverableError: rank {rank}'s node is cut off from the job: the "
+                                       + verdict), out["error"]
+
+
 @pytest.mark.extended
 @pytest.mark.timeout(300)
 def test_a_node_stopped_past_the_peer_timeout_is_left_behind_and_never_trains_a_second_copy(cluster) -> None:
@@ -44,17 +59,7 @@ def test_a_node_stopped_past_the_peer_timeout_is_left_behind_and_never_trains_a_
         resumed = time.monotonic()
     late = workers[1].join(timeout=120)
     ended = time.monotonic() - resumed
-    survivors = [0, 1]
-    expected = reference(STEPS, 4, PAUSE_STEP, survivors)
-    for rank, out in results.items():
-        assert "error" not in out, (rank, out)
-        assert [tuple(r[:3]) for r in out["recoveries"]] == [(PAUSE_STEP, (2, 3), (0, 1))], out["recoveries"]
-        for got, want in zip(out["params"], expected, strict=True):
-            torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)
-    for rank, out in late.items():
-        assert "error" in out, f"rank {rank} of the stopped node trained on: {out.get('recoveries')}"
-        assert out["error"].startswith(f"UnrecoverableError: rank {rank}'s node is cut off from the job: the "
-                                       "coordinator (node 0, n0) declared this node dead"), out["error"]
+    _node_0_went_on_and_node_1_gave_up(results, late, "coordinator (node 0, n0) declared this node dead")
     assert ended < 20, f"the stopped node's ranks took {ended:.1f}s after it ran again to fail"
 
 
@@ -87,14 +92,5 @@ def test_a_link_down_past_the_peer_timeout_leaves_that_node_behind_and_it_never_
         gave_up = time.monotonic() - cut
     finally:
         hosts.set_link(1, up=True)
-    expected = reference(STEPS, 4, PAUSE_STEP, [0, 1])
-    for rank, out in results.items():
-        assert "error" not in out, (rank, out)
-        assert [tuple(r[:3]) for r in out["recoveries"]] == [(PAUSE_STEP, (2, 3), (0, 1))], out["recoveries"]
-        for got, want in zip(out["params"], expected, strict=True):
-            torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)
-    for rank, out in late.items():
-        assert "error" in out, f"rank {rank} of the cut-off node trained on: {out.get('recoveries')}"
-        assert out["error"].startswith(f"UnrecoverableError: rank {rank}'s node is cut off from the job: the "
-                                       "coordinator (node 0, "), out["error"]
+    _node_0_went_on_and_node_1_gave_up(results, late, "coordinator (node 0, ")
     assert gave_up < 20, f"the cut-off node's ranks took {gave_up:.1f}s to give up"

@@ -273,12 +273,7 @@ class Mesh:
             return
         if peer.failure is None:
             peer.failure = error
-        sock = peer.sock
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        _shut(peer.sock)
 
     def _lost(self, peer: Peer, what: str) -> TransportError:
         """The error for ``what`` failing on ``peer``'s stream: the reason it was lost, when it was."""
@@ -300,12 +295,7 @@ class Mesh:
     def shutdown(self) -> None:
         """Thread-safe part of closing: make every socket's pending and future I/O fail at once."""
         for peer in list(self.peers.values()):
-            sock = peer.sock
-            if sock is not None:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+            _shut(peer.sock)
 
     def close(self) -> None:
         self.drop_queues()
@@ -337,3 +327,12 @@ class Exchange:
     def wait(self) -> None:
         """Return when everything posted (including what completions post) is done."""
         self._mesh.wait(self._deadline, self._timeout)
+
+
+def _shut(sock: socket.socket | None) -> None:
+    """Make ``sock``'s pending and future I/O fail at once, in whatever thread waits on it."""
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
