@@ -352,10 +352,12 @@ class Collectives:
                 self._fail_op(op, s.E_PEER_DIED, f"{op.describe()} cannot run: {why}")
 
     def fail_all(self, broken: str) -> None:
-        """The coordinator is lost: fail every reported op."""
+        """The coordinator is lost: fail every reported op, and what waits on node 0's stream (a
+        coordinator gone silent never closes it)."""
         for _key, (op, _placement, _) in list(self.negotiating.items()):
             self._fail_op(op, s.E_PEER_DIED, f"{op.describe()} cannot run: {broken}")
         self.negotiating.clear()
+        self.scheduled.node_dead(0, broken)
         for op in self.scheduled.lost():
             self._fail_op(op, s.E_PEER_DIED, f"{op.describe()} cannot run: {broken}")
         self._mine.clear()
