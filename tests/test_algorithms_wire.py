@@ -506,6 +506,7 @@ def racy(n: int) -> str:
     return mscclxml.dumps(twoshot_allreduce(n, "racy")).replace('type="rrc"', 'type="r"', 1)
 
 
+@pytest.mark.extended  # several processes, ~10 s: make test-extended (CI runs it too)
 def test_two_nodes_rule_picks_a_user_file_and_bad_hints_fail_every_rank(
         fabric: Callable[..., ProgramCluster], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A config rule picks the checked user file for all-reduces (NumPy-exact on even and uneven

@@ -93,7 +93,7 @@ def _budget(blocks: list[Block] | PageError, slow: bool) -> float:
 
 #: Pages whose examples start several jobs (half a minute or more): they run in make test-extended,
 #: which CI runs too, so that make test stays under its 15 minutes.
-EXTENDED_PAGES = {"docs/tuning.md", "docs/fault-tolerance.md"}
+EXTENDED_PAGES = {"docs/tuning.md", "docs/fault-tolerance.md", "docs/gpus.md", "docs/observability.md"}
 
 
 def _params(slow: bool) -> list[object]:

@@ -33,6 +33,7 @@ def test_every_op_on_tcp_and_gloo_lanes(cluster) -> None:
     assert c.status(1)["fabric"]["fast_path"] > 0
 
 
+@pytest.mark.extended  # several processes, ~10 s: make test-extended (CI runs it too)
 def test_mismatch_across_nodes_names_fields_and_ranks(cluster) -> None:
     c = cluster()
     results = c.join(c.start_workers(fw.mismatch))

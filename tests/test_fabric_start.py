@@ -73,6 +73,7 @@ def test_launch_on_two_nodes(tmp_path: Path) -> None:
     assert len({r["env"]["COMMD_JOB"] for r in results}) == 1
 
 
+@pytest.mark.extended  # several processes, ~10 s: make test-extended (CI runs it too)
 def test_torchrun_style_ranks_auto_start_their_node_daemons(tmp_path: Path) -> None:
     port = free_port()
     secret = new_secret()  # the daemons' shared secret: every rank's environment has it, the store never
@@ -94,6 +95,7 @@ def test_torchrun_style_ranks_auto_start_their_node_daemons(tmp_path: Path) -> N
     assert all(r["lane_ops"]["gloo"]["ops"] >= 1 for r in results), results
 
 
+@pytest.mark.extended  # several processes, ~10 s: make test-extended (CI runs it too)
 @pytest.mark.skipif(not Path(MPIEXEC).exists(), reason="mpiexec (the mpich wheel) is not installed")
 def test_mpiexec_daemons_run_every_op_on_the_mpi_lane(tmp_path: Path) -> None:
     cluster = Cluster(tmp_path, 2, 2, mpi=True)

@@ -66,7 +66,7 @@ def _run(tmp_path: Path, victims: dict[int, str], min_ranks: int = 1,
     return results
 
 
-@pytest.mark.parametrize("where", ["forward", "backward"])
+@pytest.mark.parametrize("where", ["forward", pytest.param("backward", marks=pytest.mark.extended)])
 def test_the_survivors_redo_the_step_and_train_as_one_process_would(backend_env, tmp_path: Path, where: str) -> None:
     results = _run(tmp_path, {VICTIM: where})
     survivors = [r for r in range(WORLD) if r != VICTIM]

@@ -27,6 +27,7 @@ ROWS = [
 ]
 
 
+@pytest.mark.extended  # several processes, ~10 s: make test-extended (CI runs it too)
 def test_ranks_with_different_bytes_take_the_same_lane(cluster, tmp_path: Path) -> None:
     config = tmp_path / "commd.toml"
     config.write_text(f'[scheduler]\ndefault_lane = "tcp"\ntuning = "off"\n\n[[rules]]\nkind = "alltoall"\n'

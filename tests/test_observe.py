@@ -189,6 +189,7 @@ def check_causal(phases: dict[str, tuple[float, float]], what: Any) -> None:
         previous_end = end
 
 
+@pytest.mark.extended  # several processes, ~10 s: make test-extended (CI runs it too)
 def test_two_node_trace_has_every_op_phase_on_both_nodes_in_causal_order(cluster, tmp_path: Path) -> None:
     trace = tmp_path / "trace.json"
     c = cluster(extra=["--trace", str(trace)])
@@ -332,6 +333,7 @@ def test_trace_paths_are_validated(runtime_dir: Path, tmp_path: Path) -> None:
     assert out.returncode == 1 and "not a trace-event JSON file" in out.stderr, out.stderr
 
 
+@pytest.mark.extended  # several processes, ~10 s: make test-extended (CI runs it too)
 def test_trace_started_on_node0_of_a_running_fabric_reaches_every_node(cluster, tmp_path: Path) -> None:
     c = cluster()
     workers = c.start_workers(ow.known_ops, 2)

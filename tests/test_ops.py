@@ -573,7 +573,8 @@ class OpRun:
         assert not failed, f"{len(failed)}/{len(chosen)} cases failed on {self.world} ranks:\n{report}"
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
+@pytest.fixture(scope="module", params=[pytest.param(2, id="2ranks"),  # 3 ranks: make test-extended
+                                        pytest.param(3, id="3ranks", marks=pytest.mark.extended)])
 def op_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> OpRun:
     """One daemon and one set of workers per world size run the whole case list."""
     world = request.param

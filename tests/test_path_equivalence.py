@@ -148,14 +148,15 @@ def _two_nodes(cluster: Any, ring: str, what: str, repeat: int = 1, nodes: int =
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("path", sorted(RING))
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.extended) if p == "daemon" else p
+                                  for p in sorted(RING)])  # (the non-default path: make test-extended)
 def test_the_issue_schedule_on_one_node(backend_env: Any, tmp_path: Path, path: str) -> None:
     _check_issue_schedule(_one_node(tmp_path, path, "issue"))
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.extended) if p == "ring, rank bridge" else p
-                                  for p in TWO_NODES])  # (the opt-in bridge: make test-extended)
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.extended) if p != "ring" else p
+                                  for p in TWO_NODES])  # (all but the default path: make test-extended)
 def test_the_issue_schedule_across_two_nodes(cluster: Any, path: str) -> None:
     ring, bridge = TWO_NODES[path]
     _check_issue_schedule(_two_nodes(cluster, ring, "issue", bridge=bridge))

@@ -234,6 +234,7 @@ def test_a_failure_stops_a_running_schedule(why: str) -> None:
     assert all(any(isinstance(m, StopSchedule) for m in out.messages[n]) for n in (0, 1))
 
 
+@pytest.mark.extended  # several processes, ~10 s: make test-extended (CI runs it too)
 def test_a_late_rank_on_the_schedule_times_out_as_on_negotiation(cluster) -> None:
     """The op timeout runs from when an op was ready, whatever path holds it: the on-time ranks
     fail after about the timeout naming the late ranks, the late ones fail on arrival."""
@@ -253,7 +254,7 @@ def test_a_late_rank_on_the_schedule_times_out_as_on_negotiation(cluster) -> Non
     assert "asks to end schedule" in c.logs()
 
 
-@pytest.mark.parametrize("victim", ["daemon", "rank"])
+@pytest.mark.parametrize("victim", ["daemon", pytest.param("rank", marks=pytest.mark.extended)])  # (make test-extended)
 def test_a_death_on_the_schedule_fails_the_waiting_ranks_in_bounded_time(cluster, victim: str) -> None:
     """Node 0's ranks wait in a scheduled op when node 1's daemon, or one of its ranks, is SIGKILLed:
     they raise an error naming what died, well within the peer timeout plus the op timeout."""

@@ -284,6 +284,7 @@ def test_env_init_ops_and_ddp_match_gloo(backend_env: Path) -> None:
     assert_daemon_came_and_went(backend_env)
 
 
+@pytest.mark.extended  # several processes, ~10 s: make test-extended (CI runs it too)
 @pytest.mark.timeout(120)
 def test_file_init(backend_env: Path, tmp_path: Path) -> None:
     spawn(file_rank_main, (str(tmp_path / "init"),))
@@ -312,6 +313,7 @@ def parameter_rank_main(rank: int) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.extended  # several processes, ~10 s: make test-extended (CI runs it too)
 @pytest.mark.timeout(120)
 def test_collectives_on_parameters(backend_env: Path) -> None:
     """Copy-out into leaves that require grad must work, as on Gloo (autograd refuses tensor.copy_)."""

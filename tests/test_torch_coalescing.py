@@ -145,7 +145,7 @@ def p2p_rank_main(rank: int, world: int) -> None:
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.extended)])  # (3: make test-extended)
 def test_batched_point_to_point_is_one_message_and_matches_gloo(backend_env: Path, world: int) -> None:
     spawn(p2p_rank_main, (world,), nprocs=world, timeout=150)
 

@@ -349,6 +349,7 @@ def test_a_mismatch_is_a_dist_backend_error_through_wait_exception_and_sync_ops(
         assert "MismatchError: mismatched collective" in future["message"], future
 
 
+@pytest.mark.extended  # several processes, ~10 s: make test-extended (CI runs it too)
 @pytest.mark.parametrize("backend", ["commd", "gloo"])
 def test_a_barrier_timeout_meets_torchs_barrier_timeout_test(backend_env: Path, backend: str) -> None:
     """torch's test_barrier_timeout_full_group (run there on Gloo only): same regex, no earlier than the timeout."""

@@ -219,8 +219,8 @@ def test_ddp_stalled_rank_times_out_within_the_group_timeout(backend_env: Path) 
 
 @pytest.mark.parametrize(
     ("env_timeout", "pg_timeout", "expected"),
-    [("5", None, 5.0), ("60", 4.0, 4.0)],
-    ids=["COMMD_OP_TIMEOUT-without-timeout-arg", "explicit-timeout-arg-wins"],
+    [pytest.param("5", None, 5.0, id="COMMD_OP_TIMEOUT-without-timeout-arg"),
+     pytest.param("60", 4.0, 4.0, id="explicit-timeout-arg-wins", marks=pytest.mark.extended)],  # (make test-extended)
 )
 def test_op_timeout_rule(
     backend_env: Path, monkeypatch: pytest.MonkeyPatch, env_timeout: str, pg_timeout: float | None, expected: float

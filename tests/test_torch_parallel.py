@@ -130,9 +130,11 @@ def test_fsdp2_matches_gloo_bit_for_bit(backend_env: Path) -> None:
     spawn(_fsdp2_rank, ())
 
 
+@pytest.mark.extended  # several processes, ~10 s: make test-extended (CI runs it too)
 def test_dtensor_tensor_parallel_matches_gloo_and_one_process(backend_env: Path) -> None:
     spawn(_tensor_parallel_rank, ())
 
 
+@pytest.mark.extended  # several processes, ~10 s: make test-extended (CI runs it too)
 def test_distributed_checkpoint_round_trips_between_backends(backend_env: Path, tmp_path: Path) -> None:
     spawn(_checkpoint_rank, (str(tmp_path),))

@@ -106,6 +106,7 @@ def test_sharded_tensor_gather(backend_env: Path) -> None:
     spawn(_gather_rank, ())
 
 
+@pytest.mark.extended  # several processes, ~10 s: make test-extended (CI runs it too)
 def test_a_checkpoint_resharded_on_load_and_switched_between_sharded_and_plain(backend_env: Path,
                                                                                  tmp_path: Path) -> None:
     spawn(_reshard_rank, (str(tmp_path),))

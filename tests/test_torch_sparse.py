@@ -259,10 +259,12 @@ def test_sparse_all_reduce_matches_dense_sum_and_gloo(backend_env: Any, world: i
     spawn(sums_rank, (world,), nprocs=world)
 
 
+@pytest.mark.extended  # several processes, ~10 s: make test-extended (CI runs it too)
 def test_invalid_sparse_all_reduce_fails_every_rank(backend_env: Any) -> None:
     spawn(errors_rank, (2,), nprocs=2)
 
 
+@pytest.mark.extended  # several processes, ~10 s: make test-extended (CI runs it too)
 def test_ddp_with_sparse_embedding_gradients_matches_gloo(backend_env: Any) -> None:
     spawn(ddp_rank, (2,), nprocs=2)
 

@@ -162,6 +162,7 @@ def _assert_shard_matches(cfg: dict[str, Any], full: list[torch.Tensor], mine: l
                                    msg=lambda m, i=i: f"shard param {i} of TP rank {tp_rank}: {m}")
 
 
+@pytest.mark.extended  # several processes, ~10 s: make test-extended (CI runs it too)
 @pytest.mark.timeout(150)
 def test_workloads_commd_match_gloo_bit_for_bit_and_one_process(backend_env: Path) -> None:
     """MoE (both routings), DLRM and Megatron, 5 steps each at world 2."""
