@@ -333,7 +333,7 @@ class Collectives:
                       fail.seq, fail.group, fail.message)
 
     def fail_node(self, node: int, message: str) -> None:
-        """A node died: fail every reported op that spans it, and what waits on its stream."""
+        """A node died: fail every reported op that spans it, and a schedule slot waiting for its part."""
         self._fail_reported(lambda placement: node in placement.nodes, message)
         self.scheduled.node_dead(node, message)
 
@@ -352,8 +352,8 @@ class Collectives:
                 self._fail_op(op, s.E_PEER_DIED, f"{op.describe()} cannot run: {why}")
 
     def fail_all(self, broken: str) -> None:
-        """The coordinator is lost: fail every reported op, and what waits on node 0's stream (a
-        coordinator gone silent never closes it)."""
+        """The coordinator is lost: fail every reported op, and a schedule slot waiting for node 0's
+        part (a coordinator gone silent never sends it)."""
         for _key, (op, _placement, _) in list(self.negotiating.items()):
             self._fail_op(op, s.E_PEER_DIED, f"{op.describe()} cannot run: {broken}")
         self.negotiating.clear()

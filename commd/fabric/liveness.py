@@ -79,6 +79,7 @@ class Liveness:
         self.dead[node] = why
         message = f"node {node} ({self.fabric.nodes[node].name}) {why}"
         log.error("fabric: %s", message)
+        self._lose_stream(node, message)
         for part in self.casualties:
             part.fail_node(node, message)
         self.node.fail_ops_of_node(node, message)
@@ -88,8 +89,17 @@ class Liveness:
             return
         self.broken = f"the coordinator (node 0, {self.fabric.nodes[0].name}) {why}"
         log.error("fabric: %s; multi-node ops fail from now on", self.broken)
+        self._lose_stream(0, self.broken)
         for part in self.casualties:
             part.fail_all(self.broken)
+
+    def _lose_stream(self, node: int, why: str) -> None:
+        """A node given up may be silent, and a silent node never closes its stream: the tcp lane marks
+        it lost, so a call blocked on it (a negotiated op, a send, a schedule slot) fails now, naming
+        ``why``, not at its timeout.  Gloo and MPI cannot be told (``LaneRunner.done``)."""
+        lane = self.fabric.lanes.get("tcp")
+        if lane is not None:
+            lane.peer_lost(node, why)
 
     def link_closed(self, node: int, why: str) -> None:
         """A control link closed: on the coordinator that node is dead; on a member the coordinator is lost."""

@@ -207,14 +207,11 @@ class ScheduledPath:
         self.returned = [(op, p) for op, p in self.returned if not self._fail_if_dead(op, p)]
 
     def node_dead(self, node: int, message: str) -> None:
-        """Node ``node`` was declared dead (``message`` names it and why).  A silent node never closes
-        its stream, so what waits on it would wait out its timeout (the op's and a peer timeout
-        more) and then fail as a timeout, not as the death it is: the tcp lane's stream to it is
-        marked lost, so a slot or op blocked on it in the lane's worker fails now, and a split
-        agreement of this schedule waiting on the event loop gives up now, as the node's death."""
-        lane = self.fabric.lanes.get(LANE)
-        if lane is not None:
-            lane.peer_lost(node, message)
+        """Node ``node`` was declared dead (``message`` names it and why).  A split agreement of this
+        schedule waiting on the event loop for a part gives up now, as the node's death: a silent
+        node would never send it, and past its deadline (the op's timeout and a peer timeout more)
+        it would fail as a timeout.  (A slot blocked in the lane's worker fails with the stream,
+        which ``Liveness`` marks lost.)"""
         armed = self._armed
         if armed is not None and self.schedule is not None and node in self.schedule.nodes:
             armed[2](message, s.E_PEER_DIED)
