@@ -587,7 +587,8 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=4, help="ranks per node (default 4)")
     parser.add_argument("--injections", type=int, default=5, help="runs per point of a step (default 5)")
     parser.add_argument("--points", default=None,
-                        help=f"comma-separated, of {', '.join(POINTS)} (default: all; node only with --nodes >= 2)")
+                        help=f"comma-separated, of {', '.join(POINTS)} (default: the rank points, and node with "
+                             "--nodes >= 2; stop and link only when asked)")
     parser.add_argument("--outage", type=float, default=20.0,
                         help="seconds a stop point's daemon stays stopped and a link point's cable pulled (default 20)")
     parser.add_argument("--sim", action="store_true",
@@ -614,7 +615,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="overhead runs of each kind (default 3)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write every figure here")
-    parser.add_argument("--logs", default=None, metavar="DIR", help="keep every launcher's output in DIR")
+    parser.add_argument("--logs", default=None, metavar="DIR", help="keep every launcher's output and daemon log in DIR")
     args = parser.parse_args()
     if args.points is None:
         args.points = ",".join((*RANK_POINTS, "node") if args.nodes >= 2 else RANK_POINTS)
