@@ -4,9 +4,11 @@
 # for the simulated hosts, with their libraries beside them.  Then, on that machine, from the checkout:
 #
 #     bash out/bundle/run.sh [device_check.py options]       # e.g. --budget 470, --parts multinode
+#     bash out/bundle/run.sh python3 benchmarks/multinode.py --quick     # any command instead
 #
 # installs the wheels under /tmp/commd-bundle (nothing of the image changes), puts mpiexec and ip on
-# PATH and runs benchmarks/device_check.py with the image's python3.  Usage here, in the checkout:
+# PATH and runs benchmarks/device_check.py (or the command given) with the image's python3.  Usage
+# here, in the checkout:
 #
 #     bash benchmarks/device_bundle.sh [--python 3.12] [--out out/bundle] [PACKAGE ...]
 #
@@ -22,7 +24,7 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --python) python_version=$2; shift 2 ;;
         --out) out=$2; shift 2 ;;
-        -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
         -*) echo "device_bundle.sh: unknown option $1" >&2; exit 2 ;;
         *) packages+=("$1"); shift ;;
     esac
@@ -74,7 +76,10 @@ cd "$bundle/../.."
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --prefix $prefix . 2>&1 | grep -v WARNING
 python3 -c "import torch, zmq, blosc2, commd.torch_backend; from mpi4py import MPI
 print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available(), '|', MPI.Get_library_version().splitlines()[0])"
-exec python3 benchmarks/device_check.py "$@"
+case "${1:-}" in
+    ""|-*) exec python3 benchmarks/device_check.py "$@" ;;  # options: the device check's
+    *) exec "$@" ;;  # a command: run in the same environment (e.g. python3 benchmarks/multinode.py ...)
+esac
 EOF
 chmod +x "$out/run.sh"
 du -sh "$out"

@@ -7,7 +7,9 @@ with as many with ``COMMD_SCHEDULE=0`` (every op negotiated through node 0), so 
 drift falls on both alike; ``--settings ring`` adds the torch backend's default path (small
 all-reduces on the bridged exchange ring, COMMD_LOCAL_RING=1) bridged by each node's first rank
 (COMMD_RING_BRIDGE=rank), and ``ring-daemon`` the same ring bridged by the daemons (the default).  ``--syscalls`` counts node 0's daemon's
-and first rank's system calls per op (``strace -c``, which slows them).  Per run: the slower
+and first rank's system calls per op (``strace -c``, which slows them); ``--trace`` traces every op (COMMD_TRACE) and
+prints the median of each of the daemons' phases per node (submit, schedule or negotiate, queue,
+agree, lane, reply: docs/observability.md).  Per run: the slower
 node's median latency; the CPU per op summed over the job's processes (2 daemons, 4 ranks); the
 daemons' and the ranks' context switches per op (each process's mean); ops per path.  Needs root.
 
@@ -42,10 +44,18 @@ SETTINGS = {"schedule": {"COMMD_LOCAL_RING": "0", "COMMD_SCHEDULE": "1"},
             "ring-daemon": {"COMMD_LOCAL_RING": "1", "COMMD_SCHEDULE": "1", "COMMD_RING_BRIDGE": "daemon"}}
 
 
+#: The daemon's phases of an op, in order (``commd/observe/trace.py``); ``schedule`` or ``negotiate``.
+PHASES = ("submit", "schedule", "negotiate", "queue", "agree", "lane", "reply")
+
+
 def one_run(sim: Any, work: Path, elements: int, iters: int, setting: str, timeout: float,
-            syscalls: bool) -> dict[str, Any]:
+            syscalls: bool, trace: bool = False) -> dict[str, Any]:
     cfg = {"elements": elements, "iters": iters, "warmup": 50, "strace": syscalls}
-    pointer = run_job(WORKER, cfg, SETTINGS[setting], work, f"ab-{setting}", timeout, sim)
+    env = dict(SETTINGS[setting])
+    trace_path = work / f"trace-{setting}-{elements}-{len(list(work.iterdir()))}.json"
+    if trace:
+        env["COMMD_TRACE"] = str(trace_path)
+    pointer = run_job(WORKER, cfg, env, work, f"ab-{setting}", timeout, sim)
     ranks = [json.loads(Path(pointer["rank0"].replace("-r0.json", f"-r{r}.json")).read_text()) for r in range(4)]
     nodes = [ranks[0], ranks[2]]  # each node's first rank also reports its daemon
     return {"latency_us": max(n["median_us"] for n in nodes),
@@ -53,7 +63,54 @@ def one_run(sim: Any, work: Path, elements: int, iters: int, setting: str, timeo
             "rank_csw": statistics.mean(r["rank_csw"] for r in ranks),
             "daemon_csw": statistics.mean(n["daemon_csw"] for n in nodes),
             "paths": [n["paths"] for n in nodes], "control": [n["control"] for n in nodes],
-            "syscalls": nodes[0].get("syscalls"), "load": os.getloadavg()[0]}
+            "syscalls": nodes[0].get("syscalls"), "load": os.getloadavg()[0],
+            "phases": [phase_medians(trace_path, node, elements * 4, iters) for node in (0, 1)] if trace else None}
+
+
+def read_trace(path: Path) -> list[dict[str, Any]]:
+    """One node's trace events: the finished file, or what its daemon had written (``.partial``)."""
+    if path.exists():
+        return json.loads(path.read_text())
+    partial = path.with_name(f".{path.name}.partial")
+    text = partial.read_text().rstrip().rstrip(",") if partial.exists() else "["
+    return json.loads(text + "]")
+
+
+def phase_medians(path: Path, node: int, nbytes: int, iters: int) -> dict[str, float]:
+    """Median microseconds per phase over the node's last ``iters`` all-reduces of ``nbytes``
+    (the timed loop: the warm-up's ops come first), each over the ops that had that phase."""
+    from commd.observe.trace import node_trace_path
+
+    begins: dict[tuple[int, str], float] = {}
+    ops: dict[int, dict[str, float]] = {}
+    timed: list[int] = []
+    for event in read_trace(Path(node_trace_path(str(path), node))):
+        if event.get("cat") != "commd" or event.get("ph") not in ("b", "e"):
+            continue
+        key = (event["id"], event["name"])
+        if event["ph"] == "b":
+            begins[key] = event["ts"]
+            args = event.get("args")
+            if args is not None and args.get("kind") == "allreduce" and args.get("bytes") == nbytes:
+                timed.append(event["id"])
+        elif key in begins and event["name"] in PHASES:
+            ops.setdefault(event["id"], {})[event["name"]] = event["ts"] - begins[key]
+    chosen = [ops[i] for i in timed[-iters:] if i in ops]
+    return {phase: statistics.median(op[phase] for op in chosen if phase in op) for phase in PHASES
+            if any(phase in op for op in chosen)} | {"ops": len(chosen)}
+
+
+def print_phases(results: dict[int, dict[str, list[dict[str, Any]]]]) -> None:
+    """Where the daemons' time goes: each phase's median per node (each setting's last run)."""
+    print("\nthe daemons' phases of an op (COMMD_TRACE; medians in us, node 0 / node 1; each setting's last run):")
+    for size, by_setting in results.items():
+        for name, runs in by_setting.items():
+            phases = runs[-1].get("phases")
+            if not phases:
+                continue
+            cells = [f"{p} {phases[0].get(p, 0):.0f} / {phases[1].get(p, 0):.0f}" for p in PHASES
+                     if p in phases[0] or p in phases[1]]
+            print(f"{size:>9} {name:<11} " + "; ".join(cells) + f" ({phases[0]['ops']} ops)")
 
 
 def print_syscalls(runs: dict[str, list[dict[str, Any]]]) -> None:
@@ -80,6 +137,9 @@ def main() -> int:
                         help=f"comma-separated, from {','.join(SETTINGS)} (default schedule,negotiated)")
     parser.add_argument("--syscalls", action="store_true",
                         help="also count node 0's daemon's and first rank's system calls per op (strace -c)")
+    parser.add_argument("--trace", action="store_true",
+                        help="also trace every op (COMMD_TRACE) and print each phase's median per node "
+                             "(tracing costs each op some CPU)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     settings = [name for name in args.settings.split(",") if name]
@@ -105,7 +165,7 @@ def main() -> int:
                 for name in (settings if rep % 2 == 0 else settings[::-1]):
                     print(f"[{size} B, {rep + 1}/{args.repeats}] {name} ...", file=sys.stderr, flush=True)
                     results[size][name].append(one_run(sim, work, size // 4, args.iters, name, args.timeout,
-                                                       args.syscalls))
+                                                       args.syscalls, args.trace))
     print(f"\nall_reduce through the torch backend, 2 simulated hosts x 2 ranks, COMMD_LOCAL_RING=0 (but 'ring'), "
           f"{args.iters} ops per run, medians of {args.repeats} interleaved runs "
           f"(load {load[0]:.2f} before, {os.getloadavg()[0]:.2f} after)\n")
@@ -122,6 +182,7 @@ def main() -> int:
             print(f"{'':>9} ({name}: ops per path on node 0 {runs[-1]['paths'][0]}, control items "
                   f"{runs[-1]['control'][0]})")
         print_syscalls(by_setting)
+    print_phases(results)
     if args.json:
         Path(args.json).write_text(json.dumps({str(k): v for k, v in results.items()}, indent=1))
     return 0
