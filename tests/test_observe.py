@@ -9,11 +9,13 @@ in causal order, on both nodes.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from collections import defaultdict
 from pathlib import Path
@@ -22,8 +24,12 @@ from typing import Any
 import observe_workers as ow
 import pytest
 from cluster import free_port
-from helpers import wait_until
+from helpers import OpSocket, RawSocket, new_job, wait_until
 from prometheus_client.parser import text_string_to_metric_families
+
+from commd.daemon.node import Daemon, DaemonConfig
+from commd.protocol import schema as s
+from commd.runtime import JobPaths, new_secret
 
 SCRAPE_TIMEOUT_S = 10.0
 PHASES = ["submit", "negotiate", "queue", "lane", "reply"]
@@ -316,6 +322,56 @@ def test_launch_trace_records_the_jobs_collectives(runtime_dir: Path, tmp_path: 
     for key, phases in ops.items():
         assert set(phases) == {"submit", "queue", "lane", "reply"}, (key, phases)
         assert all(b <= e for b, e in phases.values()), (key, phases)
+
+
+def test_a_ring_trace_sent_before_bye_is_traced_whichever_socket_is_read_first(runtime_dir: Path,
+                                                                                tmp_path: Path) -> None:
+    """A rank's exchange ring sends its last traced ops on the op channel as the group is destroyed, then
+    the client says BYE on the control socket.  Nothing orders the two sockets: when the daemon reads the
+    BYE first (here: forced, by handling the control socket while the op channel still holds the ring's
+    ops), the ops must still reach the trace, not be dropped with the channel (``commd launch --trace``
+    once wrote a trace without the job's all-reduces)."""
+    paths = JobPaths.for_job(new_job())
+    secret = new_secret()
+    trace = tmp_path / "bye.json"
+    daemon = Daemon(DaemonConfig(paths=paths, secret=secret, trace=str(trace)))
+    daemon.bind()
+    loop = asyncio.new_event_loop()
+
+    def connect() -> tuple[RawSocket, OpSocket]:
+        control, ops = RawSocket(paths), OpSocket(paths)
+        welcome = control.request({"t": s.HELLO, "job": paths.job, "secret": secret, "rank": 0, "local_rank": 0,
+                                   "world_size": 1, "pid": os.getpid(), "segments": []})
+        assert welcome["t"] == s.WELCOME, welcome
+        assert ops.attach(welcome["client_id"], secret)["t"] == s.ACK
+        assert control.request({"t": s.GROUP, "name": "g", "ranks": [0]})["t"] == s.ACK
+        return control, ops
+
+    async def scenario() -> None:
+        served = asyncio.ensure_future(daemon.run())
+        await asyncio.sleep(0)  # one step: run() sets up its sockets before its first await
+        control, ops = await loop.run_in_executor(None, connect)
+        try:
+            # From here to the next await the loop is ours: the ring's ops and the BYE both arrive unread.
+            now = time.monotonic()
+            ops.send({"t": s.RINGOP, "g": "g", "trace": [[0, 28, now, now, now, None]]})
+            control.send({"t": s.BYE})
+            assert daemon.control.sock.poll(10_000), "the BYE did not arrive"
+            daemon.flush()  # the control socket's turn comes before the op channel's (as after any reply)
+            assert (await loop.run_in_executor(None, control.recv))["t"] == s.ACK
+        finally:
+            control.close()
+            ops.close()
+            daemon.shutdown("test over")
+            await served
+
+    try:
+        loop.run_until_complete(asyncio.wait_for(scenario(), 60))
+    finally:
+        loop.close()
+    events = json.loads(trace.read_text())
+    ring = [e["args"] for e in events if e.get("ph") == "b" and "args" in e and e["args"].get("lane") == "ring"]
+    assert [(a["kind"], a["group"], a["bytes"]) for a in ring] == [("allreduce", "g", 28)], events
 
 
 def test_trace_paths_are_validated(runtime_dir: Path, tmp_path: Path) -> None:

@@ -52,7 +52,8 @@ class ControlIngress:
     def __init__(self, config: DaemonConfig, state: NodeState, clients: ClientRegistry, scheduler: LocalScheduler,
                  placements: dict[str, GroupPlacement], cuda: CudaImporter, stats: Stats,
                  log_limit: RateLimitedLog, observers: DaemonObservers, status: Callable[[], dict[str, Any]],
-                 drop_client: DropClient) -> None:
+                 drop_client: DropClient, read_queued_ops: Callable[[ClientRecord], None]) -> None:
+        """``read_queued_ops(client)``: handle what the client's op channel holds unread (``_on_bye``)."""
         self.config = config
         self.state = state
         self.clients = clients
@@ -64,6 +65,7 @@ class ControlIngress:
         self.observers = observers
         self.status = status
         self.drop_client = drop_client
+        self.read_queued_ops = read_queued_ops
         self.loop: asyncio.AbstractEventLoop | None = None
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
@@ -263,6 +265,9 @@ class ControlIngress:
     def _on_bye(self, identity: bytes) -> None:
         client = self.clients.get(identity)
         if client is not None:
+            # What the rank sent on its op channel before this BYE (its ring's last traced ops, ops) may be
+            # unread yet: nothing orders the two sockets.  Handled first, not dropped with the channel.
+            self.read_queued_ops(client)
             self.drop_client(client, "left the job", notify_peers=True, clean=True)
         self.send(identity, {"t": s.ACK})
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from commd.core.ops import ReadyOp, Submission
 from commd.core.placement import GroupPlacement
 from commd.daemon import notify
-from commd.daemon.clients import BufferResolver, ClientRegistry
+from commd.daemon.clients import BufferResolver, ClientRecord, ClientRegistry
 from commd.daemon.completion import Completions
 from commd.daemon.config import DaemonConfig
 from commd.daemon.cuda import CudaImporter
@@ -81,7 +81,7 @@ class Daemon:
         self.observers = DaemonObservers(self, config.metrics, config.trace)  # sets self.tracer
         self.control = ControlIngress(config, self.state, self.clients, self.scheduler, self.placements,
                                       self.cuda, self.stats, self.log_limit, self.observers, self.status,
-                                      self.watchdog.drop_client)
+                                      self.watchdog.drop_client, self._read_queued_ops)
 
     # ---- what the observers swap and read ------------------------------------------
     @property
@@ -182,6 +182,11 @@ class Daemon:
         for client in self.clients:
             self.buffers.release(client)
         log.info("daemon stopped")
+
+    def _read_queued_ops(self, client: ClientRecord) -> None:
+        """Handle what ``client``'s op channel holds unread (it said goodbye on the control socket)."""
+        if client.op_channel is not None:
+            self.ops.read_queued(client.op_channel)
 
     def flush(self) -> None:
         """Send what is queued for clients now (the control socket's read edge, see ``ControlIngress``)."""

@@ -142,6 +142,9 @@ class OpConnection:
 
 #: Messages read from one op channel per turn of the event loop (see ``OpListener._readable``).
 DRAIN_TURN_MESSAGES = 32
+#: At most this many messages read at once when a rank says goodbye (``OpListener.read_queued``):
+#: far more than a leaving rank has queued, and a bound on how long it can hold the loop.
+LEAVING_READ_MESSAGES = 64 * DRAIN_TURN_MESSAGES
 
 
 class OpListener:
@@ -199,20 +202,34 @@ class OpListener:
             self.loop.add_reader(conn.fileno(), self._readable, channel)
 
     def _readable(self, channel: OpConnection) -> None:
-        """Messages with any descriptors passed beside them (a segment's memfd); those are
-        lent to ``on_message`` and always closed here afterwards (it maps, it keeps none).
-
-        At most ``DRAIN_TURN_MESSAGES`` per call: the reader is level-triggered, so the loop
+        """At most ``DRAIN_TURN_MESSAGES`` per call: the reader is level-triggered, so the loop
         calls back for the rest after its timers (the watchdog) and the other channels had
         their turn; a rank that submits as fast as it is answered cannot starve them."""
-        for _ in range(DRAIN_TURN_MESSAGES):
+        self._read(channel, DRAIN_TURN_MESSAGES)
+
+    def read_queued(self, channel: OpConnection) -> None:
+        """Handle the messages already queued on ``channel`` now, ahead of the channel's turn.
+
+        For a rank that says goodbye on the control socket (``ControlIngress``): the two sockets
+        keep no order between them, so what the rank sent here before its BYE (its exchange
+        ring's last traced ops, ops) may still be unread when the BYE is handled; closing the
+        channel then would drop it unread.  Bounded by ``LEAVING_READ_MESSAGES``."""
+        if self._read(channel, LEAVING_READ_MESSAGES) == LEAVING_READ_MESSAGES:
+            log.warning("op channel: a leaving client had %d messages or more queued; any after them are dropped",
+                        LEAVING_READ_MESSAGES)
+
+    def _read(self, channel: OpConnection, limit: int) -> int:
+        """Read and handle up to ``limit`` messages, with any descriptors passed beside them (a
+        segment's memfd); those are lent to ``on_message`` and always closed here afterwards (it
+        maps, it keeps none).  Returns how many were read; fewer than ``limit``: none is left."""
+        for count in range(limit):
             if channel.closed:
-                return
+                return count
             fds: list[int] = []
             try:
                 frame, fds, truncated = recv_with_fds(channel.sock, s.MAX_MESSAGE_BYTES + 1)
             except BlockingIOError:
-                return
+                return count
             except OSError:
                 frame = None
             try:
@@ -223,7 +240,7 @@ class OpListener:
                     self.connections.discard(channel)
                     channel.close()
                     self.on_closed(channel)
-                    return
+                    return count
                 if truncated:
                     log.warning("op channel: a message came with more descriptors than allowed; dropped")
                     channel.send(s.encode({"t": s.ERROR, "code": s.E_PROTOCOL, "id": -1,
@@ -232,6 +249,7 @@ class OpListener:
                 self.on_message(channel, frame, fds)
             finally:
                 close_all(fds)
+        return limit
 
     def _overflowed(self, channel: OpConnection) -> None:
         self.connections.discard(channel)
