@@ -9,11 +9,14 @@ on the same batches with that membership: four ranks, then three, then four agai
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from ft_launched import launch
+from ft_launched import ROOT, SCRIPTS, launch
 from ft_workers import reference_with_members
 
 WORLD, VICTIM, FAIL_STEP, STEPS = 4, 1, 3, 14
@@ -42,3 +45,23 @@ def test_a_restarted_rank_rejoins_and_the_job_trains_as_one_process_would(backen
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m, r=rank: f"rank {r}: {m}")
         # every rank, the replacement too, holds the same bits
         assert all(torch.equal(a, b) for a, b in zip(out["params"], results[0]["params"], strict=True)), rank
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+def test_a_running_rank_that_diverged_is_found_at_the_admission_not_overwritten(backend_env: Path,
+                                                                                  tmp_path: Path) -> None:
+    """Rank 2 (running, not the state's source) changes a parameter after the recovery.  The
+    replacement gets rank 0's state, and the check that follows compares every rank's own: every
+    rank raises rather than train on (before, rank 2 took rank 0's state too, hiding the fault)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "commd", "launch", "--max-restarts", "1", "--nproc-per-node", str(WORLD),
+         str(SCRIPTS / "ft_rejoin_worker.py"), str(tmp_path), str(VICTIM), str(FAIL_STEP), str(STEPS), "2"],
+        cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True, text=True, timeout=240,
+        check=False)
+    assert proc.returncode != 0, proc.stderr[-4000:]
+    assert not list(tmp_path.glob("*.pt")), "a rank finished its training"
+    message = "hold different parameters or optimizer states after the membership changed"
+    raised = {rank for rank in range(WORLD) if f"[rank{rank}]" in proc.stderr
+              and any(message in line for line in proc.stderr.splitlines() if line.startswith(f"[rank{rank}]"))}
+    assert raised == set(range(WORLD)), proc.stderr[-6000:]

@@ -61,7 +61,7 @@ class Guard(Seats):
             self._join(admission)
 
     def _rebuild(self, group: Any, members: list[int], joining: list[int], tag: str) -> tuple[Any, int]:
-        moved = self._send_state(group, min(r for r in members if r not in joining)) if joining else 0
+        moved = self._send_state(group, min(r for r in members if r not in joining), joining) if joining else 0
         # the members hold the same parameters already (the commit; the state sent), which
         # _check_states confirms: DDP's own broadcast of them would only lengthen the stall
         options = {"init_sync": False, **self.ddp_kwargs}
@@ -78,23 +78,29 @@ class Guard(Seats):
         agree_equal(tensor_digest([*self._module.state_dict().values(), *states]), group, members,
                     "parameters or optimizer states")
 
-    def _send_state(self, group: Any, source: int) -> int:
-        """``source``'s parameters, buffers and optimizer state, broadcast to the group; returns the bytes sent."""
+    def _send_state(self, group: Any, source: int, joining: list[int]) -> int:
+        """``source``'s parameters, buffers and optimizer state, broadcast to the group and taken by
+        the ``joining`` ranks; returns the bytes sent.  The other running ranks keep their own state,
+        so ``_check_states`` then compares it with the source's (instead of overwriting a difference)."""
         moved = 0
+        me = dist.get_rank()
         with torch.no_grad():
             by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
             for tensor in self._module.state_dict().values():
                 by_dtype.setdefault(tensor.dtype, []).append(tensor)
             for tensors in by_dtype.values():
-                flat = torch.cat([t.reshape(-1) for t in tensors])
+                if me == source:
+                    flat = torch.cat([t.reshape(-1) for t in tensors])
+                else:
+                    flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype)
                 dist.broadcast(flat, src=source, group=group)
-                offset = 0
-                for tensor in tensors:
-                    tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
-                    offset += tensor.numel()
+                if me in joining:
+                    offset = 0
+                    for tensor in tensors:
+                        tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+                        offset += tensor.numel()
                 moved += flat.nbytes
-        source_state = to_bytes(self.optimizer.state_dict()) if dist.get_rank() == source else b""
-        state = broadcast_bytes(source_state, source, group)
-        if dist.get_rank() != source:
+        state = broadcast_bytes(to_bytes(self.optimizer.state_dict()) if me == source else b"", source, group)
+        if me in joining:
             self.optimizer.load_state_dict(from_bytes(state))
         return moved + len(state)

@@ -10,6 +10,7 @@ ranks, how state reaches a replacement, and which ranks go on after a loss.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import io
 import json
 import logging
@@ -17,7 +18,7 @@ import os
 import sys
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -131,8 +132,11 @@ def agree_equal(digest: int, group: Any, members: list[int], what: str) -> None:
 
 
 def tensor_digest(tensors: list[torch.Tensor], digest: int = 0) -> int:
+    """CRC32 over the tensors' bytes, in order.  Read as bytes in place: any dtype (bfloat16 has no
+    NumPy type), and no copy of a contiguous CPU tensor (the digest is on the admission's stall)."""
     for tensor in tensors:
-        digest = zlib.crc32(tensor.detach().cpu().contiguous().numpy().tobytes(), digest)
+        data = tensor.detach().cpu().contiguous().reshape(-1)
+        digest = zlib.crc32(data.view(torch.uint8).numpy() if data.numel() else b"", digest)
     return digest
 
 
@@ -231,6 +235,10 @@ class Seats:
         If a rank dies before the commit, rebuild on the survivors and run ``fn`` again; if a
         replacement asked to come back, take it in after the optimizer step.
         Returns what ``fn`` returned."""
+        with self._giving_up_told():
+            return self._step(fn, *args, **kwargs)
+
+    def _step(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         while True:
             try:
                 self.optimizer.zero_grad(set_to_none=True)
@@ -256,6 +264,10 @@ class Seats:
 
         Replacements are otherwise taken in at the end of whichever step first sees them ask; this is
         for a point where the full group matters, such as before a checkpoint or at the end."""
+        with self._giving_up_told():
+            return self._take_back(timeout)
+
+    def _take_back(self, timeout: float) -> list[int]:
         empty = [rank for rank in self.seats if rank not in self.ranks]
         if not empty:
             return []
@@ -457,6 +469,26 @@ class Seats:
             return None
         return list(json.loads(self._store.get(self._key("members")))["members"])
 
+    @contextlib.contextmanager
+    def _giving_up_told(self) -> Iterator[None]:
+        """An UnrecoverableError of a running rank is written into the job's store (best effort),
+        where a replacement waiting to be taken in, or for the others to go on without it, reads
+        it and raises at once instead of waiting out its timeout (``_replacement``)."""
+        try:
+            yield
+        except UnrecoverableError as exc:
+            try:
+                self._store.set(self._key("gave_up"), f"rank {self._me}: {exc}")
+            except Exception:  # noqa: BLE001 - the store may be what failed; the error is raised anyway
+                pass
+            raise
+
+    def _check_gave_up(self) -> None:
+        """A running rank gave the job up: no one will take this replacement in."""
+        if self._store.check([self._key("gave_up")]):
+            raise UnrecoverableError(f"rank {self._me} was started again, but the running ranks gave the job up: "
+                                     f"{self._store.get(self._key('gave_up')).decode(errors='replace')}")
+
     def _mark_ended(self) -> None:
         """At this process's normal exit: a replacement still waiting to be taken in stops waiting."""
         if getattr(sys, "last_value", None) is not None:
@@ -478,6 +510,7 @@ class Seats:
             # a restarted rank may start before the others have gone on without it: wait for that
             if not restarted:
                 return None
+            self._check_gave_up()
             if time.monotonic() >= deadline:
                 raise UnrecoverableError(f"rank {self._me} was started again, but the running ranks did not go on "
                                          f"without it within {self.recover_timeout:.0f}s (members: {members})")
@@ -493,6 +526,7 @@ class Seats:
         self._store.set(self._key(f"join/{me}"), str(os.getpid()))
         deadline = asked + self.join_timeout
         while not self._store.check([self._key(f"admit/{me}")]):
+            self._check_gave_up()
             if self._store.check([self._key("ended")]):
                 raise UnrecoverableError(f"rank {me}: the running ranks {members} finished (rank "
                                          f"{self._store.get(self._key('ended')).decode()} exited) before they took "
