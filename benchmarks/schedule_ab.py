@@ -9,7 +9,7 @@ all-reduces on the bridged exchange ring, COMMD_LOCAL_RING=1) bridged by each no
 (COMMD_RING_BRIDGE=rank), and ``ring-daemon`` the same ring bridged by the daemons (the default).  ``--syscalls`` counts node 0's daemon's
 and first rank's system calls per op (``strace -c``, which slows them); ``--trace`` traces every op (COMMD_TRACE) and
 prints the median of each of the daemons' phases per node (submit, schedule or negotiate, queue,
-agree, lane, reply: docs/observability.md).  Per run: the slower
+agree, lane or its steps local, wire and out, reply: docs/observability.md).  Per run: the slower
 node's median latency; the CPU per op summed over the job's processes (2 daemons, 4 ranks); the
 daemons' and the ranks' context switches per op (each process's mean); ops per path.  Needs root.
 
@@ -44,8 +44,9 @@ SETTINGS = {"schedule": {"COMMD_LOCAL_RING": "0", "COMMD_SCHEDULE": "1"},
             "ring-daemon": {"COMMD_LOCAL_RING": "1", "COMMD_SCHEDULE": "1", "COMMD_RING_BRIDGE": "daemon"}}
 
 
-#: The daemon's phases of an op, in order (``commd/observe/trace.py``); ``schedule`` or ``negotiate``.
-PHASES = ("submit", "schedule", "negotiate", "queue", "agree", "lane", "reply")
+#: The daemon's phases of an op, in order (``commd/observe/trace.py``); ``schedule`` or ``negotiate``;
+#: an all-reduce between nodes has ``local``, ``wire`` and ``out`` instead of ``lane``.
+PHASES = ("submit", "schedule", "negotiate", "queue", "agree", "lane", "local", "wire", "out", "reply")
 
 
 def one_run(sim: Any, work: Path, elements: int, iters: int, setting: str, timeout: float,

@@ -37,8 +37,10 @@ Resolve = Callable[[Submission, str], torch.Tensor]
 class _Staging:
     """GPU buffers go through host copies (page-locked: ``pinned``): lanes move host memory."""
 
-    def __init__(self, resolve: Resolve) -> None:
+    def __init__(self, resolve: Resolve, mark: Callable[[str], None] | None = None) -> None:
         self.resolve = resolve
+        #: The tracer's hook for this op (None: not traced): where its lane phase is (``reached``).
+        self.mark = mark
         self.writeback: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.arena = pinned.arena()
         self.arena.start()
@@ -53,6 +55,12 @@ class _Staging:
             return host
         return t
 
+    def reached(self, what: str) -> None:
+        """The op got through a step of its lane phase (``reduced``: the node's part is in one buffer;
+        ``exchanged``: the lane's call returned): the trace splits the phase there."""
+        if self.mark is not None:
+            self.mark(what)
+
     def finish(self) -> None:
         for device_tensor, host in self.writeback:
             device_tensor.copy_(host)
@@ -61,13 +69,14 @@ class _Staging:
 
 
 def run(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Resolve, timeout: float,
-        program: Any = None) -> None:
+        program: Any = None, mark: Callable[[str], None] | None = None) -> None:
     """Execute one released multi-node collective; ``op.subs`` are the local ranks', in group-rank order.
 
     ``program`` (``commd.algorithms.catalog.Chosen``): the released program that runs the lane
     phase of an all-reduce, an all-gather, an all-to-all or an AllToNext (the kinds the
-    coordinator gives one)."""
-    staging = _Staging(resolve)
+    coordinator gives one).  ``mark(what)``: the tracer's hook, told where an all-reduce's lane
+    phase is (``_Staging.reached``)."""
+    staging = _Staging(resolve, mark)
     if program is not None:
         if op.kind not in _PROGRAM_RUNNERS:
             raise LaneError(f"{op.describe()}: algorithm {program.name!r} was released for a {op.kind}; "
@@ -86,6 +95,8 @@ def _allreduce(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Reso
     acc = bufs[0]
     if len(bufs) > 1 or first.reduce_op == "premul_sum":
         parallel_reduce_into(acc, bufs, split.local_op, first.scale)
+    if isinstance(resolve, _Staging):
+        resolve.reached("reduced")
     codec = codecs.parse_choice(op.codec)[0] if op.codec and op.nbytes >= COMPRESS_MIN_BYTES else None
     if program is not None:  # (with a codec: a lossless one, coding the program's transfers)
         lane.allreduce(placement.nodes, acc, split.lane_op, timeout, program=program, codec=codec)
@@ -93,6 +104,8 @@ def _allreduce(op: ReadyOp, placement: GroupPlacement, lane: Lane, resolve: Reso
         lane.allreduce(placement.nodes, acc, split.lane_op, timeout, codec=codec)
     else:
         lane.allreduce(placement.nodes, acc, split.lane_op, timeout)
+    if isinstance(resolve, _Staging):
+        resolve.reached("exchanged")
     split.finish(acc, len(placement.ranks))
     parallel_copy(bufs[1:], acc)
 

@@ -270,9 +270,11 @@ class Collectives:
             if go.algo is not None and go.algo_hash is not None:  # this node's copy; the lane checks it
                 program = Chosen.lookup(self.fabric.catalog, go.algo, go.algo_hash, len(placement.nodes))
                 op.algo = go.algo
+            tracer = self.node.tracer
+            mark = (lambda what: tracer.mark(op, what)) if tracer.on else None
 
             def work(cap: float) -> None:
-                run(op, placement, self.fabric.lanes[lane_name], resolve, min(timeout, cap), program)
+                run(op, placement, self.fabric.lanes[lane_name], resolve, min(timeout, cap), program, mark)
 
         work = self.node.tracer.wrap((op,), work)
         done = self.runner.done

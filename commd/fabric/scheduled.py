@@ -345,7 +345,8 @@ class ScheduledPath:
                 apply_result(op, placement, result,
                              self.runner.resolver(as_array=eager.on_numpy(first.dtype, first.reduce_op)))
                 return
-            run(op, placement, lane, resolve, min(timeout, cap), program)
+            run(op, placement, lane, resolve, min(timeout, cap), program,
+                (lambda what: tracer.mark(op, what)) if tracer.on else None)
 
         def done(error: str | None, code: str) -> None:
             self.inflight -= 1

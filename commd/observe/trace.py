@@ -6,7 +6,10 @@ id, so ops of one group that overlap in time stay apart):
 - ``submit``: the first local rank submitted → every local rank is in;
 - ``negotiate``: → the coordinator's release (ops spanning nodes only);
 - ``queue``: → its lane starts it;
-- ``lane``: lane start → lane end (also an ``X`` slice on the lane's track);
+- ``lane``: lane start → lane end (also an ``X`` slice on the lane's track); for an all-reduce
+  between nodes, in its three steps instead: ``local`` (the node's ranks reduced into one
+  buffer), ``wire`` (the lane's exchange between the nodes), ``out`` (the result copied out to
+  the node's other ranks);
 - ``reply``: → the ranks were answered.
 
 pid = node rank, tids are the lanes and groups (named by metadata events).
@@ -242,10 +245,15 @@ class Tracer:
         else:
             points.append(("queue", ready_at))
         start, end, agreed = marks.get("start"), marks.get("end"), marks.get("agreed")
+        reduced, exchanged = marks.get("reduced"), marks.get("exchanged")
         if start is not None:
             points.append(("agree" if agreed is not None else "lane", start))
         if agreed is not None:
             points.append(("lane", agreed))
+        if reduced is not None and exchanged is not None and start is not None:
+            # an all-reduce between nodes: its lane phase as its three steps, one after another
+            points[-1] = ("local", points[-1][1])
+            points += [("wire", reduced), ("out", exchanged)]
         if end is not None:
             points.append(("reply", end))
         out.append(f'{head}"ph":"b","name":{name},"ts":{(first_at + offset) * 1e6:.3f},"args":{args}}}')
