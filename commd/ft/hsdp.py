@@ -98,6 +98,7 @@ when they are started again.
         """This rank's replica lost a rank, so the replica leaves the job (``_on_give_up``).  Started
         again (``commd launch --max-restarts``) its ranks come back, together, once all of them asked."""
         row = self._row(self._me)
+        self._leaving = True
         raise ReplicaLostError(f"rank {self._me}: its replica {row} lost ranks {sorted(set(row) & known)}, so it "
                                "left the job; the other replicas go on, and the replica comes back when its ranks "
                                "are started again (commd launch --max-restarts)")

@@ -186,6 +186,8 @@ class Seats:
         self.membership_epoch = 0
         self.recoveries: list[Recovery] = []
         self.joins: list[Join] = []
+        #: Set as this rank alone leaves a job that goes on (``_giving_up_told``).
+        self._leaving = False
         #: Time spent in commits, all steps together: the guard's cost to a step that never fails.
         self.commit_seconds = 0.0
         self._me = dist.get_rank()
@@ -202,6 +204,7 @@ class Seats:
 
     def _left_out(self, known: set[int]) -> None:
         """This rank is alive but not among the survivors: raise."""
+        self._leaving = True
         raise UnrecoverableError(f"rank {self._me} is counted among the lost ranks {sorted(known)}")
 
     def _on_give_up(self, error: UnrecoverableError) -> None:
@@ -420,6 +423,7 @@ class Seats:
                 raise UnrecoverableError(f"cannot read this node's daemon to learn which ranks are gone: {exc}") from None
             cut_off = (status.get("fabric") or {}).get("broken")
             if cut_off:  # the job's coordinator went on without this node, or is itself gone
+                self._leaving = True
                 raise UnrecoverableError(f"rank {self._me}'s node is cut off from the job: {cut_off}")
             # (a dead node's ranks are listed too: the daemon marks them gone with it)
             every_gone = {int(rank) for rank in (status.get("membership") or {}).get("gone_ranks") or {}}
@@ -473,10 +477,14 @@ class Seats:
     def _giving_up_told(self) -> Iterator[None]:
         """An UnrecoverableError of a running rank is written into the job's store (best effort),
         where a replacement waiting to be taken in, or for the others to go on without it, reads
-        it and raises at once instead of waiting out its timeout (``_replacement``)."""
+        it and raises at once instead of waiting out its timeout (``_replacement``).  Not when this
+        rank alone leaves a job that goes on (``_leaving``: counted among the lost, its node cut
+        off, its replica broken): a replacement may be taken in then."""
         try:
             yield
         except UnrecoverableError as exc:
+            if self._leaving:
+                raise
             try:
                 self._store.set(self._key("gave_up"), f"rank {self._me}: {exc}")
             except Exception:  # noqa: BLE001 - the store may be what failed; the error is raised anyway
