@@ -420,6 +420,7 @@ class Seats:
             except StatusError as exc:
                 if time.monotonic() >= deadline:
                     return set()  # out of time: the caller says the survivors did not settle
+                self._leaving = True  # (its daemon is gone: the other nodes' ranks may go on)
                 raise UnrecoverableError(f"cannot read this node's daemon to learn which ranks are gone: {exc}") from None
             cut_off = (status.get("fabric") or {}).get("broken")
             if cut_off:  # the job's coordinator went on without this node, or is itself gone
@@ -479,7 +480,7 @@ class Seats:
         where a replacement waiting to be taken in, or for the others to go on without it, reads
         it and raises at once instead of waiting out its timeout (``_replacement``).  Not when this
         rank alone leaves a job that goes on (``_leaving``: counted among the lost, its node cut
-        off, its replica broken): a replacement may be taken in then."""
+        off or its daemon gone, its replica broken): a replacement may be taken in then."""
         try:
             yield
         except UnrecoverableError as exc:
