@@ -449,11 +449,14 @@ class ExchangeRing:
             seq = head.seq
             for index in self._posted_at:
                 if words[index] < seq:
-                    daemon = self._sent_to_daemon(head)
-                    if daemon:
-                        self._diverged(head, daemon)  # fails it, and leaves the ring
-                    elif self.bridged and words[self._abandoned_at[self.bridge]]:
+                    # A bridge that failed comes first: peers that saw it left for the daemon, and
+                    # its reason (a dead node's rank, say), not a mismatch, is why they are not here.
+                    if self.bridged and words[self._abandoned_at[self.bridge]]:
                         self._bridge_failed(head)
+                    else:
+                        daemon = self._sent_to_daemon(head)
+                        if daemon:
+                            self._diverged(head, daemon)  # fails it, and leaves the ring
                     return
             pending.popleft()
             in_at = time.monotonic() if head.posted_at else 0.0
