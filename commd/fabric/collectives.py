@@ -270,8 +270,7 @@ class Collectives:
             if go.algo is not None and go.algo_hash is not None:  # this node's copy; the lane checks it
                 program = Chosen.lookup(self.fabric.catalog, go.algo, go.algo_hash, len(placement.nodes))
                 op.algo = go.algo
-            tracer = self.node.tracer
-            mark = (lambda what: tracer.mark(op, what)) if tracer.on else None
+            mark = self.node.tracer.marker(op)
 
             def work(cap: float) -> None:
                 run(op, placement, self.fabric.lanes[lane_name], resolve, min(timeout, cap), program, mark)

@@ -345,8 +345,7 @@ class ScheduledPath:
                 apply_result(op, placement, result,
                              self.runner.resolver(as_array=eager.on_numpy(first.dtype, first.reduce_op)))
                 return
-            run(op, placement, lane, resolve, min(timeout, cap), program,
-                (lambda what: tracer.mark(op, what)) if tracer.on else None)
+            run(op, placement, lane, resolve, min(timeout, cap), program, tracer.marker(op))
 
         def done(error: str | None, code: str) -> None:
             self.inflight -= 1

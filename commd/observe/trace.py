@@ -65,6 +65,9 @@ class NullTrace:
     def wrap(self, ops: Iterable[Any], work: Callable[[float], None]) -> Callable[[float], None]:
         return work
 
+    def marker(self, op: Any) -> Callable[[str], None] | None:
+        return None
+
 
 def node_trace_path(path: str, node: int | None) -> str:
     """Where one node writes: ``path`` itself on a single node, ``<stem>.node<k><suffix>`` in a fabric."""
@@ -129,6 +132,10 @@ class Tracer:
     def mark(self, op: Any, what: str) -> None:
         """Record when ``op`` reached ``what`` (released, start, end); any thread."""
         self._marks.setdefault(id(op), {})[what] = time.monotonic()
+
+    def marker(self, op: Any) -> Callable[[str], None] | None:
+        """``mark`` bound to ``op``: for code that knows its steps but not the tracer (execution)."""
+        return lambda what: self.mark(op, what)
 
     def wrap(self, ops: Iterable[Any], work: Callable[[float], None]) -> Callable[[float], None]:
         """``work`` (a lane call for ``ops``) with its start and end marked."""
