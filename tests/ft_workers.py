@@ -72,18 +72,28 @@ def guarded_training(rank: int, world: int, init_method: str, steps: int, kill: 
                            recover_timeout=recover_timeout)
     first_layer = model.module[0].weight
 
+    def count() -> None:  # the user's own collective in the step: count the ranks
+        ones = torch.ones(1)
+        dist.all_reduce(ones, group=None if count_on == "world" else guard.group)
+        counts.append(int(ones.item()))
+
+    def in_backward(step: int) -> None:
+        if kill is not None:
+            kill(step, "backward")
+        if count_on == "guard-in-backward":  # fails mid-backward, the later layers marked ready
+            count()
+
     def train_step(ddp: Any, step: int) -> float:
         if kill is not None:
             kill(step, "forward")
-            handle = first_layer.register_hook(lambda grad: kill(step, "backward"))
-        loss = loss_of(ddp, batch(step, rank))
-        loss.backward()
-        if kill is not None:
+        handle = first_layer.register_hook(lambda grad: in_backward(step))
+        try:
+            loss = loss_of(ddp, batch(step, rank))
+            loss.backward()
+        finally:  # (a failed step's hook must not fire in the redone one)
             handle.remove()
-        if count_on is not None:  # the user's own collective in the step: count the ranks
-            ones = torch.ones(1)
-            dist.all_reduce(ones, group=guard.group if count_on == "guard" else None)
-            counts.append(int(ones.item()))
+        if count_on in ("guard", "world"):
+            count()
         return float(loss)
 
     counts: list[int] = []

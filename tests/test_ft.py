@@ -98,6 +98,20 @@ def test_the_users_collectives_in_the_step_go_on_on_guard_group(backend_env, tmp
         assert out["counts"] == [WORLD] * FAIL_STEP + [WORLD - 1] * (STEPS - FAIL_STEP), (rank, out["counts"])
 
 
+def test_a_failure_inside_the_backward_leaves_the_old_ddp_out_of_the_redone_step(backend_env, tmp_path: Path) -> None:
+    """A collective in a gradient hook fails mid-backward, after DDP marked the later layers ready.
+    The redo's backward must not reach the old DDP's hooks (the test holds that DDP alive): they
+    would raise "Expected to mark a variable ready only once"."""
+    results = _run(tmp_path, {VICTIM: "forward"}, count_on="guard-in-backward")
+    survivors = [r for r in range(WORLD) if r != VICTIM]
+    expected = reference(STEPS, WORLD, FAIL_STEP, survivors)
+    for rank, out in results.items():
+        assert "error" not in out, (rank, out)
+        assert out["counts"] == [WORLD] * FAIL_STEP + [WORLD - 1] * (STEPS - FAIL_STEP), (rank, out["counts"])
+        for got, want in zip(out["params"], expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m, r=rank: f"rank {r}: {m}")
+
+
 @pytest.mark.extended
 def test_a_collective_on_the_default_group_after_a_loss_fails_fast_saying_to_use_guard_group(
         backend_env, tmp_path: Path) -> None:

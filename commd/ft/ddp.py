@@ -68,6 +68,12 @@ class Guard(Seats):
         return DistributedDataParallel(self._module, process_group=group, **options), moved
 
     def _install(self, built: Any) -> None:
+        old = getattr(self, "model", None)  # (a replacement has none yet)
+        if isinstance(old, DistributedDataParallel) and old is not built:
+            # Its reducer's hooks stay on the parameters while anything holds it (the user's
+            # own reference does), and a backward that failed midway leaves it expecting the
+            # rest: the redone backward would reach it ("mark a variable ready only once").
+            old._remove_autograd_hooks()
         self.model = built
 
     def _check_states(self, built: Any, group: Any, members: list[int]) -> None:
