@@ -76,7 +76,21 @@ class Watchdog:
                 self.drop_client(client, f"(pid {client.pid}) died", notify_peers=True)
 
     def drop_client(self, client: ClientRecord, why: str, notify_peers: bool, clean: bool = False) -> None:
-        """``clean``: the rank said goodbye (a departure, not an error; ops it leaves behind still fail)."""
+        """``clean``: the rank said goodbye (a departure, not an error; ops it leaves behind still fail).
+
+        A local rank whose process is gone is dropped first: a rank often leaves or fails because
+        its exchange ring saw a node-mate's pid die (a dying process's fds, its connections with
+        them, can close tens of ms after its pid reads dead), and the other nodes must hear of that
+        death before the departure it caused, or their ranks' errors name the wrong rank."""
+        if not self.clients.current(client):
+            return  # (dropped already: as a dead node-mate of a rank dropped before it)
+        if notify_peers:
+            for other in list(self.clients):
+                if other is not client and not pid_alive(other.pid):
+                    self._drop(other, f"(pid {other.pid}) died", notify_peers=True)
+        self._drop(client, why, notify_peers, clean)
+
+    def _drop(self, client: ClientRecord, why: str, notify_peers: bool, clean: bool = False) -> None:
         log.info("client rank %d %s", client.rank, why)
         if clean:
             self.stats.departed(f"rank {client.rank} {why}")
