@@ -97,9 +97,9 @@ ENVIRONMENT: dict[str, str] = {
                             "core count, at most 4).",
     "COMMD_LOCAL_RING": "`0`: a client never uses exchange rings, every op takes the daemon path (default `1`).",
     "COMMD_RING_BRIDGE": "Who bridges the exchange ring of a torch group that spans nodes: `daemon` (default: the "
-                         "node daemon, over the fabric's control links) or `rank` (the node's first rank of the "
-                         "group, on a thread, connected directly to the other nodes' first ranks). Every rank must "
-                         "agree.",
+                         "node daemon, over the fabric's control links; all-reduces up to 64 KiB) or `rank` (the "
+                         "node's first rank of the group, on a thread, connected directly to the other nodes' first "
+                         "ranks; all-reduces up to 512 KiB). Every rank must agree.",
     "COMMD_LOG_LEVEL": "The daemon's log level (`--log-level`; default `INFO`).",
     "COMMD_MAX_ARENA_BYTES": "Bytes of arena segments one client may register with the daemon (default: the "
                              "machine's physical memory).",

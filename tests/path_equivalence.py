@@ -26,10 +26,12 @@ from typing import Any
 
 import numpy as np
 
-#: Element counts: tiny, a ring entry (64 KiB of float32), a large slot, past every ring (daemon path).
-SIZES = (1, 10, 1000, 16384, 300_000, 1_100_000)
-#: The size at a ring's limit (a bridged ring's entry): one element more, or a wider dtype, leaves it.
-LIMIT_SIZE = 16384
+#: Element counts: tiny, a ring entry (64 KiB of float32), a rank-bridged ring's large slot (of
+#: float32), a large slot, past every ring (daemon path).
+SIZES = (1, 10, 1000, 16384, 100_000, 300_000, 1_100_000)
+#: The sizes at a ring's limit (a bridged ring's entry; a rank-bridged ring's largest op): one element
+#: more, or a wider dtype, leaves it.
+LIMIT_SIZES = (16384, 100_000)
 DTYPES = ("float32", "float64", "int64")
 FAULTS = ("count", "dtype", "kind", "late")
 #: The group's op timeout, and how long a late rank sleeps before it submits (past the timeout, and
@@ -62,7 +64,7 @@ def schedules(seed: int, count: int, world: int, repeat: int = 1) -> list[list[O
             ops = []
             for op in shapes:
                 fault = str(rng.choice(FAULTS[:3])) if last and rng.random() < 0.25 else None
-                if i < count * 0.9 and (fault == "kind" or (fault is not None and op.size == LIMIT_SIZE)):
+                if i < count * 0.9 and (fault == "kind" or (fault is not None and op.size in LIMIT_SIZES)):
                     fault = None
                 ops.append(Op(op.size, op.dtype, fault, int(rng.integers(world)), op.waited_async))
             if last and i % LATE_EVERY == LATE_EVERY - 1:  # a late rank too, all ops then waited in turn
@@ -81,7 +83,7 @@ def schedules(seed: int, count: int, world: int, repeat: int = 1) -> list[list[O
             elif rng.random() < 0.25:
                 fault = str(rng.choice(FAULTS[:3]))
             size = int(rng.choice(SIZES))
-            if i < count * 0.9 and (fault == "kind" or (fault is not None and size == LIMIT_SIZE)):
+            if i < count * 0.9 and (fault == "kind" or (fault is not None and size in LIMIT_SIZES)):
                 fault = None  # it would move the group off its ring (see the module doc)
             if repeat > 1:
                 fault = None  # (a block's first schedule: faults come in its last)

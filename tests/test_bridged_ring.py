@@ -66,7 +66,18 @@ def _reference(ranks: list[int], count: int, dtype: np.dtype, op: str, salt: int
 
 CASES = [("float32", "sum", 1), ("float32", "avg", 1000), ("float64", "max", 300), ("int64", "sum", 5),
          ("int32", "band", 64), ("float64", "product", 7), ("float32", "sum", fr.SLOT_BYTES // 4),
-         ("float32", "min", fr.SLOT_BYTES // 4 + 1)]
+         ("float32", "min", fr.SLOT_BYTES // 4 + 1), ("float32", "sum", 100_000),
+         ("int32", "max", fr.BRIDGED_MAX_BYTES // 4), ("float64", "max", fr.BRIDGED_MAX_BYTES // 8 + 1)]
+
+
+def _ring_takes(bridge: str, ranks: list[int], nbytes: int, nodes: int = 2, per_node: int = 2) -> bool:
+    """Whether a group's bridged ring takes an all-reduce of ``nbytes``: one entry when the daemons
+    bridge; when the ranks do, a large slot sized by the group's most crowded node (``per_node``
+    ranks of the job on each)."""
+    if bridge == "daemon":
+        return nbytes <= fr.SLOT_BYTES
+    crowd = max(sum(r // per_node == node for r in ranks) for node in range(nodes))
+    return nbytes <= fr.bridged_max_bytes(fr.SLOT_BYTES, fr.bridged_large_bytes(crowd, nodes))
 
 
 def bridged_ops(ctx: Any, port: int, bridge: str, dies: int) -> str:
@@ -87,7 +98,7 @@ def bridged_ops(ctx: Any, port: int, bridge: str, dies: int) -> str:
             dtype = np.dtype(dtype_name)
             x = torch.from_numpy(_data(rank, count, dtype, salt).copy())
             work = dist.all_reduce(x, op=OPS[op], group=group, async_op=True)
-            bridged = count * dtype.itemsize <= fr.SLOT_BYTES
+            bridged = _ring_takes(bridge, ranks, count * dtype.itemsize)
             assert isinstance(work.handles[0], RingHandle) == bridged, (name, dtype_name, op, count)
             pending.append((work, x, _reference(ranks, count, dtype, op, salt), (dtype_name, op, count)))
             if salt % 5 == 4:  # a daemon collective between ring ops: program order on both paths
@@ -226,38 +237,42 @@ class _Sent(list):
         self.append(part)
 
 
-def _bridge(node: int = 1) -> tuple[Any, Any, _Sent]:
-    """A bridged ring of group ranks [2, 3] on node 1 of a group [0, 1 | 2, 3], as the daemon makes it."""
+def _bridge(node: int = 1, large: int = fr.SLOT_BYTES) -> tuple[Any, Any, _Sent]:
+    """A bridged ring of group ranks [2, 3] on node 1 of a group [0, 1 | 2, 3], as the daemon makes it
+    (``large``: its large slots; the daemon's bridge has one entry's, a rank's bridge more)."""
     from commd.core.placement import GroupPlacement
     from commd.memory.arena import Segment
     from commd.memory.ringbridge import RingBridge
 
     nlines = 3
-    size = fr.region_bytes(nlines, fr.DEPTH, fr.SLOT_BYTES, fr.LARGE_DEPTH, fr.SLOT_BYTES)
+    size = fr.region_bytes(nlines, fr.DEPTH, fr.SLOT_BYTES, fr.LARGE_DEPTH, large)
     region = Segment.create(0, "commd-ring-test", size)
     region.array[:8].view("u8")[0] = fr.MAGIC
-    region.array[8:36].view("u4")[:] = (fr.VERSION, nlines, fr.DEPTH, fr.SLOT_BYTES, fr.LARGE_DEPTH, fr.SLOT_BYTES, 1)
+    region.array[8:36].view("u4")[:] = (fr.VERSION, nlines, fr.DEPTH, fr.SLOT_BYTES, fr.LARGE_DEPTH, large, 1)
     placement = GroupPlacement("g", (0, 1, 2, 3), (0, 0, 1, 1), node)
     sent = _Sent()
     return RingBridge("g", region, placement, node, sent), region, sent
 
 
-def _post(region: Any, line: int, k: int, values: np.ndarray, index: int, count: int | None = None) -> None:
-    """What a rank writes for ring op k (protocol/fastring.py), then its ``posted``."""
+def _post(region: Any, line: int, k: int, values: np.ndarray, index: int, count: int | None = None,
+          large: tuple[int, int] | None = None) -> None:
+    """What a rank writes for ring op k (protocol/fastring.py), then its ``posted``; ``large``: (the
+    ring's large slot bytes, the slot j the input goes in)."""
     words = region.array.view("i8")
     h = fr.entry_offset(3, fr.DEPTH, fr.SLOT_BYTES, k, line) // 8
-    data = region.array[h * 8 + fr.ENTRY_HEADER_BYTES:][: values.nbytes]
-    data[:] = values.view(np.uint8)
+    at = (h * 8 + fr.ENTRY_HEADER_BYTES if large is None
+          else fr.large_slot_offset(3, fr.DEPTH, fr.SLOT_BYTES, large[0], large[1], line))
+    region.array[at: at + values.nbytes] = values.view(np.uint8)
     words[h: h + 6] = (k, fr.DTYPES.index(values.dtype.name), fr.REDUCE_OPS.index("sum"),
-                       values.size if count is None else count, 0, index)
+                       values.size if count is None else count, 0 if large is None else large[1] + 1, index)
     words[(fr.CONTROL_OFFSET + line * fr.CONTROL_BYTES) // 8 + fr.POSTED] = k
 
 
-def _failure(region: Any) -> tuple[str, str]:
+def _failure(region: Any, large: int = fr.SLOT_BYTES) -> tuple[str, str]:
     """The bridge's published failure: (code, reason)."""
     line = (fr.CONTROL_OFFSET + 2 * fr.CONTROL_BYTES) // 8
     code = int(region.array.view("i8")[line + fr.ABANDONED])
-    at = fr.large_slot_offset(3, fr.DEPTH, fr.SLOT_BYTES, fr.SLOT_BYTES, 0, 2)
+    at = fr.reason_offset(3, fr.DEPTH, fr.SLOT_BYTES, large)
     length = int(region.array[at: at + 4].view("u4")[0])
     return fr.BRIDGE_ERRORS[code - 1] if code else "", bytes(region.array[at + 4: at + 4 + length]).decode()
 
@@ -284,6 +299,38 @@ def test_the_bridge_combines_in_node_order_and_publishes_in_order() -> None:
         want = other * k + (a[0] * k + a[1] * k)  # node 0 first, then this node's ranks reduced in order
         assert region.array[out: out + 8].view(np.float32).tolist() == want.tolist()
     assert _failure(region) == ("", "")
+
+
+def test_a_large_op_is_reduced_from_the_large_slots_and_published_in_the_bridges_own() -> None:
+    """A rank's bridge takes ops past one entry: inputs and result in large slot j (both j), and a
+    later failure's reason never lands on a result the ranks may still be copying."""
+    from commd.protocol.fabric import RingPart
+
+    large = fr.bridged_large_bytes(2, 2)
+    bridge, region, sent = _bridge(large=large)
+    count = fr.bridged_max_bytes(fr.SLOT_BYTES, large) // 4
+    rng = np.random.default_rng(5)
+    a = [rng.uniform(0.5, 1.5, count).astype(np.float32) for _ in range(2)]
+    other = rng.uniform(0.5, 1.5, count).astype(np.float32)
+    for k, j in ((1, 0), (2, 1)):
+        for line in (0, 1):
+            _post(region, line, k, a[line] * k, index=k, large=(large, j))
+        bridge.local_ready()
+        assert np.array_equal(np.frombuffer(sent[-1].contribution, np.float32), a[0] * k + a[1] * k)
+        bridge.on_part(RingPart("g", k, k, 0, [1], 1, 0, count, (other * k).tobytes()))
+        h = fr.entry_offset(3, fr.DEPTH, fr.SLOT_BYTES, k, 2) // 8
+        assert region.array.view("i8")[h + fr.WHERE] == j + 1
+        out = fr.large_slot_offset(3, fr.DEPTH, fr.SLOT_BYTES, large, j, 2)
+        got = region.array[out: out + 4 * count].view(np.float32)
+        assert np.array_equal(got, other * k + (a[0] * k + a[1] * k)), k  # node 0 first, then ours in order
+    first = region.array[fr.large_slot_offset(3, fr.DEPTH, fr.SLOT_BYTES, large, 0, 2):][: 4 * count].copy()
+    _post(region, 0, 3, np.ones(count + 1, np.float32), index=3, large=(large, 0))
+    _post(region, 1, 3, np.ones(count + 1, np.float32), index=3, large=(large, 0))
+    bridge.local_ready()  # one element too many for the slot: failed, its reason past the data
+    code, reason = _failure(region, large)
+    assert code == "internal" and "do not fit" in reason, (code, reason)
+    assert np.array_equal(region.array[fr.large_slot_offset(3, fr.DEPTH, fr.SLOT_BYTES, large, 0, 2):][: 4 * count],
+                          first)
 
 
 @pytest.mark.parametrize("case", ["local count", "node count", "short part", "bad dtype", "diverged"])
@@ -334,7 +381,8 @@ def gathered(ctx: Any, port: int) -> str:
         dtype = np.dtype(dtype_name)
         x = torch.from_numpy(_data(rank, count, dtype, salt).copy())
         work = dist.all_reduce(x, op=OPS[op], async_op=True)
-        assert isinstance(work.handles[0], RingHandle) == (count * dtype.itemsize <= fr.SLOT_BYTES)
+        bridged = _ring_takes("rank", list(range(world)), count * dtype.itemsize, nodes=4, per_node=1)
+        assert isinstance(work.handles[0], RingHandle) == bridged
         parts = [_data(r, count, dtype, salt) for r in range(world)]
         want = parts[0].copy()
         reduce = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum, "product": np.multiply,

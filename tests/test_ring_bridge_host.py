@@ -36,27 +36,38 @@ TOKEN = group_token("a job secret", "g")
 LINES = 2  # one rank and the bridge
 
 
-def _region() -> Segment:
-    size = fr.region_bytes(LINES, fr.DEPTH, fr.SLOT_BYTES, fr.LARGE_DEPTH, fr.SLOT_BYTES)
+#: A rank's bridge's large slots, as the daemon sizes them for a group of one rank on each of 2 nodes.
+LARGE = fr.bridged_large_bytes(1, 2)
+
+
+def _region(large: int = fr.SLOT_BYTES) -> Segment:
+    size = fr.region_bytes(LINES, fr.DEPTH, fr.SLOT_BYTES, fr.LARGE_DEPTH, large)
     region = Segment.create(0, "commd-ring-test", size)
     region.array[:8].view("u8")[0] = fr.MAGIC
-    region.array[8:36].view("u4")[:] = (fr.VERSION, LINES, fr.DEPTH, fr.SLOT_BYTES, fr.LARGE_DEPTH, fr.SLOT_BYTES, 1)
+    region.array[8:36].view("u4")[:] = (fr.VERSION, LINES, fr.DEPTH, fr.SLOT_BYTES, fr.LARGE_DEPTH, large, 1)
     return region
 
 
-def _post(region: Segment, k: int, values: np.ndarray, index: int) -> None:
-    """What the rank of line 0 writes for ring op k (protocol/fastring.py), then its ``posted``."""
+def _post(region: Segment, k: int, values: np.ndarray, index: int, large: int = fr.SLOT_BYTES) -> None:
+    """What the rank of line 0 writes for ring op k (protocol/fastring.py), then its ``posted``;
+    past one entry, in large slot (k - 1) mod 2 (the rank's large ops alternate, one per op here)."""
 
     words = region.array.view("i8")
     words[fr.CONTROL_OFFSET // 8 + fr.PID] = os.getpid()
     h = fr.entry_offset(LINES, fr.DEPTH, fr.SLOT_BYTES, k, 0) // 8
-    region.array[h * 8 + fr.ENTRY_HEADER_BYTES:][: values.nbytes] = values.view(np.uint8)
-    words[h: h + 6] = (k, fr.DTYPES.index(values.dtype.name), fr.REDUCE_OPS.index("sum"), values.size, 0, index)
+    where = 0 if values.nbytes <= fr.SLOT_BYTES else 1 + (k - 1) % fr.LARGE_DEPTH
+    at = (h * 8 + fr.ENTRY_HEADER_BYTES if where == 0
+          else fr.large_slot_offset(LINES, fr.DEPTH, fr.SLOT_BYTES, large, where - 1, 0))
+    region.array[at: at + values.nbytes] = values.view(np.uint8)
+    words[h: h + 6] = (k, fr.DTYPES.index(values.dtype.name), fr.REDUCE_OPS.index("sum"), values.size, where, index)
     words[fr.CONTROL_OFFSET // 8 + fr.POSTED] = k
 
 
-def _result(region: Segment, k: int, count: int) -> np.ndarray:
+def _result(region: Segment, k: int, count: int, large: int = fr.SLOT_BYTES) -> np.ndarray:
     at = fr.entry_offset(LINES, fr.DEPTH, fr.SLOT_BYTES, k, 1) + fr.ENTRY_HEADER_BYTES
+    where = region.array[at - fr.ENTRY_HEADER_BYTES:][:64].view("i8")[fr.WHERE]
+    if where:
+        at = fr.large_slot_offset(LINES, fr.DEPTH, fr.SLOT_BYTES, large, int(where) - 1, 1)
     return region.array[at: at + 8 * count].view(np.float64).copy()
 
 
@@ -99,6 +110,7 @@ def _daemon_pid(node: int) -> int:
 
 
 def _host(node: int, peers: dict[int, socket.socket], region: Segment) -> BridgeHost:
+    """Node ``node``'s bridge of a group [0 | 1] (one rank each) on ``peers``."""
     return BridgeHost("g", region, [0, 1], [0, 1], node, peers, _daemon_pid(node))
 
 
@@ -124,6 +136,38 @@ def test_two_bridges_combine_in_node_order_and_publish_in_order() -> None:
             host.close()
 
 
+def test_large_parts_sent_both_ways_at_once_neither_block_nor_mix() -> None:
+    """Both bridges send a 4 MiB part at the same moment, each from its rank's thread: more than
+    the sockets hold, so a blocking send would wait for a peer that itself waits to send."""
+    peers0, peers1 = _mesh()
+    for sock in (*peers0.values(), *peers1.values()):  # (a loopback socket may hold the whole part)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+    regions = [_region(LARGE), _region(LARGE)]
+    hosts = [_host(0, peers0, regions[0]), _host(1, peers1, regions[1])]
+    for host in hosts:
+        host.start()
+    count = fr.bridged_max_bytes(fr.SLOT_BYTES, LARGE) // 8
+    try:
+        rng = np.random.default_rng(7)
+        for k in range(1, 5):  # both large slots, twice
+            values = [rng.uniform(-1, 1, count), rng.uniform(-1, 1, count)]
+            for node in (0, 1):
+                _post(regions[node], k, values[node], k, LARGE)
+            senders = [threading.Thread(target=hosts[node].all_posted_here, args=(k,)) for node in (0, 1)]
+            for thread in senders:
+                thread.start()
+            for thread in senders:
+                thread.join(10)
+            for node in (0, 1):
+                _until(lambda node=node, k=k: bridge_state(regions[node])[0] >= k)
+                assert np.array_equal(_result(regions[node], k, count, LARGE), values[0] + values[1]), (k, node)
+        assert [bridge_state(r) for r in regions] == [(4, None)] * 2
+    finally:
+        for host in hosts:
+            host.close()
+
+
 def test_a_peer_without_the_groups_token_is_refused() -> None:
     peers0, peers1 = _mesh(token_of_node_1=group_token("another secret", "g"))
     assert isinstance(peers0, CommdError) and "nodes [1] never connected" in str(peers0), peers0
@@ -140,12 +184,25 @@ def _raw_peer() -> tuple[BridgeHost, Segment, socket.socket]:
 
 
 def _frame(item: dict[str, Any]) -> bytes:
+    """A frame as a bridge sends it: the lengths, the map, a part's contribution raw after it."""
+    item = dict(item)
+    raw = item.pop("d", None) or b""
     body = s.encode(item)
-    return len(body).to_bytes(4, "little") + body
+    return (4 + len(body) + len(raw)).to_bytes(4, "little") + len(body).to_bytes(4, "little") + body + raw
+
+
+def _frame_with_both(part: wire.RingPart) -> bytes:
+    """A part whose contribution is in its map and raw after it as well."""
+    body, raw = s.encode(part.to_wire()), part.contribution or b""
+    return (4 + len(body) + len(raw)).to_bytes(4, "little") + len(body).to_bytes(4, "little") + body + raw
 
 
 BAD_FRAMES = {
     "too long": (lambda: (1 << 30).to_bytes(4, "little"), "a frame of"),
+    "map past its frame": (lambda: (8).to_bytes(4, "little") + (9).to_bytes(4, "little") + b"\0" * 4,
+                           "with a map of 9"),
+    "contribution twice": (lambda: _frame_with_both(wire.RingPart("g", 1, 1, 1, [0], 2, 0, 1, b"\0" * 8)),
+                           "both in the map and raw"),
     "not a part": (lambda: _frame({"t": "ring", "g": "g"}), "missing"),
     "another node's part": (lambda: _frame(wire.RingPart("g", 1, 1, 5, [0], 2, 0, 1, b"\0" * 8).to_wire()),
                             "from node 5"),

@@ -230,7 +230,8 @@ class ExchangeRing:
         #: the group rank of each line, for messages (the bridge's line: the group's other nodes)
         self.members: list[int] = list(meta["members"]) if self.bridged else list(range(self.nranks))
         #: the largest all-reduce (bytes) this ring takes
-        self.max_bytes = self.slot_bytes if self.bridged else max(self.slot_bytes, self.large_bytes)
+        self.max_bytes = (fr.bridged_max_bytes(self.slot_bytes, self.large_bytes) if self.bridged
+                          else max(self.slot_bytes, self.large_bytes))
         self.daemon_pid = daemon_pid
         self.op_timeout = op_timeout
         mm = region.mm
@@ -463,8 +464,9 @@ class ExchangeRing:
             d = seq % self.depth
             error = self._withdrawal(head, d) or self._disagreement(head, d)
             if error is None and self.bridged:
-                # the bridge published the result in its entry (same header as ours)
-                ctypes.memmove(head.address, self._data_address[d][self.bridge], head.nbytes)
+                # the bridge published the result in its entry (same header as ours), or for a large
+                # op in its large slot of the same index as ours
+                error = self._copy_bridged(head, d)
             elif error is None:
                 if head.nbytes <= self.slot_bytes:
                     key = (d, head.dtype, head.op, head.count)
@@ -521,6 +523,18 @@ class ExchangeRing:
         inputs = [np.ndarray((count,), dtype, mm, offset) for offset in self._data_offset[d]]
         out = self._scratch[: count * dtype.itemsize].view(dtype)
         return lambda: small.reduce_into_unchecked(out, inputs, op)
+
+    def _copy_bridged(self, head: _Op, d: int) -> CommdError | None:
+        """A bridged op's result, copied out of the bridge's entry or large slot."""
+        if head.nbytes <= self.slot_bytes:
+            ctypes.memmove(head.address, self._data_address[d][self.bridge], head.nbytes)
+            return None
+        where = self._words[self._header_at[d][self.bridge] + fr.WHERE]
+        if not 1 <= where <= self.large_depth or where != self._words[self._header_at[d][self.me] + fr.WHERE]:
+            return self._break(CommdError(f"{head.handle.description}: the exchange ring is corrupted "
+                                          f"(the bridge names large slot {where - 1})"))
+        ctypes.memmove(head.address, self._large_address[where - 1][self.bridge], head.nbytes)
+        return None
 
     def _reduce_large(self, head: _Op, d: int) -> CommdError | None:
         """A large op: every rank's input is in the large slot its header names."""
@@ -710,8 +724,8 @@ class ExchangeRing:
         words = self._words
         code_index = words[self._abandoned_at[self.bridge]] - 1
         code = fr.BRIDGE_ERRORS[code_index] if 0 <= code_index < len(fr.BRIDGE_ERRORS) else "internal"
-        at = fr.large_slot_offset(self.nranks, self.depth, self.slot_bytes, self.large_bytes, 0, self.bridge)
-        length = min(self._u32[at // 4], self.large_bytes - 4)
+        at = fr.reason_offset(self.nranks, self.depth, self.slot_bytes, self.large_bytes)
+        length = min(self._u32[at // 4], fr.REASON_RESERVE - 4)
         reason = bytes(self.region.mm[at + 4: at + 4 + length]).decode(errors="replace")
         error = MismatchError(reason) if code == "diverged" else from_reply(code, reason)
         failed = words[self._failed_at]  # the failed op's collective index; 0: the failure names none

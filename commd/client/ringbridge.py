@@ -10,13 +10,19 @@ the group: no daemon, no uvloop turn, no msgpack envelope of the control plane, 
 Each connection is opened once, when the group is made (``form_mesh``): the lower node
 listens, the higher connects and proves it holds the group's token (an HMAC of the fabric's
 secret that every node's daemon derives, handed out with the ring) by answering a challenge.
-Frames are a 4-byte length and a msgpack map, validated on receipt: a ``RingPart``
+Frames are a 4-byte length, the 4-byte length of a msgpack map, the map, and raw bytes: a
+part's contribution, which travels beside the map rather than in it (no copy into msgpack's
+buffer on the way out).  Each is validated on receipt: a ``RingPart``
 (``protocol/fabric.py``), which must come from the node its connection was opened for, or
 from 4 nodes on a round of the gather.  With fewer than 4 nodes a bridge sends its part to
 every other node; from 4 on the parts travel Bruck's dissemination gather, ceil(log2 N)
 rounds in which each bridge sends what it holds to the node 2**r places after it
 (``gather_sent``), so a node handles 2 log2 N messages per op instead of 2 (N - 1).  A
 failure still goes to every node at once.
+
+The connections never block a sender: what a socket does not take at once (a large op's part)
+waits in the peer's outbox, and the thread sends it as room comes.  Two bridges that sent each
+other a large part at once would otherwise each wait for the other to read.
 
 The thread sleeps in ``select`` on the connections and a datagram socket (``notice_address``):
 the local ranks' ``k`` (every local rank published op k) and ``left`` notices, and the daemon's
@@ -39,6 +45,7 @@ import struct
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -63,6 +70,7 @@ log = logging.getLogger("commd.ring")
 #: How often an idle bridge checks that its local ranks and its daemon are alive.
 CHECK_S = 0.1
 _LENGTH = struct.Struct("<I")
+_FRAME = struct.Struct("<II")  # a frame's length (after these 4 bytes), its map's length
 _CHALLENGE_BYTES = 16
 _ACCEPTED = b"\x01"
 
@@ -211,15 +219,26 @@ class BridgeHost:
         self.held: dict[int, dict[int, wire.RingPart]] = {}
         self.received: dict[int, set[int]] = {}
         self.sent: dict[int, int] = {}  # per op: the rounds sent
-        self.max_frame = len(self.order) * (fr.SLOT_BYTES + 4096)
+        self.max_frame = len(self.order) * (self.bridge.max_bytes + 4096)
+        #: per peer: frame bytes not sent yet (a large part; the socket's buffer was full)
+        self.outbox: dict[int, deque[memoryview]] = {peer: deque() for peer in peers}
+        #: wakes the thread to watch a peer's socket for room (an outbox filled on the rank's thread)
+        self.wake_r, self.wake_w = socket.socketpair()
+        self.wake_r.setblocking(False)
+        self.wake_w.setblocking(False)
         self.notices = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.notices.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         self.notices.bind(notice_address(daemon_pid, group))
         self.notices.setblocking(False)
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.notices, selectors.EVENT_READ)
+        self.selector.register(self.wake_r, selectors.EVENT_READ)
         for sock in peers.values():
+            # never blocked in a send: two bridges sending each other a large part at once would
+            # each wait for the other to read
+            sock.setblocking(False)
             self.selector.register(sock, selectors.EVENT_READ)
+        self.watching: set[int] = set()  # the peers whose sockets are watched for room
         self.closing = False
         #: the bridge's state is touched by its thread and, for an op this process published last,
         #: by the process's own thread (``all_posted_here``: no notice, no wake-up of the bridge's thread)
@@ -246,20 +265,68 @@ class BridgeHost:
             self.held.setdefault(part.seq, {})[self.node] = part
             self._advance(part.seq)
             return
-        self._frame_to(part.to, s.encode(part.to_wire()), part.error is None)
+        fields = part.to_wire()
+        raw = fields.pop("d", None)
+        self._frame_to(part.to, s.encode(fields), raw, part.error is None)
 
-    def _frame_to(self, peers: list[int], frame: bytes, fail_on_error: bool = True) -> None:
-        header = _LENGTH.pack(len(frame))
+    def _frame_to(self, peers: list[int], body: bytes, raw: Any = None, fail_on_error: bool = True) -> None:
+        """Send a frame of msgpack ``body`` and ``raw`` bytes to each of ``peers``; what a socket
+        does not take now waits in the peer's outbox (the thread sends it as room comes, in order)."""
+        data = memoryview(b"" if raw is None else raw).cast("B")
+        frame = [memoryview(_FRAME.pack(4 + len(body) + len(data), len(body))), memoryview(body), data]
         for peer in peers:
             sock = self.peers.get(peer)
             if sock is None:
                 continue
+            queue = self.outbox[peer]
+            sent = 0
+            if not queue:
+                try:
+                    sent = sock.sendmsg(frame)
+                except BlockingIOError:
+                    pass
+                except OSError as exc:
+                    if fail_on_error:
+                        self.bridge.fail("peer_died", self._lost(peer, exc))
+                    return
+            for piece in frame:  # (what went out is skipped)
+                if sent < len(piece):
+                    queue.append(piece[sent:])
+                sent = max(0, sent - len(piece))
+            if queue and threading.current_thread() is not self.thread:
+                try:
+                    self.wake_w.send(b"w")
+                except BlockingIOError:
+                    pass  # (it is woken already)
+
+    def _flush(self, peer: int) -> None:
+        """Send what ``peer``'s outbox holds, as far as its socket takes it."""
+        queue, sock = self.outbox[peer], self.peers[peer]
+        while queue:
             try:
-                sock.sendmsg([header, frame])
-            except OSError as exc:
-                if fail_on_error:
-                    self.bridge.fail("peer_died", self._lost(peer, exc))
+                sent = sock.sendmsg(list(queue)[:64])
+            except BlockingIOError:
                 return
+            except OSError as exc:
+                queue.clear()
+                self.bridge.fail("peer_died", self._lost(peer, exc))
+                return
+            while sent and queue:
+                if sent >= len(queue[0]):
+                    sent -= len(queue.popleft())
+                else:
+                    queue[0], sent = queue[0][sent:], 0
+
+    def _watch_for_room(self) -> None:
+        """Watch exactly the sockets with something queued for room to send."""
+        for peer, queue in self.outbox.items():
+            if bool(queue) != (peer in self.watching) and not self.closing:
+                try:
+                    self.selector.modify(self.peers[peer],
+                                         selectors.EVENT_READ | (selectors.EVENT_WRITE if queue else 0))
+                except (KeyError, ValueError):
+                    continue  # (its connection closed: no longer watched)
+                (self.watching.add if queue else self.watching.discard)(peer)
 
     # ---- the gather ---------------------------------------------------------------------
     def _advance(self, seq: int) -> None:
@@ -327,11 +394,21 @@ class BridgeHost:
             while not self.closing:
                 events = self.selector.select(CHECK_S)
                 with self.lock:
-                    for key, _ in events:
+                    for key, mask in events:
                         if key.fileobj is self.notices:
                             self._read_notices()
+                        elif key.fileobj is self.wake_r:
+                            try:
+                                self.wake_r.recv(4096)
+                            except BlockingIOError:
+                                pass
                         else:
-                            self._read_peer(key.fileobj)  # type: ignore[arg-type]
+                            peer = self.by_socket[key.fileobj.fileno()]  # type: ignore[union-attr]
+                            if mask & selectors.EVENT_WRITE:
+                                self._flush(peer)
+                            if mask & selectors.EVENT_READ:
+                                self._read_peer(key.fileobj)  # type: ignore[arg-type]
+                    self._watch_for_room()
                     now = time.monotonic()
                     if now >= next_check and not self.closing:
                         next_check = now + CHECK_S
@@ -376,10 +453,14 @@ class BridgeHost:
             with memoryview(inbox.data) as view:
                 got = sock.recv_into(view[inbox.filled:])
             error = None
+        except BlockingIOError:
+            return  # (nothing after all)
         except OSError as exc:
             got, error = 0, exc
         if not got:
             self.selector.unregister(sock)
+            self.outbox[peer].clear()
+            self.watching.discard(peer)
             if not self.closing:
                 self.bridge.fail("peer_died", self._lost(peer, error or "connection closed"), tell=False)
             return
@@ -389,13 +470,21 @@ class BridgeHost:
         with memoryview(inbox.data) as view:
             while inbox.filled - start >= 4:
                 (length,) = _LENGTH.unpack_from(view, start)
-                if length > self.max_frame:
-                    problem = f"a frame of {length} bytes (at most {self.max_frame})"
+                if not 4 <= length <= self.max_frame:
+                    problem = f"a frame of {length} bytes (4 to {self.max_frame})"
                     break
                 if inbox.filled - start < 4 + length:
                     break
+                (body,) = _LENGTH.unpack_from(view, start + 4)
                 try:
-                    messages.append(s.decode(view[start + 4: start + 4 + length]))
+                    if body > length - 4:
+                        raise s.ProtocolError(f"a frame of {length} bytes with a map of {body}")
+                    msg = s.decode(view[start + 8: start + 8 + body], self.max_frame)
+                    if length - 4 > body:  # a part's contribution, raw (copied: the inbox is reused)
+                        if "d" in msg:
+                            raise s.ProtocolError("a part with its contribution both in the map and raw")
+                        msg["d"] = bytes(view[start + 8 + body: start + 4 + length])
+                    messages.append(msg)
                 except s.ProtocolError as exc:
                     problem = str(exc)
                     break
@@ -460,7 +549,7 @@ class BridgeHost:
     def forget(self) -> None:
         """In a forked child: close this process's copies of the sockets (no thread runs here)."""
         self.closing = True
-        for sock in (*self.peers.values(), self.notices):
+        for sock in (*self.peers.values(), self.notices, self.wake_r, self.wake_w):
             try:
                 sock.close()
             except OSError:
@@ -477,6 +566,8 @@ class BridgeHost:
             except OSError:
                 pass
         self.notices.close()
+        self.wake_r.close()
+        self.wake_w.close()
         self.selector.close()
 
 

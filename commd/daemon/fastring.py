@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("commd.daemon")
 
-#: All rings of the node together stay below this (a group is 17-20 MiB); past it, groups keep the daemon path.
+#: All rings of the node together stay below this (a group is 17-20 MiB, a bridged one 2-11 MiB);
+#: past it, groups keep the daemon path.
 MAX_RING_BYTES = 256 << 20
 
 
@@ -63,8 +64,15 @@ class RingRegions:
         if placement is None or not 2 <= nranks <= fr.MAX_RANKS + bridged or (bridged and member is None):
             raise s.ProtocolError(f"group {group!r} has no exchange ring (it needs 2..{fr.MAX_RANKS} ranks on "
                                   "this node, or a fabric when it spans nodes)")
-        # A bridged ring carries ops of one entry at most (its large slots hold the bridge's reason).
-        large = fr.SLOT_BYTES if bridged else fr.large_bytes(nranks)
+        large = fr.large_bytes(nranks)
+        if bridged:
+            # A rank's bridge takes large ops, over its own connections.  The daemon's only ops of
+            # one entry: its parts cross the control links and its loop, where a 128-512 KiB op
+            # was slower than on the daemons' own path (docs/performance.md).  Every node of the
+            # group takes the same ops: sized by its most crowded node.
+            crowd = max(len(placement.members(n)) for n in placement.nodes)
+            large = (fr.bridged_large_bytes(crowd, len(placement.nodes))
+                     if self.hosts.get(group, host) == "rank" else fr.SLOT_BYTES)
         region = self.regions.get(group)
         if region is None:
             size = fr.region_bytes(nranks, fr.DEPTH, fr.SLOT_BYTES, fr.LARGE_DEPTH, large)

@@ -56,6 +56,23 @@ def contribution(bufs: Sequence[Any], reduce_op: str, scale: float) -> bytes:
     return out_t.view(torch.uint8).numpy().tobytes()
 
 
+def contribution_view(bufs: Sequence[np.ndarray], reduce_op: str) -> memoryview:
+    """``contribution`` of NumPy buffers (``on_numpy``), as a view of the reduced array: a large
+    op's part is sent from it without a copy into bytes."""
+    out = np.empty_like(bufs[0])
+    small.reduce_into(out, list(bufs), split_reduce(reduce_op).local_op, 1.0)
+    return memoryview(out).cast("B")
+
+
+def combine_into(parts: Sequence[Any], dtype: str, reduce_op: str, group_size: int, out: np.ndarray) -> None:
+    """``combine`` then ``write_result`` into the one NumPy array ``out`` (``on_numpy``), with the
+    same bits, reduced straight into it."""
+    arrays = [np.frombuffer(p, dtype=out.dtype) for p in parts]
+    small.reduce_into(out, arrays, split_reduce(reduce_op).lane_op)
+    if split_reduce(reduce_op).divide_by_n:
+        np.divide(out, group_size, out=out, casting="unsafe")
+
+
 def combine(parts: Sequence[bytes], dtype: str, reduce_op: str) -> bytes:
     """The nodes' contributions (in node order) reduced with the cross-node part of ``reduce_op``."""
     lane_op = split_reduce(reduce_op).lane_op

@@ -1,5 +1,5 @@
-"""One node's bridge line of a bridged exchange ring: the node's part of each small all-reduce of
-a group that spans nodes.
+"""One node's bridge line of a bridged exchange ring: the node's part of each ring all-reduce of a
+group that spans nodes (up to one entry, or a large slot when a rank plays the bridge).
 
 The node's ranks publish their inputs in the ring (``protocol/fastring.py``); the last of them
 to publish tells the bridge, which reduces the node's inputs with the eager kernels, sends that
@@ -14,7 +14,7 @@ Nothing here waits or does I/O: ``send`` carries a part away, and the caller fee
 arrives.  A failure — the nodes or the local ranks disagree, some node's ranks sent that
 collective to their daemon instead, a rank or node died, a rank left the ring — is published
 in the bridge's control line (``abandoned`` = 1 + the code's index in ``BRIDGE_ERRORS``, the
-reason in its first large slot) and sent to the other nodes, so every rank of the group fails
+reason at the end of its first large slot) and sent to the other nodes, so every rank of the group fails
 the op and the group leaves the ring.
 """
 
@@ -40,7 +40,7 @@ from commd.protocol import schema as s
 
 log = logging.getLogger("commd.ring")
 
-#: The longest reason published to the ranks (it lives in the bridge's first large slot).
+#: The longest reason published to the ranks (``protocol/fastring.reason_offset``).
 MAX_REASON_BYTES = 4096
 #: A bridge's failure codes as the daemon's scheduler and log name them.
 _DAEMON_CODES = {"mismatch": "mismatch", "diverged": "mismatch", "timeout": "timeout", "peer_died": "peer_died",
@@ -65,7 +65,9 @@ class RingBridge:
         header = region.array[8:32].view("u4")
         n, depth, slot = int(header[1]), int(header[2]), int(header[3])
         self.nlines, self.depth, self.slot_bytes = n, depth, slot
-        self.large_bytes = int(header[5])
+        self.large_depth, self.large_bytes = int(header[4]), int(header[5])
+        #: the largest op bridged here: one entry, or a large slot less the reason's room
+        self.max_bytes = fr.bridged_max_bytes(slot, self.large_bytes)
         self.me = n - 1
         self.local_ranks = placement.local  # group ranks, in line order
         self.others = [x for x in placement.nodes if x != node]
@@ -84,11 +86,14 @@ class RingBridge:
         self.bell = ctypes.c_void_p(region.base + self.bell_at * 4)
         # per entry (op number mod depth): where each line's entry starts (byte offsets)
         self.entry_at = [[fr.entry_offset(n, depth, slot, d, r) for r in range(n)] for d in range(depth)]
+        self.large_at = [[fr.large_slot_offset(n, depth, slot, self.large_bytes, j, r) for r in range(n)]
+                         for j in range(self.large_depth)]
         self.fence = futex.Fence()
         self.words[line[self.me] + fr.PID] = os.getpid()
         self.next_local = 1  # the next op whose local inputs this node reduces
         self.next_result = 1  # the next op whose result this node publishes
         self.mine: dict[int, wire.RingPart] = {}
+        self.where: dict[int, int] = {}  # per op of ours in flight: its entry's ``where`` (large slot + 1)
         self.parts: dict[int, dict[int, wire.RingPart]] = {}
         self.failed: str | None = None
         self.ops = 0
@@ -106,6 +111,7 @@ class RingBridge:
             words[self.consumed_at[self.me]] = k  # the inputs are read: the ranks may reuse the entries
             self._ring_bell()
             self.mine[k] = part
+            self.where[k] = self.words[self.entry_at[k % self.depth][0] // 8 + fr.WHERE]
             self.send(part)
             self._complete()
 
@@ -124,25 +130,33 @@ class RingBridge:
                       + "; ".join(problems), index=first[5])
             return None
         _, dcode, ocode, count, where, index = first
-        problem = self._check_shape(dcode, ocode, count, where)
+        problem = self._check_shape(dcode, ocode, count, [row[4] for row in rows])
         if problem is not None:
             self.fail("internal", f"all-reduce #{index - 1} on group '{self.group}': {problem}", index=index)
             return None
         dtype = small.NUMPY_DTYPES[fr.DTYPES[dcode]]
         mm = self.region.mm
-        inputs = [np.ndarray((count,), dtype, mm, h * 8 + fr.ENTRY_HEADER_BYTES) for h in heads]
-        data = eager.contribution(inputs, fr.REDUCE_OPS[ocode], 1.0)
+        at = ([h * 8 + fr.ENTRY_HEADER_BYTES for h in heads] if where == 0
+              else self.large_at[where - 1][: self.me])
+        inputs = [np.ndarray((count,), dtype, mm, offset) for offset in at]
+        data = eager.contribution_view(inputs, fr.REDUCE_OPS[ocode])
         return wire.RingPart(self.group, k, index, self.node, self.others, dcode, ocode, count, data)
 
-    def _check_shape(self, dcode: int, ocode: int, count: int, where: int) -> str | None:
-        """Why the ranks' header cannot be reduced here (they wrote it: never trusted), else None."""
+    def _check_shape(self, dcode: int, ocode: int, count: int, wheres: list[int]) -> str | None:
+        """Why the ranks' header cannot be reduced here (they wrote it: never trusted), else None.
+        ``wheres``: each local rank's ``where`` (0: in its entry; j + 1: in its large slot j)."""
         if not 0 <= dcode < len(fr.DTYPES) or fr.DTYPES[dcode] not in small.NUMPY_DTYPES:
             return f"unknown dtype code {dcode}"
         if not 0 <= ocode < len(fr.REDUCE_OPS):
             return f"unknown reduce op code {ocode}"
         dtype, op = fr.DTYPES[dcode], fr.REDUCE_OPS[ocode]
-        if where != 0 or not 0 <= count * small.NUMPY_DTYPES[dtype].itemsize <= self.slot_bytes:
-            return f"{count} {dtype} do not fit a bridged ring entry ({self.slot_bytes} bytes)"
+        nbytes = count * small.NUMPY_DTYPES[dtype].itemsize
+        where = wheres[0]
+        fits = (0 <= nbytes <= self.slot_bytes if where == 0
+                else 1 <= where <= self.large_depth and self.slot_bytes < nbytes <= self.max_bytes)
+        if not fits or any(w != where for w in wheres):
+            return (f"{count} {dtype} in slots {wheres} do not fit a bridged ring's entries ({self.slot_bytes} "
+                    f"bytes) or large slots ({self.max_bytes} bytes)")
         try:
             check_supported(op, dtype)
         except UnsupportedReduction as exc:
@@ -207,13 +221,16 @@ class RingBridge:
                 self.fail("internal", f"all-reduce #{mine.index - 1} on group '{self.group}': the parts of nodes {short} "
                                       f"are not {nbytes} bytes long", index=mine.index)
                 return
-            result = eager.combine([p.contribution or b"" for p in ordered], dtype, op)
             offset = self.entry_at[k % self.depth][self.me]
-            out = np.ndarray((mine.count,), small.NUMPY_DTYPES[dtype], self.region.mm, offset + fr.ENTRY_HEADER_BYTES)
-            eager.write_result(result, dtype, op, self.group_size, [out])
+            where = self.where.pop(k)
+            # (large slot j's last result was copied out by every rank: each consumed that op before
+            # posting this one, which reuses the slot)
+            data = offset + fr.ENTRY_HEADER_BYTES if where == 0 else self.large_at[where - 1][self.me]
+            out = np.ndarray((mine.count,), small.NUMPY_DTYPES[dtype], self.region.mm, data)
+            eager.combine_into([p.contribution or b"" for p in ordered], dtype, op, self.group_size, out)
             h, words = offset // 8, self.words
             words[h], words[h + fr.DTYPE], words[h + fr.OP], words[h + fr.COUNT] = k, mine.dtype, mine.op, mine.count
-            words[h + fr.WHERE], words[h + fr.INDEX] = 0, mine.index
+            words[h + fr.WHERE], words[h + fr.INDEX] = where, mine.index
             words[self.posted_at[self.me]] = k  # publishes the result (stores stay in order on x86)
             del self.mine[k]
             self.parts.pop(k, None)
@@ -245,7 +262,7 @@ class RingBridge:
             self.on_failed(self.group, index - 1, _DAEMON_CODES[code], message)
         self.failed = message
         reason = message.encode()[:MAX_REASON_BYTES]
-        at = fr.large_slot_offset(self.nlines, self.depth, self.slot_bytes, self.large_bytes, 0, self.me)
+        at = fr.reason_offset(self.nlines, self.depth, self.slot_bytes, self.large_bytes)
         self.region.mm[at + 4: at + 4 + len(reason)] = reason
         self.u32[at // 4] = len(reason)
         self.words[self.failed_at] = index
@@ -256,6 +273,7 @@ class RingBridge:
             self.send(wire.RingPart(self.group, self.next_result, index or -1, self.node, self.others, 0, 0, 0, None,
                                     code, message))
         self.mine.clear()
+        self.where.clear()
         self.parts.clear()
 
     def _ring_bell(self) -> None:
@@ -283,7 +301,7 @@ def bridge_state(region: Segment) -> tuple[int, str | None]:
     line = (fr.CONTROL_OFFSET + (n - 1) * fr.CONTROL_BYTES) // 8
     if not words[line + fr.ABANDONED]:
         return int(words[line + fr.POSTED]), None
-    at = fr.large_slot_offset(n, depth, slot, large, 0, n - 1)
+    at = fr.reason_offset(n, depth, slot, large)
     length = min(int(region.array[at: at + 4].view("u4")[0]), MAX_REASON_BYTES)
     return int(words[line + fr.POSTED]), bytes(region.array[at + 4: at + 4 + length]).decode(errors="replace")
 

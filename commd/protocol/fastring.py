@@ -66,7 +66,12 @@ the op failed with ``BRIDGE_ERRORS[i]``, the data then the UTF-8 reason, ``count
 length).  When the bridge fails one op (it names it in ``failed``), the ranks fail that op
 and hand the ops around it, whose results it will never publish, to their daemon under
 their own numbers: they run as they would have on the daemon path.  The ranks copy the
-bridge's entry out instead of reducing.  Only ops of at most ``slot_bytes`` are bridged.
+bridge's entry out instead of reducing.  An op larger than a slot (up to ``bridged_max_bytes``,
+when the ring's ``large_bytes`` leaves room: a rank's bridge) keeps its inputs in
+the ranks' large slots as above, and the bridge publishes its result in its own large slot
+of the same index (``where`` as theirs).  The bridge's failure reason (a u32 length, then
+the UTF-8 bytes) lives in the last ``REASON_RESERVE`` bytes of its first large slot
+(``reason_offset``), where no result reaches: a rank may still be copying one out.
 """
 
 from __future__ import annotations
@@ -74,7 +79,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 MAGIC = 0x676E6972646D6D63  # "cmmdring"
-VERSION = 4
+VERSION = 5
 HEADER_BYTES = 64
 CONTROL_OFFSET = 64
 CONTROL_BYTES = 64
@@ -87,6 +92,12 @@ LARGE_DEPTH = 2
 #: A rank reduces every rank's input itself, so the largest ring op shrinks as the group grows:
 #: what one rank reads per op stays at this (measured: ``benchmarks/allreduce.py``).
 LARGE_READ_BYTES = 8 << 20
+#: The end of a bridged ring's first large slot of the bridge line: its failure reason (see above).
+REASON_RESERVE = 8 << 10
+#: The largest op a bridged ring takes.  Past it the daemons' path was faster (2 simulated hosts x
+#: 2 ranks on 2 cores, 2026-11-30: the rank's bridge 2,543 against 2,858 µs at 512 KiB, 3,843
+#: against 3,388 at 1 MiB; ``docs/performance.md``).
+BRIDGED_MAX_BYTES = 512 << 10
 #: Groups with more local ranks than this keep the daemon path (region size grows with n).
 MAX_RANKS = 8
 
@@ -157,6 +168,25 @@ def entry_bytes(slot_bytes: int) -> int:
 def large_bytes(nranks: int) -> int:
     """The largest op a ring of ``nranks`` takes (page multiple, never below a slot)."""
     return max(SLOT_BYTES, LARGE_READ_BYTES // nranks // 4096 * 4096)
+
+
+def bridged_large_bytes(local_ranks: int, nodes: int) -> int:
+    """The large slot of a bridged ring across ``nodes`` nodes, at most ``local_ranks`` on one (the
+    same on every node: each must bridge the same ops).  Its bridge reads every local input and
+    every other node's part of an op, so that read stays within ``LARGE_READ_BYTES``; the op within
+    ``BRIDGED_MAX_BYTES`` and never below a slot; the reason's room is added."""
+    share = LARGE_READ_BYTES // (local_ranks + nodes - 1) // 4096 * 4096
+    return max(SLOT_BYTES, min(share, BRIDGED_MAX_BYTES)) + REASON_RESERVE
+
+
+def bridged_max_bytes(slot_bytes: int, large: int) -> int:
+    """The largest op a bridged ring with large slots of ``large`` bytes takes."""
+    return max(slot_bytes, large - REASON_RESERVE)
+
+
+def reason_offset(nranks: int, depth: int, slot_bytes: int, large: int) -> int:
+    """Where a bridged ring's bridge (the last line) writes why it failed."""
+    return large_slot_offset(nranks, depth, slot_bytes, large, 0, nranks - 1) + large - REASON_RESERVE
 
 
 def large_offset(nranks: int, depth: int, slot_bytes: int) -> int:

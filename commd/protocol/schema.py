@@ -217,13 +217,13 @@ def encode(message: dict[str, Any]) -> bytes:
     return msgpack.packb(message, use_bin_type=True)
 
 
-def decode(frame: bytes) -> dict[str, Any]:
-    """Parse one control message, checking size, shape and version."""
+def decode(frame: bytes, limit: int = MAX_MESSAGE_BYTES) -> dict[str, Any]:
+    """Parse one control message, checking size (at most ``limit`` bytes), shape and version."""
     if not frame:
         raise ProtocolError("empty message (a message must be a msgpack map)")
-    if len(frame) > MAX_MESSAGE_BYTES:
+    if len(frame) > limit:
         raise ProtocolError(
-            f"message of {len(frame)} bytes exceeds the limit of {MAX_MESSAGE_BYTES}"
+            f"message of {len(frame)} bytes exceeds the limit of {limit}"
         )
     try:
         message = msgpack.unpackb(frame, raw=False, strict_map_key=True)
