@@ -23,8 +23,9 @@ import torch.distributed as dist
 from test_torch_backend import WORLD, spawn
 
 from commd.client.errors import CommdError, CommTimeoutError, MismatchError, PeerDiedError
-from commd.client.fastring import ExchangeRing, RingHandle, available, request_ring
+from commd.client.fastring import ExchangeRing, RingHandle, RingLeft, available, request_ring
 from commd.protocol import fastring as fr
+from commd.torch_backend.ring_ops import ring_all_reduce
 
 pytestmark = pytest.mark.skipif(not available(), reason="exchange rings need x86-64 Linux")
 
@@ -286,6 +287,24 @@ def test_a_dead_rank_fails_the_waiting_op_before_its_timeout(daemon: Any, connec
     with pytest.raises(PeerDiedError, match=rf"group rank 1 \(pid {gone.pid}\) died"):
         handle.wait()
     assert time.monotonic() - start < 10
+    # An op that reaches the left ring (its caller's ``usable()`` ran before the failure was seen)
+    # takes no number: the torch backend sends it down the daemon path, as the other ranks' ops.
+    numbers = rings[0].group_ops
+    with pytest.raises(RingLeft, match=f"the exchange ring was left .*pid {gone.pid}"):
+        rings[0].all_reduce(np.ones(2, np.float32).view(np.uint8), "float32", "sum", None)
+    assert rings[0].group_ops == numbers and not rings[0].usable()
+    rings[0].usable = lambda: True  # the failure comes between the backend's look and its post
+    assert ring_all_reduce(_IdleClient(), rings[0], torch.ones(2), "sum", None, None) is None  # the daemon path
+
+
+class _IdleClient:
+    """What ``ring_all_reduce`` asks of the client before it posts: nothing pending."""
+
+    def wait_group_idle(self, group: str) -> None:
+        pass
+
+    def wait_writes_to(self, tensor: Any) -> None:
+        pass
 
 
 def test_close_fails_pending_ops_and_stops_the_progress_thread(daemon: Any, connect: Callable[..., Any]) -> None:

@@ -148,6 +148,12 @@ def request_ring(ops_socket: Any, client_id: int, secret: str, group: str, timeo
                     "bridge": host, **hosting}
 
 
+class RingLeft(CommdError):
+    """An op reached a ring that a failure had left since its caller checked ``usable()``.  It has
+    no number yet: the caller sends it down the daemon path, where every other rank's op went (an
+    error here would leave this rank a collective behind the others from then on)."""
+
+
 class RingHandle(Handle):
     """A Handle whose completion comes from the ring (``client`` is the ring: it waits and pumps), or,
     once its op was handed over to the daemon (``delegate_to``), from the daemon op's handle."""
@@ -329,14 +335,16 @@ class ExchangeRing:
              result: Any = None, after: Callable[[], None] | None = None, keep: Any = None,
              hand_over: Callable[[int], Handle] | None = None) -> RingHandle:
         """Publish the ``nbytes`` at ``address`` (the caller keeps them alive: ``result``/``keep``)
-        as the next op; the result is written back there when it completes.  ``hand_over``: see ``_Op``."""
+        as the next op; the result is written back there when it completes.  ``hand_over``: see ``_Op``.
+        Raises ``RingLeft`` (before the op takes a number) when the ring has been left: the op then
+        belongs on the daemon path, as on every rank that saw the ring left before its ``usable()``."""
         timeout = timeout or self.op_timeout
         dcode, ocode = _DTYPE_CODE[dtype], _OP_CODE[op]
         count = nbytes // small.NUMPY_DTYPES[dtype].itemsize
         words, me = self._words, self.me
         with self._lock:
-            if self.broken is not None:
-                raise type(self.broken)(str(self.broken))
+            if self.broken is not None:  # (a peer's failure seen since the caller's ``usable()``)
+                raise RingLeft(f"group {self.group!r}: the exchange ring was left ({self.broken})")
             seq = self.next_seq
             self._ids += 1
             handle = RingHandle(self, self._ids, "allreduce", self.group, time.monotonic() + timeout,
@@ -353,6 +361,8 @@ class ExchangeRing:
                 where, target = j + 1, self._large_address[j][me]
                 self._large_next = (j + 1) % self.large_depth
                 self._large_last[j] = seq
+            if self.broken is not None:  # left while this op waited for room
+                raise RingLeft(f"group {self.group!r}: the exchange ring was left ({self.broken})")
             # the op's number is taken once it is sure to be posted: a number never skipped on this path
             index = (self.take_number() if self.take_number is not None else self.group_ops) + 1
             ctypes.memmove(target, address, nbytes)
@@ -432,8 +442,11 @@ class ExchangeRing:
 
     def _progressed_behind(self, seq: int) -> list[int]:
         """Ranks that have not consumed ``seq`` yet, after completing what we can ourselves
-        (two ranks that both filled the ring with async ops must not wait on each other)."""
+        (two ranks that both filled the ring with async ops must not wait on each other); none
+        once the ring is left (``post`` then says so)."""
         self._progress()
+        if self.broken is not None:
+            return []
         return self._behind(seq, self._consumed_at)
 
     def _behind(self, seq: int, where: list[int]) -> list[int]:

@@ -188,11 +188,14 @@ def ring_all_reduce(client: Client, ring: fastring.ExchangeRing, tensor: torch.T
     def hand_over(number: int) -> Handle:
         return _numbered_all_reduce(client, ring.group, flat, op, timeout, number)
 
-    if flat is tensor:
-        handle = ring.post(tensor.data_ptr(), nbytes, dtype, op, timeout, result=result, hand_over=hand_over)
-    else:
-        handle = ring.post(flat.data_ptr(), nbytes, dtype, op, timeout, result=result,
-                           after=lambda: tensor.copy_(flat), keep=flat, hand_over=hand_over)
+    try:
+        if flat is tensor:
+            handle = ring.post(tensor.data_ptr(), nbytes, dtype, op, timeout, result=result, hand_over=hand_over)
+        else:
+            handle = ring.post(flat.data_ptr(), nbytes, dtype, op, timeout, result=result,
+                               after=lambda: tensor.copy_(flat), keep=flat, hand_over=hand_over)
+    except fastring.RingLeft:
+        return None  # left since ``usable()`` (a peer's failure): the daemon path, as on the other ranks'
     if not handle.is_completed():
         client.note_write_back(tensor, handle)
     return handle
