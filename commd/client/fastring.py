@@ -343,8 +343,6 @@ class ExchangeRing:
         count = nbytes // small.NUMPY_DTYPES[dtype].itemsize
         words, me = self._words, self.me
         with self._lock:
-            if self.broken is not None:  # (a peer's failure seen since the caller's ``usable()``)
-                raise RingLeft(f"group {self.group!r}: the exchange ring was left ({self.broken})")
             seq = self.next_seq
             self._ids += 1
             handle = RingHandle(self, self._ids, "allreduce", self.group, time.monotonic() + timeout,
@@ -361,7 +359,7 @@ class ExchangeRing:
                 where, target = j + 1, self._large_address[j][me]
                 self._large_next = (j + 1) % self.large_depth
                 self._large_last[j] = seq
-            if self.broken is not None:  # left while this op waited for room
+            if self.broken is not None:  # a failure seen since the caller's ``usable()``, or while waiting for room
                 raise RingLeft(f"group {self.group!r}: the exchange ring was left ({self.broken})")
             # the op's number is taken once it is sure to be posted: a number never skipped on this path
             index = (self.take_number() if self.take_number is not None else self.group_ops) + 1

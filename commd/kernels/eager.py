@@ -42,11 +42,9 @@ def on_numpy(dtype: str, reduce_op: str) -> bool:
 def contribution(bufs: Sequence[Any], reduce_op: str, scale: float) -> bytes:
     """This node's ranks' buffers (NumPy arrays or torch tensors, all of one kind) reduced
     with the local part of ``reduce_op``, as bytes."""
-    local_op = split_reduce(reduce_op).local_op
     if isinstance(bufs[0], np.ndarray):
-        out = np.empty_like(bufs[0])
-        small.reduce_into(out, list(bufs), local_op, scale)
-        return out.tobytes()
+        return contribution_view(bufs, reduce_op, scale).tobytes()
+    local_op = split_reduce(reduce_op).local_op
     import torch
 
     from commd.kernels.reduce import reduce_into
@@ -56,20 +54,20 @@ def contribution(bufs: Sequence[Any], reduce_op: str, scale: float) -> bytes:
     return out_t.view(torch.uint8).numpy().tobytes()
 
 
-def contribution_view(bufs: Sequence[np.ndarray], reduce_op: str) -> memoryview:
+def contribution_view(bufs: Sequence[np.ndarray], reduce_op: str, scale: float = 1.0) -> memoryview:
     """``contribution`` of NumPy buffers (``on_numpy``), as a view of the reduced array: a large
     op's part is sent from it without a copy into bytes."""
     out = np.empty_like(bufs[0])
-    small.reduce_into(out, list(bufs), split_reduce(reduce_op).local_op, 1.0)
+    small.reduce_into(out, list(bufs), split_reduce(reduce_op).local_op, scale)
     return memoryview(out).cast("B")
 
 
 def combine_into(parts: Sequence[Any], dtype: str, reduce_op: str, group_size: int, out: np.ndarray) -> None:
     """``combine`` then ``write_result`` into the one NumPy array ``out`` (``on_numpy``), with the
     same bits, reduced straight into it."""
-    arrays = [np.frombuffer(p, dtype=out.dtype) for p in parts]
-    small.reduce_into(out, arrays, split_reduce(reduce_op).lane_op)
-    if split_reduce(reduce_op).divide_by_n:
+    split = split_reduce(reduce_op)
+    small.reduce_into(out, [np.frombuffer(p, dtype=out.dtype) for p in parts], split.lane_op)
+    if split.divide_by_n:
         np.divide(out, group_size, out=out, casting="unsafe")
 
 
